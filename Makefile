@@ -1,0 +1,32 @@
+# graphpass: `make demo` and `make test` work on a fresh machine with Python 3.11+.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.graphpass-installed
+
+.PHONY: demo test golden bench clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "graphpass needs Python 3.11+"'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/graphpass demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+# Re-accept every golden graph after a deliberate change (read the diff before committing).
+golden: $(STAMP)
+	GRAPHPASS_ACCEPT_GOLDEN=1 $(PY) -m pytest -q tests/test_golden.py
+
+bench: $(STAMP)
+	$(PY) bench/compile_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

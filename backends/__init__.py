@@ -1,0 +1,131 @@
+"""Delegate adapters: what graphpass hands the rewritten graph to (installed as ``graphpass.backends``).
+
+``then=`` may be
+
+* ``"inductor"`` (default): :class:`InductorDelegate`, ``compile_fx`` with the mode's config;
+* ``"neuronx_cc"`` or ``"neuron"``: :class:`~graphpass.backends.neuron.NeuronDelegate`, AWS Neuron;
+* any other name registered with Dynamo (``"eager"``, ``"aot_eager"``, ``"cudagraphs"``, entry points);
+* a backend callable ``fn(gm, example_inputs) -> callable``: plain functions, ``aot_autograd(...)``
+  objects, another graphpass backend;
+* a :class:`Delegate` instance.
+
+A delegate with ``host_code = False`` cannot run Python or custom ops inside its graph; graphpass
+then splits the graph at trap boundaries and runs the boundaries between the compiled pieces.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from graphpass.errors import ConfigError, DelegateError
+
+from .base import Delegate
+from .neuron import NEURON_NAMES, NeuronDelegate
+
+__all__ = [
+    "Delegate",
+    "InductorDelegate",
+    "NamedDelegate",
+    "CallableDelegate",
+    "NeuronDelegate",
+    "resolve_delegate",
+    "check_delegate_spec",
+]
+
+
+class InductorDelegate(Delegate):
+    name = "inductor"
+
+    def __init__(self, mode: str | None = None, options: Mapping[str, Any] | None = None) -> None:
+        self.mode = mode
+        self.options = dict(options or {})
+
+    def compile(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        patches: dict[str, Any] = {}
+        if self.mode not in (None, "default"):
+            patches.update(torch._inductor.list_mode_options(self.mode))
+        patches.update(self.options)
+        return compile_fx(gm, list(example_inputs), config_patches=patches or None)
+
+
+class NamedDelegate(Delegate):
+    """A backend registered with Dynamo under ``name``."""
+
+    def __init__(self, name: str, mode: str | None = None, options: Mapping[str, Any] | None = None) -> None:
+        self.name = name
+        self.mode = mode
+        self.options = dict(options or {})
+
+    def compile(self, gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        fn = lookup_backend(self.name)
+        kwargs: dict[str, Any] = {}
+        if self.options:
+            kwargs["options"] = self.options
+        if self.mode not in (None, "default"):
+            kwargs["mode"] = self.mode
+        return fn(gm, list(example_inputs), **kwargs)
+
+
+class CallableDelegate(Delegate):
+    """Any backend callable, including ``aot_autograd(...)`` objects and other graphpass backends."""
+
+    def __init__(self, fn: Callable, options: Mapping[str, Any] | None = None) -> None:
+        self.fn = fn
+        self.name = getattr(fn, "__name__", type(fn).__name__)
+        self.options = dict(options or {})
+
+    def compile(self, gm, example_inputs):
+        if self.options:
+            return self.fn(gm, list(example_inputs), options=self.options)
+        return self.fn(gm, list(example_inputs))
+
+
+def _registered(name: str) -> bool:
+    from torch._dynamo.backends.registry import _COMPILER_FNS, _lazy_import
+
+    _lazy_import()
+    return name in _COMPILER_FNS
+
+
+def check_delegate_spec(spec: Any) -> None:
+    """Validate ``then=`` without compiling anything: unknown names and unusable adapters raise."""
+    if isinstance(spec, Delegate):
+        spec.check()
+        return
+    if isinstance(spec, str):
+        if spec in NEURON_NAMES:
+            NeuronDelegate().check()
+            return
+        if spec == "graphpass":
+            raise ConfigError("then", spec, "graphpass cannot delegate to itself by name; pass graphpass.backend(...)")
+        if spec == "inductor" or _registered(spec):
+            return
+        from torch._dynamo.backends.registry import list_backends
+
+        raise ConfigError(
+            "then", spec, f"unknown delegate backend (registered: {', '.join(sorted(list_backends(exclude_tags=())))}; "
+            f"adapters: {', '.join(NEURON_NAMES)})"
+        )
+    if not callable(spec):
+        raise ConfigError("then", spec, f"expected a backend name or callable, not {type(spec).__name__}")
+
+
+def resolve_delegate(spec: Any, mode: str | None = None, options: Mapping[str, Any] | None = None) -> Delegate:
+    check_delegate_spec(spec)
+    if isinstance(spec, Delegate):
+        return spec
+    if isinstance(spec, str):
+        if spec in NEURON_NAMES:
+            return NeuronDelegate(options=options)
+        if spec == "inductor":
+            return InductorDelegate(mode=mode, options=options)
+        return NamedDelegate(spec, mode=mode, options=options)
+    if callable(spec):
+        return CallableDelegate(spec, options=options)
+    raise DelegateError(f"cannot delegate to {spec!r}")  # pragma: no cover - check_delegate_spec refused it

@@ -1,0 +1,83 @@
+"""AWS Neuron adapter (``then="neuronx_cc"``, alias ``"neuron"``).
+
+TorchNeuron (the ``torch-neuronx`` package) registers a Dynamo backend named ``"neuron"`` that lowers
+graphs through StableHLO and ``neuronx-cc``. Neuron graphs cannot call back into Python, so this
+delegate declares ``host_code = False``: graphpass splits the rewritten graph at its trap
+boundaries, runs the boundaries on the host between pieces, and hands each piece to Neuron as a
+functional aten graph (lowered here by AOTAutograd), free of graphpass's custom ops.
+
+When ``torch-neuronx`` is not installed the adapter raises :class:`DelegateUnavailableError` at
+configuration time, before anything is traced or compiled, saying what to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from graphpass.errors import DelegateUnavailableError
+
+from .base import Delegate
+
+NEURON_NAMES = ("neuronx_cc", "neuron")
+
+INSTALL_HINT = (
+    "then='neuronx_cc' hands graphs to AWS Neuron's torch.compile backend, which comes with the "
+    "torch-neuronx package (TorchNeuron) on a Trainium instance with the Neuron SDK: "
+    "pip install torch-neuronx neuronx-cc (from the Neuron pip repository). "
+)
+
+
+class NeuronDelegate(Delegate):
+    name = "neuronx_cc"
+    host_code = False
+
+    def __init__(
+        self,
+        registered_name: str = "neuron",
+        module: str | None = "torch_neuronx",
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.registered_name = registered_name
+        self.module = module
+        self.options = dict(options or {})
+
+    def __repr__(self) -> str:
+        return f"NeuronDelegate(registered_name={self.registered_name!r})"
+
+    def check(self) -> None:
+        if self.module is not None:
+            try:
+                importlib.import_module(self.module)  # registers the "neuron" Dynamo backend
+            except ImportError as exc:
+                raise DelegateUnavailableError(INSTALL_HINT + f"Importing {self.module!r} failed: {exc}") from None
+        self._backend()
+
+    def _backend(self) -> Callable:
+        from torch._dynamo.backends.registry import _COMPILER_FNS, _lazy_import
+
+        _lazy_import()
+        fn = _COMPILER_FNS.get(self.registered_name)
+        if fn is None:
+            raise DelegateUnavailableError(
+                INSTALL_HINT + f"No Dynamo backend named {self.registered_name!r} is registered in this process."
+            )
+        return fn
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        """Lower ``gm`` (one piece, no graphpass ops) to aten with AOTAutograd and hand that to Neuron."""
+        from functorch.compile import make_boxed_compiler
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        backend = self._backend()
+        options = self.options
+
+        def handoff(aten_gm: torch.fx.GraphModule, aten_inputs: Sequence[Any]) -> Callable:
+            if options:
+                return backend(aten_gm, list(aten_inputs), options=options)
+            return backend(aten_gm, list(aten_inputs))
+
+        compiler = make_boxed_compiler(handoff)
+        return aot_module_simplified(gm, list(example_inputs), fw_compiler=compiler, bw_compiler=compiler)

@@ -1,0 +1,50 @@
+"""graphpass: a torch.compile backend that rewrites the FX graph and delegates to a real compiler.
+
+    compiled = torch.compile(model, backend="graphpass")
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager", traps=["layers.*"]))
+    print(graphpass.explain(model, *example_inputs))
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import ops  # registers graphpass:: custom ops
+from .backend import CompiledGraph, GraphpassBackend, backend, graphpass_backend
+from .config import GraphpassConfig
+from .errors import (
+    ConfigError,
+    DelegateError,
+    DelegateUnavailableError,
+    GraphpassError,
+    OwnershipError,
+    PatternError,
+    PatternMatchError,
+)
+from .explain import ExplainReport, explain
+from .ops import offload_block, trace_traps
+from .patterns import ModulePattern, compile_pattern
+from .pipeline import PIPELINE
+
+__all__ = [
+    "__version__",
+    "backend",
+    "graphpass_backend",
+    "GraphpassBackend",
+    "GraphpassConfig",
+    "CompiledGraph",
+    "explain",
+    "ExplainReport",
+    "offload_block",
+    "trace_traps",
+    "ModulePattern",
+    "compile_pattern",
+    "PIPELINE",
+    "GraphpassError",
+    "ConfigError",
+    "PatternError",
+    "PatternMatchError",
+    "DelegateError",
+    "DelegateUnavailableError",
+    "OwnershipError",
+]

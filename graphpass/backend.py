@@ -1,0 +1,183 @@
+"""The graphpass Dynamo backend: run the pipeline over each graph, then hand it to the delegate.
+
+``torch.compile(model, backend="graphpass", options={...})`` finds :func:`graphpass_backend` through
+the ``torch_dynamo_backends`` entry point; ``graphpass.backend(**options)`` builds a configured
+:class:`GraphpassBackend` to pass as ``backend=`` (or as another graphpass's ``then=``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .analysis import GraphAnalysis, parse_source_name
+from .config import GraphpassConfig
+from .errors import GraphpassError, surface
+from .pipeline import PIPELINE, run_pipeline
+
+
+@dataclass
+class CompiledGraph:
+    """What graphpass did to one Dynamo graph (one per graph, several with graph breaks)."""
+
+    index: int
+    analysis: GraphAnalysis
+    log: list[str]
+    gm: torch.fx.GraphModule
+    delegate: str
+    example_inputs: list = field(default_factory=list, repr=False)
+
+
+def dynamo_roots(gm: torch.fx.GraphModule) -> dict[str, Any]:
+    """The objects (usually the model) the graph's sources start from, read off Dynamo's frame."""
+    names: set[tuple[bool, str]] = set()
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        src = getattr(n.meta.get("grapharg"), "source", None)
+        if src is None:
+            continue
+        name = src.name() if callable(src.name) else src.name
+        parsed = parse_source_name(name)
+        if parsed is not None and parsed.path:
+            names.add((parsed.is_global, parsed.root))
+    if not names:
+        return {}
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:
+        return {}
+    if tx is None:
+        return {}
+    out: dict[str, Any] = {}
+    for is_global, root in names:
+        scope = tx.f_globals if is_global else tx.f_locals
+        if root in scope:
+            out[root] = scope[root]
+    return out
+
+
+def enclosing_models(roots: dict[str, Any]) -> tuple[dict[str, str], dict[str, torch.nn.Module]]:
+    """For roots that are submodules of a model running further up the Python stack (a frame
+    Dynamo compiled on its own, e.g. a layer's forward after a graph break), that model and the
+    root's FQN in it. The outermost such model wins; structural lookup by identity, no hooks."""
+    prefixes: dict[str, str] = {}
+    models: dict[str, torch.nn.Module] = {}
+    targets = {name: obj for name, obj in roots.items() if isinstance(obj, torch.nn.Module)}
+    if not targets:
+        return prefixes, models
+    frame = sys._getframe(1)
+    seen: set[int] = set()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        frame = frame.f_back
+        if not isinstance(owner, torch.nn.Module) or id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        if isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
+            continue
+        wanted = {id(obj): name for name, obj in targets.items() if obj is not owner}
+        if not wanted:
+            continue
+        for fqn, mod in owner.named_modules(remove_duplicate=False):
+            name = wanted.get(id(mod))
+            if name is not None and fqn:
+                prefixes[name] = fqn
+                models[name] = owner
+    return prefixes, models
+
+
+class GraphpassBackend:
+    """A configured graphpass backend. Calling it compiles one Dynamo graph."""
+
+    __name__ = "graphpass"
+
+    def __init__(self, options: dict | None = None, record: bool = True) -> None:
+        self.config = GraphpassConfig.from_options(options)  # validated now, before any compile
+        self.options = dict(options or {})
+        self.graphs: list[CompiledGraph] = []  # one record per compiled graph, this instance only
+        self._record = record
+
+    def __repr__(self) -> str:
+        return f"graphpass.backend({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
+
+    def config_for(self, options: dict | None = None, mode: str | None = None) -> GraphpassConfig:
+        if not options and mode is None:
+            return self.config
+        merged = dict(options or {})
+        if mode is not None:
+            merged["mode"] = mode
+        return GraphpassConfig.from_options(self.options, **merged)
+
+    def __call__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        options: dict | None = None,
+        mode: str | None = None,
+    ) -> Callable:
+        try:
+            config = self.config_for(options, mode)
+            return self._compile(gm, example_inputs, config)
+        except GraphpassError as err:
+            raise surface(err) from err.__cause__
+
+    def transform(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: GraphpassConfig):
+        """Run the pipeline over ``gm`` in place and record it; compiles nothing."""
+        roots = dynamo_roots(gm)
+        prefixes, models = enclosing_models(roots)
+        ctx = run_pipeline(gm, example_inputs, config, roots=roots, prefixes=prefixes, models=models, passes=PIPELINE)
+        record = CompiledGraph(
+            index=len(self.graphs),
+            analysis=ctx.analysis,
+            log=ctx.log,
+            gm=gm,
+            delegate=_delegate_name(config.then),
+            example_inputs=list(example_inputs),
+        )
+        if self._record:
+            self.graphs.append(record)
+        return ctx, record
+
+    def _compile(self, gm, example_inputs, config: GraphpassConfig) -> Callable:
+        from graphpass.backends import resolve_delegate
+
+        from .delegation import compile_with_delegate
+
+        delegate = resolve_delegate(config.then, mode=config.mode, options=config.delegate_options)
+        self.transform(gm, example_inputs, config)
+        return compile_with_delegate(gm, example_inputs, delegate)
+
+
+def _delegate_name(then: Any) -> str:
+    if isinstance(then, str):
+        return then
+    return getattr(then, "__name__", None) or getattr(then, "name", None) or type(then).__name__
+
+
+def backend(**options: Any) -> GraphpassBackend:
+    """``torch.compile(model, backend=graphpass.backend(then="aot_eager", traps=["layers.*"]))``.
+
+    Takes the same keys as ``options=`` (see :class:`graphpass.config.GraphpassConfig`) and
+    validates them now.
+    """
+    return GraphpassBackend(options)
+
+
+def graphpass_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict | None = None,
+    mode: str | None = None,
+) -> Callable:
+    """Entry point registered under ``torch_dynamo_backends`` as ``"graphpass"``."""
+    try:
+        instance = GraphpassBackend(options, record=False)
+    except GraphpassError as err:
+        raise surface(err) from None
+    return instance(gm, example_inputs, mode=mode)

@@ -1,0 +1,114 @@
+"""Typed, validated configuration.
+
+``torch.compile(..., backend="graphpass", options={...})`` and ``graphpass.backend(**kwargs)`` take
+the same keys; both go through :meth:`GraphpassConfig.from_options`, which rejects unknown keys,
+wrong types and bad patterns with a :class:`~graphpass.errors.ConfigError` naming the key and value.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .errors import ConfigError
+from .patterns import ModulePattern, compile_patterns
+
+_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class GraphpassConfig:
+    """What one graphpass backend instance does.
+
+    then: the delegate compiler: a registered backend name (``"inductor"``, ``"eager"``,
+        ``"aot_eager"``, ``"cudagraphs"``, ...), ``"neuronx_cc"``/``"neuron"``, or a backend callable.
+    traps: module patterns whose matching modules become traps; ``None`` finds the repeated
+        blocks automatically; ``[]`` makes no traps.
+    boundaries: insert the trap enter/exit nodes into the graph (ownership is analysed either way).
+    profile_ranges: the boundary nodes open a ``record_function`` range named after the trap
+        while a profiler is running.
+    mode: ``torch.compile`` mode, passed on to the delegate.
+    delegate_options: extra options for the delegate (inductor config patches, or the
+        ``options=`` of a registered backend).
+    """
+
+    then: Any = "inductor"
+    traps: tuple[ModulePattern, ...] | None = None
+    boundaries: bool = True
+    profile_ranges: bool = True
+    mode: str | None = None
+    delegate_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None, **kwargs: Any) -> "GraphpassConfig":
+        merged: dict[str, Any] = {}
+        if options is not None:
+            if not isinstance(options, Mapping):
+                raise ConfigError("options", options, f"expected a dict, not {type(options).__name__}")
+            merged.update(options)
+        for k, v in kwargs.items():
+            if k in merged and merged[k] != v:
+                raise ConfigError(k, v, f"given twice with different values ({merged[k]!r} in options)")
+            merged[k] = v
+        known = cls.keys()
+        for key in merged:
+            if not isinstance(key, str):
+                raise ConfigError(str(key), merged[key], "option keys must be strings")
+            if key not in known:
+                hint = difflib.get_close_matches(key, known, n=1)
+                extra = f"; did you mean {hint[0]!r}?" if hint else ""
+                raise ConfigError(key, merged[key], f"unknown option (known: {', '.join(known)}){extra}")
+        return cls(
+            then=_check_then(merged.get("then", "inductor")),
+            traps=_check_traps(merged.get("traps", None)),
+            boundaries=_check_bool("boundaries", merged.get("boundaries", True)),
+            profile_ranges=_check_bool("profile_ranges", merged.get("profile_ranges", True)),
+            mode=_check_mode(merged.get("mode", None)),
+            delegate_options=_check_mapping("delegate_options", merged.get("delegate_options", {})),
+        )
+
+
+def _check_bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, f"expected True or False, not {type(value).__name__}")
+    return value
+
+
+def _check_mode(value: Any) -> str | None:
+    if value not in _MODES:
+        raise ConfigError("mode", value, f"expected one of {', '.join(repr(m) for m in _MODES)}")
+    return value
+
+
+def _check_mapping(key: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(key, value, f"expected a dict, not {type(value).__name__}")
+    for k in value:
+        if not isinstance(k, str):
+            raise ConfigError(key, value, f"keys must be strings, found {k!r}")
+    return dict(value)
+
+
+def _check_traps(value: Any) -> tuple[ModulePattern, ...] | None:
+    if value is None or value == "auto":
+        return None
+    return compile_patterns(value, "traps")
+
+
+def _check_then(value: Any) -> Any:
+    # Resolution (registered names, adapters, callables) happens in graphpass.backends; here only
+    # the type is checked, and names are checked against the registry right away.
+    from graphpass.backends import check_delegate_spec
+
+    if value is None:
+        raise ConfigError("then", value, "a delegate is required (default 'inductor')")
+    if isinstance(value, str) or callable(value):
+        check_delegate_spec(value)
+        return value
+    raise ConfigError("then", value, f"expected a backend name or a backend callable, not {type(value).__name__}")
+

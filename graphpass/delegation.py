@@ -1,0 +1,73 @@
+"""Handing the rewritten graph to the delegate.
+
+Delegates that can run host code get the whole graph, boundary nodes included. For delegates that
+cannot (``host_code = False``, e.g. Neuron), the graph is split at the trap boundaries: each
+stretch of compute between boundaries becomes a piece compiled by the delegate on its first call,
+and the boundary nodes run on the host between the pieces.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.fx.passes.split_module import split_module
+
+from graphpass.backends import Delegate
+
+from .ops import is_boundary, is_graphpass_op
+
+
+class _LazyPiece(torch.nn.Module):
+    """One piece of a split graph, compiled by the delegate with the real inputs of its first call."""
+
+    def __init__(self, piece: torch.fx.GraphModule, delegate: Delegate) -> None:
+        super().__init__()
+        self.piece = piece
+        self.delegate = delegate
+        self.compiled: Callable | None = None
+        out = next(n for n in piece.graph.nodes if n.op == "output")
+        self.single = not isinstance(out.args[0], (tuple, list))
+        if self.single:  # delegates expect a tuple of outputs
+            out.args = ((out.args[0],),)
+            piece.recompile()
+
+    def forward(self, *args: Any) -> Any:
+        if self.compiled is None:
+            self.compiled = self.delegate.compile(self.piece, list(args))
+        result = self.compiled(*args)
+        return result[0] if self.single else tuple(result)
+
+
+def split_at_boundaries(gm: torch.fx.GraphModule, delegate: Delegate) -> tuple[torch.fx.GraphModule, int]:
+    """Split ``gm`` so no piece handed to ``delegate`` holds a graphpass op. Returns (parent, pieces)."""
+    part: dict[torch.fx.Node, int] = {}
+    seg = 0
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if is_boundary(n):
+            seg += 1
+            part[n] = seg
+            seg += 1
+        else:
+            part[n] = seg
+    parent = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
+    pieces = 0
+    for name, sub in list(parent.named_children()):
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        if any(n.op == "call_function" and is_graphpass_op(n.target) for n in sub.graph.nodes):
+            continue  # host code: runs as Python between the delegate's pieces
+        setattr(parent, name, _LazyPiece(sub, delegate))
+        pieces += 1
+    return parent, pieces
+
+
+def compile_with_delegate(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], delegate: Delegate) -> Callable:
+    if delegate.host_code:
+        return delegate.compile(gm, list(example_inputs))
+    if not any(n.op == "call_function" and is_graphpass_op(n.target) for n in gm.graph.nodes):
+        return delegate.compile(gm, list(example_inputs))
+    parent, _ = split_at_boundaries(gm, delegate)
+    return parent.forward

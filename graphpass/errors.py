@@ -1,0 +1,85 @@
+"""The graphpass exception hierarchy: everything graphpass raises on bad input is a GraphpassError."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "GraphpassError",
+    "ConfigError",
+    "PatternError",
+    "PatternMatchError",
+    "DelegateError",
+    "DelegateUnavailableError",
+    "OwnershipError",
+    "surface",
+]
+
+
+class GraphpassError(Exception):
+    """Root of every error graphpass raises for bad input or an impossible request."""
+
+
+class ConfigError(GraphpassError, ValueError):
+    """An option has an unknown key, a wrong type or a bad value. ``key`` and ``value`` name it."""
+
+    def __init__(self, key: str, value: Any, problem: str) -> None:
+        self.key = key
+        self.value = value
+        self.problem = problem
+        super().__init__(f"graphpass option {key!r}={_short(value)}: {problem}")
+
+
+class PatternError(ConfigError):
+    """A module pattern is malformed: invalid regex, reversed range, empty."""
+
+
+class PatternMatchError(PatternError):
+    """A module pattern is well formed but matches no module of the model."""
+
+
+class DelegateError(GraphpassError):
+    """The delegate compiler named by ``then=`` is unknown or refused the graph."""
+
+
+class DelegateUnavailableError(DelegateError):
+    """The delegate exists as an adapter but what it needs is not installed."""
+
+
+class OwnershipError(GraphpassError):
+    """The graph's tensors cannot be attributed to modules the way an option requires."""
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_SURFACED: dict[type, type] = {}
+
+
+def surface(err: GraphpassError) -> BaseException:
+    """Return ``err`` in a form Dynamo re-raises unchanged instead of wrapping it.
+
+    Dynamo wraps any exception a backend raises in ``BackendCompilerFailed`` except its own
+    ``ShortenTraceback`` family. The returned object is an instance of a subclass of both the
+    original error class and ``ShortenTraceback``, so ``except ConfigError`` still catches it
+    and the user sees the graphpass message, not a wrapper.
+    """
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except Exception:  # pragma: no cover - torch without that class: raise as is
+        return err
+    cls = type(err)
+    if issubclass(cls, ShortenTraceback):
+        return err
+    surfaced_cls = _SURFACED.get(cls)
+    if surfaced_cls is None:
+        surfaced_cls = type(cls.__name__, (cls, ShortenTraceback), {"__module__": cls.__module__})
+        _SURFACED[cls] = surfaced_cls
+    new = surfaced_cls.__new__(surfaced_cls)
+    new.__dict__.update(err.__dict__)
+    new.args = err.args
+    new.first_useful_frame = None
+    new.__cause__ = err.__cause__
+    return new.with_traceback(err.__traceback__)

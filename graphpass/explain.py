@@ -1,0 +1,139 @@
+"""``graphpass.explain``: what graphpass would do to a model, as tables and as objects.
+
+Dynamo traces the model (running its graphs eagerly to get past graph breaks); the graphpass
+pipeline runs over every graph; the delegate compiles nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+from .backend import CompiledGraph, GraphpassBackend
+from .config import GraphpassConfig
+
+
+def fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+@dataclass
+class TrapRow:
+    graph: int
+    label: str
+    manual: bool
+    tensors: int
+    nbytes: int
+    first_node: str | None
+    last_node: str | None
+    fqns: list[str]
+
+
+@dataclass
+class ExplainReport:
+    """The result of :func:`explain`: one :class:`CompiledGraph` per Dynamo graph."""
+
+    graphs: list[CompiledGraph]
+    config: GraphpassConfig
+    notes: list[str] = field(default_factory=list)
+
+    def trap_rows(self) -> list[TrapRow]:
+        rows = []
+        for g in self.graphs:
+            a = g.analysis
+            for trap in a.traps.values():
+                fqns = [a.tensors[t].fqn for t in trap.tensors]
+                rows.append(
+                    TrapRow(g.index, trap.label, trap.manual, len(trap.tensors), trap.nbytes, trap.first_node, trap.last_node, fqns)
+                )
+        return rows
+
+    @property
+    def traps(self) -> dict[str, list[TrapRow]]:
+        out: dict[str, list[TrapRow]] = {}
+        for r in self.trap_rows():
+            out.setdefault(r.label, []).append(r)
+        return out
+
+    def tensors(self):
+        return [t for g in self.graphs for t in g.analysis.tensors.values()]
+
+    @property
+    def total_weight_bytes(self) -> int:
+        """Every weight counted once, also when tied or read by several graphs."""
+        seen: dict[str, int] = {}
+        for t in self.tensors():
+            if t.is_weight:
+                seen.setdefault(t.fqn, t.nbytes)
+        return sum(seen.values())
+
+    def table(self) -> str:
+        rows = [
+            [
+                r.graph,
+                r.label + (" (manual)" if r.manual else ""),
+                r.tensors,
+                fmt_bytes(r.nbytes),
+                r.first_node,
+                r.last_node,
+                _compact(r.fqns),
+            ]
+            for r in self.trap_rows()
+        ]
+        return tabulate(rows, headers=["graph", "trap", "tensors", "bytes", "first node", "last node", "owning FQNs"])
+
+    def tensor_table(self) -> str:
+        rows = []
+        for g in self.graphs:
+            for t in g.analysis.tensors.values():
+                if not t.is_weight:
+                    continue
+                rows.append(
+                    [g.index, ", ".join(t.fqns), t.kind, ", ".join(t.consumers) or "-", ", ".join(t.traps) or "-", fmt_bytes(t.nbytes)]
+                )
+        return tabulate(rows, headers=["graph", "FQN(s)", "kind", "consumed in", "trap(s)", "bytes"])
+
+    def __str__(self) -> str:
+        lines = [
+            f"graphpass explain: {len(self.graphs)} graph(s), {len(self.traps)} trap(s), "
+            f"{fmt_bytes(self.total_weight_bytes)} of weights; delegate {self.graphs[0].delegate if self.graphs else '-'} (not compiled)",
+            "",
+            self.table(),
+        ]
+        untrapped = [t for t in self.tensors() if t.is_weight and not t.traps]
+        if untrapped:
+            lines += ["", f"outside any trap: {_compact([t.fqn for t in untrapped], 12)}"]
+        lines += self.notes
+        return "\n".join(lines)
+
+
+def _compact(names: list[str], limit: int = 6) -> str:
+    if len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(names[:limit]) + f", ... (+{len(names) - limit})"
+
+
+def explain(model: Any, *inputs: Any, dynamic: bool | None = None, **options: Any) -> ExplainReport:
+    """Trace ``model(*inputs)`` with Dynamo and report graphpass's ownership and traps.
+
+    ``options`` are the graphpass options (``traps=[...]``, ``then=...``); ``then`` is validated
+    but not compiled. Returns an :class:`ExplainReport`; ``print()`` it for the tables.
+    """
+    gp = GraphpassBackend(options)
+
+    def recorder(gm: torch.fx.GraphModule, example_inputs):
+        gp.transform(gm, example_inputs, gp.config)
+        return gm.forward
+
+    recorder.__name__ = "graphpass_explain"
+    compiled = torch.compile(model, backend=recorder, dynamic=dynamic)
+    with torch.no_grad():
+        compiled(*inputs)
+    return ExplainReport(graphs=gp.graphs, config=gp.config)

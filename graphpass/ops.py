@@ -1,0 +1,138 @@
+"""The custom ops graphpass inserts into graphs, and the runtime state they touch.
+
+``graphpass::trap_enter(label, deps)`` and ``graphpass::trap_exit(label, deps)`` mark where a trap
+starts and ends. They return nothing and are registered as side-effecting, so neither FX dead-code
+elimination, AOTAutograd nor inductor removes them; ``deps`` are the activations that flow into
+(enter) or out of (exit) the trap, which orders them against the trap's compute by a real data
+dependency. At run time they open and close a ``torch.profiler.record_function`` range named
+``graphpass.trap/<label>`` while a profiler is active, and report to any :func:`trace_traps`
+recorder of the current context.
+
+State lives in a ``contextvars.ContextVar`` (one stack per thread / task), never in a module global
+that two models or threads could share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Iterator, List
+
+import torch
+
+PROFILE_PREFIX = "graphpass.trap/"
+
+
+@dataclass
+class _RuntimeState:
+    open_ranges: list = field(default_factory=list)  # [(label, record_function handle or None)]
+    recorders: tuple = ()
+
+
+_STATE: contextvars.ContextVar[_RuntimeState | None] = contextvars.ContextVar("graphpass_runtime", default=None)
+
+
+def _state() -> _RuntimeState:
+    st = _STATE.get()
+    if st is None:
+        st = _RuntimeState()
+        _STATE.set(st)
+    return st
+
+
+def _profiler_on() -> bool:
+    return torch.autograd.profiler._is_profiler_enabled
+
+
+@torch.library.custom_op("graphpass::trap_enter", mutates_args=())
+def trap_enter(label: str, deps: List[torch.Tensor], profile: bool = True) -> None:
+    st = _state()
+    handle = None
+    if profile and _profiler_on():
+        handle = torch.ops.profiler._record_function_enter_new(PROFILE_PREFIX + label, None)
+    st.open_ranges.append((label, handle))
+    for rec in st.recorders:
+        rec.append(("enter", label))
+
+
+@trap_enter.register_fake
+def _trap_enter_fake(label, deps, profile=True):
+    return None
+
+
+@torch.library.custom_op("graphpass::trap_exit", mutates_args=())
+def trap_exit(label: str, deps: List[torch.Tensor], profile: bool = True) -> None:
+    st = _state()
+    # Close the innermost open range with this label (and any left open inside it by an
+    # exception or a graph break); an exit without an enter closes nothing.
+    for i in range(len(st.open_ranges) - 1, -1, -1):
+        if st.open_ranges[i][0] == label:
+            for _, handle in reversed(st.open_ranges[i:]):
+                if handle is not None:
+                    torch.ops.profiler._record_function_exit._RecordFunction(handle)
+            del st.open_ranges[i:]
+            break
+    for rec in st.recorders:
+        rec.append(("exit", label))
+
+
+@trap_exit.register_fake
+def _trap_exit_fake(label, deps, profile=True):
+    return None
+
+
+TRAP_ENTER = torch.ops.graphpass.trap_enter.default
+TRAP_EXIT = torch.ops.graphpass.trap_exit.default
+BOUNDARY_OPS = (TRAP_ENTER, TRAP_EXIT)
+
+for _op in BOUNDARY_OPS:
+    torch.fx.node.has_side_effect(_op)
+
+
+def is_boundary(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in BOUNDARY_OPS
+
+
+def is_graphpass_op(target: object) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "graphpass"
+
+
+@contextlib.contextmanager
+def trace_traps() -> Iterator[list]:
+    """Record ``("enter"|"exit", label)`` for every trap boundary that runs in this context.
+
+    >>> with graphpass.trace_traps() as events:
+    ...     compiled(x)
+    """
+    st = _state()
+    events: list = []
+    st.recorders = st.recorders + (events,)
+    try:
+        yield events
+    finally:
+        st.recorders = tuple(r for r in st.recorders if r is not events)
+
+
+class offload_block(contextlib.ContextDecorator):
+    """Mark a manual trap in model code: ``with graphpass.offload_block("encoder"): ...``.
+
+    Under ``torch.compile`` the enter/exit calls are traced into the graph as boundary nodes and
+    every node between them belongs to the trap ``name`` (as do the tensors those nodes read).
+    Run eagerly, it opens the same profiler range.
+    """
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            from .errors import ConfigError
+
+            raise ConfigError("offload_block", name, "a manual trap needs a non-empty string name")
+        self.name = name
+
+    def __enter__(self) -> "offload_block":
+        torch.ops.graphpass.trap_enter(self.name, [])
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        torch.ops.graphpass.trap_exit(self.name, [])
+        return False

@@ -1,0 +1,155 @@
+"""Ownership analysis: inserts nothing; fills ``ctx.analysis.tensors``.
+
+For every tensor input of the graph it records the fully qualified name(s) read off the
+placeholder's Dynamo source (``L['self']._modules['layers']._modules['3']._parameters['w']`` ->
+``layers.3.w``; ``...['weight'].scale`` -> the inner field ``weight.scale`` owned with its parent),
+the modules that hold it, the modules whose ops consume it (their ``nn_module_stack``, followed
+through view-like nodes that carry no stack, into custom ops too) and its size. A tied weight is
+one input with several FQNs and owners; its other names come from the module Dynamo reached it
+through, compared by identity.
+
+Assumes a Dynamo-level graph (placeholders carry ``grapharg``); a graph without sources (for
+example one handed over by another backend) still gets consumers and sizes, named by placeholder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..analysis import TensorOwnership, example_of, module_paths, parse_source_name, qualify
+from ..ops import is_graphpass_op
+from .base import GraphPass, PassContext
+
+
+def _source_name(node: torch.fx.Node) -> str | None:
+    ga = node.meta.get("grapharg")
+    src = getattr(ga, "source", None)
+    if src is None:
+        return None
+    name = src.name
+    return name() if callable(name) else name
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.numel()) * t.element_size()
+    except Exception:  # symbolic size without a hint
+        return 0
+
+
+def _alias_table(root: Any) -> dict[int, list[str]]:
+    """id(tensor) -> every name it has in ``root`` (parameters, buffers, inner fields), tied ones included."""
+    table: dict[int, list[str]] = {}
+    if not isinstance(root, torch.nn.Module):
+        return table
+    named = list(root.named_parameters(remove_duplicate=False)) + list(root.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        table.setdefault(id(t), []).append(name)
+        for field_name, value in vars(t).items() if hasattr(t, "__dict__") else ():
+            if isinstance(value, torch.Tensor) and not field_name.startswith("_"):
+                table.setdefault(id(value), []).append(f"{name}.{field_name}")
+    return table
+
+
+class AnalyzeOwnership(GraphPass):
+    name = "analyze_ownership"
+
+    def run(self, ctx: PassContext) -> None:
+        analysis = ctx.analysis
+        graph = ctx.gm.graph
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        alias_tables: dict[str, dict[int, list[str]]] = {}
+        module_names: dict[str, None] = {}
+
+        analysis.prefixes = dict(ctx.prefixes)
+        for root_name, root in ctx.model_roots().items():
+            analysis.root = analysis.root or root_name
+            for name, _ in root.named_modules(remove_duplicate=False):
+                if name:
+                    module_names[name] = None
+        # A graph traced from a submodule's own frame (after a graph break) runs every op inside
+        # that submodule, even ops of its forward that carry no nn_module_stack entry.
+        frame_module = analysis.prefixes.get("self", "")
+        for node in graph.nodes:
+            if node.op in ("call_function", "call_method", "call_module") and not is_graphpass_op(node.target):
+                paths = module_paths(node, analysis.prefixes)
+                if frame_module:
+                    paths = [frame_module] + [p for p in paths if p != frame_module]
+                analysis.node_modules[node.name] = paths
+
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for index, ph in enumerate(placeholders):
+            real = ctx.example_inputs[index] if index < len(ctx.example_inputs) else None
+            value = real if isinstance(real, torch.Tensor) else example_of(ph)
+            if not isinstance(value, torch.Tensor):
+                continue  # SymInt sizes and other non-tensor inputs
+            source = _source_name(ph) or ph.name
+            parsed = parse_source_name(source)
+            if parsed is None:
+                kind, fqns, parent = "input", [ph.name], None
+            else:
+                kind = parsed.kind
+                fqns = [qualify(parsed, analysis.prefixes)] if parsed.path else [parsed.root]
+                parent = None
+                if parsed.parent is not None:
+                    parent = qualify(type(parsed)(parsed.root, parsed.is_global, parsed.parent, "parameter", None), analysis.prefixes)
+                model = ctx.model_roots().get(parsed.root)
+                if kind != "input" and model is not None and isinstance(real, torch.Tensor):
+                    if parsed.root not in alias_tables:
+                        alias_tables[parsed.root] = _alias_table(model)
+                    for alias in alias_tables[parsed.root].get(id(real), []):
+                        if alias not in fqns:
+                            fqns.append(alias)
+            holders: list[str] = []
+            if kind != "input":
+                drop = 2 if kind == "inner" else 1  # inner fields hang off a parameter of the holder
+                holders = list(dict.fromkeys(".".join(f.split(".")[:-drop]) for f in fqns))
+                for h in holders:
+                    if h:
+                        module_names[h] = None
+            consumers, consumer_nodes = self._consumers(ph, order, analysis.node_modules)
+            analysis.tensors[ph.name] = TensorOwnership(
+                node=ph.name,
+                index=index,
+                source=source,
+                kind=kind,
+                fqns=fqns,
+                parent=parent,
+                holders=holders,
+                consumers=consumers,
+                shape=tuple(int(s) if isinstance(s, int) else str(s) for s in value.shape),
+                dtype=str(value.dtype).replace("torch.", ""),
+                nbytes=_nbytes(value) if kind != "input" else 0,
+            )
+            analysis.consumer_nodes[ph.name] = consumer_nodes
+
+        for paths in analysis.node_modules.values():
+            for path in paths:
+                module_names[path] = None
+        analysis.module_names = list(module_names)
+
+    @staticmethod
+    def _consumers(ph: torch.fx.Node, order: dict, node_modules: dict) -> tuple[list[str], list[str]]:
+        """Ops that read ``ph``: the first ones with a module stack, looking through stackless views."""
+        modules: dict[str, None] = {}
+        nodes: dict[torch.fx.Node, None] = {}
+        seen = {ph}
+        frontier = list(ph.users)
+        while frontier:
+            user = frontier.pop()
+            if user in seen or user.op == "output":
+                continue
+            seen.add(user)
+            if user.op == "call_function" and is_graphpass_op(user.target):
+                continue
+            paths = node_modules.get(user.name)
+            if paths:
+                nodes[user] = None
+            else:
+                frontier.extend(user.users)
+        ordered = sorted(nodes, key=order.__getitem__)
+        for n in ordered:
+            modules[node_modules[n.name][-1]] = None
+        return list(modules), [n.name for n in ordered]

@@ -1,0 +1,126 @@
+"""Trap assignment: inserts nothing; fills ``ctx.analysis.traps`` and ``node_trap``.
+
+Three sources of traps, in priority order:
+
+1. manual traps: ``graphpass.offload_block(name)`` in model code leaves ``trap_enter``/``trap_exit``
+   nodes in the graph; every op between them belongs to trap ``name``;
+2. ``traps=[patterns]``: an op belongs to the outermost module in its ``nn_module_stack`` whose
+   FQN matches a pattern; the trap is labelled with that FQN;
+3. default: the repeated blocks. Among the module containers with numbered children
+   (``layers.0``, ``layers.1``, ...) the one whose children hold the most weight bytes in this
+   graph is chosen, and each child that runs ops here is a trap.
+
+A weight belongs to the traps whose ops read it (a tied weight can belong to several).
+Assumes :mod:`analyze_ownership` ran first.
+"""
+
+from __future__ import annotations
+
+from ..analysis import Trap
+from ..ops import TRAP_ENTER, TRAP_EXIT
+from ..patterns import check_all_match, first_match
+from .base import GraphPass, PassContext
+
+
+def _is_op(node) -> bool:
+    return node.op in ("call_function", "call_method", "call_module")
+
+
+def find_repeated_container(ctx: PassContext) -> tuple[str | None, list[str]]:
+    """The container of numbered children holding the most weight bytes, and its children seen in ops."""
+    analysis = ctx.analysis
+    called: dict[str, None] = {}
+    for paths in analysis.node_modules.values():
+        for path in paths:
+            called[path] = None
+    candidates: dict[str, dict[str, None]] = {}
+    for path in called:
+        segs = path.split(".")
+        for j, seg in enumerate(segs):
+            if seg.isdigit():
+                container = ".".join(segs[:j])
+                candidates.setdefault(container, {})[".".join(segs[: j + 1])] = None
+    if not candidates:
+        return None, []
+    score: dict[str, int] = {c: 0 for c in candidates}
+    for t in analysis.weights():
+        for c, children in candidates.items():
+            if any(h == ch or h.startswith(ch + ".") for h in t.holders + t.consumers for ch in children):
+                score[c] += t.nbytes
+    best = max(candidates, key=lambda c: (score[c], len(candidates[c]), -len(c)))
+    return best, list(candidates[best])
+
+
+class AssignTraps(GraphPass):
+    name = "assign_traps"
+
+    def run(self, ctx: PassContext) -> None:
+        analysis = ctx.analysis
+        graph = ctx.gm.graph
+        cfg = ctx.config
+
+        # 1. manual regions from boundary nodes already in the graph
+        manual: dict[str, str] = {}
+        open_labels: list[str] = []
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target is TRAP_ENTER:
+                open_labels.append(node.args[0])
+                analysis.traps.setdefault(node.args[0], Trap(node.args[0], manual=True))
+            elif node.op == "call_function" and node.target is TRAP_EXIT:
+                label = node.args[0]
+                if label in open_labels:
+                    idx = len(open_labels) - 1 - open_labels[::-1].index(label)
+                    del open_labels[idx:]
+            elif _is_op(node) and open_labels:
+                manual[node.name] = open_labels[-1]
+
+        # 2./3. module-based traps
+        by_module: dict[str, str] = {}
+        if cfg.traps is not None:
+            check_all_match(cfg.traps, analysis.module_names, "traps")
+            for node in graph.nodes:
+                if not _is_op(node) or node.name in manual:
+                    continue
+                for path in analysis.modules_of(node):
+                    if first_match(cfg.traps, path):
+                        by_module[node.name] = path
+                        break
+        else:
+            container, children = find_repeated_container(ctx)
+            analysis.trap_container = container
+            child_set = set(children)
+            for node in graph.nodes:
+                if not _is_op(node) or node.name in manual:
+                    continue
+                for path in analysis.modules_of(node):
+                    if path in child_set:
+                        by_module[node.name] = path
+                        break
+
+        for node in graph.nodes:
+            label = manual.get(node.name) or by_module.get(node.name)
+            if label is None:
+                continue
+            analysis.node_trap[node.name] = label
+            trap = analysis.traps.get(label)
+            if trap is None:
+                trap = analysis.traps[label] = Trap(label, manual=False)
+            trap.nodes.append(node.name)
+            paths = analysis.modules_of(node)
+            inner = paths[-1] if paths else None
+            if inner is not None and inner not in trap.modules:
+                trap.modules.append(inner)
+
+        for t in analysis.tensors.values():
+            if not t.is_weight:
+                continue
+            labels = [analysis.node_trap[n] for n in analysis.consumer_nodes.get(t.node, []) if n in analysis.node_trap]
+            t.traps = list(dict.fromkeys(labels))
+            for label in t.traps:
+                trap = analysis.traps[label]
+                trap.tensors.append(t.node)
+                trap.nbytes += t.nbytes
+        ctx.log.append(
+            f"{self.name}: {len(analysis.traps)} traps"
+            + (f" in {analysis.trap_container!r}" if analysis.trap_container is not None else "")
+        )

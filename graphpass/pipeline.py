@@ -1,0 +1,46 @@
+"""The graphpass pipeline: every pass, in the order it runs. This list is the only place the
+order is written down; each pass lives in a file of its own under ``graphpass/passes/``.
+
+Dynamo-level passes run on the graph Dynamo hands the backend, before the delegate lowers it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .config import GraphpassConfig
+from .passes.analyze_ownership import AnalyzeOwnership
+from .passes.assign_traps import AssignTraps
+from .passes.base import GraphPass, PassContext
+from .passes.insert_trap_boundaries import InsertTrapBoundaries
+
+PIPELINE: tuple[GraphPass, ...] = (
+    AnalyzeOwnership(),  # inputs -> FQNs -> holding and consuming modules, bytes
+    AssignTraps(),  # ops and weights -> trap labels (manual, patterns, or repeated blocks)
+    InsertTrapBoundaries(),  # graphpass::trap_enter / trap_exit around each trap region
+)
+
+
+def run_pipeline(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: GraphpassConfig,
+    roots: dict[str, Any] | None = None,
+    prefixes: dict[str, str] | None = None,
+    models: dict[str, Any] | None = None,
+    passes: Sequence[GraphPass] = PIPELINE,
+) -> PassContext:
+    """Run ``passes`` over ``gm`` in place and return the context holding the shared analysis."""
+    ctx = PassContext(
+        gm=gm,
+        example_inputs=list(example_inputs),
+        config=config,
+        roots=dict(roots or {}),
+        prefixes=dict(prefixes or {}),
+        models=dict(models or {}),
+    )
+    for p in passes:
+        p(ctx)
+    return ctx
