@@ -87,10 +87,10 @@ class CallableDelegate(Delegate):
 
 
 def _registered(name: str) -> bool:
-    from torch._dynamo.backends.registry import _COMPILER_FNS, _lazy_import
+    from torch._dynamo.backends.registry import _BACKENDS, _lazy_import
 
     _lazy_import()
-    return name in _COMPILER_FNS
+    return name in _BACKENDS
 
 
 def check_delegate_spec(spec: Any) -> None:

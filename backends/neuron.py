@@ -56,15 +56,14 @@ class NeuronDelegate(Delegate):
         self._backend()
 
     def _backend(self) -> Callable:
-        from torch._dynamo.backends.registry import _COMPILER_FNS, _lazy_import
+        from torch._dynamo.backends.registry import lookup_backend
 
-        _lazy_import()
-        fn = _COMPILER_FNS.get(self.registered_name)
-        if fn is None:
+        try:
+            return lookup_backend(self.registered_name)
+        except Exception:
             raise DelegateUnavailableError(
                 INSTALL_HINT + f"No Dynamo backend named {self.registered_name!r} is registered in this process."
-            )
-        return fn
+            ) from None
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         """Lower ``gm`` (one piece, no graphpass ops) to aten with AOTAutograd and hand that to Neuron."""

@@ -74,6 +74,31 @@ class ExplainReport:
                 seen.setdefault(t.fqn, t.nbytes)
         return sum(seen.values())
 
+    def to_dict(self) -> dict:
+        """Plain data (JSON-ready): traps per graph and every weight's names and owners."""
+        return {
+            "graphs": len(self.graphs),
+            "total_weight_bytes": self.total_weight_bytes,
+            "traps": [r.__dict__ for r in self.trap_rows()],
+            "tensors": [
+                {
+                    "graph": g.index,
+                    "fqns": t.fqns,
+                    "kind": t.kind,
+                    "parent": t.parent,
+                    "holders": t.holders,
+                    "consumers": t.consumers,
+                    "traps": t.traps,
+                    "shape": list(t.shape),
+                    "dtype": t.dtype,
+                    "nbytes": t.nbytes,
+                }
+                for g in self.graphs
+                for t in g.analysis.tensors.values()
+                if t.is_weight
+            ],
+        }
+
     def table(self) -> str:
         rows = [
             [

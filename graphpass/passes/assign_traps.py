@@ -3,7 +3,8 @@
 Three sources of traps, in priority order:
 
 1. manual traps: ``graphpass.offload_block(name)`` in model code leaves ``trap_enter``/``trap_exit``
-   nodes in the graph; every op between them belongs to trap ``name``;
+   nodes in the graph; every op between them belongs to trap ``name``. A graph another graphpass
+   instance already rewrote (``then=graphpass.backend(...)``) keeps exactly the traps it has;
 2. ``traps=[patterns]``: an op belongs to the outermost module in its ``nn_module_stack`` whose
    FQN matches a pattern; the trap is labelled with that FQN;
 3. default: the repeated blocks. Among the module containers with numbered children
@@ -74,9 +75,13 @@ class AssignTraps(GraphPass):
             elif _is_op(node) and open_labels:
                 manual[node.name] = open_labels[-1]
 
-        # 2./3. module-based traps
+        # 2./3. module-based traps, unless another graphpass instance already bounded this graph
+        # (chaining): then its traps are the traps.
+        rewritten = any("graphpass_trap" in n.meta for n in graph.nodes)
         by_module: dict[str, str] = {}
-        if cfg.traps is not None:
+        if rewritten:
+            pass
+        elif cfg.traps is not None:
             check_all_match(cfg.traps, analysis.module_names, "traps")
             for node in graph.nodes:
                 if not _is_op(node) or node.name in manual:

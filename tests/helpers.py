@@ -1,0 +1,74 @@
+"""Test helpers: counting and strict stand-in delegates, input makers."""
+
+import operator
+
+import torch
+
+
+class CountingBackend:
+    """A ``then=`` delegate that counts compilations and keeps the graphs it was given."""
+
+    __name__ = "counting"
+
+    def __init__(self, inner=None):
+        self.calls = 0
+        self.graphs = []
+        self.inner = inner
+
+    def __call__(self, gm, example_inputs):
+        self.calls += 1
+        self.graphs.append(gm)
+        if self.inner is not None:
+            return self.inner(gm, example_inputs)
+        return gm.forward
+
+
+class StrictAtenBackend:
+    """Stand-in for a compiler that cannot run host code: it accepts only graphs whose every
+    op is a plain aten/prims op (plus getitem on their tuple results), and refuses the rest."""
+
+    __name__ = "strict_aten"
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node.op != "call_function":
+                raise RuntimeError(f"strict backend: {node.op} node {node.name} refused")
+            target = node.target
+            if target is operator.getitem:
+                continue
+            if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+                raise RuntimeError(f"strict backend: non-aten op {target} ({node.name}) refused")
+        self.graphs.append(gm)
+        return gm.forward
+
+
+def max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+def fresh_inputs(inputs, seed=123, vocab=64):
+    """New random inputs shaped like ``inputs`` (floats: normal; ints: token ids below ``vocab``)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in inputs:
+        if t.dtype.is_floating_point:
+            out.append(torch.randn(t.shape, generator=g))
+        else:
+            out.append(torch.randint(0, vocab, t.shape, generator=g))
+    return tuple(out)
+
+
+def register_temp_backend(monkeypatch, name, fn):
+    """Register ``fn`` with Dynamo as ``name`` for one test (monkeypatch undoes it)."""
+    from torch._dynamo.backends import registry
+
+    registry._lazy_import()
+    monkeypatch.setitem(registry._BACKENDS, name, None)
+    monkeypatch.setitem(registry._COMPILER_FNS, name, fn)
+    fn._tags = ()
+    return fn

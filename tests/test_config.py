@@ -1,0 +1,114 @@
+"""Options: one dict for options= and graphpass.backend(**kwargs), validated before compiling."""
+
+import pytest
+import torch
+
+import graphpass
+from graphpass import ConfigError, GraphpassConfig, GraphpassError, PatternError, PatternMatchError
+from graphpass.models.corpus import build
+
+# (options, key the error must name, text the value shows up as)
+BAD = [
+    ({"thne": "eager"}, "thne", "'eager'"),
+    ({"trap": ["layers.*"]}, "trap", "layers"),
+    ({"then": "no_such_backend"}, "then", "no_such_backend"),
+    ({"then": 3}, "then", "3"),
+    ({"then": None}, "then", "None"),
+    ({"then": "graphpass"}, "then", "graphpass"),
+    ({"traps": "layers.*"}, "traps", "layers.*"),
+    ({"traps": 5}, "traps", "5"),
+    ({"traps": ["layers.5-2"]}, "traps", "layers.5-2"),
+    ({"traps": ["layers.(\\d+"]}, "traps", "layers.(\\\\d+"),
+    ({"traps": ["[unclosed"]}, "traps", "[unclosed"),
+    ({"traps": ["*layers"]}, "traps", "*layers"),
+    ({"traps": [""]}, "traps", "''"),
+    ({"traps": [" layers.0"]}, "traps", "layers.0"),
+    ({"traps": [7]}, "traps", "7"),
+    ({"traps": ["layers.0", "layers.0"]}, "traps", "layers.0"),
+    ({"boundaries": "yes"}, "boundaries", "yes"),
+    ({"boundaries": 1}, "boundaries", "1"),
+    ({"profile_ranges": None}, "profile_ranges", "None"),
+    ({"mode": "fastest"}, "mode", "fastest"),
+    ({"delegate_options": ["max_autotune"]}, "delegate_options", "max_autotune"),
+    ({"delegate_options": {1: True}}, "delegate_options", "1"),
+    ({"then": "neuronx_cc"}, None, "torch-neuronx"),
+    ({"then": object()}, "then", "object"),
+]
+
+
+@pytest.mark.parametrize("options,key,shown", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_bad_option_via_backend_kwargs(options, key, shown):
+    with pytest.raises(GraphpassError) as info:
+        graphpass.backend(**options)
+    msg = str(info.value)
+    if key is not None:
+        assert isinstance(info.value, ConfigError)
+        assert info.value.key == key and repr(key) in msg
+    assert shown in msg
+
+
+@pytest.mark.parametrize("options,key,shown", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_bad_option_via_torch_compile_options(options, key, shown, counting):
+    """The same errors through torch.compile(options=...): raised as the graphpass error itself
+    (not wrapped by Dynamo), before the delegate compiles anything and before the model runs."""
+    model, inputs = build("mlp_stack")
+    if "then" not in options:
+        options = {**options, "then": counting}  # a delegate that would notice being called
+    compiled = torch.compile(model, backend="graphpass", options=options)
+    with pytest.raises(GraphpassError) as info:
+        compiled(*inputs)
+    assert shown in str(info.value)
+    if key is not None:
+        assert info.value.key == key
+    assert counting.calls == 0
+
+
+def test_at_least_twenty_distinct_bad_inputs():
+    assert len({repr(o) for o, _, _ in BAD}) >= 20
+
+
+def test_pattern_matching_nothing_raises_before_delegate(counting):
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend=graphpass.backend(then=counting, traps=["layers.0", "decoder.*"]))
+    with pytest.raises(PatternMatchError) as info:
+        compiled(*inputs)
+    assert info.value.key == "traps" and info.value.value == "decoder.*"
+    assert "matches no module" in str(info.value)
+    assert counting.calls == 0
+
+
+def test_pattern_range_outside_model_matches_nothing(counting):
+    model, inputs = build("mlp_stack")  # layers 0-2
+    compiled = torch.compile(model, backend="graphpass", options={"then": counting, "traps": ["layers.7-9"]})
+    with pytest.raises(PatternMatchError):
+        compiled(*inputs)
+
+
+def test_unknown_key_suggests_close_match():
+    with pytest.raises(ConfigError, match="did you mean 'traps'"):
+        graphpass.backend(trapz=["layers.*"])
+
+
+def test_reversed_range_is_pattern_error():
+    with pytest.raises(PatternError, match="reversed range '5-2'"):
+        graphpass.backend(traps=["layers.5-2"])
+
+
+def test_options_and_kwargs_take_the_same_keys():
+    assert set(GraphpassConfig.keys()) == {"then", "traps", "boundaries", "profile_ranges", "mode", "delegate_options"}
+    a = GraphpassConfig.from_options({"then": "eager", "traps": ["layers.0-3"]})
+    b = graphpass.backend(then="eager", traps=["layers.0-3"]).config
+    assert a == b
+    assert [p.text for p in a.traps] == ["layers.0-3"]
+
+
+def test_options_given_twice_conflict():
+    gp = graphpass.backend(then="eager")
+    with pytest.raises(ConfigError, match="given twice"):
+        gp.config_for({"then": "aot_eager"})
+
+
+def test_error_hierarchy():
+    for cls in (ConfigError, PatternError, PatternMatchError, graphpass.DelegateError, graphpass.DelegateUnavailableError,
+                graphpass.OwnershipError):
+        assert issubclass(cls, GraphpassError)

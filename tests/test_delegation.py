@@ -1,0 +1,148 @@
+"""then=: every kind of delegate, graph breaks, dynamic shapes, training."""
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+import graphpass
+from graphpass.models.corpus import build
+
+from helpers import CountingBackend, fresh_inputs, register_temp_backend
+
+
+@pytest.mark.parametrize("then", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", ["mlp_stack", "tiny_transformer", "moe", "quant_linear", "custom_op", "graph_break"])
+def test_named_delegates_match_eager_exactly(name, then):
+    model, inputs = build(name)
+    compiled = torch.compile(model, backend="graphpass", options={"then": then})
+    compiled(*inputs)
+    x = fresh_inputs(inputs)
+    with torch.no_grad():
+        assert torch.equal(compiled(*x), model(*x))  # fp32, the passes only add markers: exact
+
+
+def test_default_delegate_is_inductor(monkeypatch):
+    seen = []
+    from graphpass.backends import InductorDelegate
+
+    orig = InductorDelegate.compile
+
+    def spy(self, gm, ex):
+        seen.append(self)
+        return orig(self, gm, ex)
+
+    monkeypatch.setattr(InductorDelegate, "compile", spy)
+    gp = graphpass.backend()
+    assert gp.config.then == "inductor"
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend=gp)
+    x = fresh_inputs(inputs)
+    torch.testing.assert_close(compiled(*x), model(*x), rtol=1e-4, atol=1e-5)  # inductor reorders float math
+    assert len(seen) == 1
+
+
+def test_registered_backend_by_name(monkeypatch):
+    counter = register_temp_backend(monkeypatch, "my_registered_backend", CountingBackend())
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend="graphpass", options={"then": "my_registered_backend"})
+    x = fresh_inputs(inputs)
+    assert torch.equal(compiled(*x), model(*x))
+    assert counter.calls == 1
+    targets = [n.target for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.graphpass.trap_enter.default in targets
+
+
+def test_callable_delegate_and_aot_autograd_object():
+    fw_graphs = []
+
+    def fw(gm, ex):
+        fw_graphs.append(gm)
+        return gm
+
+    model, inputs = build("tiny_transformer")
+    compiled = torch.compile(model, backend=graphpass.backend(then=aot_autograd(fw_compiler=fw)))
+    x = fresh_inputs(inputs)
+    with torch.no_grad():
+        assert torch.equal(compiled(*x), model(*x))
+    aten_targets = {n.target for g in fw_graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert torch.ops.graphpass.trap_enter.default in aten_targets  # survived AOTAutograd
+    assert torch.ops.graphpass.trap_exit.default in aten_targets
+
+
+def test_chaining_graphpass_into_graphpass(counting):
+    inner = graphpass.backend(then=counting)
+    outer = graphpass.backend(then=inner, traps=["layers.0-1"])
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend=outer)
+    x = fresh_inputs(inputs)
+    assert torch.equal(compiled(*x), model(*x))
+    assert counting.calls == 1
+    gm = counting.graphs[0]
+    enters = [n.args[0] for n in gm.graph.nodes if n.target is torch.ops.graphpass.trap_enter.default]
+    assert enters == ["layers.0", "layers.1"]  # the inner instance did not add boundaries twice
+    assert set(inner.graphs[0].analysis.traps) == {"layers.0", "layers.1"}  # it saw the outer traps
+
+
+def test_cudagraphs_delegate_resolves_and_runs_without_cuda():
+    # Without a GPU Dynamo's cudagraphs backend falls back to running the graph as is.
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend="graphpass", options={"then": "cudagraphs"})
+    x = fresh_inputs(inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*x), model(*x), rtol=0, atol=0)
+
+
+def test_graph_breaks_compile_every_subgraph(counting):
+    model, inputs = build("graph_break")
+    gp = graphpass.backend(then=counting)
+    compiled = torch.compile(model, backend=gp)
+    x = fresh_inputs(inputs)
+    assert torch.equal(compiled(*x), model(*x))
+    assert counting.calls >= 2
+    labels = [set(g.analysis.traps) for g in gp.graphs]
+    assert {"layers.1"} in labels  # layer 1 is split across two graphs, each knows it is layer 1
+
+
+def test_dynamic_shapes():
+    model, _ = build("tiny_transformer")
+    counter = CountingBackend()
+    compiled = torch.compile(model, backend=graphpass.backend(then=counter), dynamic=True)
+    for seq in (3, 7, 12):
+        ids = torch.randint(0, 64, (2, seq))
+        with torch.no_grad():
+            assert torch.equal(compiled(ids), model(ids))
+    assert counter.calls == 1  # one symbolic graph for every length
+
+
+@pytest.mark.parametrize("then", ["aot_eager", "eager"])
+@pytest.mark.parametrize("name", ["tiny_transformer", "moe", "custom_op", "graph_break"])
+def test_training_gradients_equal_eager(name, then):
+    model, inputs = build(name)
+    x = fresh_inputs(inputs)
+    ref_model, _ = build(name)
+    ref_model.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="graphpass", options={"then": then})
+    compiled(*x).square().mean().backward()
+    ref_model(*x).square().mean().backward()
+    for (n, p), (_, r) in zip(model.named_parameters(), ref_model.named_parameters()):
+        if r.grad is None:
+            assert p.grad is None, n
+            continue
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_mode_is_passed_to_inductor(monkeypatch):
+    from graphpass.backends import InductorDelegate, resolve_delegate
+
+    d = resolve_delegate("inductor", mode="max-autotune-no-cudagraphs")
+    assert isinstance(d, InductorDelegate) and d.mode == "max-autotune-no-cudagraphs"
+    captured = {}
+
+    def fake_compile_fx(gm, ex, config_patches=None):
+        captured.update(config_patches or {})
+        return gm.forward
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
+    model, inputs = build("mlp_stack")
+    torch.compile(model, backend="graphpass", mode="max-autotune-no-cudagraphs")(*inputs)
+    assert captured.get("max_autotune") is True
