@@ -70,21 +70,23 @@ def parse_source_name(name: str) -> ParsedSource | None:
     return ParsedSource(root=root, is_global=name.startswith("G"), path=tuple(path), kind=kind, parent=parent)
 
 
-def qualify(parsed: ParsedSource, prefixes: dict[str, str] | None = None) -> str:
-    """The FQN of a parsed source in the whole model: the root's own FQN (when the graph was
-    traced from a submodule's frame, e.g. after a graph break) joined with the path below it."""
-    prefix = (prefixes or {}).get(parsed.root, "")
-    return ".".join(p for p in (prefix, parsed.fqn) if p)
+def module_paths(node: torch.fx.Node, roots: Any = None) -> list[str]:
+    """The modules ``node`` ran in, outermost first, as FQNs in the model (``layers.0.mlp``).
 
-
-def module_paths(node: torch.fx.Node, prefixes: dict[str, str] | None = None) -> list[str]:
-    """The modules ``node`` ran in, outermost first, as FQNs in the model (``layers.0.mlp``)."""
+    ``roots`` (a :class:`graphpass.roots.Roots`) places paths of a graph traced from a submodule's
+    own frame, or from a wrapper's ``args[0]``, in the whole model.
+    """
     stack = node.meta.get("nn_module_stack") or {}
     out: list[str] = []
     for value in stack.values():
         raw = str(value[0] if isinstance(value, tuple) else value)
         parsed = parse_source_name(raw)
-        fqn = qualify(parsed, prefixes) if parsed is not None else raw
+        if parsed is None:
+            fqn = raw
+        elif roots is not None:
+            fqn = roots.qualify(parsed)
+        else:
+            fqn = parsed.fqn
         if fqn and (not out or out[-1] != fqn):
             out.append(fqn)
     return out
@@ -159,8 +161,7 @@ class GraphAnalysis:
     """Ownership and traps of one Dynamo graph. Shared by every pass of the pipeline."""
 
     graph_id: int
-    root: str | None  # name of the local the model was reached through ("self")
-    prefixes: dict[str, str] = field(default_factory=dict)  # root local -> its FQN in the whole model
+    roots: Any = None  # graphpass.roots.Roots: the model objects the sources start from
     node_modules: dict[str, list[str]] = field(default_factory=dict)  # op node -> module FQNs, outermost first
     tensors: dict[str, TensorOwnership] = field(default_factory=dict)
     traps: dict[str, Trap] = field(default_factory=dict)

@@ -7,16 +7,16 @@ the ``torch_dynamo_backends`` entry point; ``graphpass.backend(**options)`` buil
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .analysis import GraphAnalysis, parse_source_name
+from .analysis import GraphAnalysis
 from .config import GraphpassConfig
 from .errors import GraphpassError, surface
 from .pipeline import PIPELINE, run_pipeline
+from .roots import dynamo_roots
 
 
 @dataclass
@@ -29,67 +29,6 @@ class CompiledGraph:
     gm: torch.fx.GraphModule
     delegate: str
     example_inputs: list = field(default_factory=list, repr=False)
-
-
-def dynamo_roots(gm: torch.fx.GraphModule) -> dict[str, Any]:
-    """The objects (usually the model) the graph's sources start from, read off Dynamo's frame."""
-    names: set[tuple[bool, str]] = set()
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        src = getattr(n.meta.get("grapharg"), "source", None)
-        if src is None:
-            continue
-        name = src.name() if callable(src.name) else src.name
-        parsed = parse_source_name(name)
-        if parsed is not None and parsed.path:
-            names.add((parsed.is_global, parsed.root))
-    if not names:
-        return {}
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
-    except Exception:
-        return {}
-    if tx is None:
-        return {}
-    out: dict[str, Any] = {}
-    for is_global, root in names:
-        scope = tx.f_globals if is_global else tx.f_locals
-        if root in scope:
-            out[root] = scope[root]
-    return out
-
-
-def enclosing_models(roots: dict[str, Any]) -> tuple[dict[str, str], dict[str, torch.nn.Module]]:
-    """For roots that are submodules of a model running further up the Python stack (a frame
-    Dynamo compiled on its own, e.g. a layer's forward after a graph break), that model and the
-    root's FQN in it. The outermost such model wins; structural lookup by identity, no hooks."""
-    prefixes: dict[str, str] = {}
-    models: dict[str, torch.nn.Module] = {}
-    targets = {name: obj for name, obj in roots.items() if isinstance(obj, torch.nn.Module)}
-    if not targets:
-        return prefixes, models
-    frame = sys._getframe(1)
-    seen: set[int] = set()
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        frame = frame.f_back
-        if not isinstance(owner, torch.nn.Module) or id(owner) in seen:
-            continue
-        seen.add(id(owner))
-        if isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
-            continue
-        wanted = {id(obj): name for name, obj in targets.items() if obj is not owner}
-        if not wanted:
-            continue
-        for fqn, mod in owner.named_modules(remove_duplicate=False):
-            name = wanted.get(id(mod))
-            if name is not None and fqn:
-                prefixes[name] = fqn
-                models[name] = owner
-    return prefixes, models
 
 
 class GraphpassBackend:
@@ -129,9 +68,7 @@ class GraphpassBackend:
 
     def transform(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: GraphpassConfig):
         """Run the pipeline over ``gm`` in place and record it; compiles nothing."""
-        roots = dynamo_roots(gm)
-        prefixes, models = enclosing_models(roots)
-        ctx = run_pipeline(gm, example_inputs, config, roots=roots, prefixes=prefixes, models=models, passes=PIPELINE)
+        ctx = run_pipeline(gm, example_inputs, config, roots=dynamo_roots(gm), passes=PIPELINE)
         record = CompiledGraph(
             index=len(self.graphs),
             analysis=ctx.analysis,

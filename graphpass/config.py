@@ -103,11 +103,11 @@ def _check_traps(value: Any) -> tuple[ModulePattern, ...] | None:
 def _check_then(value: Any) -> Any:
     # Resolution (registered names, adapters, callables) happens in graphpass.backends; here only
     # the type is checked, and names are checked against the registry right away.
-    from graphpass.backends import check_delegate_spec
+    from graphpass.backends import Delegate, check_delegate_spec
 
     if value is None:
         raise ConfigError("then", value, "a delegate is required (default 'inductor')")
-    if isinstance(value, str) or callable(value):
+    if isinstance(value, (str, Delegate)) or callable(value):
         check_delegate_spec(value)
         return value
     raise ConfigError("then", value, f"expected a backend name or a backend callable, not {type(value).__name__}")

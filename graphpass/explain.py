@@ -14,6 +14,7 @@ from tabulate import tabulate
 
 from .backend import CompiledGraph, GraphpassBackend
 from .config import GraphpassConfig
+from .errors import GraphpassError, surface
 
 
 def fmt_bytes(n: int) -> str:
@@ -154,7 +155,10 @@ def explain(model: Any, *inputs: Any, dynamic: bool | None = None, **options: An
     gp = GraphpassBackend(options)
 
     def recorder(gm: torch.fx.GraphModule, example_inputs):
-        gp.transform(gm, example_inputs, gp.config)
+        try:
+            gp.transform(gm, example_inputs, gp.config)
+        except GraphpassError as err:
+            raise surface(err) from err.__cause__
         return gm.forward
 
     recorder.__name__ = "graphpass_explain"

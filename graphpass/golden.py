@@ -40,8 +40,9 @@ def render_code(gm: torch.fx.GraphModule) -> str:
     return normalize(gm.code)
 
 
-def render_record(record) -> str:
-    """Ownership + traps + transformed code of one :class:`graphpass.backend.CompiledGraph`."""
+def render_ownership(record) -> str:
+    """What the analysis passes found in one :class:`graphpass.backend.CompiledGraph`: every
+    tensor input with its FQNs, kind, owners and traps, then every trap."""
     a = record.analysis
     lines = [f"graph {record.index}"]
     lines.append("tensors:")
@@ -58,8 +59,6 @@ def render_record(record) -> str:
             f"  {trap.label}{' manual' if trap.manual else ''}: {len(trap.nodes)} ops "
             f"{trap.first_node}..{trap.last_node}, {len(trap.tensors)} tensors, {trap.nbytes}B"
         )
-    lines.append("code:")
-    lines.append(render_code(record.gm))
     return normalize("\n".join(lines))
 
 

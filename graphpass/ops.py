@@ -90,12 +90,25 @@ for _op in BOUNDARY_OPS:
     torch.fx.node.has_side_effect(_op)
 
 
+_ENTER_TARGETS = (TRAP_ENTER, torch.ops.graphpass.trap_enter)  # Dynamo records the packet
+_EXIT_TARGETS = (TRAP_EXIT, torch.ops.graphpass.trap_exit)
+
+
+def is_enter(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _ENTER_TARGETS
+
+
+def is_exit(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _EXIT_TARGETS
+
+
 def is_boundary(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in BOUNDARY_OPS
+    return is_enter(node) or is_exit(node)
 
 
 def is_graphpass_op(target: object) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "graphpass"
+    """Any op in the ``graphpass`` namespace (overload or packet)."""
+    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and str(target).startswith("graphpass.")
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from .passes.analyze_ownership import AnalyzeOwnership
 from .passes.assign_traps import AssignTraps
 from .passes.base import GraphPass, PassContext
 from .passes.insert_trap_boundaries import InsertTrapBoundaries
+from .roots import Roots
 
 PIPELINE: tuple[GraphPass, ...] = (
     AnalyzeOwnership(),  # inputs -> FQNs -> holding and consuming modules, bytes
@@ -27,9 +28,7 @@ def run_pipeline(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
     config: GraphpassConfig,
-    roots: dict[str, Any] | None = None,
-    prefixes: dict[str, str] | None = None,
-    models: dict[str, Any] | None = None,
+    roots: Roots | None = None,
     passes: Sequence[GraphPass] = PIPELINE,
 ) -> PassContext:
     """Run ``passes`` over ``gm`` in place and return the context holding the shared analysis."""
@@ -37,9 +36,7 @@ def run_pipeline(
         gm=gm,
         example_inputs=list(example_inputs),
         config=config,
-        roots=dict(roots or {}),
-        prefixes=dict(prefixes or {}),
-        models=dict(models or {}),
+        roots=roots if roots is not None else Roots(),
     )
     for p in passes:
         p(ctx)

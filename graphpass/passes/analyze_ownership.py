@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..analysis import TensorOwnership, example_of, module_paths, parse_source_name, qualify
+from ..analysis import TensorOwnership, example_of, module_paths, parse_source_name
 from ..ops import is_graphpass_op
 from .base import GraphPass, PassContext
 
@@ -53,6 +53,14 @@ def _alias_table(root: Any) -> dict[int, list[str]]:
     return table
 
 
+def _input_name(source: str, fallback: str) -> str:
+    """``L['ids']`` -> ``ids``; ``L['args'][1]`` -> ``args[1]``; ``L['kwargs']['input_ids']`` -> ``kwargs['input_ids']``."""
+    parsed = parse_source_name(source)
+    if parsed is None:
+        return fallback
+    return parsed.root + "".join(f"[{p}]" if p.lstrip("-").isdigit() else f"[{p!r}]" for p in parsed.path)
+
+
 class AnalyzeOwnership(GraphPass):
     name = "analyze_ownership"
 
@@ -60,21 +68,21 @@ class AnalyzeOwnership(GraphPass):
         analysis = ctx.analysis
         graph = ctx.gm.graph
         order = {n: i for i, n in enumerate(graph.nodes)}
-        alias_tables: dict[str, dict[int, list[str]]] = {}
+        alias_tables: dict[int, dict[int, list[str]]] = {}
         module_names: dict[str, None] = {}
 
-        analysis.prefixes = dict(ctx.prefixes)
-        for root_name, root in ctx.model_roots().items():
-            analysis.root = analysis.root or root_name
-            for name, _ in root.named_modules(remove_duplicate=False):
+        roots = ctx.roots
+        analysis.roots = roots
+        for model in roots.whole_models():
+            for name, _ in model.named_modules(remove_duplicate=False):
                 if name:
                     module_names[name] = None
         # A graph traced from a submodule's own frame (after a graph break) runs every op inside
         # that submodule, even ops of its forward that carry no nn_module_stack entry.
-        frame_module = analysis.prefixes.get("self", "")
+        frame_module = roots.frame_module
         for node in graph.nodes:
             if node.op in ("call_function", "call_method", "call_module") and not is_graphpass_op(node.target):
-                paths = module_paths(node, analysis.prefixes)
+                paths = module_paths(node, roots)
                 if frame_module:
                     paths = [frame_module] + [p for p in paths if p != frame_module]
                 analysis.node_modules[node.name] = paths
@@ -87,19 +95,25 @@ class AnalyzeOwnership(GraphPass):
                 continue  # SymInt sizes and other non-tensor inputs
             source = _source_name(ph) or ph.name
             parsed = parse_source_name(source)
-            if parsed is None:
-                kind, fqns, parent = "input", [ph.name], None
+            key = None
+            if parsed is not None:
+                key, below = roots.split(parsed)
+                if roots.modules and key is None:
+                    parsed = None  # rooted at a plain local (an input), not at a module
+                elif not roots.modules and parsed.root != "self" and parsed.kind == "attribute":
+                    parsed = None  # no frame to resolve against: only self.<...> is the model
+            if parsed is None or not parsed.path:
+                kind, fqns, parent = "input", [_input_name(source, ph.name)], None
             else:
                 kind = parsed.kind
-                fqns = [qualify(parsed, analysis.prefixes)] if parsed.path else [parsed.root]
-                parent = None
-                if parsed.parent is not None:
-                    parent = qualify(type(parsed)(parsed.root, parsed.is_global, parsed.parent, "parameter", None), analysis.prefixes)
-                model = ctx.model_roots().get(parsed.root)
-                if kind != "input" and model is not None and isinstance(real, torch.Tensor):
-                    if parsed.root not in alias_tables:
-                        alias_tables[parsed.root] = _alias_table(model)
-                    for alias in alias_tables[parsed.root].get(id(real), []):
+                fqns = [roots.qualify(parsed)]
+                parent = roots.qualify(parsed, parsed.parent) if parsed.parent is not None else None
+                model = roots.model_for(parsed)
+                if model is not None and isinstance(real, torch.Tensor):
+                    table = alias_tables.get(id(model))
+                    if table is None:
+                        table = alias_tables[id(model)] = _alias_table(model)
+                    for alias in table.get(id(real), []):
                         if alias not in fqns:
                             fqns.append(alias)
             holders: list[str] = []

@@ -18,7 +18,7 @@ Assumes :mod:`analyze_ownership` ran first.
 from __future__ import annotations
 
 from ..analysis import Trap
-from ..ops import TRAP_ENTER, TRAP_EXIT
+from ..ops import is_enter, is_exit
 from ..patterns import check_all_match, first_match
 from .base import GraphPass, PassContext
 
@@ -64,10 +64,10 @@ class AssignTraps(GraphPass):
         manual: dict[str, str] = {}
         open_labels: list[str] = []
         for node in graph.nodes:
-            if node.op == "call_function" and node.target is TRAP_ENTER:
+            if is_enter(node):
                 open_labels.append(node.args[0])
                 analysis.traps.setdefault(node.args[0], Trap(node.args[0], manual=True))
-            elif node.op == "call_function" and node.target is TRAP_EXIT:
+            elif is_exit(node):
                 label = node.args[0]
                 if label in open_labels:
                     idx = len(open_labels) - 1 - open_labels[::-1].index(label)

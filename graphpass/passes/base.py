@@ -10,6 +10,7 @@ import torch
 
 from ..analysis import GraphAnalysis
 from ..config import GraphpassConfig
+from ..roots import Roots
 
 _GRAPH_IDS = itertools.count()
 
@@ -19,25 +20,14 @@ class PassContext:
     gm: torch.fx.GraphModule
     example_inputs: Sequence[Any]
     config: GraphpassConfig
-    roots: dict[str, Any] = field(default_factory=dict)  # local/global name -> object Dynamo read it from
-    prefixes: dict[str, str] = field(default_factory=dict)  # root name -> its FQN in the enclosing model
-    models: dict[str, Any] = field(default_factory=dict)  # root name -> the whole model it belongs to
+    roots: Roots = field(default_factory=Roots)  # the model objects the graph's sources start from
     analysis: GraphAnalysis = None  # type: ignore[assignment]
     log: list[str] = field(default_factory=list)  # what each pass did, one line per change
 
     def __post_init__(self) -> None:
         if self.analysis is None:
-            self.analysis = GraphAnalysis(graph_id=next(_GRAPH_IDS), root=None)
+            self.analysis = GraphAnalysis(graph_id=next(_GRAPH_IDS))
 
-
-    def model_roots(self) -> dict[str, torch.nn.Module]:
-        """Root name -> the outermost module it belongs to (itself when compiled directly)."""
-        out = {}
-        for name, obj in self.roots.items():
-            model = self.models.get(name, obj)
-            if isinstance(model, torch.nn.Module):
-                out[name] = model
-        return out
 
 
 class GraphPass:

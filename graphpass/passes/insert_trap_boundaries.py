@@ -13,7 +13,7 @@ Assumes :mod:`assign_traps` ran first.
 from __future__ import annotations
 
 from ..analysis import is_tensor_node
-from ..ops import TRAP_ENTER, TRAP_EXIT
+from ..ops import TRAP_ENTER, TRAP_EXIT, is_boundary
 from .base import GraphPass, PassContext
 
 
@@ -28,7 +28,7 @@ class InsertTrapBoundaries(GraphPass):
         analysis = ctx.analysis
         nodes = {n.name: n for n in graph.nodes}
         order = {n: i for i, n in enumerate(graph.nodes)}
-        present = {n.args[0] for n in graph.nodes if n.op == "call_function" and n.target in (TRAP_ENTER, TRAP_EXIT)}
+        present = {n.args[0] for n in graph.nodes if is_boundary(n)}
         weights = {name for name, t in analysis.tensors.items() if t.is_weight}
         inserted = 0
         for label, trap in analysis.traps.items():

@@ -1,0 +1,143 @@
+"""Where a graph's sources start: the model object(s) behind ``L['self']``, ``L['args'][0]``, ...
+
+Dynamo names every input by a source rooted at a local or global of the frame it traced. The
+model may be that local (``self``), sit inside it (``args[0]`` when a decorator wrapped
+``forward``), or be one layer of a bigger model running further up the Python stack (a frame
+Dynamo compiled on its own after a graph break). :class:`Roots` maps each source root to the
+module it reaches and that module's FQN in the whole model, by object identity: no hooks.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .analysis import ParsedSource, parse_source_name
+
+RootKey = tuple[str, tuple[str, ...]]  # (local or global name, path from it to the module)
+
+
+def _step(obj: Any, part: str) -> Any:
+    if isinstance(obj, (tuple, list)) and part.lstrip("-").isdigit():
+        return obj[int(part)]
+    if isinstance(obj, dict):
+        return obj[part]
+    return getattr(obj, part)
+
+
+@dataclass
+class Roots:
+    modules: dict[RootKey, torch.nn.Module] = field(default_factory=dict)  # root -> module it reaches
+    prefixes: dict[RootKey, str] = field(default_factory=dict)  # root -> its FQN in the enclosing model
+    models: dict[RootKey, torch.nn.Module] = field(default_factory=dict)  # root -> the enclosing model
+
+    def split(self, parsed: ParsedSource) -> tuple[RootKey | None, tuple[str, ...]]:
+        """(root key, path below the module) for a parsed source; key None when no module is known."""
+        best: RootKey | None = None
+        for key in self.modules:
+            name, lead = key
+            if name == parsed.root and parsed.path[: len(lead)] == lead and (best is None or len(lead) > len(best[1])):
+                best = key
+        if best is not None:
+            return best, parsed.path[len(best[1]) :]
+        if parsed.root in ("args", "kwargs") and parsed.path:
+            return None, parsed.path[1:]  # no frame to look at: assume args[i] is the model
+        return None, parsed.path
+
+    def qualify(self, parsed: ParsedSource, path: tuple[str, ...] | None = None) -> str:
+        """The FQN of ``path`` (default: the source's own path) in the whole model."""
+        key, rest = self.split(parsed)
+        if path is not None:
+            rest = path[len(parsed.path) - len(rest) :]
+        prefix = self.prefixes.get(key, "") if key is not None else ""
+        return ".".join(p for p in (prefix, *rest) if p)
+
+    def model_for(self, parsed: ParsedSource) -> torch.nn.Module | None:
+        key, _ = self.split(parsed)
+        if key is None:
+            return None
+        return self.models.get(key, self.modules.get(key))
+
+    def whole_models(self) -> list[torch.nn.Module]:
+        out: dict[int, torch.nn.Module] = {}
+        for key, mod in self.modules.items():
+            m = self.models.get(key, mod)
+            out[id(m)] = m
+        return list(out.values())
+
+    @property
+    def frame_module(self) -> str:
+        """FQN of the module whose own forward frame this graph was traced from ("" at the top)."""
+        return self.prefixes.get(("self", ()), "")
+
+
+def source_names(gm: torch.fx.GraphModule) -> list[str]:
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        src = getattr(n.meta.get("grapharg"), "source", None)
+        if src is None:
+            continue
+        name = src.name() if callable(src.name) else src.name
+        out.append(name)
+    return out
+
+
+def dynamo_roots(gm: torch.fx.GraphModule) -> Roots:
+    """Roots of ``gm``'s sources, resolved against the frame Dynamo is compiling (if any)."""
+    roots = Roots()
+    parsed = [p for p in (parse_source_name(n) for n in source_names(gm)) if p is not None and p.path]
+    if not parsed:
+        return roots
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:
+        tx = None
+    if tx is None:
+        return roots
+    for p in parsed:
+        scope = tx.f_globals if p.is_global else tx.f_locals
+        if p.root not in scope:
+            continue
+        obj = scope[p.root]
+        lead: list[str] = []
+        try:
+            while not isinstance(obj, torch.nn.Module) and len(lead) < len(p.path):
+                obj = _step(obj, p.path[len(lead)])
+                lead.append(p.path[len(lead)])
+        except Exception:
+            continue
+        if isinstance(obj, torch.nn.Module):
+            roots.modules[(p.root, tuple(lead))] = obj
+    _find_enclosing_models(roots)
+    return roots
+
+
+def _find_enclosing_models(roots: Roots) -> None:
+    """For root modules that are submodules of a model running further up the Python stack, record
+    that model and the root's FQN in it. The outermost such model wins."""
+    targets = dict(roots.modules)
+    frame = sys._getframe(1)
+    seen: set[int] = set()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        frame = frame.f_back
+        if not isinstance(owner, torch.nn.Module) or id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        if isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
+            continue
+        wanted = {id(obj): key for key, obj in targets.items() if obj is not owner}
+        if not wanted:
+            continue
+        for fqn, mod in owner.named_modules(remove_duplicate=False):
+            key = wanted.get(id(mod))
+            if key is not None and fqn:
+                roots.prefixes[key] = fqn
+                roots.models[key] = owner

@@ -1,0 +1,81 @@
+"""Golden graphs: the pipeline's output for the corpus, compared to golden/ (``make golden`` re-accepts).
+
+Two files per model: ``golden/ownership/<model>.txt`` (analysis passes: ownership, traps) and
+``golden/trap_boundaries/<model>.txt`` (the rewritten graph's code).
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphpass
+from graphpass.golden import check_golden, render_code, render_ownership
+from graphpass.models.corpus import CORPUS, build
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+PINNED_TORCH = "2.13.0"
+
+pytestmark = pytest.mark.skipif(
+    not torch.__version__.startswith(PINNED_TORCH),
+    reason=f"goldens are recorded for torch {PINNED_TORCH} (CI's pin); other versions name nodes differently",
+)
+
+
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    return model, (ids,)
+
+
+MODELS = {**{name: (lambda n=name: build(n)) for name in CORPUS}, "tiny_llama": tiny_llama}
+
+
+def transformed(name):
+    model, inputs = MODELS[name]()
+    gp = graphpass.backend(then="eager")
+    with torch.no_grad():
+        out = torch.compile(model, backend=gp)(*inputs)
+        ref = model(*inputs)
+    if hasattr(out, "logits"):
+        out, ref = out.logits, ref.logits
+    assert torch.equal(out, ref)
+    return gp.graphs
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_golden(name):
+    graphs = transformed(name)
+    ownership = "\n".join(render_ownership(g) for g in graphs)
+    code = "\n".join(f"graph {g.index}\n{render_code(g.gm)}" for g in graphs)
+    check_golden(GOLDEN / "ownership" / f"{name}.txt", ownership)
+    check_golden(GOLDEN / "trap_boundaries" / f"{name}.txt", code)
+
+
+def test_golden_corpus_is_complete():
+    assert len(MODELS) >= 7
+    for name in MODELS:
+        for sub in ("ownership", "trap_boundaries"):
+            assert (GOLDEN / sub / f"{name}.txt").exists(), f"run `make golden` to record {sub}/{name}"
+
+
+def test_golden_mismatch_fails(tmp_path, monkeypatch):
+    monkeypatch.delenv("GRAPHPASS_ACCEPT_GOLDEN", raising=False)
+    f = tmp_path / "g.txt"
+    f.write_text("a\n")
+    with pytest.raises(AssertionError, match="make golden"):
+        check_golden(f, "b\n")
+    check_golden(f, "a\n")
+
+
+def test_renderings_hold_no_paths_ids_or_addresses():
+    text = "\n".join((GOLDEN / sub / f).read_text() for sub in ("ownership", "trap_boundaries") for f in
+                     sorted(p.name for p in (GOLDEN / sub).glob("*.txt")))
+    for bad in ("/work/", "site-packages", ".py:", "0x7f", "File \""):
+        assert bad not in text

@@ -1,0 +1,86 @@
+"""The Neuron adapter: clear error when torch-neuronx is absent; contract against a strict stand-in."""
+
+import sys
+import types
+
+import pytest
+import torch
+
+import graphpass
+from graphpass.backends import NeuronDelegate, resolve_delegate
+from graphpass.models.corpus import build
+
+from helpers import StrictAtenBackend, fresh_inputs, register_temp_backend
+
+
+@pytest.mark.parametrize("name", ["neuronx_cc", "neuron"])
+def test_absent_torch_neuronx_says_what_to_install(name):
+    assert "torch_neuronx" not in sys.modules
+    with pytest.raises(graphpass.DelegateUnavailableError) as info:
+        graphpass.backend(then=name)
+    msg = str(info.value)
+    assert "pip install torch-neuronx" in msg and "neuronx_cc" in msg
+
+
+def test_absent_through_torch_compile_options():
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend="graphpass", options={"then": "neuronx_cc"})
+    with pytest.raises(graphpass.DelegateUnavailableError):
+        compiled(*inputs)
+
+
+@pytest.mark.parametrize("name", ["mlp_stack", "tiny_transformer", "quant_linear", "moe"])
+def test_contract_with_strict_standin(strict_backend, name):
+    """Every graph handed to Neuron holds only aten/prims ops; traps still run, on the host."""
+    delegate = NeuronDelegate(registered_name="strict_aten_standin", module=None)
+    model, inputs = build(name)
+    compiled = torch.compile(model, backend=graphpass.backend(then=delegate))
+    x = fresh_inputs(inputs)
+    with graphpass.trace_traps() as events, torch.no_grad():
+        out = compiled(*x)
+        ref = model(*x)
+    assert torch.equal(out, ref)
+    assert len(strict_backend.graphs) >= 2  # split at the trap boundaries
+    assert ("enter", "layers.0") in events and ("exit", "layers.1") in events
+    for gm in strict_backend.graphs:
+        assert not any("graphpass" in str(n.target) for n in gm.graph.nodes)
+
+
+def test_standin_really_refuses_graphpass_ops():
+    """Guard against a stand-in that accepts anything: the unsplit graph must be refused."""
+    strict = StrictAtenBackend()
+    model, inputs = build("mlp_stack")
+    from torch._dynamo.backends.common import aot_autograd
+
+    compiled = torch.compile(model, backend=graphpass.backend(then=aot_autograd(fw_compiler=strict)))
+    with pytest.raises(Exception, match="strict backend: non-aten op graphpass.trap_enter"):
+        compiled(*inputs)
+
+
+def test_training_through_the_adapter(strict_backend):
+    delegate = NeuronDelegate(registered_name="strict_aten_standin", module=None)
+    model, inputs = build("tiny_transformer")
+    ref, _ = build("tiny_transformer")
+    ref.load_state_dict(model.state_dict())
+    x = fresh_inputs(inputs)
+    torch.compile(model, backend=graphpass.backend(then=delegate))(*x).sum().backward()
+    ref(*x).sum().backward()
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_then_neuronx_cc_uses_the_installed_package(monkeypatch):
+    """With a (fake) torch_neuronx that registers the 'neuron' backend on import, then='neuronx_cc'
+    resolves to the adapter, imports the package and hands it aten pieces."""
+    strict = StrictAtenBackend()
+    fake = types.ModuleType("torch_neuronx")
+    monkeypatch.setitem(sys.modules, "torch_neuronx", fake)
+    register_temp_backend(monkeypatch, "neuron", strict)
+    delegate = resolve_delegate("neuronx_cc")
+    assert isinstance(delegate, NeuronDelegate) and delegate.host_code is False
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend="graphpass", options={"then": "neuronx_cc"})
+    x = fresh_inputs(inputs)
+    with torch.no_grad():
+        assert torch.equal(compiled(*x), model(*x))
+    assert strict.graphs
