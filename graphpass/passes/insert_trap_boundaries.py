@@ -1,20 +1,79 @@
 """Trap boundaries: inserts ``graphpass::trap_enter`` before each trap's first op and
 ``graphpass::trap_exit`` after its last op.
 
-``deps`` of the enter node are the activations the trap reads that were computed before it;
-``deps`` of the exit node are the trap's values read after it. Weights are never deps, so the
-boundaries do not pin them. Traps that already have boundary nodes (manual
-``offload_block`` traps, or a graph that another graphpass instance already rewrote) are left
-as they are, so the pass is idempotent.
+The nodes are placed at the trap's edges in graph order (exact for eager-style delegates). Their
+``deps`` order them for compilers that reschedule (inductor) without changing what gets fused:
+deps are only values every compiler materializes anyway (graph inputs and the results of
+matmul-like, convolution, attention and custom ops, the "anchors"):
 
-Assumes :mod:`assign_traps` ran first.
+* enter: the anchors the trap's inputs are computed from (walking back through pointwise and
+  reduction ops), so it runs after the previous trap's last matmul and before this trap's compute;
+* exit: the anchors inside the trap its outputs are computed from, so it runs after the trap's
+  last matmul; trailing pointwise ops (a residual add) stay free to fuse into the next kernel.
+
+A trap with no anchor on either side falls back to its plain inputs / outputs. Weights are never
+deps, so boundaries do not pin them. Traps that already have boundary nodes (manual
+``offload_block`` traps, or a graph another graphpass instance rewrote) are left as they are, so
+the pass is idempotent. Assumes :mod:`assign_traps` ran first.
 """
 
 from __future__ import annotations
 
+import operator
+
+import torch
+import torch.nn.functional as F
+
 from ..analysis import is_tensor_node
-from ..ops import TRAP_ENTER, TRAP_EXIT, is_boundary
+from ..ops import TRAP_ENTER, TRAP_EXIT, is_boundary, is_graphpass_op
 from .base import GraphPass, PassContext
+
+_ANCHOR_FUNCTIONS = {
+    F.linear, torch._C._nn.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+    torch.einsum, operator.matmul, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+    F.conv_transpose3d, F.scaled_dot_product_attention,
+}
+_ANCHOR_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"}
+_ANCHOR_ATEN = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution", "einsum",
+                "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+
+
+def is_anchor(node: torch.fx.Node) -> bool:
+    """A value every compiler materializes: graph input, matmul/conv/attention or custom op result."""
+    if node.op == "placeholder":
+        return True
+    if node.op == "call_method":
+        return node.target in _ANCHOR_METHODS
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t in _ANCHOR_FUNCTIONS:
+        return True
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and not is_graphpass_op(t):
+        ns = str(t).split(".")[0]
+        if ns not in ("aten", "prims"):
+            return True  # custom ops are opaque kernels
+        return str(t).split(".")[1] in _ANCHOR_ATEN
+    return False
+
+
+def _anchors_behind(starts, stop) -> list:
+    """Anchors reached walking back from ``starts`` through non-anchor nodes, not entering ``stop``."""
+    found: dict = {}
+    seen = set()
+    frontier = list(starts)
+    while frontier:
+        n = frontier.pop()
+        if n in seen or n in stop:
+            continue
+        seen.add(n)
+        if is_anchor(n):
+            if is_tensor_node(n):
+                found[n] = None
+            continue
+        frontier.extend(n.all_input_nodes)
+    return list(found)
 
 
 class InsertTrapBoundaries(GraphPass):
@@ -29,7 +88,7 @@ class InsertTrapBoundaries(GraphPass):
         nodes = {n.name: n for n in graph.nodes}
         order = {n: i for i, n in enumerate(graph.nodes)}
         present = {n.args[0] for n in graph.nodes if is_boundary(n)}
-        weights = {name for name, t in analysis.tensors.items() if t.is_weight}
+        weights = {nodes[name] for name, t in analysis.tensors.items() if t.is_weight}
         inserted = 0
         for label, trap in analysis.traps.items():
             if trap.manual or label in present or not trap.nodes:
@@ -37,25 +96,20 @@ class InsertTrapBoundaries(GraphPass):
             region = [nodes[n] for n in trap.nodes]
             members = set(region)
             first, last = region[0], region[-1]
-            enter_deps: dict = {}
-            for n in region:
-                for arg in n.all_input_nodes:
-                    if (
-                        arg not in members
-                        and arg.name not in weights
-                        and order[arg] < order[first]
-                        and is_tensor_node(arg)
-                    ):
-                        enter_deps[arg] = None
-            exit_deps: dict = {}
-            for n in region:
-                if is_tensor_node(n) and any(u not in members for u in n.users):
-                    exit_deps[n] = None
+            inputs = {
+                a: None
+                for n in region
+                for a in n.all_input_nodes
+                if a not in members and a not in weights and order[a] < order[first] and is_tensor_node(a)
+            }
+            outputs = {n: None for n in region if is_tensor_node(n) and any(u not in members for u in n.users)}
+            enter_deps = [a for a in _anchors_behind(inputs, members) if a not in weights] or list(inputs)
+            exit_deps = [a for a in _anchors_behind(outputs, set()) if a in members] or list(outputs)
             profile = ctx.config.profile_ranges
             with graph.inserting_before(first):
-                enter = graph.call_function(TRAP_ENTER, (label, list(enter_deps)), {"profile": profile})
+                enter = graph.call_function(TRAP_ENTER, (label, enter_deps), {"profile": profile})
             with graph.inserting_after(last):
-                exit_ = graph.call_function(TRAP_EXIT, (label, list(exit_deps)), {"profile": profile})
+                exit_ = graph.call_function(TRAP_EXIT, (label, exit_deps), {"profile": profile})
             enter.meta["graphpass_trap"] = label
             exit_.meta["graphpass_trap"] = label
             inserted += 1
