@@ -1,10 +1,13 @@
 """Compile-time and steady-state overhead of graphpass (traps only, delegating to inductor)
 against plain inductor, side by side in one run.
 
-Each (model, variant, round) runs in a fresh process with an empty inductor cache directory,
-so both variants compile cold. Variants alternate (inductor, graphpass, inductor, graphpass, ...)
-so drift on the machine hits both alike. Reported: median compile time (first call: Dynamo +
-backend) and median per-forward latency after warm-up, and graphpass/inductor ratios.
+Compile time: each (model, variant, round) compiles in a fresh process with an empty inductor
+cache directory, so both variants compile cold; variants alternate so drift on the machine hits
+both alike; the median over rounds is reported (first call: Dynamo + backend + inductor).
+
+Steady-state latency: one process compiles both variants, then times them interleaved
+(A, B, A, B, ...) so both see the same machine state; reported are the median and the minimum
+per-forward time, and graphpass/inductor ratios.
 
     python bench/compile_overhead.py               # both models, 2 rounds
     python bench/compile_overhead.py --rounds 3 --models large
@@ -46,31 +49,43 @@ def build(name: str):
     raise SystemExit(f"unknown model {name}")
 
 
+def _compiled(model, variant: str):
+    import torch
+
+    if variant == "inductor":
+        return torch.compile(model, backend="inductor")
+    import graphpass
+
+    return torch.compile(model, backend=graphpass.backend(then="inductor"))
+
+
 def worker(name: str, variant: str, iters: int) -> dict:
     import torch
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     model, inputs, kwargs = build(name)
-    if variant == "inductor":
-        compiled = torch.compile(model, backend="inductor")
-    else:
-        import graphpass
-
-        compiled = torch.compile(model, backend=graphpass.backend(then="inductor"))
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        compiled(*inputs, **kwargs)
-        compile_s = time.perf_counter() - t0
-        for _ in range(3):
-            compiled(*inputs, **kwargs)
-        times = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            compiled(*inputs, **kwargs)
-            times.append(time.perf_counter() - t)
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return {"model": name, "variant": variant, "compile_s": compile_s, "latency_ms": statistics.median(times) * 1e3,
-            "params": params}
+    if variant != "latency":
+        compiled = _compiled(model, variant)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            compiled(*inputs, **kwargs)
+            compile_s = time.perf_counter() - t0
+        return {"model": name, "variant": variant, "compile_s": compile_s, "params": params}
+    fns = {v: _compiled(model, v) for v in ("inductor", "graphpass")}
+    times: dict[str, list[float]] = {v: [] for v in fns}
+    with torch.no_grad():
+        for f in fns.values():
+            for _ in range(3):
+                f(*inputs, **kwargs)
+        for _ in range(iters):
+            for v, f in fns.items():
+                t = time.perf_counter()
+                f(*inputs, **kwargs)
+                times[v].append(time.perf_counter() - t)
+    return {"model": name, "variant": "latency", "params": params,
+            **{f"{v}_median_ms": statistics.median(ts) * 1e3 for v, ts in times.items()},
+            **{f"{v}_min_ms": min(ts) * 1e3 for v, ts in times.items()}}
 
 
 def main() -> None:
@@ -87,36 +102,42 @@ def main() -> None:
 
     from tabulate import tabulate
 
+    def run(name: str, variant: str) -> dict:
+        with tempfile.TemporaryDirectory(prefix="gp-bench-cache-") as cache:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+            out = subprocess.run(
+                [sys.executable, __file__, "--worker", name, variant, "--iters", str(args.iters)],
+                env=env, capture_output=True, text=True, check=True,
+            )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
     results: list[dict] = []
-    for name in args.models:
-        for r in range(args.rounds):
-            for variant in ("inductor", "graphpass"):
-                with tempfile.TemporaryDirectory(prefix="gp-bench-cache-") as cache:
-                    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--worker", name, variant, "--iters", str(args.iters)],
-                        env=env, capture_output=True, text=True, check=True,
-                    )
-                res = json.loads(out.stdout.strip().splitlines()[-1])
-                res["round"] = r
-                results.append(res)
-                print(f"  {name:10s} {variant:9s} round {r}: compile {res['compile_s']:.2f} s, "
-                      f"latency {res['latency_ms']:.3f} ms", file=sys.stderr)
     rows = []
     for name in args.models:
-        med = {}
-        for variant in ("inductor", "graphpass"):
-            rs = [x for x in results if x["model"] == name and x["variant"] == variant]
-            med[variant] = (statistics.median(x["compile_s"] for x in rs), statistics.median(x["latency_ms"] for x in rs))
-        params = next(x["params"] for x in results if x["model"] == name)
+        compile_s: dict[str, list[float]] = {"inductor": [], "graphpass": []}
+        for r in range(args.rounds):
+            order = ("inductor", "graphpass") if r % 2 == 0 else ("graphpass", "inductor")
+            for variant in order:
+                res = run(name, variant)
+                results.append(dict(res, round=r))
+                compile_s[variant].append(res["compile_s"])
+                print(f"  {name:10s} {variant:9s} round {r}: compile {res['compile_s']:.2f} s", file=sys.stderr)
+        lat = run(name, "latency")
+        results.append(lat)
+        print(f"  {name:10s} latency: {json.dumps({k: round(v, 4) for k, v in lat.items() if k.endswith('ms')})}",
+              file=sys.stderr)
+        ci, cg = statistics.median(compile_s["inductor"]), statistics.median(compile_s["graphpass"])
         rows.append([
-            name, f"{params / 1e6:.1f} M",
-            f"{med['inductor'][0]:.2f}", f"{med['graphpass'][0]:.2f}", f"{med['graphpass'][0] / med['inductor'][0]:.3f}",
-            f"{med['inductor'][1]:.3f}", f"{med['graphpass'][1]:.3f}", f"{med['graphpass'][1] / med['inductor'][1]:.3f}",
+            name, f"{lat['params'] / 1e6:.1f} M",
+            f"{ci:.2f}", f"{cg:.2f}", f"{cg / ci:.3f}",
+            f"{lat['inductor_median_ms']:.3f}", f"{lat['graphpass_median_ms']:.3f}",
+            f"{lat['graphpass_median_ms'] / lat['inductor_median_ms']:.3f}",
+            f"{lat['graphpass_min_ms'] / lat['inductor_min_ms']:.3f}",
         ])
     print(tabulate(rows, headers=["model", "params", "compile inductor s", "compile graphpass s", "ratio",
-                                  "latency inductor ms", "latency graphpass ms", "ratio"]))
-    print(f"(median of {args.rounds} cold-cache rounds per variant; latency: median of {args.iters} calls)")
+                                  "latency inductor ms", "latency graphpass ms", "ratio (median)", "ratio (min)"]))
+    print(f"(compile: median of {args.rounds} cold-cache rounds per variant, fresh process each; "
+          f"latency: {args.iters} interleaved calls per variant in one process)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

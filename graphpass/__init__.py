@@ -11,18 +11,21 @@ __version__ = "0.1.0"
 
 from . import ops  # registers graphpass:: custom ops
 from .backend import CompiledGraph, GraphpassBackend, backend, graphpass_backend
+from .compare import CompareReport, compare
 from .config import GraphpassConfig
 from .errors import (
     ConfigError,
     DelegateError,
     DelegateUnavailableError,
     GraphpassError,
+    CaptureError,
     OwnershipError,
     PatternError,
     PatternMatchError,
 )
+from .capture import CaptureWriter, ModelCapture, TensorRegistry
 from .explain import ExplainReport, explain
-from .ops import offload_block, trace_traps
+from .ops import capture_tensor, offload_block, trace_traps
 from .patterns import ModulePattern, compile_pattern
 from .pipeline import PIPELINE
 
@@ -35,7 +38,14 @@ __all__ = [
     "CompiledGraph",
     "explain",
     "ExplainReport",
+    "compare",
+    "CompareReport",
     "offload_block",
+    "capture_tensor",
+    "ModelCapture",
+    "TensorRegistry",
+    "CaptureWriter",
+    "CaptureError",
     "trace_traps",
     "ModulePattern",
     "compile_pattern",

@@ -68,7 +68,11 @@ class GraphpassBackend:
 
     def transform(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: GraphpassConfig):
         """Run the pipeline over ``gm`` in place and record it; compiles nothing."""
-        ctx = run_pipeline(gm, example_inputs, config, roots=dynamo_roots(gm), passes=PIPELINE)
+        from .capture import specs_for
+
+        roots = dynamo_roots(gm)
+        captures = [spec for model in roots.whole_models() for spec in specs_for(model)]
+        ctx = run_pipeline(gm, example_inputs, config, roots=roots, captures=captures, passes=PIPELINE)
         record = CompiledGraph(
             index=len(self.graphs),
             analysis=ctx.analysis,
@@ -86,8 +90,12 @@ class GraphpassBackend:
 
         from .delegation import compile_with_delegate
 
+        from .capture import TRACED
+
         delegate = resolve_delegate(config.then, mode=config.mode, options=config.delegate_options)
-        self.transform(gm, example_inputs, config)
+        ctx, _ = self.transform(gm, example_inputs, config)
+        for model in ctx.roots.whole_models():
+            TRACED[model] = TRACED.get(model, 0) + 1
         return compile_with_delegate(gm, example_inputs, delegate)
 
 

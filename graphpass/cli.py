@@ -1,4 +1,4 @@
-"""The ``graphpass`` command: ``demo``, ``explain``."""
+"""The ``graphpass`` command: ``demo``, ``explain``, ``compare``."""
 
 from __future__ import annotations
 
@@ -88,6 +88,22 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .compare import CompareError, compare
+
+    report = compare(args.ref, args.test, rtol=args.rtol, atol=args.atol)
+    print(report)
+    target = Path(args.json) if args.json else Path(args.test) / "compare_summary.json"
+    try:
+        written = report.write_json(target)
+    except OSError as exc:
+        raise CompareError(f"cannot write the JSON summary to {str(target)!r}: {exc}") from None
+    print(f"summary written to {written}")
+    return 0 if report.passed else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphpass", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +119,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tensors", action="store_true", help="also print every weight's owners")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_explain)
+
+    p = sub.add_parser("compare", help="compare two capture directories tensor by tensor: graphpass compare REF TEST")
+    p.add_argument("ref", help="reference capture directory")
+    p.add_argument("test", help="capture directory to check against REF")
+    p.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default: 1e-3)")
+    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default: 1e-5)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="where to write the JSON summary (default: TEST/compare_summary.json)")
+    p.set_defaults(func=_compare)
 
     args = parser.parse_args(argv)
     try:

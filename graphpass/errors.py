@@ -12,6 +12,7 @@ __all__ = [
     "DelegateError",
     "DelegateUnavailableError",
     "OwnershipError",
+    "CaptureError",
     "surface",
 ]
 
@@ -48,6 +49,10 @@ class DelegateUnavailableError(DelegateError):
 
 class OwnershipError(GraphpassError):
     """The graph's tensors cannot be attributed to modules the way an option requires."""
+
+
+class CaptureError(GraphpassError):
+    """Tensor capture cannot be set up or written as asked (directory, names, timing)."""
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -14,6 +14,7 @@ from .config import GraphpassConfig
 from .passes.analyze_ownership import AnalyzeOwnership
 from .passes.assign_traps import AssignTraps
 from .passes.base import GraphPass, PassContext
+from .passes.insert_capture_nodes import InsertCaptureNodes
 from .passes.insert_trap_boundaries import InsertTrapBoundaries
 from .roots import Roots
 
@@ -21,6 +22,7 @@ PIPELINE: tuple[GraphPass, ...] = (
     AnalyzeOwnership(),  # inputs -> FQNs -> holding and consuming modules, bytes
     AssignTraps(),  # ops and weights -> trap labels (manual, patterns, or repeated blocks)
     InsertTrapBoundaries(),  # graphpass::trap_enter / trap_exit around each trap region
+    InsertCaptureNodes(),  # graphpass::capture after each output of ModelCapture-selected modules
 )
 
 
@@ -29,6 +31,7 @@ def run_pipeline(
     example_inputs: Sequence[Any],
     config: GraphpassConfig,
     roots: Roots | None = None,
+    captures: Sequence[Any] = (),
     passes: Sequence[GraphPass] = PIPELINE,
 ) -> PassContext:
     """Run ``passes`` over ``gm`` in place and return the context holding the shared analysis."""
@@ -37,6 +40,7 @@ def run_pipeline(
         example_inputs=list(example_inputs),
         config=config,
         roots=roots if roots is not None else Roots(),
+        captures=list(captures),
     )
     for p in passes:
         p(ctx)

@@ -1,7 +1,8 @@
 """Golden graphs: the pipeline's output for the corpus, compared to golden/ (``make golden`` re-accepts).
 
 Two files per model: ``golden/ownership/<model>.txt`` (analysis passes: ownership, traps) and
-``golden/trap_boundaries/<model>.txt`` (the rewritten graph's code).
+``golden/trap_boundaries/<model>.txt`` (the rewritten graph's code); ``golden/capture_nodes/``
+holds graphs with a ModelCapture attached.
 """
 
 from pathlib import Path
@@ -58,6 +59,28 @@ def test_golden(name):
     check_golden(GOLDEN / "trap_boundaries" / f"{name}.txt", code)
 
 
+CAPTURED = {
+    "tiny_transformer": ["layers.0-1", "lm_head"],
+    "graph_break": ["layers.1", "head"],
+    "moe": [".*moe"],
+    "tiny_llama": ["model.layers.0-1", "lm_head"],
+}
+
+
+@pytest.mark.parametrize("name", list(CAPTURED))
+def test_golden_capture_nodes(name, tmp_path):
+    """``insert_capture_nodes``: the graph with a ModelCapture attached."""
+    model, inputs = MODELS[name]()
+    gp = graphpass.backend(then="eager")
+    compiled = torch.compile(model, backend=gp)
+    graphpass.ModelCapture(compiled, modules=CAPTURED[name], capture_dir=tmp_path)
+    with torch.no_grad():
+        compiled(*inputs)
+    code = "\n".join(f"graph {g.index}\n{render_code(g.gm)}" for g in gp.graphs)
+    assert "graphpass.capture" in code
+    check_golden(GOLDEN / "capture_nodes" / f"{name}.txt", code)
+
+
 def test_golden_corpus_is_complete():
     assert len(MODELS) >= 7
     for name in MODELS:
@@ -77,5 +100,6 @@ def test_golden_mismatch_fails(tmp_path, monkeypatch):
 def test_renderings_hold_no_paths_ids_or_addresses():
     text = "\n".join((GOLDEN / sub / f).read_text() for sub in ("ownership", "trap_boundaries") for f in
                      sorted(p.name for p in (GOLDEN / sub).glob("*.txt")))
+    text += "\n".join(p.read_text() for p in sorted((GOLDEN / "capture_nodes").glob("*.txt")))
     for bad in ("/work/", "site-packages", ".py:", "0x7f", "File \""):
         assert bad not in text

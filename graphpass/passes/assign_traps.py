@@ -18,13 +18,13 @@ Assumes :mod:`analyze_ownership` ran first.
 from __future__ import annotations
 
 from ..analysis import Trap
-from ..ops import is_enter, is_exit
+from ..ops import is_enter, is_exit, is_graphpass_op
 from ..patterns import check_all_match, first_match
 from .base import GraphPass, PassContext
 
 
 def _is_op(node) -> bool:
-    return node.op in ("call_function", "call_method", "call_module")
+    return node.op in ("call_function", "call_method", "call_module") and not is_graphpass_op(node.target)
 
 
 def find_repeated_container(ctx: PassContext) -> tuple[str | None, list[str]]:

@@ -21,6 +21,7 @@ class PassContext:
     example_inputs: Sequence[Any]
     config: GraphpassConfig
     roots: Roots = field(default_factory=Roots)  # the model objects the graph's sources start from
+    captures: list = field(default_factory=list)  # graphpass.capture.CaptureSpec of attached ModelCaptures
     analysis: GraphAnalysis = None  # type: ignore[assignment]
     log: list[str] = field(default_factory=list)  # what each pass did, one line per change
 

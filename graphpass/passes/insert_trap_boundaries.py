@@ -6,10 +6,13 @@ The nodes are placed at the trap's edges in graph order (exact for eager-style d
 deps are only values every compiler materializes anyway (graph inputs and the results of
 matmul-like, convolution, attention and custom ops, the "anchors"):
 
-* enter: the anchors the trap's inputs are computed from (walking back through pointwise and
-  reduction ops), so it runs after the previous trap's last matmul and before this trap's compute;
-* exit: the anchors inside the trap its outputs are computed from, so it runs after the trap's
-  last matmul; trailing pointwise ops (a residual add) stay free to fuse into the next kernel.
+* enter: the latest anchor the trap's inputs are computed from (walking back through pointwise
+  and reduction ops), so it runs after the previous trap's last matmul and before this trap's
+  compute;
+* exit: the latest anchor inside the trap its outputs are computed from, so it runs after the
+  trap's last matmul; trailing pointwise ops (a residual add) stay free to fuse into the next kernel.
+
+One dep each keeps buffer lifetimes as the compiler would have them.
 
 A trap with no anchor on either side falls back to its plain inputs / outputs. Weights are never
 deps, so boundaries do not pin them. Traps that already have boundary nodes (manual
@@ -103,8 +106,12 @@ class InsertTrapBoundaries(GraphPass):
                 if a not in members and a not in weights and order[a] < order[first] and is_tensor_node(a)
             }
             outputs = {n: None for n in region if is_tensor_node(n) and any(u not in members for u in n.users)}
-            enter_deps = [a for a in _anchors_behind(inputs, members) if a not in weights] or list(inputs)
-            exit_deps = [a for a in _anchors_behind(outputs, set()) if a in members] or list(outputs)
+            # One dep each: the latest anchor is enough to order the node, and keeping more
+            # buffers referenced would only stretch their lifetimes.
+            before = [a for a in _anchors_behind(inputs, members) if a not in weights]
+            inside = [a for a in _anchors_behind(outputs, set()) if a in members]
+            enter_deps = [max(before, key=order.__getitem__)] if before else list(inputs)
+            exit_deps = [max(inside, key=order.__getitem__)] if inside else list(outputs)
             profile = ctx.config.profile_ranges
             with graph.inserting_before(first):
                 enter = graph.call_function(TRAP_ENTER, (label, enter_deps), {"profile": profile})

@@ -1,0 +1,336 @@
+"""Tensor capture for accuracy debugging: registry, writer and the user-facing ModelCapture.
+
+``ModelCapture(compiled, modules=[...], capture_dir=...)`` attaches a capture spec to the model.
+When graphpass compiles the model, the ``insert_capture_nodes`` pass puts a
+``graphpass::capture`` node after every output tensor of every matching module. At run time the
+node clones the value into this instance's :class:`TensorRegistry` only while the registry is
+active in the current context (``setup_tensor_capture`` / ``step``) and enabled; otherwise it
+returns at once. Toggling never recompiles. ``save_tensor_captures`` writes safetensors files
+(atomically) and restores the previously active registry.
+
+On disk::
+
+    capture_dir/[subdirectory/]dp{d}/{prefill_s{N}|decode_b{B}}_{k}/{module}/rank{r}.safetensors
+    capture_dir/[subdirectory/]dp{d}/{step}/{step}_meta.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import re
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .errors import CaptureError, ConfigError
+from .ops import ACTIVE_CAPTURES, capture_tensor
+from .patterns import ModulePattern, check_all_match, compile_patterns
+
+__all__ = ["TensorRegistry", "CaptureWriter", "ModelCapture", "CaptureSpec", "capture_tensor"]
+
+_IDS = itertools.count()
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]]+$")
+
+
+class TensorRegistry:
+    """Holds the tensors captured during one forward, in registration order."""
+
+    def __init__(self, enabled: bool = True, patterns: Sequence[ModulePattern] = ()) -> None:
+        self.enabled = enabled
+        self.patterns = tuple(patterns)  # module captures this registry accepts (empty: all)
+        self._entries: list[tuple[str, torch.Tensor, bool]] = []
+
+    def accepts(self, name: str) -> bool:
+        return not self.patterns or any(p.matches(name) for p in self.patterns)
+
+    def configure(self, enabled: bool = True) -> None:
+        self.enabled = bool(enabled)
+
+    def register_module_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        if self.enabled:
+            self._entries.append((name, tensor, False))
+
+    def register_manual_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        if self.enabled:
+            self._entries.append((name, tensor, True))
+
+    def get_all_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``[(name, tensor), ...]`` in the order they were registered."""
+        return [(n, t) for n, t, _ in self._entries]
+
+    def clear(self) -> None:
+        self._entries = []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _check_component(value: str, what: str) -> str:
+    if not value or value in (".", "..") or not _SAFE_NAME.match(value):
+        raise CaptureError(f"{what} {value!r} cannot be used as a directory name under capture_dir")
+    return value
+
+
+class CaptureWriter:
+    """Writes one step's captures under ``capture_dir``; every file lands by write-then-rename."""
+
+    def __init__(
+        self,
+        capture_dir: str | os.PathLike,
+        subdirectory: str | None = None,
+        dp_rank: int = 0,
+        tp_rank: int = 0,
+        capture_filter: Sequence[str] | None = None,
+    ) -> None:
+        self.capture_dir = Path(capture_dir)
+        if subdirectory is not None:
+            for part in Path(subdirectory).parts:
+                _check_component(part, "subdirectory part")
+            if Path(subdirectory).is_absolute():
+                raise CaptureError(f"subdirectory {subdirectory!r} must be relative to capture_dir")
+        self.subdirectory = subdirectory
+        self.dp_rank = int(dp_rank)
+        self.tp_rank = int(tp_rank)
+        self.filter = compile_patterns(list(capture_filter), "capture_filter") if capture_filter is not None else None
+        self._counts: dict[str, int] = {}
+        self._check_writable()
+
+    def _check_writable(self) -> None:
+        try:
+            self.capture_dir.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".graphpass-probe-", dir=self.capture_dir)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise CaptureError(f"capture_dir {str(self.capture_dir)!r} is not writable: {exc}") from None
+
+    def _base(self, module: str) -> Path:
+        sub = self.subdirectory
+        if sub is None and module.startswith("visual."):
+            sub = "vision"
+        base = self.capture_dir / sub if sub else self.capture_dir
+        return base / f"dp{self.dp_rank}"
+
+    def step_name(self, is_prefill: bool, size: int) -> str:
+        phase = "prefill" if is_prefill else "decode"
+        k = self._counts.get(phase, 0)
+        return f"prefill_s{size}_{k}" if is_prefill else f"decode_b{size}_{k}"
+
+    def write(self, tensors: Sequence[tuple[str, torch.Tensor]], *, is_prefill: bool, size: int, meta: dict) -> list[Path]:
+        """Write ``tensors`` (name, tensor pairs in execution order) as one step. Returns the step dirs."""
+        from safetensors.torch import save_file
+
+        step = self.step_name(is_prefill, size)
+        grouped: dict[str, list[torch.Tensor]] = {}
+        for name, t in tensors:
+            _check_component(name, "capture name")
+            if self.filter is not None and not any(p.matches(name) for p in self.filter):
+                continue
+            grouped.setdefault(name, []).append(t)
+        root = self.capture_dir.resolve()
+        by_base: dict[Path, list[str]] = {}
+        for name in grouped:
+            by_base.setdefault(self._base(name), []).append(name)
+        written: list[Path] = []
+        for base, names in by_base.items():
+            step_dir = base / step
+            if not step_dir.resolve().is_relative_to(root):
+                raise CaptureError(f"capture path {step_dir} would leave capture_dir")
+            step_dir.mkdir(parents=True, exist_ok=True)
+            info: dict[str, list[dict]] = {}
+            for name in names:
+                mod_dir = step_dir / name
+                if not mod_dir.resolve().is_relative_to(root):
+                    raise CaptureError(f"capture name {name!r} would leave capture_dir")
+                mod_dir.mkdir(exist_ok=True)
+                payload = {str(i): t.detach().to("cpu").contiguous() for i, t in enumerate(grouped[name])}
+                _atomic(mod_dir / f"rank{self.tp_rank}.safetensors", lambda p, d=payload: save_file(d, str(p)))
+                info[name] = [{"key": k, "dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
+                              for k, v in payload.items()]
+            doc = dict(meta, step=step, phase="prefill" if is_prefill else "decode", size=size, modules=names,
+                       tensors=info, dp_rank=self.dp_rank, tp_rank=self.tp_rank)
+            _atomic(step_dir / f"{step}_meta.json", lambda p, d=doc: p.write_text(json.dumps(d, indent=2, default=_jsonable)))
+            written.append(step_dir)
+        phase = "prefill" if is_prefill else "decode"
+        self._counts[phase] = self._counts.get(phase, 0) + 1
+        return written
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return str(value)
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What the capture pass needs: which modules (relative to ``prefix``)."""
+
+    capture_id: str
+    patterns: tuple[ModulePattern, ...]
+    prefix: str = ""  # FQN of the module ModelCapture was given, inside the model graphpass sees
+
+
+def _unwrap(model: Any) -> torch.nn.Module:
+    inner = getattr(model, "_orig_mod", model)
+    if not isinstance(inner, torch.nn.Module):
+        raise CaptureError(f"ModelCapture needs an nn.Module or a torch.compile'd module, got {type(model).__name__}")
+    return inner
+
+
+# model -> its live ModelCapture specs; weak keys, so nothing outlives the model or is shared by two.
+_SPECS: "weakref.WeakKeyDictionary[torch.nn.Module, list[weakref.ref]]" = weakref.WeakKeyDictionary()
+# models graphpass has already traced (a ModelCapture made after that would capture nothing)
+TRACED: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def specs_for(model: torch.nn.Module) -> list[CaptureSpec]:
+    """The capture specs attached to ``model`` or any of its submodules, prefixed with their FQN."""
+    out = []
+    for fqn, mod in model.named_modules():
+        for ref in _SPECS.get(mod, []):
+            mc = ref()
+            if mc is not None:
+                out.append(CaptureSpec(mc.capture_id, mc.patterns, prefix=fqn))
+    return out
+
+
+def _has_compiled_code(model: torch.nn.Module) -> bool:
+    """Does Dynamo still hold compiled code for ``model``'s forward (``torch._dynamo.reset()`` drops it)?"""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return bool(_debug_get_cache_entry_list(type(model).forward))
+    except Exception:  # pragma: no cover - private API moved: assume compiled, the safe answer
+        return True
+
+
+class ModelCapture:
+    """Capture chosen module outputs of a model compiled with graphpass. See the module docstring."""
+
+    def __init__(
+        self,
+        model: Any,
+        modules: Sequence[str],
+        capture_dir: str | os.PathLike = "captures",
+        capture_filter: Sequence[str] | None = None,
+        subdirectory: str | None = None,
+        dp_rank: int = 0,
+        tp_rank: int = 0,
+    ) -> None:
+        self.model = _unwrap(model)
+        self.patterns = compile_patterns(modules, "modules")
+        names = [n for n, _ in self.model.named_modules() if n]
+        check_all_match(self.patterns, names, "modules")
+        if self.model in TRACED and _has_compiled_code(self.model):
+            raise CaptureError(
+                "ModelCapture was created after graphpass already compiled this model, so its graphs hold no "
+                "capture nodes: create ModelCapture right after torch.compile and before the first call "
+                "(or call torch._dynamo.reset() first to recompile)"
+            )
+        self.capture_id = f"mc{next(_IDS)}"
+        self._registry = TensorRegistry(enabled=False, patterns=self.patterns)
+        self.writer = CaptureWriter(capture_dir, subdirectory, dp_rank, tp_rank, capture_filter)
+        self._tokens: list[contextvars_Token] = []
+        _SPECS.setdefault(self.model, []).append(weakref.ref(self))
+
+    # -- seed API ------------------------------------------------------------------------------
+    @property
+    def registry(self) -> TensorRegistry:
+        return self._registry
+
+    def enable(self) -> None:
+        self._registry.configure(enabled=True)
+
+    def disable(self) -> None:
+        self._registry.configure(enabled=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self._registry.enabled
+
+    def register_clear_hook(self, compiled: Any) -> Any:
+        """Clear this registry before every forward of ``compiled`` (a pre-forward hook on the wrapper)."""
+        return compiled.register_forward_pre_hook(lambda *_: self._registry.clear())
+
+    def setup_tensor_capture(self) -> None:
+        """Make this registry the active one in the current context (thread / task)."""
+        self._registry.clear()
+        self._tokens.append(ACTIVE_CAPTURES.set(ACTIVE_CAPTURES.get() + (self._registry,)))
+
+    def _restore(self) -> None:
+        if self._tokens:
+            ACTIVE_CAPTURES.reset(self._tokens.pop())
+
+    def save_tensor_captures(
+        self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None
+    ) -> list[Path]:
+        """Write what was captured since ``setup_tensor_capture`` and restore the previous registry."""
+        try:
+            if not self._registry.enabled:
+                return []
+            tensors = self._registry.get_all_tensors()
+            size = _step_size(positions, is_prefill, req_ids, tensors)
+            import graphpass
+
+            meta = {
+                "req_ids": list(req_ids) if req_ids is not None else [],
+                "positions": positions,
+                "graphpass_version": graphpass.__version__,
+                "torch_version": torch.__version__,
+            }
+            return self.writer.write(tensors, is_prefill=is_prefill, size=size, meta=meta)
+        finally:
+            self._registry.clear()
+            self._restore()
+
+    @contextlib.contextmanager
+    def step(self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None) -> Iterator["ModelCapture"]:
+        """``with capture.step(...): out = compiled(x)``: set up, run, save. If the body raises,
+        nothing is written and the previously active registry is restored."""
+        self.setup_tensor_capture()
+        try:
+            yield self
+        except BaseException:
+            self._registry.clear()
+            self._restore()
+            raise
+        self.save_tensor_captures(positions=positions, is_prefill=is_prefill, req_ids=req_ids)
+
+
+contextvars_Token = Any  # type alias for readability
+
+
+def _step_size(positions: Any, is_prefill: bool, req_ids: Sequence[str] | None, tensors) -> int:
+    if positions is not None:
+        shape = tuple(torch.as_tensor(positions).shape)
+        if is_prefill:
+            return int(shape[-1]) if shape else 1
+        if req_ids is not None:
+            return len(req_ids)
+        return int(shape[0]) if shape else 1
+    if not is_prefill and req_ids is not None:
+        return len(req_ids)
+    if tensors:
+        t = tensors[0][1]
+        if is_prefill:
+            return int(t.shape[1]) if t.dim() >= 2 else int(t.shape[0]) if t.dim() else 1
+        return int(t.shape[0]) if t.dim() else 1
+    raise ConfigError("positions", positions, "cannot tell the step's size: pass positions or req_ids")

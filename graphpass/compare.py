@@ -1,0 +1,345 @@
+"""``graphpass.compare``: compare two capture directories tensor by tensor, for accuracy debugging.
+
+A capture directory (written by ``CaptureWriter``) looks like::
+
+    capture_dir/[subdirectory/]dp{d}/{step}/{step}_meta.json
+    capture_dir/[subdirectory/]dp{d}/{step}/{module}/rank{r}.safetensors
+
+``compare(ref_dir, test_dir)`` walks every step of both trees (steps in execution order: by the
+numeric ``_k`` suffix, then name; modules in the order of the ref meta's ``"modules"``), compares
+every tensor of every rank file in float64 and returns a :class:`CompareReport` whose
+``first_failure`` is the first diverging module. Missing, corrupt or mismatched files never raise:
+each becomes a ``FAIL`` row with a note. Only bad arguments raise :class:`CompareError`.
+Notes that name two values give the ref value first: ``shape mismatch [ref] vs [test]``,
+``dtype <ref> vs <test>``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from tabulate import tabulate
+
+from .errors import GraphpassError
+
+__all__ = ["CompareError", "CompareRow", "CompareReport", "compare"]
+
+PASS, FAIL = "pass", "FAIL"
+_EPS = 1e-30  # guards relative errors against an all-zero reference
+_DP_RE = re.compile(r"^dp\d+$")
+_RANK_RE = re.compile(r"^rank(\d+)\.safetensors$")
+_STEP_K_RE = re.compile(r"^(.*)_(\d+)$")
+HEADERS = ["step", "module", "rank", "key", "status", "max abs", "rel L2", "rel L∞", "note"]
+
+
+class CompareError(GraphpassError, ValueError):
+    """``compare`` was given a bad argument: a directory that does not exist, a negative tolerance."""
+
+
+@dataclass
+class CompareRow:
+    """One compared tensor (or one missing/unreadable thing). Errors are ``None`` when not computable."""
+
+    step: str  # relative path of the step directory, e.g. "dp0/prefill_s8_0"
+    module: str
+    rank: int | None
+    key: str | None
+    status: str
+    max_abs: float | None = None
+    rel_l2: float | None = None
+    rel_linf: float | None = None
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASS
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _json_float(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+    def where(self) -> str:
+        parts = [f"step {self.step}"]
+        if self.rank is not None:
+            parts.append(f"rank {self.rank}")
+        if self.key is not None:
+            parts.append(f"key {self.key}")
+        return ", ".join(parts)
+
+
+@dataclass
+class CompareReport:
+    """The result of :func:`compare`: rows in execution order, plus step-level notes."""
+
+    ref_dir: str
+    test_dir: str
+    rtol: float
+    atol: float
+    rows: list[CompareRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def first_failure(self) -> CompareRow | None:
+        return next((row for row in self.rows if not row.passed), None)
+
+    @property
+    def passed(self) -> bool:
+        """True when at least one tensor was compared and every row passed."""
+        return bool(self.rows) and self.first_failure is None
+
+    def table(self) -> str:
+        body = [[r.step, r.module, "" if r.rank is None else r.rank, "" if r.key is None else r.key, r.status,
+                 _fmt(r.max_abs), _fmt(r.rel_l2), _fmt(r.rel_linf), r.note] for r in self.rows]
+        return tabulate(body, headers=HEADERS, disable_numparse=True)
+
+    def summary_line(self) -> str:
+        if not self.rows:
+            return f"nothing compared: no captured steps found in {self.ref_dir} or {self.test_dir}"
+        bad = self.first_failure
+        if bad is None:
+            return f"all {len(self.rows)} tensors match (rtol={self.rtol:g}, atol={self.atol:g})"
+        what = f"max abs {bad.max_abs:.2e}" if bad.max_abs is not None else ""
+        if bad.note:
+            what = f"{what}; {bad.note}" if what else bad.note
+        n_fail = sum(not r.passed for r in self.rows)
+        return (f"{n_fail} of {len(self.rows)} rows FAIL (rtol={self.rtol:g}, atol={self.atol:g})\n"
+                f"first diverging module: {bad.module or '<step>'} ({bad.where()}): {what}")
+
+    def __str__(self) -> str:
+        parts = [self.table()] if self.rows else []
+        parts += [f"note: {n}" for n in self.notes]
+        parts.append(self.summary_line())
+        return "\n".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        n_pass = sum(r.passed for r in self.rows)
+        first = self.first_failure
+        return {
+            "ref_dir": self.ref_dir,
+            "test_dir": self.test_dir,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "passed": self.passed,
+            "counts": {"total": len(self.rows), "pass": n_pass, "fail": len(self.rows) - n_pass},
+            "first_failure": first.to_dict() if first is not None else None,
+            "summary": self.summary_line(),
+            "notes": list(self.notes),
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+    def write_json(self, path: str | os.PathLike[str]) -> Path:
+        """Write :meth:`to_dict` to ``path`` atomically (temp file in the same directory + ``os.replace``)."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return target
+
+
+def compare(ref_dir: str | os.PathLike[str], test_dir: str | os.PathLike[str],
+            rtol: float = 1e-3, atol: float = 1e-5) -> CompareReport:
+    """Compare every captured tensor under ``test_dir`` with the same one under ``ref_dir``.
+
+    A tensor passes iff the shapes match and ``torch.allclose(test, ref, rtol, atol, equal_nan=True)``
+    holds in float64. Raises :class:`CompareError` only for bad arguments.
+    """
+    ref, test = _check_dir("ref_dir", ref_dir), _check_dir("test_dir", test_dir)
+    rtol, atol = _check_tol("rtol", rtol), _check_tol("atol", atol)
+    report = CompareReport(ref_dir=str(ref), test_dir=str(test), rtol=rtol, atol=atol)
+    ref_steps, test_steps = _find_steps(ref), _find_steps(test)
+    for rel in sorted(set(ref_steps) | set(test_steps), key=_step_sort_key):
+        if rel not in test_steps:
+            report.rows.append(CompareRow(rel, "", None, None, FAIL, note="step missing in test"))
+        elif rel not in ref_steps:
+            report.rows.append(CompareRow(rel, "", None, None, FAIL, note="step missing in ref"))
+        else:
+            _compare_step(report, rel, ref / rel, test / rel)
+    return report
+
+
+# --- arguments and discovery -------------------------------------------------------------------
+
+def _check_dir(name: str, value: Any) -> Path:
+    try:
+        path = Path(value)
+    except TypeError:
+        raise CompareError(f"{name} must be a path, got {value!r}") from None
+    if not path.exists():
+        raise CompareError(f"{name} {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CompareError(f"{name} {str(path)!r} is not a directory")
+    return path
+
+
+def _check_tol(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CompareError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) or value < 0:
+        raise CompareError(f"{name} must be >= 0, got {value!r}")
+    return float(value)
+
+
+def _find_steps(root: Path) -> set[str]:
+    """Relative paths (posix) of every step directory: the children of each ``dp{d}`` directory."""
+    steps: set[str] = set()
+    for dirpath, dirnames, _ in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        name = here.resolve().name if here == root else here.name  # ref_dir may itself be a dp dir
+        if _DP_RE.match(name):
+            steps.update((here / d).relative_to(root).as_posix() for d in dirnames)
+            dirnames[:] = []  # a dp directory's children are steps: do not descend further
+    return steps
+
+
+def _natural(text: str) -> tuple:
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", text) if p)
+
+
+def _step_sort_key(rel: str) -> tuple:
+    *parents, step = rel.split("/")
+    m = _STEP_K_RE.match(step)
+    step_key = (0, int(m.group(2)), _natural(step)) if m else (1, 0, _natural(step))
+    return (tuple(_natural(p) for p in parents), step_key)
+
+
+def _module_order(step_dir: Path, report: CompareReport, rel: str, side: str) -> tuple[list[str], set[str]]:
+    """(order, present): order from the meta's ``modules`` then unlisted dirs sorted; present = dirs."""
+    present = {d.name for d in step_dir.iterdir() if d.is_dir() and not d.name.startswith(".")}
+    meta_path = step_dir / f"{step_dir.name}_meta.json"
+    listed: list[str] = []
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        modules = meta.get("modules") if isinstance(meta, dict) else None
+        if not (isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
+            raise ValueError("no 'modules' list")
+        listed = list(dict.fromkeys(modules))
+    except FileNotFoundError:
+        report.notes.append(f"{rel}: no {side} meta file; module order from sorted directory names")
+    except (OSError, ValueError) as exc:
+        report.notes.append(f"{rel}: unreadable {side} meta file ({exc}); module order from sorted directory names")
+    order = listed + sorted((present - set(listed)), key=_natural)
+    return order, present
+
+
+# --- comparison --------------------------------------------------------------------------------
+
+def _compare_step(report: CompareReport, rel: str, ref_step: Path, test_step: Path) -> None:
+    ref_order, ref_present = _module_order(ref_step, report, rel, "ref")
+    test_order, test_present = _module_order(test_step, report, rel, "test")
+    seen = set(ref_order)
+    order = ref_order + [m for m in test_order if m not in seen]
+    for module in order:
+        in_ref, in_test = module in ref_present, module in test_present
+        if not in_ref and not in_test:
+            report.rows.append(CompareRow(rel, module, None, None, FAIL, note="listed in meta but no directory"))
+        elif not in_test:
+            report.rows.append(CompareRow(rel, module, None, None, FAIL, note="missing in test"))
+        elif not in_ref:
+            report.rows.append(CompareRow(rel, module, None, None, FAIL, note="missing in ref"))
+        else:
+            _compare_module(report, rel, module, ref_step / module, test_step / module)
+
+
+def _rank_files(module_dir: Path) -> dict[int, Path]:
+    found = {}
+    for f in module_dir.iterdir():
+        m = _RANK_RE.match(f.name)
+        if m and f.is_file():
+            found[int(m.group(1))] = f
+    return found
+
+
+def _load(path: Path) -> tuple[dict[str, torch.Tensor] | None, str]:
+    try:
+        return load_file(str(path)), ""
+    except Exception as exc:  # corrupt header, truncated file, permission denied, ...
+        return None, f"{type(exc).__name__}: {exc}".strip()
+
+
+def _compare_module(report: CompareReport, rel: str, module: str, ref_mod: Path, test_mod: Path) -> None:
+    ref_ranks, test_ranks = _rank_files(ref_mod), _rank_files(test_mod)
+    if not ref_ranks and not test_ranks:
+        report.rows.append(CompareRow(rel, module, None, None, FAIL, note="no rank*.safetensors files"))
+        return
+    for rank in sorted(set(ref_ranks) | set(test_ranks)):
+        if rank not in test_ranks or rank not in ref_ranks:
+            side = "test" if rank not in test_ranks else "ref"
+            report.rows.append(CompareRow(rel, module, rank, None, FAIL, note=f"rank file missing in {side}"))
+            continue
+        ref_t, ref_err = _load(ref_ranks[rank])
+        test_t, test_err = _load(test_ranks[rank])
+        if ref_t is None or test_t is None:
+            notes = [f"cannot read {side} file: {err}" for side, err in (("ref", ref_err), ("test", test_err)) if err]
+            report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="; ".join(notes)))
+            continue
+        keys = sorted(set(ref_t) | set(test_t), key=_natural)
+        if not keys:
+            report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="rank files hold no tensors"))
+        for key in keys:
+            if key not in test_t or key not in ref_t:
+                side = "test" if key not in test_t else "ref"
+                report.rows.append(CompareRow(rel, module, rank, key, FAIL, note=f"key missing in {side}"))
+                continue
+            report.rows.append(_compare_tensors(rel, module, rank, key, ref_t[key], test_t[key],
+                                                report.rtol, report.atol))
+
+
+def _compare_tensors(rel: str, module: str, rank: int, key: str, ref: torch.Tensor, test: torch.Tensor,
+                     rtol: float, atol: float) -> CompareRow:
+    notes = []
+    if ref.dtype != test.dtype:
+        notes.append(f"dtype {_dtype(ref.dtype)} vs {_dtype(test.dtype)}")
+    if tuple(ref.shape) != tuple(test.shape):
+        notes.insert(0, f"shape mismatch {list(ref.shape)} vs {list(test.shape)}")
+        return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
+    try:
+        wide = torch.complex128 if ref.is_complex() or test.is_complex() else torch.float64
+        r, t = ref.detach().to(wide), test.detach().to(wide)
+        ok = torch.allclose(t, r, rtol=rtol, atol=atol, equal_nan=True)
+        both_nan = torch.isnan(r) & torch.isnan(t)
+        diff = torch.where((r == t) | both_nan, 0.0, (t - r).abs())  # equal infs and paired NaNs: 0
+        r_fin = torch.where(torch.isfinite(r), r.abs(), 0.0)
+        if diff.numel() == 0:
+            max_abs = rel_l2 = rel_linf = 0.0
+        else:
+            max_abs = diff.max().item()
+            rel_l2 = (torch.linalg.vector_norm(diff) / max(torch.linalg.vector_norm(r_fin).item(), _EPS)).item()
+            rel_linf = max_abs / max(r_fin.max().item(), _EPS)
+    except Exception as exc:  # e.g. a dtype float64 cannot hold: never crash the whole report
+        notes.append(f"comparison failed: {type(exc).__name__}: {exc}")
+        return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
+    if not ok and torch.isnan(diff).any():
+        notes.append("NaN in only one of ref/test")
+    return CompareRow(rel, module, rank, key, PASS if ok else FAIL, max_abs, rel_l2, rel_linf, "; ".join(notes))
+
+
+# --- formatting ---------------------------------------------------------------------------------
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.3g}"
+
+
+def _json_float(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)  # "nan" / "inf": keeps the JSON strict

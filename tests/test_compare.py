@@ -1,0 +1,310 @@
+"""graphpass.compare and ``graphpass compare``: capture directories built by hand, compared."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import graphpass
+from graphpass.cli import main
+from graphpass.compare import CompareError, CompareReport, compare
+from graphpass.errors import GraphpassError
+
+Step = dict[str, dict[int, dict[str, torch.Tensor]]]  # module -> rank -> key -> tensor
+
+
+def write_step(root: Path, step: str, modules: Step, *, dp: int = 0, order: list[str] | None = None,
+               subdir: str = "", meta: bool = True) -> Path:
+    """Write one step the way CaptureWriter lays it out; ``order`` is the meta's module order."""
+    step_dir = root / subdir / f"dp{dp}" / step if subdir else root / f"dp{dp}" / step
+    step_dir.mkdir(parents=True, exist_ok=True)
+    for module, ranks in modules.items():
+        (step_dir / module).mkdir(exist_ok=True)
+        for rank, tensors in ranks.items():
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(step_dir / module / f"rank{rank}.safetensors"))
+    if meta:
+        first_rank = {m: next(iter(r.values()), {}) for m, r in modules.items()}
+        doc = {
+            "phase": step.split("_")[0],
+            "step": step,
+            "modules": order if order is not None else list(modules),
+            "tensors": {m: [{"key": k, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                            for k, t in ts.items()] for m, ts in first_rank.items()},
+            "req_ids": ["r0"], "positions": [0], "dp_rank": dp, "tp_rank": 0,
+            "graphpass_version": graphpass.__version__, "torch_version": torch.__version__,
+        }
+        (step_dir / f"{step}_meta.json").write_text(json.dumps(doc))
+    return step_dir
+
+
+def model_step(seed: int = 0, n_layers: int = 4) -> Step:
+    g = torch.Generator().manual_seed(seed)
+    mods: Step = {f"layers.{i}": {0: {"0": torch.randn(2, 8, 16, generator=g)}} for i in range(n_layers)}
+    mods["lm_head"] = {0: {"0": torch.randn(2, 8, 32, generator=g), "1": torch.randn(4, generator=g)}}
+    return mods
+
+
+def clone(step: Step) -> Step:
+    return {m: {r: {k: v.clone() for k, v in ts.items()} for r, ts in ranks.items()} for m, ranks in step.items()}
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    ref, test = tmp_path / "ref", tmp_path / "test"
+    ref.mkdir()
+    test.mkdir()
+    return ref, test
+
+
+def only(report: CompareReport, module: str) -> list:
+    return [r for r in report.rows if r.module == module]
+
+
+def test_all_equal(dirs):
+    ref, test = dirs
+    step = model_step()
+    write_step(ref, "prefill_s8_0", step)
+    write_step(test, "prefill_s8_0", clone(step))
+    report = compare(ref, test)
+    assert report.passed and report.first_failure is None
+    assert len(report.rows) == 6  # 4 layers + lm_head keys 0, 1
+    assert [r.module for r in report.rows] == ["layers.0", "layers.1", "layers.2", "layers.3", "lm_head", "lm_head"]
+    assert all(r.max_abs == 0.0 and r.rel_l2 == 0.0 and r.rel_linf == 0.0 for r in report.rows)
+    assert str(report).splitlines()[-1] == "all 6 tensors match (rtol=0.001, atol=1e-05)"
+    assert report.rows[0].step == "dp0/prefill_s8_0"
+    assert graphpass.compare is compare and graphpass.CompareReport is CompareReport
+
+
+def test_perturbed_middle_module_is_first_failure(dirs):
+    ref, test = dirs
+    step = model_step()
+    bad = clone(step)
+    bad["layers.2"][0]["0"][1, 3, 5] += 0.0125
+    bad["layers.3"][0]["0"] += 1.0  # downstream divergence: not the first failure
+    write_step(ref, "prefill_s8_0", step)
+    write_step(test, "prefill_s8_0", bad)
+    report = compare(ref, test)
+    assert not report.passed
+    first = report.first_failure
+    assert (first.module, first.rank, first.key, first.status) == ("layers.2", 0, "0", "FAIL")
+    assert first.max_abs == pytest.approx(0.0125, rel=1e-5)
+    r = step["layers.2"][0]["0"].double()
+    assert first.rel_l2 == pytest.approx(0.0125 / r.norm().item(), rel=1e-4)
+    assert first.rel_linf == pytest.approx(0.0125 / r.abs().max().item(), rel=1e-4)
+    assert [row.status for row in report.rows] == ["pass", "pass", "FAIL", "FAIL", "pass", "pass"]
+    assert str(report).splitlines()[-1] == (
+        "first diverging module: layers.2 (step dp0/prefill_s8_0, rank 0, key 0): max abs 1.25e-02")
+    assert "2 of 6 rows FAIL (rtol=0.001, atol=1e-05)" in str(report)
+
+
+def test_tolerance_decides(dirs):
+    ref, test = dirs
+    t = torch.ones(10)
+    write_step(ref, "prefill_s8_0", {"m": {0: {"0": t}}})
+    write_step(test, "prefill_s8_0", {"m": {0: {"0": t + 5e-4}}})
+    assert compare(ref, test).passed  # 5e-4 <= 1e-5 + 1e-3 * 1
+    report = compare(ref, test, rtol=1e-4)
+    assert not report.passed and report.rows[0].max_abs == pytest.approx(5e-4, rel=1e-3)
+
+
+def test_missing_module_in_test_and_in_ref(dirs):
+    ref, test = dirs
+    step = model_step()
+    other = clone(step)
+    del other["layers.1"]
+    other["extra"] = {0: {"0": torch.zeros(3)}}
+    write_step(ref, "prefill_s8_0", step)
+    write_step(test, "prefill_s8_0", other, order=["layers.0", "layers.2", "extra", "layers.3", "lm_head"])
+    report = compare(ref, test)
+    (missing,) = only(report, "layers.1")
+    assert (missing.status, missing.note, missing.rank, missing.max_abs) == ("FAIL", "missing in test", None, None)
+    (extra,) = only(report, "extra")
+    assert (extra.status, extra.note) == ("FAIL", "missing in ref")
+    assert report.rows[-1] is extra  # modules only in test come after the ref order
+    assert report.first_failure is missing
+    assert "first diverging module: layers.1 (step dp0/prefill_s8_0): missing in test" in str(report)
+
+
+def test_missing_rank_and_key(dirs):
+    ref, test = dirs
+    write_step(ref, "decode_b2_1", {"m": {0: {"0": torch.ones(2), "1": torch.ones(2)}, 1: {"0": torch.ones(2)}}})
+    write_step(test, "decode_b2_1", {"m": {0: {"0": torch.ones(2)}}})
+    rows = compare(ref, test).rows
+    assert [(r.rank, r.key, r.status, r.note) for r in rows] == [
+        (0, "0", "pass", ""), (0, "1", "FAIL", "key missing in test"), (1, None, "FAIL", "rank file missing in test")]
+
+
+def test_shape_mismatch(dirs):
+    ref, test = dirs
+    write_step(ref, "prefill_s8_0", {"m": {0: {"0": torch.zeros(2, 8)}}})
+    write_step(test, "prefill_s8_0", {"m": {0: {"0": torch.zeros(2, 9)}}})
+    (row,) = compare(ref, test).rows
+    assert (row.status, row.note) == ("FAIL", "shape mismatch [2, 8] vs [2, 9]")
+    assert row.max_abs is None and row.rel_l2 is None and row.rel_linf is None
+
+
+def test_dtype_difference_within_tolerance_passes_with_note(dirs):
+    ref, test = dirs
+    t = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    write_step(ref, "prefill_s8_0", {"m": {0: {"0": t}}})
+    write_step(test, "prefill_s8_0", {"m": {0: {"0": t.to(torch.bfloat16)}}})
+    (row,) = compare(ref, test, rtol=1e-2, atol=1e-2).rows
+    assert (row.status, row.note) == ("pass", "dtype float32 vs bfloat16")
+    assert row.max_abs == pytest.approx((t.to(torch.bfloat16).double() - t.double()).abs().max().item())
+    assert 0 < row.max_abs < 0.02
+    (strict,) = compare(ref, test).rows  # default tolerances: bf16 rounding is too much
+    assert strict.status == "FAIL" and strict.note == "dtype float32 vs bfloat16"
+
+
+def test_corrupt_file(dirs):
+    ref, test = dirs
+    write_step(ref, "prefill_s8_0", {"a": {0: {"0": torch.ones(2)}}, "b": {0: {"0": torch.ones(2)}}})
+    write_step(test, "prefill_s8_0", {"a": {0: {"0": torch.ones(2)}}, "b": {0: {"0": torch.ones(2)}}})
+    (test / "dp0" / "prefill_s8_0" / "a" / "rank0.safetensors").write_bytes(b"\x07\x00not a safetensors file")
+    report = compare(ref, test)
+    bad, good = report.rows
+    assert (bad.module, bad.status, bad.key) == ("a", "FAIL", None)
+    assert bad.note.startswith("cannot read test file: ")
+    assert (good.module, good.status) == ("b", "pass")
+
+
+def test_order_from_meta_not_alphabetical(dirs):
+    ref, test = dirs
+    mods = {name: {0: {"0": torch.full((3,), float(i))}} for i, name in enumerate(["layers.10", "layers.2", "attn_scores"])}
+    write_step(ref, "prefill_s8_0", mods, order=["layers.10", "layers.2", "attn_scores"])
+    bad = clone(mods)
+    bad["layers.2"][0]["0"] += 1
+    bad["layers.10"][0]["0"] += 1
+    write_step(test, "prefill_s8_0", bad, order=["layers.10", "layers.2", "attn_scores"])
+    report = compare(ref, test)
+    assert [r.module for r in report.rows] == ["layers.10", "layers.2", "attn_scores"]
+    assert report.first_failure.module == "layers.10"
+
+
+def test_missing_meta_falls_back_to_sorted_dirs(dirs):
+    ref, test = dirs
+    mods = {name: {0: {"0": torch.ones(1)}} for name in ["layers.10", "layers.2", "embed"]}
+    write_step(ref, "prefill_s8_0", mods, meta=False)
+    write_step(test, "prefill_s8_0", clone(mods), meta=False)
+    report = compare(ref, test)
+    assert [r.module for r in report.rows] == ["embed", "layers.2", "layers.10"]
+    assert report.passed
+    assert any("no ref meta file" in n for n in report.notes)
+
+
+def test_multiple_steps_in_execution_order(dirs):
+    ref, test = dirs
+    for k, name in enumerate(["prefill_s8_0", "decode_b2_1", "decode_b2_2", "decode_b2_10"]):
+        write_step(ref, name, {"m": {0: {"0": torch.full((2,), float(k))}}})
+        write_step(test, name, {"m": {0: {"0": torch.full((2,), float(k) + (0.5 if k >= 2 else 0))}}})
+    write_step(ref, "prefill_s8_0", {"m": {0: {"0": torch.ones(1)}}}, dp=1)
+    report = compare(ref, test)
+    assert [r.step for r in report.rows] == ["dp0/prefill_s8_0", "dp0/decode_b2_1", "dp0/decode_b2_2",
+                                             "dp0/decode_b2_10", "dp1/prefill_s8_0"]
+    assert [r.status for r in report.rows] == ["pass", "pass", "FAIL", "FAIL", "FAIL"]
+    assert report.first_failure.step == "dp0/decode_b2_2" and report.first_failure.max_abs == 0.5
+    assert (report.rows[-1].module, report.rows[-1].note) == ("", "step missing in test")
+
+
+def test_dp_directory_as_root(dirs):
+    ref, test = dirs
+    write_step(ref, "prefill_s8_0", {"m": {0: {"0": torch.ones(2)}}}, dp=0)
+    write_step(test, "prefill_s8_0", {"m": {0: {"0": torch.ones(2)}}}, dp=3)
+    (row,) = compare(ref / "dp0", test / "dp3").rows
+    assert (row.step, row.status) == ("prefill_s8_0", "pass")
+
+
+def test_subdirectory_and_step_only_in_test(dirs):
+    ref, test = dirs
+    write_step(ref, "prefill_s8_0", {"m": {0: {"0": torch.ones(2)}}}, subdir="run1")
+    write_step(test, "prefill_s8_0", {"m": {0: {"0": torch.ones(2)}}}, subdir="run1")
+    write_step(test, "decode_b1_1", {"m": {0: {"0": torch.ones(2)}}}, subdir="run1")
+    rows = compare(ref, test).rows
+    assert [(r.step, r.status, r.note) for r in rows] == [
+        ("run1/dp0/prefill_s8_0", "pass", ""), ("run1/dp0/decode_b1_1", "FAIL", "step missing in ref")]
+
+
+def test_nan_handling(dirs):
+    ref, test = dirs
+    a = torch.tensor([1.0, float("nan"), 3.0, float("inf")])
+    write_step(ref, "prefill_s8_0", {"same": {0: {"0": a}}, "one_sided": {0: {"0": a}}})
+    write_step(test, "prefill_s8_0", {"same": {0: {"0": a.clone()}},
+                                      "one_sided": {0: {"0": torch.tensor([float("nan"), float("nan"), 3.0, float("inf")])}}})
+    report = compare(ref, test)
+    same, one = report.rows
+    assert (same.status, same.max_abs, same.rel_l2, same.rel_linf) == ("pass", 0.0, 0.0, 0.0)
+    assert one.status == "FAIL" and math.isnan(one.max_abs) and "NaN in only one" in one.note
+    data = report.to_dict()
+    json.dumps(data, allow_nan=False)  # strict JSON: non-finite floats become strings
+    assert data["rows"][1]["max_abs"] == "nan"
+
+
+def test_empty_dirs(dirs):
+    ref, test = dirs
+    report = compare(ref, test)
+    assert report.rows == [] and report.first_failure is None and not report.passed
+    assert str(report).startswith("nothing compared: no captured steps found in")
+
+
+def test_bad_arguments(tmp_path, dirs):
+    ref, test = dirs
+    with pytest.raises(CompareError, match="does not exist"):
+        compare(tmp_path / "nope", test)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CompareError, match="not a directory"):
+        compare(tmp_path / "file", test)
+    with pytest.raises(CompareError, match="rtol must be >= 0"):
+        compare(ref, test, rtol=-1e-3)
+    with pytest.raises(CompareError, match="atol"):
+        compare(ref, test, atol=float("nan"))
+    assert issubclass(CompareError, GraphpassError)
+
+
+def test_write_json_atomic(dirs, tmp_path):
+    ref, test = dirs
+    write_step(ref, "prefill_s8_0", {"m": {0: {"0": torch.ones(2)}}})
+    write_step(test, "prefill_s8_0", {"m": {0: {"0": torch.ones(2) * 2}}})
+    out = compare(ref, test).write_json(tmp_path / "out" / "s.json")
+    data = json.loads(out.read_text())
+    assert data["counts"] == {"total": 1, "pass": 0, "fail": 1} and data["passed"] is False
+    assert data["first_failure"]["module"] == "m" and data["first_failure"]["max_abs"] == 1.0
+    assert [p.name for p in out.parent.iterdir()] == ["s.json"]  # no temp file left behind
+
+
+def test_cli_all_pass(dirs, capsys):
+    ref, test = dirs
+    step = model_step()
+    write_step(ref, "prefill_s8_0", step)
+    write_step(test, "prefill_s8_0", clone(step))
+    assert main(["compare", str(ref), str(test)]) == 0
+    out = capsys.readouterr().out
+    assert "all 6 tensors match (rtol=0.001, atol=1e-05)" in out
+    assert f"summary written to {test / 'compare_summary.json'}" in out
+    assert json.loads((test / "compare_summary.json").read_text())["passed"] is True
+
+
+def test_cli_failure_writes_json(dirs, tmp_path, capsys):
+    ref, test = dirs
+    step = model_step()
+    bad = clone(step)
+    bad["layers.1"][0]["0"][0, 0, 0] -= 0.25
+    write_step(ref, "prefill_s8_0", step)
+    write_step(test, "prefill_s8_0", bad)
+    summary = tmp_path / "summary.json"
+    assert main(["compare", str(ref), str(test), "--json", str(summary), "--atol", "1e-4"]) == 1
+    out = capsys.readouterr().out
+    assert "first diverging module: layers.1" in out and "layers.2" in out  # the table lists every row
+    data = json.loads(summary.read_text())
+    assert data["atol"] == 1e-4 and data["first_failure"]["module"] == "layers.1"
+    assert data["first_failure"]["max_abs"] == pytest.approx(0.25)
+    assert not (test / "compare_summary.json").exists()
+
+
+def test_cli_bad_argument_exits_2(tmp_path, capsys):
+    assert main(["compare", str(tmp_path / "missing"), str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
