@@ -73,9 +73,10 @@ def test_golden_capture_nodes(name, tmp_path):
     model, inputs = MODELS[name]()
     gp = graphpass.backend(then="eager")
     compiled = torch.compile(model, backend=gp)
-    graphpass.ModelCapture(compiled, modules=CAPTURED[name], capture_dir=tmp_path)
+    capture = graphpass.ModelCapture(compiled, modules=CAPTURED[name], capture_dir=tmp_path)
     with torch.no_grad():
         compiled(*inputs)
+    del capture
     code = "\n".join(f"graph {g.index}\n{render_code(g.gm)}" for g in gp.graphs)
     assert "graphpass.capture" in code
     check_golden(GOLDEN / "capture_nodes" / f"{name}.txt", code)

@@ -5,7 +5,9 @@ A module's outputs are the tensors computed inside it (``nn_module_stack``) that
 outside it or returned by the graph; with nested outputs (tuples, dicts, ``ModelOutput``) Dynamo
 has already flattened them, so every tensor is captured, in execution order. The node clones
 the value into the capture registry at run time only while capture is active and enabled, so
-toggling needs no recompilation; values route by name to the innermost active registry that
+toggling needs no recompilation. A module whose own forward Dynamo split at a graph break is
+not captured as a whole (its pieces' outputs are not its outputs): capture its children or use
+``capture_tensor`` there; values route by name to the innermost active registry that
 asked for the module (one compiled graph may serve several instances of a model class). Assumes :mod:`analyze_ownership` ran (module paths per node).
 """
 
@@ -34,6 +36,11 @@ class InsertCaptureNodes(GraphPass):
                     continue
                 rel = fqn[len(spec.prefix) + 1 :] if spec.prefix else fqn
                 if not rel or not any(p.matches(rel) for p in spec.patterns):
+                    continue
+                if fqn == ctx.roots.frame_module:
+                    # This graph is a piece of that module's own frame (cut by a graph break): its
+                    # outputs are whatever crosses the break, not the module's outputs.
+                    ctx.log.append(f"{self.name}: {rel} skipped (its forward is split by a graph break)")
                     continue
                 region = [n for n in nodes if fqn in analysis.node_modules[n.name]]
                 members = set(region)
