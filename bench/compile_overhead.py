@@ -7,7 +7,9 @@ both alike; the median over rounds is reported (first call: Dynamo + backend + i
 
 Steady-state latency: one process compiles both variants, then times them interleaved
 (A, B, A, B, ...) so both see the same machine state; reported are the median and the minimum
-per-forward time, and graphpass/inductor ratios.
+per-forward time and the median of per-pair ratios (call i of graphpass over call i of inductor,
+which cancels drift), as graphpass/inductor ratios. "graphpass passes ms" is the wall time of
+graphpass's own pipeline inside its compile.
 
     python bench/compile_overhead.py               # both models, 2 rounds
     python bench/compile_overhead.py --rounds 3 --models large
@@ -50,13 +52,15 @@ def build(name: str):
 
 
 def _compiled(model, variant: str):
+    """(compiled model, graphpass backend instance or None)."""
     import torch
 
     if variant == "inductor":
-        return torch.compile(model, backend="inductor")
+        return torch.compile(model, backend="inductor"), None
     import graphpass
 
-    return torch.compile(model, backend=graphpass.backend(then="inductor"))
+    gp = graphpass.backend(then="inductor")
+    return torch.compile(model, backend=gp), gp
 
 
 def worker(name: str, variant: str, iters: int) -> dict:
@@ -66,13 +70,15 @@ def worker(name: str, variant: str, iters: int) -> dict:
     model, inputs, kwargs = build(name)
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     if variant != "latency":
-        compiled = _compiled(model, variant)
+        compiled, gp = _compiled(model, variant)
         with torch.no_grad():
             t0 = time.perf_counter()
             compiled(*inputs, **kwargs)
             compile_s = time.perf_counter() - t0
-        return {"model": name, "variant": variant, "compile_s": compile_s, "params": params}
-    fns = {v: _compiled(model, v) for v in ("inductor", "graphpass")}
+        graphs = gp.graphs if gp is not None else []
+        return {"model": name, "variant": variant, "compile_s": compile_s, "params": params,
+                "pass_s": sum(g.pass_seconds for g in graphs)}
+    fns = {v: _compiled(model, v)[0] for v in ("inductor", "graphpass")}
     times: dict[str, list[float]] = {v: [] for v in fns}
     with torch.no_grad():
         for f in fns.values():
@@ -83,7 +89,8 @@ def worker(name: str, variant: str, iters: int) -> dict:
                 t = time.perf_counter()
                 f(*inputs, **kwargs)
                 times[v].append(time.perf_counter() - t)
-    return {"model": name, "variant": "latency", "params": params,
+    paired = statistics.median(g / i for i, g in zip(times["inductor"], times["graphpass"]))
+    return {"model": name, "variant": "latency", "params": params, "paired_ratio": paired,
             **{f"{v}_median_ms": statistics.median(ts) * 1e3 for v, ts in times.items()},
             **{f"{v}_min_ms": min(ts) * 1e3 for v, ts in times.items()}}
 
@@ -127,15 +134,18 @@ def main() -> None:
         print(f"  {name:10s} latency: {json.dumps({k: round(v, 4) for k, v in lat.items() if k.endswith('ms')})}",
               file=sys.stderr)
         ci, cg = statistics.median(compile_s["inductor"]), statistics.median(compile_s["graphpass"])
+        pass_s = statistics.median(x.get("pass_s", 0.0) for x in results if x["model"] == name and x["variant"] == "graphpass")
         rows.append([
             name, f"{lat['params'] / 1e6:.1f} M",
-            f"{ci:.2f}", f"{cg:.2f}", f"{cg / ci:.3f}",
+            f"{ci:.2f}", f"{cg:.2f}", f"{cg / ci:.3f}", f"{pass_s * 1e3:.1f}",
             f"{lat['inductor_median_ms']:.3f}", f"{lat['graphpass_median_ms']:.3f}",
             f"{lat['graphpass_median_ms'] / lat['inductor_median_ms']:.3f}",
             f"{lat['graphpass_min_ms'] / lat['inductor_min_ms']:.3f}",
+            f"{lat['paired_ratio']:.3f}",
         ])
     print(tabulate(rows, headers=["model", "params", "compile inductor s", "compile graphpass s", "ratio",
-                                  "latency inductor ms", "latency graphpass ms", "ratio (median)", "ratio (min)"]))
+                                  "graphpass passes ms", "latency inductor ms", "latency graphpass ms",
+                                  "ratio (median)", "ratio (min)", "ratio (paired)"]))
     print(f"(compile: median of {args.rounds} cold-cache rounds per variant, fresh process each; "
           f"latency: {args.iters} interleaved calls per variant in one process)")
     if args.json:

@@ -25,6 +25,7 @@ from .errors import (
 )
 from .capture import CaptureWriter, ModelCapture, TensorRegistry
 from .explain import ExplainReport, explain
+from .audit import AuditReport, audit
 from .ops import capture_tensor, offload_block, trace_traps
 from .patterns import ModulePattern, compile_pattern
 from .pipeline import PIPELINE
@@ -38,6 +39,8 @@ __all__ = [
     "CompiledGraph",
     "explain",
     "ExplainReport",
+    "audit",
+    "AuditReport",
     "compare",
     "CompareReport",
     "offload_block",

@@ -7,6 +7,7 @@ the ``torch_dynamo_backends`` entry point; ``graphpass.backend(**options)`` buil
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -29,6 +30,7 @@ class CompiledGraph:
     gm: torch.fx.GraphModule
     delegate: str
     example_inputs: list = field(default_factory=list, repr=False)
+    pass_seconds: float = 0.0  # wall time of the graphpass pipeline on this graph
 
 
 class GraphpassBackend:
@@ -70,9 +72,11 @@ class GraphpassBackend:
         """Run the pipeline over ``gm`` in place and record it; compiles nothing."""
         from .capture import specs_for
 
+        t0 = time.perf_counter()
         roots = dynamo_roots(gm)
         captures = [spec for model in roots.whole_models() for spec in specs_for(model)]
         ctx = run_pipeline(gm, example_inputs, config, roots=roots, captures=captures, passes=PIPELINE)
+        seconds = time.perf_counter() - t0
         record = CompiledGraph(
             index=len(self.graphs),
             analysis=ctx.analysis,
@@ -80,6 +84,7 @@ class GraphpassBackend:
             gm=gm,
             delegate=_delegate_name(config.then),
             example_inputs=list(example_inputs),
+            pass_seconds=seconds,
         )
         if self._record:
             self.graphs.append(record)

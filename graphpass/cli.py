@@ -1,4 +1,4 @@
-"""The ``graphpass`` command: ``demo``, ``explain``, ``compare``."""
+"""The ``graphpass`` command: ``demo``, ``explain``, ``audit``, ``compare``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,39 @@ def _explain(args: argparse.Namespace) -> int:
         if args.tensors:
             print()
             print(report.tensor_table())
+    return 0
+
+
+def parse_dynamic(specs: Sequence[str]) -> dict[str, dict[int, tuple[int | None, int | None]]]:
+    """``["x=0", "y=1:2:512", "y=2::64"]`` -> ``{"x": {0: (None, None)}, "y": {1: (2, 512), 2: (None, 64)}}``."""
+    out: dict[str, dict[int, tuple[int | None, int | None]]] = {}
+    for spec in specs:
+        name, eq, rest = spec.partition("=")
+        parts = rest.split(":")
+        try:
+            if not eq or not name or len(parts) not in (1, 3):
+                raise ValueError
+            dim = int(parts[0])
+            lo, hi = (None, None) if len(parts) == 1 else (int(parts[1]) if parts[1] else None, int(parts[2]) if parts[2] else None)
+        except ValueError:
+            raise ConfigError("dynamic", spec, "expected NAME=DIM or NAME=DIM:MIN:MAX (MIN, MAX may be empty)") from None
+        if dim in out.setdefault(name, {}):
+            raise ConfigError("dynamic", spec, f"dim {dim} of {name!r} is given twice")
+        out[name][dim] = (lo, hi)
+    return out
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from .audit import audit
+
+    dynamic = parse_dynamic(args.dynamic)
+    model, inputs = load_factory(args.factory)
+    train = True if args.train else (False if args.inference else None)
+    report = audit(model, *inputs, dynamic=dynamic, train=train, partial_factor=args.partial_factor)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report)
     return 0
 
 
@@ -119,6 +152,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tensors", action="store_true", help="also print every weight's owners")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_explain)
+
+    p = sub.add_parser("audit", help="list variable-size allocations and whether a fixed buffer fits: graphpass audit module:factory --dynamic x=0")
+    p.add_argument("factory", help="module:function returning (model_or_fn, example_inputs)")
+    p.add_argument("--dynamic", action="append", required=True, metavar="NAME=DIM[:MIN:MAX]",
+                   help="an input dim that varies, with an optional range (repeat for more dims)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--train", action="store_true", help="trace forward and backward with grad enabled")
+    mode.add_argument("--inference", action="store_true", help="trace under no_grad only")
+    p.add_argument("--partial-factor", type=float, default=16.0,
+                   help="bound / example-size ratio above which a bounded allocation is PARTIAL (default: 16)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_audit)
 
     p = sub.add_parser("compare", help="compare two capture directories tensor by tensor: graphpass compare REF TEST")
     p.add_argument("ref", help="reference capture directory")

@@ -355,3 +355,18 @@ def test_strict_delegate_captures_same_files(strict_backend, tmp_path):
             torch.testing.assert_close(results["strict"][1][m][k], t, rtol=0, atol=0)
     for gm in strict_backend.graphs:
         assert not any("graphpass" in str(n.target) for n in gm.graph.nodes)
+
+
+def test_setup_save_and_clear_hook(tmp_path):
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend="graphpass", options={"then": "eager"})
+    capture = ModelCapture(compiled, modules=["layers.2"], capture_dir=tmp_path)
+    handle = capture.register_clear_hook(compiled)
+    capture.enable()
+    capture.setup_tensor_capture()
+    compiled(*inputs)
+    compiled(*inputs)  # the hook cleared the first forward's tensors
+    assert [n for n, _ in capture.registry.get_all_tensors()] == ["layers.2"]
+    written = capture.save_tensor_captures(positions=torch.arange(4).view(1, 4), is_prefill=False, req_ids=["a", "b", "c"])
+    assert [p.relative_to(tmp_path).as_posix() for p in written] == ["dp0/decode_b3_0"]
+    handle.remove()
