@@ -3,7 +3,7 @@
 One process compiles three variants of the same model (same weights, graphpass -> inductor):
 ``plain`` (no ModelCapture), ``capture off`` (ModelCapture attached, disabled: the clone nodes
 are in the graph but return at once) and ``capture on`` (enabled, writing to a temp dir each
-step). Calls are interleaved (A, B, C, A, B, C, ...) so all see the same machine state.
+step). Calls are interleaved, the order reversed every other round (A, B, C, C, B, A, ...).
 
     python bench/capture_overhead.py [--iters 60] [--layers 12]
 """
@@ -61,8 +61,8 @@ def main() -> None:
         for f in variants.values():
             for _ in range(3):
                 f()
-        for _ in range(args.iters):
-            for k, f in variants.items():
+        for it in range(args.iters):
+            for k, f in (list(variants.items()) if it % 2 == 0 else list(variants.items())[::-1]):
                 t = time.perf_counter()
                 f()
                 times[k].append(time.perf_counter() - t)

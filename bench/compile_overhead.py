@@ -6,7 +6,7 @@ cache directory, so both variants compile cold; variants alternate so drift on t
 both alike; the median over rounds is reported (first call: Dynamo + backend + inductor).
 
 Steady-state latency: one process compiles both variants, then times them interleaved
-(A, B, A, B, ...) so both see the same machine state; reported are the median and the minimum
+(A, B, B, A, ...) so both see the same machine state and neither always runs second; reported are the median and the minimum
 per-forward time and the median of per-pair ratios (call i of graphpass over call i of inductor,
 which cancels drift), as graphpass/inductor ratios. "graphpass passes ms" is the wall time of
 graphpass's own pipeline inside its compile.
@@ -84,8 +84,9 @@ def worker(name: str, variant: str, iters: int) -> dict:
         for f in fns.values():
             for _ in range(3):
                 f(*inputs, **kwargs)
-        for _ in range(iters):
-            for v, f in fns.items():
+        for it in range(iters):
+            order = list(fns.items()) if it % 2 == 0 else list(fns.items())[::-1]  # ABBA: no position bias
+            for v, f in order:
                 t = time.perf_counter()
                 f(*inputs, **kwargs)
                 times[v].append(time.perf_counter() - t)

@@ -31,6 +31,7 @@ class CompiledGraph:
     delegate: str
     example_inputs: list = field(default_factory=list, repr=False)
     pass_seconds: float = 0.0  # wall time of the graphpass pipeline on this graph
+    runner: Any = None  # what runs the graph when graphpass wraps it (a static_shapes BucketDispatcher)
 
 
 class GraphpassBackend:
@@ -98,9 +99,21 @@ class GraphpassBackend:
         from .capture import TRACED
 
         delegate = resolve_delegate(config.then, mode=config.mode, options=config.delegate_options)
-        ctx, _ = self.transform(gm, example_inputs, config)
+        ctx, record = self.transform(gm, example_inputs, config)
         for model in ctx.roots.whole_models():
             TRACED[model] = TRACED.get(model, 0) + 1
+        plan = ctx.analysis.bucket_plan
+        if plan is not None and plan.active:
+            from .static_shapes import BucketDispatcher
+
+            record.runner = BucketDispatcher(gm, plan, config.static_shapes, delegate, ctx.log)
+            return record.runner
+        if plan is not None:
+            import warnings
+
+            msg = f"graphpass static_shapes: not padding this graph, it runs with dynamic shapes: {plan.refused[0]}"
+            warnings.warn(msg, stacklevel=2)
+            ctx.log.append(msg)
         return compile_with_delegate(gm, example_inputs, delegate)
 
 

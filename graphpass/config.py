@@ -18,6 +18,70 @@ _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-c
 
 
 @dataclass(frozen=True)
+class StaticShapesConfig:
+    """``static_shapes={"dims": {"input_ids": 1}, "buckets": [16, 32, 64]}``.
+
+    dims: input name -> the dim(s) that vary; every tensor input sized by the same symbol is padded too.
+    buckets: strictly increasing sizes; a call runs the graph of the smallest bucket that fits.
+    masked: inputs whose padding the model masks itself (a mask contract): the padding-safety
+        analysis is skipped for graphs that vary only through them.
+    pad_value: value written into the padding, per input (default 0).
+    """
+
+    dims: Mapping[str, tuple[int, ...]]
+    buckets: tuple[int, ...]
+    masked: tuple[str, ...] = ()
+    pad_value: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def largest(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, size: int) -> int | None:
+        return next((b for b in self.buckets if b >= size), None)
+
+
+def _check_static_shapes(value: Any) -> StaticShapesConfig | None:
+    key = "static_shapes"
+    if value is None:
+        return None
+    if isinstance(value, StaticShapesConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(key, value, f"expected a dict with 'dims' and 'buckets', not {type(value).__name__}")
+    allowed = {"dims", "buckets", "masked", "pad_value"}
+    for k in value:
+        if k not in allowed:
+            raise ConfigError(f"{key}.{k}", value[k], f"unknown key (known: {', '.join(sorted(allowed))})")
+    dims = value.get("dims")
+    if not isinstance(dims, Mapping) or not dims:
+        raise ConfigError(f"{key}.dims", dims, "expected a non-empty dict input name -> dim (or list of dims)")
+    norm_dims: dict[str, tuple[int, ...]] = {}
+    for name, d in dims.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"{key}.dims", name, "input names must be Python identifiers (forward's parameter names)")
+        ds = (d,) if isinstance(d, int) and not isinstance(d, bool) else d
+        if not isinstance(ds, (list, tuple)) or not ds or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ds):
+            raise ConfigError(f"{key}.dims.{name}", d, "expected a dim index >= 0 or a list of them")
+        norm_dims[name] = tuple(ds)
+    buckets = value.get("buckets")
+    if not isinstance(buckets, (list, tuple)) or not buckets:
+        raise ConfigError(f"{key}.buckets", buckets, "expected a non-empty list of sizes")
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets):
+        raise ConfigError(f"{key}.buckets", buckets, "bucket sizes must be positive integers")
+    if any(b >= c for b, c in zip(buckets, buckets[1:])):
+        raise ConfigError(f"{key}.buckets", buckets, "bucket sizes must be strictly increasing")
+    masked = value.get("masked", ())
+    if isinstance(masked, str) or not isinstance(masked, (list, tuple)) or not all(m in norm_dims for m in masked):
+        raise ConfigError(f"{key}.masked", masked, "expected a list of names that appear in 'dims'")
+    pad = value.get("pad_value", {})
+    if not isinstance(pad, Mapping) or not all(k in norm_dims and isinstance(v, (int, float)) and not isinstance(v, bool)
+                                               for k, v in pad.items()):
+        raise ConfigError(f"{key}.pad_value", pad, "expected a dict input name (from 'dims') -> number")
+    return StaticShapesConfig(norm_dims, tuple(buckets), tuple(masked), dict(pad))
+
+
+@dataclass(frozen=True)
 class GraphpassConfig:
     """What one graphpass backend instance does.
 
@@ -31,6 +95,8 @@ class GraphpassConfig:
     mode: ``torch.compile`` mode, passed on to the delegate.
     delegate_options: extra options for the delegate (inductor config patches, or the
         ``options=`` of a registered backend).
+    static_shapes: pad varying input dims to buckets, one static graph per bucket
+        (:class:`StaticShapesConfig`).
     """
 
     then: Any = "inductor"
@@ -39,6 +105,7 @@ class GraphpassConfig:
     profile_ranges: bool = True
     mode: str | None = None
     delegate_options: Mapping[str, Any] = field(default_factory=dict)
+    static_shapes: StaticShapesConfig | None = None
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -70,6 +137,7 @@ class GraphpassConfig:
             profile_ranges=_check_bool("profile_ranges", merged.get("profile_ranges", True)),
             mode=_check_mode(merged.get("mode", None)),
             delegate_options=_check_mapping("delegate_options", merged.get("delegate_options", {})),
+            static_shapes=_check_static_shapes(merged.get("static_shapes", None)),
         )
 
 

@@ -16,6 +16,8 @@ from .passes.assign_traps import AssignTraps
 from .passes.base import GraphPass, PassContext
 from .passes.insert_capture_nodes import InsertCaptureNodes
 from .passes.insert_trap_boundaries import InsertTrapBoundaries
+from .passes.plan_static_shapes import PlanStaticShapes
+from .passes.slice_static_buffers import SliceStaticBuffers
 from .roots import Roots
 
 PIPELINE: tuple[GraphPass, ...] = (
@@ -23,6 +25,8 @@ PIPELINE: tuple[GraphPass, ...] = (
     AssignTraps(),  # ops and weights -> trap labels (manual, patterns, or repeated blocks)
     InsertTrapBoundaries(),  # graphpass::trap_enter / trap_exit around each trap region
     InsertCaptureNodes(),  # graphpass::capture after each output of ModelCapture-selected modules
+    PlanStaticShapes(),  # static_shapes: pad/slice contract per bucket + padding-safety verdict
+    SliceStaticBuffers(slice_outputs=False),  # symbolic-size factories -> slices of max-size buffers
 )
 
 

@@ -33,6 +33,7 @@ class Roots:
     modules: dict[RootKey, torch.nn.Module] = field(default_factory=dict)  # root -> module it reaches
     prefixes: dict[RootKey, str] = field(default_factory=dict)  # root -> its FQN in the enclosing model
     models: dict[RootKey, torch.nn.Module] = field(default_factory=dict)  # root -> the enclosing model
+    frame_name: str = ""  # name of the code object Dynamo traced ("forward", "torch_dynamo_resume_in_...")
 
     def split(self, parsed: ParsedSource) -> tuple[RootKey | None, tuple[str, ...]]:
         """(root key, path below the module) for a parsed source; key None when no module is known."""
@@ -69,6 +70,12 @@ class Roots:
         return list(out.values())
 
     @property
+    def is_entry_frame(self) -> bool:
+        """The graph starts where the user's compiled call starts (not a resume after a graph
+        break, not a submodule's own frame): its inputs are the call's arguments."""
+        return not self.frame_name.startswith("torch_dynamo_resume_in") and not self.frame_module
+
+    @property
     def frame_module(self) -> str:
         """FQN of the module whose own forward frame this graph was traced from ("" at the top)."""
         return self.prefixes.get(("self", ()), "")
@@ -101,6 +108,7 @@ def dynamo_roots(gm: torch.fx.GraphModule) -> Roots:
         tx = None
     if tx is None:
         return roots
+    roots.frame_name = getattr(getattr(tx, "f_code", None), "co_name", "")
     for p in parsed:
         scope = tx.f_globals if p.is_global else tx.f_locals
         if p.root not in scope:

@@ -33,6 +33,14 @@ BAD = [
     ({"delegate_options": {1: True}}, "delegate_options", "1"),
     ({"then": "neuronx_cc"}, None, "torch-neuronx"),
     ({"then": object()}, "then", "object"),
+    ({"static_shapes": [16, 32]}, "static_shapes", "16"),
+    ({"static_shapes": {"dims": {"ids": 1}}}, "static_shapes.buckets", "None"),
+    ({"static_shapes": {"dims": {"ids": 1}, "buckets": [32, 16]}}, "static_shapes.buckets", "32"),
+    ({"static_shapes": {"dims": {"ids": 1}, "buckets": [0, 8]}}, "static_shapes.buckets", "0"),
+    ({"static_shapes": {"dims": {}, "buckets": [8]}}, "static_shapes.dims", "{}"),
+    ({"static_shapes": {"dims": {"ids": -1}, "buckets": [8]}}, "static_shapes.dims.ids", "-1"),
+    ({"static_shapes": {"dims": {"ids": 1}, "buckets": [8], "masked": ["mask"]}}, "static_shapes.masked", "mask"),
+    ({"static_shapes": {"dims": {"ids": 1}, "buckets": [8], "bucket": [8]}}, "static_shapes.bucket", "8"),
 ]
 
 
@@ -95,7 +103,8 @@ def test_reversed_range_is_pattern_error():
 
 
 def test_options_and_kwargs_take_the_same_keys():
-    assert set(GraphpassConfig.keys()) == {"then", "traps", "boundaries", "profile_ranges", "mode", "delegate_options"}
+    assert set(GraphpassConfig.keys()) == {"then", "traps", "boundaries", "profile_ranges", "mode", "delegate_options",
+                                           "static_shapes"}
     a = GraphpassConfig.from_options({"then": "eager", "traps": ["layers.0-3"]})
     b = graphpass.backend(then="eager", traps=["layers.0-3"]).config
     assert a == b

@@ -1,0 +1,914 @@
+"""Padding-safety analysis for static-shape bucketing.
+
+Bucketing pads a varying input dim (the sequence length ``L`` of ``input_ids``, say) up to a bucket
+size, runs the static graph compiled for that bucket and slices the outputs back. That is exact
+only if **every output row along the padded dim depends only on the same input row**, with the
+padding rows staying at the end of the dim. :func:`check_padding_safety` proves this for a
+Dynamo-level graph with dynamic shapes, or names the nodes that break it.
+
+The rule works on shapes alone. Every node's ``meta["example_value"]`` is a FakeTensor whose sizes
+are SymInts; a dim *is padded* when its size expression mentions one of the given symbols
+(``L``, ``2*L``, ``B*L``, ``L - 1``). For each op node the analysis looks at the padded dims of its
+tensor inputs and output and at its arguments, and decides whether the op mixes rows along a
+padded dim:
+
+* **safe** -- pointwise ops (:data:`POINTWISE`), dim-wise layout ops (:data:`LAYOUT`), reshapes that
+  keep rows apart (:data:`RESHAPES`, see :func:`_reshape_keeps_rows`), indexing that counts from
+  the start of the padded dim, factories (:data:`FACTORIES`: ``arange(L)`` gives row ``i`` the
+  value ``i`` with or without padding), size queries (:data:`META`), ops along / contracting /
+  normalising over dims that are not padded, ``cat`` whose padded piece is the last one, ``stack``,
+  causal ``scaled_dot_product_attention`` (when ``causal_ok``: row ``i`` only sees rows ``<= i``
+  and the padding sits at the end), SymInt arithmetic (no tensor in or out), and graphpass's own
+  ``torch.ops.graphpass.*`` markers.
+* **a violation** -- any op of :data:`ALONG_DIM` (reductions, scans, sorts, flips, rolls, diffs,
+  splits, gathers) along a padded dim, or over all dims when a dim is padded; a matmul-family op
+  (:data:`MATMULS`) contracting over a padded dim; a normalisation (:data:`NORMS`) over a padded
+  dim; non-causal attention over a padded key/value sequence; ``cat`` / ``repeat`` / ``pad`` that
+  put something after the padding; indexing from the end of a padded dim or with a tensor along
+  it; a reshape that scrambles rows; the padded length used as a *value* (``x * x.size(1)``); and
+  every op not in these tables whose input or output has a padded dim or whose arguments mention
+  a symbol -- conservative by design. Custom ops (OpOverloads outside ``aten``/``prims``) and
+  higher-order ops count as unknown.
+
+Op names are matched by their bare name, whichever way Dynamo records them: a callable
+(``torch.softmax``, ``torch.nn.functional.softmax``, ``torch._C._nn.linear``, ``operator.matmul``),
+a ``call_method`` name (``"softmax"``), or an aten OpOverload (``aten.sum.dim_IntList``); for
+OpOverloads arguments are read by their schema names, so aten graphs work for the ops listed too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping
+
+import sympy
+import torch
+
+__all__ = ["PaddingViolation", "check_padding_safety", "padded_dims"]
+
+
+@dataclass
+class PaddingViolation:
+    node: str  # FX node name
+    op: str  # readable target, e.g. "torch.softmax", "aten.sum.dim_IntList", "Tensor.cumsum"
+    dim: int | None  # the padded dim the op mixes along (None for full reductions)
+    reason: str  # one line: "softmax along the padded dim mixes rows", ...
+    source: str  # "file.py:LINE" from node.meta["stack_trace"] (basename), or ""
+
+    def __str__(self) -> str:
+        where = f" at {self.source}" if self.source else ""
+        dim = "" if self.dim is None else f" (dim {self.dim})"
+        return f"{self.node} [{self.op}]{dim}: {self.reason}{where}"
+
+
+# --------------------------------------------------------------------------------------------
+# Op tables (bare names; in-place variants "add_" and dunders "__add__" map to their base name)
+# --------------------------------------------------------------------------------------------
+
+_ALL = "all"  # an ALONG_DIM default: no dim given means every dim (a full reduction)
+
+#: Elementwise ops (with broadcasting) and identity-like ops: row i of the output reads row i of
+#: every input. ``tril``/``triu`` depend on the position only. Symbol-valued scalar arguments
+#: (``x * L``) are still violations: the value changes with the padding.
+POINTWISE: frozenset[str] = frozenset(
+    """add sub subtract rsub mul multiply div divide true_divide truediv floor_divide floordiv mod
+    remainder fmod pow float_power neg negative pos positive abs absolute sign sgn signbit reciprocal
+    sqrt rsqrt square exp exp2 expm1 log log2 log10 log1p sin cos tan asin acos atan atan2 arctan2
+    sinh cosh tanh asinh acosh atanh sigmoid logit erf erfc erfinv lerp addcmul addcdiv clamp clip
+    clamp_min clamp_max maximum minimum fmax fmin floor ceil round trunc frac nan_to_num hypot xlogy
+    copysign eq ne lt le gt ge greater greater_equal less less_equal not_equal logical_and logical_or
+    logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not and_ or_ xor invert not_
+    lshift rshift isnan isinf isfinite isclose where masked_fill relu relu6 gelu silu mish elu selu
+    celu leaky_relu hardtanh hardswish hardsigmoid softplus softsign tanhshrink threshold logsigmoid
+    prelu dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout native_dropout
+    to type type_as float double half bfloat16 int long short bool byte char cpu cuda detach clone
+    contiguous requires_grad_ alias lift_fresh _to_copy fill_ zero_ copy_ tril triu real imag
+    view_as_real view_as_complex""".split()
+)
+
+#: Dim-wise layout ops: they move or broadcast whole dims, so padding stays at the end of each.
+LAYOUT: frozenset[str] = frozenset(
+    "permute transpose swapaxes swapdims movedim moveaxis t adjoint unsqueeze squeeze expand "
+    "expand_as broadcast_to stack".split()
+)
+
+#: Reshapes reinterpret the row-major element order: checked by :func:`_reshape_keeps_rows`.
+RESHAPES: frozenset[str] = frozenset(
+    "view reshape flatten unflatten view_as reshape_as _unsafe_view ravel".split()
+)
+
+#: Size queries and other ops without a tensor result that read only metadata.
+META: frozenset[str] = frozenset(
+    "size dim numel stride sym_size sym_numel sym_stride sym_storage_offset is_contiguous "
+    "element_size get_device is_floating_point".split()
+)
+
+#: Factories: sizes may mention the padded length (row i of ``arange(L)`` is i either way); the
+#: listed arguments are *values* and must not. name -> ((position, keyword), ...).
+FACTORIES: Mapping[str, tuple[tuple[int, str], ...]] = MappingProxyType({
+    **{n: () for n in "zeros ones empty rand randn zeros_like ones_like empty_like rand_like "
+       "randn_like new_zeros new_ones new_empty eye".split()},
+    "full": ((1, "fill_value"),),
+    "full_like": ((1, "fill_value"),),
+    "new_full": ((2, "fill_value"),),
+    "arange": (),  # start / step are checked in _check_factory
+})
+
+
+@dataclass(frozen=True)
+class _DimSpec:
+    pos: int  # position of the dim argument (counting the tensor as 0); -1: keyword only
+    kw: str  # keyword name of the dim argument
+    default: int | str  # dim used when none is given; _ALL for every dim
+    what: str  # the reason's wording
+
+
+_MIX = "along the padded dim mixes rows"
+_SPLIT = "along the padded dim: the pieces' boundaries move with the padding"
+_GATHER = "along the padded dim reads rows chosen by tensor values"
+
+#: Ops that combine or reorder values along ``dim``: unsafe when that dim is padded.
+ALONG_DIM: Mapping[str, _DimSpec] = MappingProxyType({
+    **{n: _DimSpec(1, "dim", _ALL, _MIX) for n in (
+        "sum nansum mean nanmean prod amax amin max min all any argmax argmin count_nonzero var std "
+        "var_mean std_mean logsumexp median nanmedian softmax log_softmax softmin _softmax "
+        "_log_softmax cumsum cumprod cummax cummin logcumsumexp").split()},
+    "aminmax": _DimSpec(-1, "dim", _ALL, _MIX),
+    "norm": _DimSpec(2, "dim", _ALL, _MIX),
+    "linalg_vector_norm": _DimSpec(2, "dim", _ALL, _MIX),
+    "linalg_norm": _DimSpec(2, "dim", _ALL, _MIX),
+    "normalize": _DimSpec(2, "dim", 1, _MIX),
+    "quantile": _DimSpec(2, "dim", _ALL, _MIX),
+    "nanquantile": _DimSpec(2, "dim", _ALL, _MIX),
+    "sort": _DimSpec(1, "dim", -1, _MIX),
+    "argsort": _DimSpec(1, "dim", -1, _MIX),
+    "msort": _DimSpec(-1, "", 0, _MIX),
+    "mode": _DimSpec(1, "dim", -1, _MIX),
+    "topk": _DimSpec(2, "dim", -1, _MIX),
+    "kthvalue": _DimSpec(2, "dim", -1, _MIX),
+    "glu": _DimSpec(1, "dim", -1, _MIX),
+    "flip": _DimSpec(1, "dims", _ALL, _MIX),
+    "fliplr": _DimSpec(-1, "", 1, _MIX),
+    "flipud": _DimSpec(-1, "", 0, _MIX),
+    "roll": _DimSpec(2, "dims", _ALL, _MIX),
+    "diff": _DimSpec(2, "dim", -1, _MIX),
+    "split": _DimSpec(2, "dim", 0, _SPLIT),
+    "split_with_sizes": _DimSpec(2, "dim", 0, _SPLIT),
+    "tensor_split": _DimSpec(2, "dim", 0, _SPLIT),
+    "chunk": _DimSpec(2, "dim", 0, _SPLIT),
+    "unbind": _DimSpec(1, "dim", 0, _SPLIT),
+    **{n: _DimSpec(1, "dim", _ALL, _GATHER) for n in (
+        "index_select gather scatter scatter_add scatter_reduce index_add index_copy index_fill").split()},
+    "take_along_dim": _DimSpec(2, "dim", _ALL, _GATHER),
+})
+
+#: Matmul-family ops, with the (argument position, keyword, dim) pairs they contract over. None:
+#: decided from the operands' ranks (matmul) or the equation (einsum).
+MATMULS: Mapping[str, tuple[tuple[int, str, int], ...] | None] = MappingProxyType({
+    "linear": ((0, "input", -1), (1, "weight", -1)),
+    "matmul": None,
+    "mm": ((0, "input", -1), (1, "mat2", -2)),
+    "bmm": ((0, "input", -1), (1, "mat2", -2)),
+    "mv": ((0, "input", -1), (1, "vec", 0)),
+    "dot": ((0, "input", 0), (1, "other", 0)),
+    "vdot": ((0, "input", 0), (1, "other", 0)),
+    "inner": ((0, "input", -1), (1, "other", -1)),
+    "addmm": ((1, "mat1", -1), (2, "mat2", -2)),
+    "baddbmm": ((1, "batch1", -1), (2, "batch2", -2)),
+    "addbmm": ((1, "batch1", -1), (2, "batch2", -2), (1, "batch1", 0), (2, "batch2", 0)),
+    "addmv": ((1, "mat", -1), (2, "vec", 0)),
+    "outer": (),
+    "ger": (),
+    "einsum": None,
+})
+
+#: Normalisations, with the dims they compute statistics over ("trailing": the last
+#: len(normalized_shape); "from1": dims 1..; "from2": dims 2..; "batch": all but 1, in training).
+NORMS: Mapping[str, str] = MappingProxyType({
+    "layer_norm": "trailing",
+    "native_layer_norm": "trailing",
+    "rms_norm": "trailing",
+    "_fused_rms_norm": "trailing",
+    "group_norm": "from1",
+    "native_group_norm": "from1",
+    "instance_norm": "from2",
+    "batch_norm": "batch",
+    "native_batch_norm": "batch",
+    "_native_batch_norm_legit": "batch",
+    "_native_batch_norm_legit_functional": "batch",
+    "_native_batch_norm_legit_no_training": "batch",
+})
+
+#: Attention kernels (query, key, value first; ``is_causal`` by keyword or, for
+#: ``torch.nn.functional.scaled_dot_product_attention``, at position 5).
+ATTENTION: frozenset[str] = frozenset(
+    "scaled_dot_product_attention _scaled_dot_product_flash_attention "
+    "_scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_efficient_attention "
+    "_scaled_dot_product_cudnn_attention _scaled_dot_product_attention_math".split()
+)
+
+#: Ops whose padding-safety depends on where they index, concatenate, repeat or pad.
+INDEXING: frozenset[str] = frozenset("getitem setitem narrow select slice".split())
+CONCAT: frozenset[str] = frozenset("cat concat concatenate".split())
+REPEATS: frozenset[str] = frozenset("repeat tile repeat_interleave".split())
+PADS: frozenset[str] = frozenset("pad constant_pad_nd".split())
+EMBEDDINGS: frozenset[str] = frozenset("embedding".split())
+
+_KNOWN: frozenset[str] = (
+    POINTWISE | LAYOUT | RESHAPES | META | ATTENTION | INDEXING | CONCAT | REPEATS | PADS | EMBEDDINGS
+    | frozenset(FACTORIES) | frozenset(ALONG_DIM) | frozenset(MATMULS) | frozenset(NORMS)
+)
+
+#: Namespaces whose OpOverloads are read through the tables above; graphpass's are always safe.
+_TABLE_NAMESPACES = frozenset({"aten", "prims"})
+_SAFE_NAMESPACES = frozenset({"graphpass"})
+#: Modules a call_function callable may come from to be matched by name (else: unknown).
+_KNOWN_MODULES = ("torch", "_operator", "operator", "math", "builtins")
+
+
+# --------------------------------------------------------------------------------------------
+# Public helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _symbol_names(symbols: Iterable[Any]) -> frozenset[str]:
+    # matched by name: a plain sympy.Symbol("s27") finds Dynamo's s27 (which has assumptions)
+    return frozenset(str(s) for s in symbols)
+
+
+def _mentions(value: Any, names: frozenset[str]) -> bool:
+    """Whether a size / scalar (int, SymInt, SymFloat, SymBool, sympy expr) mentions a symbol."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        value = value.node.expr
+    if isinstance(value, sympy.Basic):
+        return any(str(s) in names for s in value.free_symbols)
+    return False
+
+
+def _example(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return value.meta.get("example_value", value.meta.get("val"))
+    return value
+
+
+def padded_dims(value: Any, symbols: Iterable[Any]) -> tuple[int, ...]:
+    """The dims of a (Fake)Tensor -- or of an FX node's example value -- whose size mentions one
+    of ``symbols``. Anything that is not a tensor has none."""
+    value = _example(value)
+    if not isinstance(value, torch.Tensor):
+        return ()
+    names = _symbol_names(symbols)
+    return tuple(d for d, s in enumerate(value.shape) if _mentions(s, names))
+
+
+# --------------------------------------------------------------------------------------------
+# Reading nodes
+# --------------------------------------------------------------------------------------------
+
+_MISSING = object()
+_FRAME = re.compile(r'\s*File "(.+)", line (\d+)')
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _source(node: torch.fx.Node) -> str:
+    """``file.py:LINE`` of the innermost user frame of the node's stack trace, or ``""``."""
+    best = ""
+    for line in (node.meta.get("stack_trace") or "").splitlines():
+        m = _FRAME.match(line)
+        if m and not os.path.abspath(m.group(1)).startswith(_TORCH_DIR + os.sep):
+            best = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+    return best
+
+
+def _namespace(target: Any) -> str | None:
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0]
+    return None
+
+
+def _label(node: torch.fx.Node) -> str:
+    """A readable name for the node's target: torch.softmax, aten.sum.dim_IntList, Tensor.cumsum."""
+    t = node.target
+    if node.op == "call_method":
+        return f"Tensor.{t}"
+    if node.op == "call_module":
+        return f"module {t}"
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(t)
+    name = getattr(t, "__name__", None)
+    if name is None:
+        return repr(t)
+    mod = getattr(t, "__module__", None)
+    if mod in ("_operator", "operator"):
+        return f"operator.{name}"
+    if getattr(torch, name, None) is t:
+        return f"torch.{name}"
+    if getattr(torch.nn.functional, name, None) is t:
+        return f"torch.nn.functional.{name}"
+    if name.startswith("linalg_") and getattr(torch.linalg, name[7:], None) is t:
+        return f"torch.linalg.{name[7:]}"
+    if getattr(t, "__objclass__", None) in (torch.Tensor, torch._C.TensorBase):
+        return f"Tensor.{name}"
+    return f"{mod}.{name}" if mod else name
+
+
+def _base_name(name: str) -> str:
+    """The table name of an in-place / reflected / dunder spelling: ``add_``, ``iadd``,
+    ``__radd__``, ``__iadd__`` -> ``add``; ``__and__`` -> ``and_``. Other names unchanged."""
+    core = name[2:-2] if name.startswith("__") and name.endswith("__") and len(name) > 4 else name
+    candidates = [core, core + "_"]
+    if core.endswith("_") and not core.startswith("_"):
+        candidates.append(core[:-1])  # in-place method
+    for c in candidates:
+        if c in _KNOWN:
+            return c
+    if core[:1] in ("r", "i"):  # reflected / augmented elementwise: __rsub__, iadd
+        for c in (core[1:], core[1:] + "_"):
+            if c in POINTWISE:
+                return c
+    return core
+
+
+def _op_name(node: torch.fx.Node) -> str | None:
+    """The bare name the tables are keyed by, or None when the target is not one we may match
+    by name (a custom op, a higher-order op, a module, a callable from elsewhere)."""
+    t = node.target
+    if node.op == "call_method":
+        return _base_name(str(t))
+    if node.op != "call_function":
+        return None
+    if isinstance(t, torch._ops.OpOverload):
+        return _base_name(t.overloadpacket.__name__) if t.namespace in _TABLE_NAMESPACES else None
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return _base_name(t.__name__) if _namespace(t) in _TABLE_NAMESPACES else None
+    if isinstance(t, torch._ops.HigherOrderOperator):
+        return None
+    name = getattr(t, "__name__", None)
+    mod = getattr(t, "__module__", None)
+    if not isinstance(name, str):
+        return None
+    if mod is not None and not any(mod == m or mod.startswith(m + ".") for m in _KNOWN_MODULES):
+        return None
+    return _base_name(name)
+
+
+def _arg(node: torch.fx.Node, pos: int, kw: str, default: Any = _MISSING) -> Any:
+    """Argument ``kw`` of ``node``: by keyword, by schema position for OpOverloads that name it,
+    else at ``pos`` (-1: keyword only). The tensor itself is position 0 (``self`` of call_method
+    and of aten ops, ``input`` of torch functions)."""
+    if kw and kw in node.kwargs:
+        return node.kwargs[kw]
+    if pos == 0:
+        if node.args:
+            return node.args[0]
+        return next((node.kwargs[k] for k in ("input", "self") if k in node.kwargs), default)
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload) and kw:
+        for i, a in enumerate(t._schema.arguments):
+            if a.name == kw:
+                pos = -1 if a.kwarg_only else i
+                break
+    if 0 <= pos < len(node.args):
+        return node.args[pos]
+    return default
+
+
+def _iter_nodes(value: Any) -> Iterable[torch.fx.Node]:
+    if isinstance(value, torch.fx.Node):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _iter_nodes(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _iter_nodes(v)
+    elif isinstance(value, slice):
+        for v in (value.start, value.stop, value.step):
+            yield from _iter_nodes(v)
+
+
+def _iter_values(value: Any) -> Iterable[Any]:
+    """Every leaf argument, with nodes replaced by their example values."""
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _iter_values(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _iter_values(v)
+    elif isinstance(value, slice):
+        for v in (value.start, value.stop, value.step):
+            yield from _iter_values(v)
+    else:
+        yield _example(value)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    value = _example(value)
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _is_tensor_arg(value: Any) -> bool:
+    return isinstance(_example(value), torch.Tensor)
+
+
+def _dims(value: Any) -> list[int] | None:
+    """A dim argument as a list of ints; None when it is not a static int / list of ints."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    return None
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d % ndim if ndim else 0
+
+
+def _static_int(value: Any) -> int | None:
+    """A plain int argument; None for anything else (SymInts included)."""
+    value = _example(value)
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The checks: each returns (dim, reason) for a violation, or None
+# --------------------------------------------------------------------------------------------
+
+_Finding = tuple[int | None, str]
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    names: frozenset[str]
+    causal_ok: bool
+
+    def padded(self, value: Any) -> tuple[int, ...]:
+        t = _example(value)
+        if not isinstance(t, torch.Tensor):
+            return ()
+        return tuple(d for d, s in enumerate(t.shape) if _mentions(s, self.names))
+
+
+def _value_use(node: torch.fx.Node, ctx: _Ctx, args: Iterable[Any] | None = None) -> _Finding | None:
+    """A scalar argument that mentions a padded length: the op computes with the length itself."""
+    leaves = _iter_values(list(node.args) + list(node.kwargs.values()) if args is None else list(args))
+    for v in leaves:
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Basic)) and _mentions(v, ctx.names):
+            expr = v.node.expr if hasattr(v, "node") else v
+            return None, f"uses the padded length ({expr}) as a value"
+    return None
+
+
+def _check_along_dim(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    spec = ALONG_DIM[name]
+    x = _arg(node, 0, "input")
+    t = _example(x)
+    if not isinstance(t, torch.Tensor):
+        return None
+    if name in ("max", "min") and _is_tensor_arg(_arg(node, 1, "other", None)):
+        return None  # torch.max(a, b): elementwise
+    pads = ctx.padded(t)
+    if not pads:
+        return None
+    if node.op == "call_method" and name == "flip" and len(node.args) > 2:
+        raw: Any = list(node.args[1:])  # x.flip(1, 2)
+    else:
+        raw = _arg(node, spec.pos, spec.kw, _MISSING)
+        if raw is _MISSING or raw is None:
+            raw = spec.default
+    if name in ("var", "std", "var_mean", "std_mean") and isinstance(raw, bool):
+        raw = _ALL  # var(x, unbiased)
+    dims = None if isinstance(raw, str) else _dims(raw)
+    if dims is not None and len(dims) == 0 and spec.what == _MIX and name not in ("flip", "roll"):
+        dims, raw = None, _ALL  # sum(x, dim=[]) reduces every dim
+    if dims is None:
+        if not isinstance(raw, str) and raw is not None:
+            return None, f"{name} along a dim that is not static: cannot prove row independence"
+        return None, f"{name} over every dim includes the padded dim {pads[0]} and mixes rows"
+    for d in dims:
+        d = _norm_dim(d, t.dim())
+        if d in pads:
+            return d, f"{name} {spec.what}"
+    return None
+
+
+def _check_matmul(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    spec = MATMULS[name]
+    if name == "einsum":
+        return _check_einsum(node, ctx)
+    pairs: list[tuple[Any, int]] = []
+    if spec is None:  # matmul: by rank
+        a, b = _example(_arg(node, 0, "input")), _example(_arg(node, 1, "other"))
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return None
+        pairs = [(a, 0 if a.dim() == 1 else -1), (b, 0 if b.dim() == 1 else -2)]
+    else:
+        for pos, kw, d in spec:
+            t = _example(_arg(node, pos, kw, None))
+            if isinstance(t, torch.Tensor):
+                pairs.append((t, d))
+    for t, d in pairs:
+        if t.dim() == 0:
+            continue
+        d = _norm_dim(d, t.dim())
+        if d in ctx.padded(t):
+            return d, f"{name} contracts over the padded dim"
+    return None
+
+
+def _check_einsum(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
+    eq = node.args[0] if node.args else node.kwargs.get("equation")
+    ops = list(node.args[1:])
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = list(ops[0])
+    if not isinstance(eq, str):
+        return None, "einsum without a readable equation: cannot prove row independence"
+    eq = eq.replace(" ", "")
+    lhs, _, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if "->" not in eq:
+        letters = [c for c in lhs if c.isalpha()]
+        rhs = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    kept = set(rhs)
+    for term, op in zip(terms, ops):
+        t = _example(op)
+        if not isinstance(t, torch.Tensor):
+            continue
+        pads = ctx.padded(t)
+        before, ell, after = term.partition("...")
+        labels: dict[int, str] = {i: c for i, c in enumerate(before)}
+        if ell:
+            labels.update({t.dim() - len(after) + i: c for i, c in enumerate(after)})
+        for d in pads:
+            c = labels.get(d)
+            if c is not None and c not in kept:
+                return d, "einsum contracts over the padded dim"
+    return None
+
+
+def _check_norm(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    t = _example(_arg(node, 0, "input"))
+    if not isinstance(t, torch.Tensor):
+        return None
+    pads = ctx.padded(t)
+    kind = NORMS[name]
+    if kind == "trailing":
+        shape = _arg(node, 1, "normalized_shape", None)
+        k = len(shape) if isinstance(shape, (list, tuple)) else 1
+        dims = range(t.dim() - k, t.dim())
+    elif kind == "from1":
+        dims = range(1, t.dim())
+    elif kind == "from2":
+        dims = range(2, t.dim())
+    else:  # batch norm: statistics over every dim but 1 in training, running stats otherwise
+        training = _arg(node, 5, "training", False)
+        if training is False:
+            return _value_use(node, ctx)
+        dims = [d for d in range(t.dim()) if d != 1]
+    for d in dims:
+        if d in pads:
+            return d, f"{name} normalises over the padded dim"
+    return _value_use(node, ctx)
+
+
+def _check_attention(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    q = _example(_arg(node, 0, "query"))
+    k = _example(_arg(node, 1, "key", None))
+    v = _example(_arg(node, 2, "value", None))
+    for t in (q, k):
+        if isinstance(t, torch.Tensor) and t.dim() and t.dim() - 1 in ctx.padded(t):
+            return t.dim() - 1, f"{name} contracts over the padded head dim"
+    for t in (k, v):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.dim() - 2 in ctx.padded(t):
+            causal = _arg(node, 5, "is_causal", False)
+            if causal is True and ctx.causal_ok:
+                break  # row i sees rows <= i; the padding sits after every real row
+            return t.dim() - 2, "attention over the padded sequence"
+    return _value_use(node, ctx)
+
+
+def _bad_start(start: Any, ctx: _Ctx) -> str | None:
+    """Why a start index / int index into a padded dim is not row-preserving, or None."""
+    v = _example(start)
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return "counts from the end of the padded dim (reads padding rows)" if v < 0 else None
+    if isinstance(v, (torch.SymInt, torch.SymFloat)) and _mentions(v, ctx.names):
+        return f"is computed from the padded length ({v.node.expr}) and moves with the padding"
+    if isinstance(v, torch.Tensor):
+        return "is a tensor: rows chosen by tensor values"
+    return None
+
+
+def _check_getitem(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    target = node.args[0] if node.args else None
+    t = _example(target)
+    if not isinstance(t, torch.Tensor):
+        return None  # a tuple / list / torch.Size element
+    pads = ctx.padded(t)
+    if name in ("narrow", "select", "slice"):
+        d = _arg(node, 1, "dim", 0)
+        if not isinstance(d, int):
+            return (None, f"{name} along a dim that is not static") if pads else None
+        d = _norm_dim(d, t.dim())
+        if d not in pads:
+            return None
+        start = _arg(node, 2, "start" if name != "select" else "index", None)
+        why = _bad_start(start, ctx)
+        if name == "slice":
+            step = _static_int(_arg(node, 4, "step", 1))
+            if step is None or step < 1:
+                why = why or "steps backwards or by a non-static step"
+        return (d, f"{name} along the padded dim {why}") if why else None
+    idx = node.args[1] if len(node.args) > 1 else None
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    if isinstance(idx, list):
+        items = [idx]  # x[[0, 2]]: one advanced index on dim 0
+
+    def width(item: Any) -> int:
+        if item is None:
+            return 0
+        v = _example(item)
+        if isinstance(v, torch.Tensor) and v.dtype == torch.bool:
+            return v.dim()
+        return 0 if item is Ellipsis else 1
+
+    used = sum(width(i) for i in items)
+    d = 0
+    for item in items:
+        if item is Ellipsis:
+            d += t.dim() - used
+            continue
+        w = width(item)
+        for dd in range(d, d + w):
+            if dd not in pads:
+                continue
+            v = _example(item)
+            if isinstance(item, slice):
+                why = _bad_start(item.start, ctx)
+                step = _example(item.step)
+                if step is not None and not (isinstance(step, int) and step >= 1):
+                    why = why or "steps backwards or by a non-static step"
+            elif isinstance(v, torch.Tensor):
+                why = "is a boolean mask: rows chosen by tensor values" if v.dtype == torch.bool else \
+                    "is a tensor: rows chosen by tensor values"
+            elif isinstance(item, (list, tuple)):
+                why = "is a list: rows picked by position"
+            else:
+                why = _bad_start(item, ctx)
+            if why:
+                verb = "writes" if name == "setitem" else "indexes"
+                return dd, f"{verb} the padded dim with an index that {why}"
+        d += w
+    return None
+
+
+def _check_cat(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    pieces = _arg(node, 0, "tensors", ())
+    if not isinstance(pieces, (list, tuple)):
+        return None, f"{name} of an unreadable list: cannot prove row independence"
+    d = _arg(node, 1, "dim", 0)
+    tensors = [_example(p) for p in pieces]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not tensors:
+        return None
+    if not isinstance(d, int):
+        return None, f"{name} along a dim that is not static"
+    for i, t in enumerate(tensors):
+        dd = _norm_dim(d, t.dim())
+        if dd in ctx.padded(t) and i < len(tensors) - 1:
+            return dd, "cat along the padded dim"  # padding would land in the middle
+    return None
+
+
+def _check_repeat(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    t = _example(node.args[0] if node.args else _arg(node, 0, "input"))
+    if not isinstance(t, torch.Tensor):
+        return None
+    pads = ctx.padded(t)
+    if not pads:
+        return None
+    if name == "repeat_interleave":
+        reps = _example(_arg(node, 1, "repeats", None))
+        d = _arg(node, 2, "dim", None)
+        if isinstance(reps, torch.Tensor) and reps.dim() > 0:
+            return None, "repeat_interleave with tensor repeats: cannot prove row independence"
+        if d is None:
+            return None, "repeat_interleave without dim flattens the padded dim into the middle"
+        return _value_use(node, ctx, [reps])  # row i -> rows k*i..k*i+k-1: padding stays last
+    if node.op == "call_method" and len(node.args) > 2:
+        counts: Any = list(node.args[1:])
+    else:
+        counts = _arg(node, 1, "repeats" if name == "repeat" else "dims", ())
+    counts = list(counts) if isinstance(counts, (list, tuple)) else [counts]
+    for d in pads:
+        i = d + len(counts) - t.dim()
+        c = _static_int(counts[i]) if 0 <= i < len(counts) else 1
+        if c != 1:
+            return d, f"{name} along the padded dim puts padding in the middle"
+    return None
+
+
+def _check_pad(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    t = _example(_arg(node, 0, "input"))
+    if not isinstance(t, torch.Tensor):
+        return None
+    amounts = _arg(node, 1, "pad", ())
+    mode = _arg(node, 2, "mode", "constant") if name == "pad" else "constant"
+    if not isinstance(amounts, (list, tuple)):
+        return None, f"{name} with unreadable amounts: cannot prove row independence"
+    for d in ctx.padded(t):
+        k = t.dim() - 1 - d
+        left = _static_int(amounts[2 * k]) if 2 * k < len(amounts) else 0
+        right = _static_int(amounts[2 * k + 1]) if 2 * k + 1 < len(amounts) else 0
+        if right != 0:
+            return d, f"{name} appends after the padded dim (the bucket's padding would sit before it)"
+        if left != 0 and mode != "constant":
+            return d, f"{name} in {mode!r} mode along the padded dim reads other rows"
+    return _value_use(node, ctx, [_arg(node, 3, "value", None)])
+
+
+def _check_embedding(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    w = _example(_arg(node, 1, "weight", None))
+    if isinstance(w, torch.Tensor) and w.dim() and 0 in ctx.padded(w):
+        return 0, "embedding looks up rows of a table along the padded dim"
+    return None
+
+
+def _size_expr(size: Any) -> sympy.Expr:
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+
+
+def _shape_env(t: torch.Tensor) -> Any:
+    for s in t.shape:
+        if isinstance(s, torch.SymInt):
+            return s.node.shape_env
+    return None
+
+
+def _exact(expr: sympy.Expr, env: Any) -> sympy.Expr:
+    """``expr`` with every ``a // b`` the shape env knows to be exact (``a % b == 0`` was
+    guarded, e.g. by a view) replaced by ``a / b``, so that ``4 * (H // 4)`` cancels to ``H``."""
+    from torch.utils._sympy.functions import FloorDiv
+
+    known = getattr(env, "divisible", None) or ()
+    reps = {}
+    for atom in expr.atoms(FloorDiv):
+        base, div = atom.args
+        if any(m.args == (base, div) for m in known):
+            reps[atom] = base / div
+    return sympy.expand(expr.xreplace(reps)) if reps else expr
+
+
+def _divides(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """``a`` divides ``b`` for every value of the symbols (as far as sympy can tell)."""
+    if a == 0:
+        return False
+    return sympy.cancel(b / a).is_integer is True
+
+
+def _reshape_keeps_rows(src: torch.Tensor, dst: torch.Tensor, ctx: _Ctx) -> bool:
+    """Whether a row-major reshape ``src -> dst`` keeps rows apart.
+
+    For a padded dim ``d`` of a shape ``S`` let ``C = prod(S[d+1:])`` (the row stride) and
+    ``E = prod(S[d:])`` (the block of all rows). Rows survive the reshape when every padded dim
+    on either side pairs with one on the other side whose ``C`` and ``E`` nest the same way:
+    merging the padded dim with its trailing dims ([B, L, H] -> [B, L*H]) or its leading dims
+    ([B, L, H] -> [B*L, H]) and splitting those back. [B, L, H] -> [B, H, L] scrambles rows.
+    """
+    env = _shape_env(src) or _shape_env(dst)
+
+    def blocks(t: torch.Tensor) -> list[tuple[sympy.Expr, sympy.Expr]]:
+        shape = [_exact(_size_expr(s), env) for s in t.shape]
+        return [(sympy.Mul(*shape[d + 1:]), sympy.Mul(*shape[d:])) for d in ctx.padded(t)]
+
+    a, b = blocks(src), blocks(dst)
+
+    def pairs(c1: sympy.Expr, e1: sympy.Expr, c2: sympy.Expr, e2: sympy.Expr) -> bool:
+        return (_divides(c1, c2) and _divides(e2, e1)) or (_divides(c2, c1) and _divides(e1, e2))
+
+    return all(any(pairs(c, e, c2, e2) for c2, e2 in b) for c, e in a) and all(
+        any(pairs(c, e, c2, e2) for c2, e2 in a) for c, e in b
+    )
+
+
+def _check_reshape(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    src = _example(node.args[0] if node.args else _arg(node, 0, "input"))
+    dst = _example(node)
+    if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
+        return None
+    if _reshape_keeps_rows(src, dst, ctx):
+        return None
+    pads = ctx.padded(src)
+    return (pads[0] if pads else None), (
+        f"{name} {tuple(src.shape)} -> {tuple(dst.shape)} moves padding rows away from the end of the padded dim"
+    )
+
+
+def _check_factory(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    if name == "arange":
+        if isinstance(node.target, torch._ops.OpOverload):
+            values = [_arg(node, -1, "start", None), _arg(node, -1, "step", None)]
+        else:
+            values = [node.args[0], *node.args[2:3]] if len(node.args) >= 2 else []
+            values += [node.kwargs.get("start"), node.kwargs.get("step")]
+        return _value_use(node, ctx, values)
+    return _value_use(node, ctx, [_arg(node, pos, kw, None) for pos, kw in FACTORIES[name]])
+
+
+def _check_pointwise(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    if name == "where" and len(node.args) + len(node.kwargs) < 3:
+        return None, "where(cond) returns indices of true values: cannot prove row independence"
+    return _value_use(node, ctx)
+
+
+def _handler(name: str) -> Callable[[torch.fx.Node, str, _Ctx], _Finding | None] | None:
+    if name in POINTWISE:
+        return _check_pointwise
+    if name in LAYOUT or name in META:
+        return lambda node, name, ctx: None
+    if name in RESHAPES:
+        return _check_reshape
+    if name in FACTORIES:
+        return _check_factory
+    if name in ALONG_DIM:
+        return _check_along_dim
+    if name in MATMULS:
+        return _check_matmul
+    if name in NORMS:
+        return _check_norm
+    if name in ATTENTION:
+        return _check_attention
+    if name in INDEXING:
+        return _check_getitem
+    if name in CONCAT:
+        return _check_cat
+    if name in REPEATS:
+        return _check_repeat
+    if name in PADS:
+        return _check_pad
+    if name in EMBEDDINGS:
+        return _check_embedding
+    return None
+
+
+def _check_node(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
+    if node.op in ("placeholder", "output", "get_attr"):
+        return None
+    if node.op == "call_function" and _namespace(node.target) in _SAFE_NAMESPACES:
+        return None  # graphpass's own markers: no outputs, run-time side effects only
+    inputs = [n for n in _iter_nodes((node.args, node.kwargs))]
+    tensor_in = [n for n in inputs if _tensors(n)]
+    tensor_out = _tensors(node)
+    if not tensor_in and not tensor_out:
+        return None  # SymInt / SymFloat arithmetic, size queries of nothing, asserts
+    padded_in = any(ctx.padded(t) for n in tensor_in for t in _tensors(n))
+    padded_out = any(ctx.padded(t) for t in tensor_out)
+    if not padded_in and not padded_out and _value_use(node, ctx) is None:
+        return None  # nothing padded goes in, comes out, or is used as a value
+    name = _op_name(node)
+    handler = _handler(name) if name is not None else None
+    if handler is None:
+        return None, f"unknown op {_label(node)}: cannot prove row independence"
+    return handler(node, name, ctx)
+
+
+def check_padding_safety(
+    gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True
+) -> list[PaddingViolation]:
+    """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
+
+    ``gm`` is a Dynamo-level graph traced with dynamic shapes (its nodes carry FakeTensor
+    ``example_value`` metadata with SymInt sizes); ``symbols`` are the sympy symbols of the dims
+    bucketing pads (matched by name). ``causal_ok``: causal ``scaled_dot_product_attention`` over a
+    padded sequence counts as safe (padding sits at the end, and row i sees rows <= i only).
+
+    Returns the violations in graph order; an empty list means padding is safe.
+    """
+    ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok)
+    out: list[PaddingViolation] = []
+    for node in gm.graph.nodes:
+        found = _check_node(node, ctx)
+        if found is None:
+            continue
+        dim, reason = found
+        out.append(PaddingViolation(node=node.name, op=_label(node), dim=dim, reason=reason, source=_source(node)))
+    return out

@@ -1,0 +1,173 @@
+"""Static-shape bucketing plan: inserts nothing; fills ``ctx.analysis.bucket_plan``.
+
+For a graph with symbolic sizes, it finds the symbol of each dim named in
+``static_shapes["dims"]`` (from the example value of the input's placeholder), and records the
+pad/slice contract at the graph boundary: which input dims to pad (every tensor input sized by
+exactly that symbol), which size inputs become the bucket size, and how to slice each output dim
+back (``s + b`` -> ``L + b``). Then it runs the padding-safety analysis: where an op mixes rows
+along a padded dim (softmax, reductions, cumsum, sort, normalisation or attention over it) the plan
+is refused with the node and the reason, and the graph runs as a dynamic graph instead, unless
+the user declared a mask contract (``masked``) for that input. It also sets ``ctx.static_bounds``
+(symbol -> largest bucket) for :mod:`slice_static_buffers` when the plan holds, and keeps an
+unsliced copy of the graph for the dynamic fallback (sizes beyond the largest bucket).
+
+A graph whose marked dims are plain ints (Dynamo's first, exact-size trace) gets no plan.
+Assumes :mod:`analyze_ownership` ran (input names).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+
+from ..analysis import example_of
+from ..errors import ConfigError
+from .base import GraphPass, PassContext
+
+
+@dataclass
+class BucketPlan:
+    symbols: dict[sympy.Symbol, tuple[int, int]]  # symbol -> (placeholder index, dim) it is read from
+    pad: dict[int, tuple[tuple[int, sympy.Symbol], ...]]  # placeholder index -> (dim, its symbol) to pad
+    pad_values: dict[int, float]  # placeholder index -> pad value
+    size_inputs: dict[int, sympy.Expr]  # placeholder index of a SymInt input -> its expression
+    outputs: list[Any]  # per output: None (no padded dim) or per-dim None / (symbol, a, b): size a*L + b
+    refused: list[str] = field(default_factory=list)  # why this graph runs dynamic (empty: bucketed)
+    unsliced: Any = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
+
+    @property
+    def active(self) -> bool:
+        return not self.refused
+
+
+def _expr(s: Any) -> sympy.Expr | None:
+    if isinstance(s, torch.SymInt):
+        return s.node.expr
+    return None
+
+
+def _linear(expr: sympy.Expr, sym: sympy.Symbol) -> tuple[int, int] | None:
+    """(1, b) when expr == sym + b (b an integer constant), else None.
+
+    Only ``L + b`` can be sliced back: a merged dim such as ``B*L`` interleaves padding rows with
+    real ones, so its first ``B*L`` rows are not the real rows.
+    """
+    poly = sympy.Poly(expr, sym) if expr.free_symbols == {sym} else None
+    if poly is None or poly.degree() != 1:
+        return None
+    a, b = (int(c) for c in poly.all_coeffs())
+    return (a, b) if a == 1 else None
+
+
+class PlanStaticShapes(GraphPass):
+    name = "plan_static_shapes"
+
+    def should_run(self, ctx: PassContext) -> bool:
+        return ctx.config.static_shapes is not None
+
+    def run(self, ctx: PassContext) -> None:
+        cfg = ctx.config.static_shapes
+        analysis = ctx.analysis
+        placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
+        index = {n.name: i for i, n in enumerate(placeholders)}
+        inputs = {t.fqn: t for t in analysis.tensors.values() if t.kind == "input"}
+
+        def find(name: str):
+            for key in (name, f"kwargs[{name!r}]"):
+                if key in inputs:
+                    return inputs[key]
+            return None
+
+        symbols: dict[sympy.Symbol, tuple[int, int]] = {}
+        masked_syms: set[sympy.Symbol] = set()
+        missing = []
+        for name, dims in cfg.dims.items():
+            t = find(name)
+            if t is None:
+                missing.append(name)
+                continue
+            val = example_of(placeholders[index[t.node]])
+            for d in dims:
+                if d >= val.dim():
+                    raise ConfigError(f"static_shapes.dims.{name}", d, f"input {name!r} has only {val.dim()} dims")
+                e = _expr(val.shape[d])
+                if e is None:
+                    ctx.log.append(f"{self.name}: {name} dim {d} is static here ({int(val.shape[d])}): exact-size graph")
+                    return
+                if not isinstance(e, sympy.Symbol):
+                    ctx.log.append(f"{self.name}: {name} dim {d} has size {e}, not a plain symbol: not bucketed")
+                    return
+                symbols[e] = (index[t.node], d)
+                if name in cfg.masked:
+                    masked_syms.add(e)
+        if missing and not symbols:
+            if ctx.roots.is_entry_frame:
+                known = ", ".join(sorted(inputs)) or "none"
+                raise ConfigError("static_shapes.dims", missing[0], f"no input of the compiled function has this name (inputs: {known})")
+            ctx.log.append(f"{self.name}: inputs {missing} not in this graph (a graph after a break): not bucketed")
+            return
+        if missing:
+            ctx.log.append(f"{self.name}: inputs {missing} not in this graph; bucketing the others")
+        plan = BucketPlan(symbols=symbols, pad={}, pad_values={}, size_inputs={}, outputs=[])
+        syms = set(symbols)
+        pad_by_name = {find(n).node: v for n, v in cfg.pad_value.items() if find(n) is not None}
+        for i, ph in enumerate(placeholders):
+            val = example_of(ph)
+            if isinstance(val, torch.SymInt):
+                e = val.node.expr
+                if e.free_symbols & syms:
+                    plan.size_inputs[i] = e
+                continue
+            if not isinstance(val, torch.Tensor):
+                continue
+            dims = []
+            for d, s in enumerate(val.shape):
+                e = _expr(s)
+                if e is None or not (e.free_symbols & syms):
+                    continue
+                if e not in syms:
+                    plan.refused.append(f"input {ph.name} dim {d} has size {e}: only dims sized exactly by a bucketed dim can be padded")
+                dims.append((d, e))
+            if dims:
+                plan.pad[i] = tuple(dims)
+                plan.pad_values[i] = float(pad_by_name.get(ph.name, 0))
+        out = next(n for n in ctx.gm.graph.nodes if n.op == "output")
+        for arg in out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]:
+            val = example_of(arg) if isinstance(arg, torch.fx.Node) else arg
+            if isinstance(val, torch.Tensor):
+                spec = []
+                for d, s in enumerate(val.shape):
+                    e = _expr(s)
+                    if e is None or not (e.free_symbols & syms):
+                        spec.append(None)
+                        continue
+                    sym = next((sym for sym in syms if e.free_symbols == {sym}), None)
+                    lin = _linear(e, sym) if sym is not None else None
+                    if lin is None:
+                        plan.refused.append(f"output {arg.name} dim {d} has size {e}: cannot slice it back")
+                        spec.append(None)
+                    else:
+                        spec.append((sym, *lin))
+                plan.outputs.append(tuple(spec) if any(x is not None for x in spec) else None)
+            elif isinstance(val, torch.SymInt) and val.node.expr.free_symbols & syms:
+                plan.refused.append(f"output {getattr(arg, 'name', arg)} is a size ({val.node.expr}) that depends on the padded dim")
+                plan.outputs.append(None)
+            else:
+                plan.outputs.append(None)
+        unmasked = syms - masked_syms
+        if unmasked and not plan.refused:
+            from ..padding_safety import check_padding_safety
+
+            for v in check_padding_safety(ctx.gm, unmasked):
+                plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
+        from ..static_shapes import copy_graph
+
+        plan.unsliced = copy_graph(ctx.gm)  # the dynamic fallback must not slice fixed-size buffers
+        analysis.bucket_plan = plan
+        if plan.active:
+            ctx.static_bounds = {sym: cfg.largest for sym in symbols}
+        state = "bucketed" if plan.active else "refused: " + plan.refused[0]
+        ctx.log.append(f"{self.name}: {len(plan.pad)} padded inputs, {len(plan.outputs)} outputs; {state}")

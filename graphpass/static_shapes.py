@@ -1,0 +1,191 @@
+"""Run a symbolic-shape graph as one static graph per bucket.
+
+:class:`BucketDispatcher` is what graphpass returns to Dynamo for a graph with a bucketing plan
+(:mod:`graphpass.passes.plan_static_shapes`). Each call:
+
+1. reads the actual size ``L`` of each bucketed dim and picks the smallest bucket ``B >= L``;
+2. copies every padded input into a persistent staging buffer of the bucket's shape (allocated
+   once per bucket and input; the padding is filled with the pad value), so input addresses are
+   stable from call to call, as CUDA graphs need;
+3. runs the bucket's graph, compiled by the delegate the first time the bucket is used with the
+   padded inputs, so its sizes are all static;
+4. slices every output dim that depends on ``L`` back (``B + b`` -> ``L + b``).
+
+Graphs whose plan was refused (padding not proven safe) never get here: graphpass compiles them
+as the dynamic graphs Dynamo traced, with one warning naming the node and the reason. A call
+larger than the largest bucket runs the unpadded graph compiled for its exact size (warned once):
+compiled outside Dynamo's trace, it cannot stay symbolic.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+
+from graphpass.backends import Delegate
+
+from .config import StaticShapesConfig
+
+
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph (delegates may mutate what they compile)."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    new = torch.fx.GraphModule(gm, graph)
+    if hasattr(gm, "_param_name_to_source"):  # AOTAutograd reads it on Dynamo graphs
+        new._param_name_to_source = dict(gm._param_name_to_source)
+    return new
+
+
+def scalar_items(gm: torch.fx.GraphModule) -> list[int]:
+    """Placeholders Dynamo lifted from Python floats (``eps``, ``norm_type``): 0-d tensors read
+    only through ``.item()``."""
+    out = []
+    for i, ph in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        val = ph.meta.get("example_value")
+        if isinstance(val, torch.Tensor) and val.dim() == 0 and ph.users and all(
+            u.op == "call_method" and u.target == "item" for u in ph.users
+        ):
+            out.append(i)
+    return out
+
+
+def _fold_scalars(gm: torch.fx.GraphModule, args: Sequence[Any], indices: list[int]) -> None:
+    """Replace ``x.item()`` of lifted scalars by their value in this call (part of the bucket key):
+    a graph compiled outside Dynamo's trace cannot read a tensor's value while tracing it."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i in indices:
+        value = args[i].item()
+        for user in list(placeholders[i].users):
+            user.replace_all_uses_with(value)
+            gm.graph.erase_node(user)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _compile_bucket(gm: torch.fx.GraphModule, args: Sequence[Any], delegate: Delegate, scalars: list[int]) -> Callable:
+    """Compile a copy of the graph for one concrete call: lifted scalars folded, and size inputs
+    (Python ints here) baked in and dropped from the signature, so the delegate sees a fully
+    static graph with tensor inputs only (CUDA-graph backends need exactly that)."""
+    from .delegation import compile_with_delegate
+
+    _fold_scalars(gm, args, scalars)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    baked = [i for i, a in enumerate(args) if isinstance(a, int) and not isinstance(a, bool)]
+    for i in baked:
+        placeholders[i].replace_all_uses_with(args[i])
+        gm.graph.erase_node(placeholders[i])
+    gm.graph.lint()
+    gm.recompile()
+    keep = [i for i in range(len(args)) if i not in set(baked)]
+    fn = compile_with_delegate(gm, [args[i] for i in keep], delegate)
+    if not baked:
+        return fn
+    return lambda *call_args: fn(*(call_args[i] for i in keep))
+
+
+class BucketDispatcher:
+    def __init__(self, gm: torch.fx.GraphModule, plan: Any, cfg: StaticShapesConfig, delegate: Delegate,
+                 log: list[str] | None = None) -> None:
+        self.gm = gm
+        self.plan = plan
+        self.cfg = cfg
+        self.delegate = delegate
+        self.compiled: dict[tuple, Callable] = {}  # (bucket per symbol, other size inputs) -> compiled fn
+        self.staging: dict[tuple, torch.Tensor] = {}  # (bucket key, input index) -> persistent padded buffer
+        self.oversize: dict[tuple, Callable] = {}  # exact-size graphs for calls beyond the largest bucket
+        self.warned = False
+        self.log = log if log is not None else []
+        self.calls_per_bucket: dict[tuple, int] = {}
+        self.scalars = scalar_items(gm)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _warn(self, msg: str) -> None:
+        if not self.warned:
+            self.warned = True
+            warnings.warn(msg, stacklevel=3)
+            self.log.append(msg)
+
+    def _run_unpadded(self, args: Sequence[Any], key: tuple) -> Any:
+        """A call beyond the largest bucket: the unpadded graph (without fixed-size buffer slices),
+        compiled for this exact size. Compiled outside Dynamo's trace, it cannot stay symbolic."""
+        fn = self.oversize.get(key)
+        if fn is None:
+            source = self.plan.unsliced if self.plan.unsliced is not None else self.gm
+            fn = self.oversize[key] = _compile_bucket(copy_graph(source), list(args), self.delegate, self.scalars)
+        return fn(*args)
+
+    @property
+    def compilations(self) -> int:
+        return len(self.compiled) + len(self.oversize)
+
+    # -- the call --------------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        plan = self.plan
+        sizes = {sym: int(args[i].shape[d]) for sym, (i, d) in plan.symbols.items()}
+        buckets = {sym: self.cfg.bucket_for(n) for sym, n in sizes.items()}
+        if any(b is None for b in buckets.values()):
+            self._warn(
+                f"graphpass static_shapes: size {max(sizes.values())} is larger than the largest bucket "
+                f"{self.cfg.largest}; running it unpadded, compiled for its exact size (add a bucket to avoid it)"
+            )
+            shape_key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args
+                              if isinstance(a, (torch.Tensor, int)))
+            return self._run_unpadded(args, shape_key)
+        subs = {sym: b for sym, b in buckets.items()}
+        others = tuple((i, int(a)) for i, a in enumerate(args) if isinstance(a, int) and i not in plan.size_inputs)
+        key = (tuple(sorted((str(s), b) for s, b in subs.items())), others,
+               tuple(args[i].item() for i in self.scalars))
+        padded = list(args)
+        for i, expr in plan.size_inputs.items():
+            padded[i] = int(expr.subs(subs))
+        for i, dims in plan.pad.items():
+            padded[i] = self._stage(key, i, args[i], dims, subs)
+        fn = self.compiled.get(key)
+        if fn is None:
+            from .delegation import compile_with_delegate
+
+            fn = self.compiled[key] = _compile_bucket(copy_graph(self.gm), padded, self.delegate, self.scalars)
+            self.log.append(f"static_shapes: compiled bucket {dict((str(s), b) for s, b in subs.items())}")
+        self.calls_per_bucket[key] = self.calls_per_bucket.get(key, 0) + 1
+        outs = fn(*padded)
+        return self._slice(outs, sizes)
+
+    def _stage(self, key: tuple, i: int, t: torch.Tensor, dims: tuple, subs: dict) -> torch.Tensor:
+        """Copy ``t`` into this bucket's persistent buffer for input ``i`` and fill the padding."""
+        target = list(t.shape)
+        for d, sym in dims:
+            target[d] = subs[sym]
+        buf = self.staging.get((key, i))
+        if buf is None or list(buf.shape) != target or buf.dtype != t.dtype or buf.device != t.device:
+            buf = torch.empty(target, dtype=t.dtype, device=t.device)
+            self.staging[(key, i)] = buf
+        view = buf
+        for d, _ in dims:
+            view = view.narrow(d, 0, t.shape[d])
+        view.copy_(t)
+        pad = self.plan.pad_values.get(i, 0.0)
+        for d, _ in dims:
+            n = t.shape[d]
+            if buf.shape[d] > n:
+                buf.narrow(d, n, buf.shape[d] - n).fill_(pad)
+        return buf
+
+    def _slice(self, outs: Any, sizes: dict) -> Any:
+        if not isinstance(outs, (tuple, list)):
+            return outs
+        result = list(outs)
+        for k, spec in enumerate(self.plan.outputs):
+            if spec is None or k >= len(result) or not isinstance(result[k], torch.Tensor):
+                continue
+            t = result[k]
+            for d, lin in enumerate(spec):
+                if lin is not None:
+                    sym, a, b = lin
+                    t = t.narrow(d, 0, a * sizes[sym] + b)
+            result[k] = t
+        return tuple(result) if isinstance(outs, tuple) else result

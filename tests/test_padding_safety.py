@@ -1,0 +1,396 @@
+"""Padding-safety analysis: which ops of a dynamic-shape Dynamo graph break padding the sequence dim."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import sympy
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphpass
+from graphpass.models.transformer import TinyTransformer, TransformerConfig
+from graphpass.padding_safety import PaddingViolation, check_padding_safety, padded_dims
+
+B, L, H, V = 2, 7, 16, 11  # distinct sizes: Dynamo would give equal sizes one symbol
+
+
+@torch.library.custom_op("padtest::double", mutates_args=())
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_double.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def seq_input(gm: torch.fx.GraphModule, dim: int = 1) -> tuple[str, sympy.Symbol]:
+    """The graph's first tensor input (not a parameter or buffer) with a dim ``dim``, and the symbol Dynamo gave
+    its dim ``dim`` (read off the placeholder's example value). Needs the placeholders' ``grapharg``
+    metadata, which Dynamo keeps only while the backend runs."""
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" or not isinstance(n.meta.get("example_value"), torch.Tensor):
+            continue
+        source = n.meta["grapharg"].source.name
+        if "_parameters" in source or "_buffers" in source or n.meta["example_value"].dim() <= dim:
+            continue
+        size = n.meta["example_value"].shape[dim]
+        assert isinstance(size, torch.SymInt), f"dim {dim} of {source} was specialized to {size}"
+        assert isinstance(size.node.expr, sympy.Symbol)
+        return n.name, size.node.expr
+    raise AssertionError("no tensor input")
+
+
+class Recorder:
+    """A torch.compile backend that keeps every graph Dynamo hands it, with its seq input."""
+
+    def __init__(self, dim: int = 1) -> None:
+        self.dim = dim
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.inputs: list[tuple[str, sympy.Symbol]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.graphs.append(gm)
+        self.inputs.append(seq_input(gm, self.dim))
+        return gm.forward
+
+
+def trace(fn, *inputs, dim: int = 1, mark: bool = False) -> tuple[torch.fx.GraphModule, sympy.Symbol]:
+    """The single Dynamo graph of ``fn(*inputs)`` traced with dynamic shapes, and the seq symbol."""
+    torch._dynamo.reset()
+    rec = Recorder(dim)
+    if mark:
+        torch._dynamo.mark_dynamic(inputs[0], dim)
+        compiled = torch.compile(fn, backend=rec, dynamic=False)
+    else:
+        compiled = torch.compile(fn, backend=rec, dynamic=True)
+    with torch.no_grad():
+        compiled(*inputs)
+    assert len(rec.graphs) == 1, f"expected one graph, got {len(rec.graphs)} (graph break?)"
+    return rec.graphs[0], rec.inputs[0][1]
+
+
+def check(fn, *inputs, causal_ok: bool = True, **kw) -> list[PaddingViolation]:
+    gm, sym = trace(fn, *inputs, **kw)
+    return check_padding_safety(gm, {sym}, causal_ok=causal_ok)
+
+
+def x3() -> torch.Tensor:
+    return torch.randn(B, L, H)
+
+
+def node_target(gm: torch.fx.GraphModule, name: str):
+    return next(n for n in gm.graph.nodes if n.name == name).target
+
+
+# --------------------------------------------------------------------------------------------
+# safe graphs
+# --------------------------------------------------------------------------------------------
+
+
+def test_mlp_is_row_wise():
+    mlp = nn.Sequential(nn.Linear(H, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, H), nn.SiLU()).eval()
+    gm, sym = trace(mlp, x3())
+    assert check_padding_safety(gm, {sym}) == []
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta["example_value"], torch.Tensor)
+             and n.meta["example_value"].dim() == 3)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert padded_dims(x, {sym}) == (1,)
+    assert padded_dims(out.meta["example_value"], {sym}) == (1,)
+
+
+def test_softmax_over_the_vocab_is_safe():
+    head = nn.Linear(H, V)
+    gm, sym = trace(lambda x: torch.softmax(head(x), dim=-1), x3())
+    assert check_padding_safety(gm, {sym}) == []
+
+
+def test_layer_norm_and_rms_norm_are_safe():
+    ln, rms = nn.LayerNorm(H), nn.RMSNorm(H)
+    assert check(lambda x: rms(ln(x)) * 2, x3()) == []
+
+
+def test_rms_norm_written_by_hand_is_safe():
+    assert check(lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), x3()) == []
+
+
+def test_views_indexing_and_masks_that_keep_rows_are_safe():
+    def fn(x):
+        b, s, _ = x.shape
+        heads = x.view(b, s, 4, H // 4).transpose(1, 2)  # [B, 4, L, H/4]
+        back = heads.transpose(1, 2).reshape(b, s, H)
+        tokens = back.reshape(-1, H).view(b, s, H)  # merge with the batch dim and back
+        mask = torch.full((s, s), float("-inf")).triu(1)  # built from the length, position-wise
+        pos = torch.arange(s)[None, :, None].float()
+        return tokens[:, 1:] + x[:, :-1], x[..., 0], mask, x + pos, torch.cat([x[:, :2], x], dim=1)
+
+    assert check(fn, x3()) == []
+
+
+def test_scalar_arithmetic_on_the_length_is_safe():
+    # SymInt arithmetic nodes themselves have no tensor output; using them as sizes is fine
+    assert check(lambda x: x.new_zeros(x.size(0), x.size(1) * 2, 3), x3()) == []
+
+
+def test_mark_dynamic_graph():
+    gm, sym = trace(lambda x: (x.softmax(-1), x.sum(1)), x3(), mark=True)
+    got = check_padding_safety(gm, {sym})
+    assert [(v.node, v.dim) for v in got] == [("sum_1", 1)]
+
+
+# --------------------------------------------------------------------------------------------
+# reductions, scans, sorts
+# --------------------------------------------------------------------------------------------
+
+
+def test_sum_along_the_padded_dim():
+    got = check(lambda x: x.sum(dim=1), x3())
+    assert len(got) == 1
+    v = got[0]
+    assert (v.node, v.op, v.dim) == ("sum_1", "Tensor.sum", 1)
+    assert v.reason == "sum along the padded dim mixes rows"
+    assert v.source.startswith("test_padding_safety.py:")
+    line = int(v.source.split(":")[1])
+    assert "x.sum(dim=1)" in open(__file__).read().splitlines()[line - 1]
+
+
+@pytest.mark.parametrize(
+    "fn, op, dim",
+    [
+        (lambda x: torch.sum(x, 1), "torch.sum", 1),
+        (lambda x: x.sum(-2), "Tensor.sum", 1),
+        (lambda x: x.mean(dim=(0, 1)), "Tensor.mean", 1),
+        (lambda x: x.amax(dim=[-2]), "Tensor.amax", 1),
+        (lambda x: torch.logsumexp(x, 1), "torch.logsumexp", 1),
+        (lambda x: F.softmax(x, dim=1), "torch.nn.functional.softmax", 1),
+        (lambda x: x.max(dim=1).values, "Tensor.max", 1),
+        (lambda x: x.var(1), "Tensor.var", 1),
+        (lambda x: x.norm(2, 1), "Tensor.norm", 1),
+        (lambda x: x.sum(), "Tensor.sum", None),
+        (lambda x: x.max(), "Tensor.max", None),
+    ],
+)
+def test_reductions_along_the_padded_dim(fn, op, dim):
+    got = check(fn, x3())
+    assert [(v.op, v.dim) for v in got] == [(op, dim)]
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.sum(-1), lambda x: x.amax(dim=(0, 2)), lambda x: torch.max(x, x)])
+def test_reductions_along_other_dims_are_safe(fn):
+    assert check(fn, x3()) == []
+
+
+def test_cumsum_along_the_padded_dim():
+    got = check(lambda x: (x.cumsum(-1), x.cumsum(1)), x3())
+    assert [(v.node, v.op, v.dim) for v in got] == [("cumsum_1", "Tensor.cumsum", 1)]
+    assert "cumsum along the padded dim" in got[0].reason
+
+
+def test_topk_along_the_padded_dim():
+    got = check(lambda x: (torch.topk(x, 3, dim=-1).values, torch.topk(x, 3, dim=1).values), x3())
+    assert [(v.op, v.dim) for v in got] == [("torch.topk", 1)]
+
+
+def test_flip_roll_and_diff_along_the_padded_dim():
+    got = check(lambda x: (x.flip(2), x.flip(1), torch.roll(x, 1, 1), torch.diff(x, dim=1)), x3())
+    assert [(v.op, v.dim) for v in got] == [("Tensor.flip", 1), ("torch.roll", 1), ("torch.diff", 1)]
+
+
+def test_group_norm_over_a_padded_length():
+    gn = nn.GroupNorm(2, H)
+    got = check(lambda x: gn(x.transpose(1, 2)), x3())
+    assert [(v.op, v.dim) for v in got] == [("torch.nn.functional.group_norm", 2)]
+    assert "normalises over the padded dim" in got[0].reason
+
+
+# --------------------------------------------------------------------------------------------
+# attention
+# --------------------------------------------------------------------------------------------
+
+
+class HandAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(H)  # [B, L, L]: fine by itself
+        probs = scores.softmax(-1)
+        return probs @ v
+
+
+def test_hand_written_attention():
+    gm, sym = trace(HandAttention(), x3())
+    got = check_padding_safety(gm, {sym})
+    assert len(got) == 2
+    first, second = got
+    assert first.op == "Tensor.softmax" and first.dim == 2
+    assert first.reason == "softmax along the padded dim mixes rows"
+    assert second.op == "operator.matmul" and second.dim == 2
+    assert second.reason == "matmul contracts over the padded dim"
+    order = [n.name for n in gm.graph.nodes]
+    assert order.index(first.node) < order.index(second.node)
+    # q @ k^T contracts over the head dim: not a violation, though its output is [B, L, L]
+    matmuls = [n.name for n in gm.graph.nodes if n.target is node_target(gm, second.node)]
+    assert len(matmuls) == 2 and matmuls[1] == second.node
+
+
+class SdpaAttention(nn.Module):
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+        self.qkv = nn.Linear(H, 3 * H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, H // 2).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return y.transpose(1, 2).reshape(b, s, H)
+
+
+def test_sdpa_non_causal():
+    got = check(SdpaAttention(causal=False), x3())
+    assert len(got) == 1
+    assert got[0].op == "torch.nn.functional.scaled_dot_product_attention"
+    assert got[0].reason == "attention over the padded sequence"
+    assert got[0].dim == 2
+
+
+def test_sdpa_causal():
+    assert check(SdpaAttention(causal=True), x3()) == []
+    got = check(SdpaAttention(causal=True), x3(), causal_ok=False)
+    assert [v.reason for v in got] == ["attention over the padded sequence"]
+
+
+def test_sdpa_with_padded_queries_only_is_safe():
+    kv = torch.randn(B, 2, 5, 8)  # a static memory: only the queries are padded
+    got = check(lambda q, kv: F.scaled_dot_product_attention(q, kv, kv), torch.randn(B, 2, L, 8), kv, dim=2)
+    assert got == []
+
+
+# --------------------------------------------------------------------------------------------
+# cat, indexing, reshapes, values
+# --------------------------------------------------------------------------------------------
+
+
+def test_cat_along_the_padded_dim():
+    got = check(lambda x: (torch.cat([x, x], dim=-1), torch.cat([x, x], dim=1)), x3())
+    assert [(v.node, v.op, v.dim, v.reason) for v in got] == [("cat_1", "torch.cat", 1, "cat along the padded dim")]
+
+
+def test_indexing_from_the_end_reads_padding():
+    got = check(lambda x: (x[:, 0], x[:, 2:], x[:, -1], x[:, -3:]), x3())
+    assert [(v.op, v.dim) for v in got] == [("operator.getitem", 1)] * 2
+    assert "counts from the end" in got[0].reason
+
+
+def test_reshape_that_scrambles_rows():
+    got = check(lambda x: (x.reshape(x.size(0), -1), x.reshape(x.size(0), H, -1)), x3())
+    assert [(v.op, v.dim) for v in got] == [("Tensor.reshape", 1)]
+    assert "moves padding rows" in got[0].reason
+
+
+def test_length_used_as_a_value():
+    got = check(lambda x: x * x.size(1), x3())
+    assert [(v.op, v.dim) for v in got] == [("operator.mul", None)]
+    assert "padded length" in got[0].reason
+
+
+def test_pad_after_the_padded_dim():
+    got = check(lambda x: (F.pad(x, (0, 0, 2, 0)), F.pad(x, (0, 0, 0, 2))), x3())
+    assert [v.dim for v in got] == [1]
+
+
+# --------------------------------------------------------------------------------------------
+# unknown and graphpass ops
+# --------------------------------------------------------------------------------------------
+
+
+def test_custom_op_is_unknown():
+    got = check(lambda x: _double(x) + 1, x3())
+    assert len(got) == 1
+    assert got[0].op == "padtest.double.default"
+    assert got[0].reason == "unknown op padtest.double.default: cannot prove row independence"
+
+
+def test_custom_op_on_unpadded_tensors_is_fine():
+    w = torch.randn(H)
+    assert check(lambda x, w: x * _double(w), x3(), w) == []
+
+
+def test_graphpass_ops_are_ignored():
+    def fn(x):
+        torch.ops.graphpass.trap_enter("blk", [x])
+        y = graphpass.capture_tensor("h", x * 2)
+        torch.ops.graphpass.trap_exit("blk", [y])
+        return y
+
+    gm, sym = trace(fn, x3())
+    assert any(str(n.target).startswith("graphpass.") for n in gm.graph.nodes)
+    assert check_padding_safety(gm, {sym}) == []
+
+
+def test_graphpass_pipeline_graph_of_the_bundled_transformer():
+    """The graph graphpass hands its delegate (trap boundaries inserted) is padding-safe: causal
+    attention, RMSNorm, gated MLP, tied head. Without causal_ok each layer's attention is named."""
+    torch._dynamo.reset()
+    cfg = TransformerConfig(vocab=64, hidden=32, heads=2, layers=2, mlp=48, max_seq=32)
+    model = TinyTransformer(cfg).eval()
+    rec = Recorder()
+    compiled = torch.compile(model, backend=graphpass.backend(then=rec), dynamic=True)
+    with torch.no_grad():
+        compiled(torch.randint(0, cfg.vocab, (B, L)))
+    assert len(rec.graphs) == 1
+    gm = rec.graphs[0]
+    assert sum(1 for n in gm.graph.nodes if str(n.target).startswith("graphpass.trap_enter")) == cfg.layers
+    sym = rec.inputs[0][1]
+    assert check_padding_safety(gm, {sym}) == []
+    got = check_padding_safety(gm, {sym}, causal_ok=False)
+    assert [v.reason for v in got] == ["attention over the padded sequence"] * cfg.layers
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def test_padded_dims_helper():
+    gm, sym = trace(lambda x: x.transpose(0, 1).unsqueeze(0), x3())
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert padded_dims(out, {sym}) == (1,)
+    assert padded_dims(out.meta["example_value"], {sympy.Symbol(str(sym))}) == (1,)  # matched by name
+    assert padded_dims(torch.zeros(3, 4), {sym}) == ()
+    assert padded_dims(5, {sym}) == ()
+
+
+def test_violations_in_graph_order_and_printable():
+    got = check(lambda x: (x.cumsum(1), x.sum(1), x.softmax(1)), x3())
+    assert [v.op for v in got] == ["Tensor.cumsum", "Tensor.sum", "Tensor.softmax"]
+    assert str(got[0]).startswith(f"{got[0].node} [Tensor.cumsum] (dim 1): cumsum along the padded dim")
+
+
+def test_aten_graph_after_aot_autograd():
+    """The same rules read an AOTAutograd (aten) graph: ops are named by their overload."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    got: list[PaddingViolation] = []
+
+    def fw(gm: torch.fx.GraphModule, example_inputs):
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor))
+        got.extend(check_padding_safety(gm, {x.meta["val"].shape[1].node.expr}))
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: (x.softmax(-1), x.sum(1), (x @ x.transpose(1, 2)).softmax(-1) @ x),
+                       backend=aot_autograd(fw_compiler=fw), dynamic=True)
+    with torch.no_grad():
+        fn(x3())
+    assert [(v.op, v.dim) for v in got] == [
+        ("aten.sum.dim_IntList", 1),
+        ("aten._softmax.default", 2),
+        ("aten.bmm.default", 2),
+    ]

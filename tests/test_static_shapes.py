@@ -1,0 +1,222 @@
+"""static_shapes: buckets, padding safety, staging buffers, the dynamic fallback."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphpass
+from graphpass.models.corpus import build
+
+from helpers import CountingBackend
+
+BUCKETS = [8, 16, 32, 64]
+
+
+def opts(counter, buckets=BUCKETS, **extra):
+    return graphpass.backend(then=counter, static_shapes={"dims": {"ids": 1}, "buckets": list(buckets), **extra})
+
+
+def test_64_lengths_cost_at_most_buckets_plus_one_compilations():
+    """Lengths 2..65 (Dynamo always specializes a size of 1 into a graph of its own)."""
+    model, _ = build("tiny_transformer")  # causal attention: padding at the end is safe
+    counter = CountingBackend()
+    buckets = [8, 16, 32, 64, 72]
+    gp = opts(counter, buckets)
+    compiled = torch.compile(model, backend=gp)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n in torch.randperm(64, generator=g).tolist():
+            ids = torch.randint(0, 64, (2, n + 2), generator=g)
+            out = compiled(ids)
+            assert out.shape == (2, n + 2, 64)
+            # padded matmuls may take other BLAS blocking: fp32 rounding differs, rows do not mix
+            torch.testing.assert_close(out, model(ids), rtol=1e-5, atol=1e-6)
+    assert counter.calls <= len(buckets) + 1
+    (runner,) = [g.runner for g in gp.graphs if g.runner is not None]
+    assert runner.plan.active and len(runner.compiled) == len(buckets) and not runner.oversize
+
+
+def test_dynamic_true_compiles_only_the_buckets():
+    model, _ = build("tiny_transformer")
+    counter = CountingBackend()
+    compiled = torch.compile(model, backend=opts(counter), dynamic=True)
+    with torch.no_grad():
+        for n in (3, 9, 10, 17, 40, 64, 2, 33):
+            ids = torch.randint(0, 64, (1, n))
+            torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-6)
+    assert counter.calls == 4  # buckets 8, 16, 32, 64; no exact-size graph
+
+
+def test_larger_than_largest_bucket_warns_once_and_runs_unpadded():
+    model, _ = build("tiny_transformer")
+    counter = CountingBackend()
+    compiled = torch.compile(model, backend=opts(counter), dynamic=True)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for n in (70, 90, 70):
+            ids = torch.randint(0, 64, (1, n))
+            assert torch.equal(compiled(ids), model(ids))  # unpadded: exact
+    msgs = [str(w.message) for w in caught if "static_shapes" in str(w.message)]
+    assert len(msgs) == 1 and "larger than the largest bucket 64" in msgs[0]
+    assert counter.calls == 2  # one exact-size graph per oversize length, reused
+
+
+def test_staging_buffers_have_stable_addresses():
+    model, _ = build("tiny_transformer")
+    gp = opts(CountingBackend())
+    compiled = torch.compile(model, backend=gp, dynamic=True)
+    with torch.no_grad():
+        compiled(torch.randint(0, 64, (2, 5)))
+        (runner,) = [g.runner for g in gp.graphs if g.runner is not None]
+        (buf,) = runner.staging.values()
+        ptr = buf.data_ptr()
+        for n in (6, 7, 3):
+            ids = torch.randint(0, 64, (2, n))
+            compiled(ids)
+            (buf,) = runner.staging.values()
+            assert buf.data_ptr() == ptr and buf.shape == (2, 8)
+            assert torch.equal(buf[:, :n], ids) and not buf[:, n:].any()
+
+
+class MLPOverSeq(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, ids):
+        return self.fc(F.gelu(self.emb(ids)))
+
+
+class FullAttention(nn.Module):
+    """Non-causal attention over the sequence: padding would change every row."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]
+        return F.scaled_dot_product_attention(x, x, x)[:, 0]
+
+
+class SeqSum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 8)
+
+    def forward(self, ids):
+        return self.emb(ids).sum(dim=1)
+
+
+def test_row_wise_graph_is_padded():
+    model = MLPOverSeq()
+    gp = opts(CountingBackend())
+    compiled = torch.compile(model, backend=gp, dynamic=True)
+    with torch.no_grad():
+        ids = torch.randint(0, 64, (3, 11))
+        torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-6)
+    (runner,) = [g.runner for g in gp.graphs if g.runner is not None]
+    assert runner.plan.active and list(runner.compiled)
+
+
+@pytest.mark.parametrize("cls,words", [(FullAttention, "attention over the padded sequence"), (SeqSum, "")])
+def test_unsafe_graph_refused_with_node_and_reason(cls, words):
+    model = cls()
+    gp = opts(CountingBackend())
+    compiled = torch.compile(model, backend=gp, dynamic=True)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for n in (5, 9):
+            ids = torch.randint(0, 64, (2, n))
+            assert torch.equal(compiled(ids), model(ids))  # dynamic fallback: exact
+    (plan,) = [g.analysis.bucket_plan for g in gp.graphs if g.analysis.bucket_plan is not None]
+    assert not plan.active and all(g.runner is None for g in gp.graphs)
+    reason = plan.refused[0]
+    assert "node" in reason and words in reason
+    assert sum("not padding this graph" in str(w.message) for w in caught) == 1
+
+
+def test_mask_contract_allows_padding():
+    model = FullAttention()
+    gp = opts(CountingBackend(), masked=["ids"])
+    compiled = torch.compile(model, backend=gp, dynamic=True)
+    with torch.no_grad():
+        compiled(torch.randint(0, 64, (2, 5)))
+    (runner,) = [g.runner for g in gp.graphs if g.runner is not None]
+    assert runner.plan.active  # the user vouched that padding is masked
+
+
+def test_unknown_input_name_is_a_config_error():
+    model, inputs = build("tiny_transformer")
+    compiled = torch.compile(model, backend=graphpass.backend(then="eager", static_shapes={"dims": {"input_ids": 1}, "buckets": [8]}), dynamic=True)
+    with pytest.raises(graphpass.ConfigError, match="input_ids"):
+        compiled(*inputs)
+
+
+def test_dim_out_of_range_is_a_config_error():
+    model, inputs = build("tiny_transformer")
+    compiled = torch.compile(model, backend=graphpass.backend(then="eager", static_shapes={"dims": {"ids": 5}, "buckets": [8]}), dynamic=True)
+    with pytest.raises(graphpass.ConfigError, match="has only 2 dims"):
+        compiled(*inputs)
+
+
+class SeedStyle(nn.Module):
+    """The seed's static-able cases: position ids from arange, a fixed-size prefix token
+    concatenated along the variable length, a mask-token embedding, a row-wise MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.pos = nn.Embedding(128, 16)
+        self.prefix = nn.Parameter(torch.randn(1, 1, 16))
+        self.mask_token = nn.Parameter(torch.randn(16))
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, ids):
+        b, n = ids.shape
+        x = self.emb(ids) + self.pos(torch.arange(n)) + self.mask_token * (ids == 0).unsqueeze(-1)
+        x = torch.cat([self.prefix.expand(b, 1, 16), x], dim=1)
+        return self.mlp(x)
+
+
+def test_seed_style_model_buffers_and_no_variable_size_allocation():
+    model = SeedStyle().eval()
+    gp = graphpass.backend(then="aot_eager", static_shapes={"dims": {"ids": 1}, "buckets": [8, 16]})
+    compiled = torch.compile(model, backend=gp, dynamic=True)
+    with torch.no_grad():
+        for n in (5, 12):
+            ids = torch.randint(0, 64, (2, n))
+            torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-6)
+        (g,) = [g for g in gp.graphs if g.runner is not None]
+        assert any("slice of _graphpass_static" in line for line in g.log)  # arange -> buffer slice
+        allocs = []
+        for n in (3, 5, 7, 8):  # one bucket (8), four lengths
+            ids = torch.randint(0, 64, (2, n))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                compiled(ids)
+            allocs.append(sorted(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0))
+    # the steady state allocates the same sizes whatever the length: no variable-size allocation
+    assert allocs[0] and all(a == allocs[0] for a in allocs)
+
+
+def test_cudagraphs_delegate_records_each_bucket_once():
+    """then="cudagraphs": one delegate compilation (one recording on a GPU) per bucket."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    calls = []
+
+    def cudagraphs(gm, example_inputs):
+        calls.append(1)
+        return lookup_backend("cudagraphs")(gm, example_inputs)
+
+    model, _ = build("tiny_transformer")
+    compiled = torch.compile(model, backend=opts(cudagraphs), dynamic=True)
+    with torch.no_grad():
+        for n in range(2, 66):
+            ids = torch.randint(0, 64, (1, n))
+            torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-6)
+    assert len(calls) == len(BUCKETS) + 1  # + the one oversize length (65), compiled at its size
