@@ -82,6 +82,24 @@ def test_golden_capture_nodes(name, tmp_path):
     check_golden(GOLDEN / "capture_nodes" / f"{name}.txt", code)
 
 
+def test_golden_static_shapes(tmp_path):
+    """``plan_static_shapes`` and ``slice_static_buffers`` on the seed-style model, dynamic=True."""
+    from graphpass.models.corpus import SeedStyle
+
+    torch.manual_seed(0)
+    model = SeedStyle().eval()
+    gp = graphpass.backend(then="eager", static_shapes={"dims": {"ids": 1}, "buckets": [8, 16]})
+    with torch.no_grad():
+        torch.compile(model, backend=gp, dynamic=True)(torch.randint(0, 64, (2, 5)))
+    (g,) = gp.graphs
+    plan = g.analysis.bucket_plan
+    lines = [f"padded inputs: {sorted((i, [d for d, _ in dims]) for i, dims in plan.pad.items())}",
+             f"size inputs: {sorted(plan.size_inputs)}", f"outputs: {[o is not None for o in plan.outputs]}",
+             f"refused: {plan.refused}", *[line for line in g.log if "static" in line and "compiled bucket" not in line],
+             render_code(g.gm)]
+    check_golden(GOLDEN / "static_shapes" / "seed_style.txt", "\n".join(lines) + "\n")
+
+
 def test_golden_corpus_is_complete():
     assert len(MODELS) >= 7
     for name in MODELS:
@@ -101,6 +119,6 @@ def test_golden_mismatch_fails(tmp_path, monkeypatch):
 def test_renderings_hold_no_paths_ids_or_addresses():
     text = "\n".join((GOLDEN / sub / f).read_text() for sub in ("ownership", "trap_boundaries") for f in
                      sorted(p.name for p in (GOLDEN / sub).glob("*.txt")))
-    text += "\n".join(p.read_text() for p in sorted((GOLDEN / "capture_nodes").glob("*.txt")))
+    text += "\n".join(p.read_text() for sub in ("capture_nodes", "static_shapes") for p in sorted((GOLDEN / sub).glob("*.txt")))
     for bad in ("/work/", "site-packages", ".py:", "0x7f", "File \""):
         assert bad not in text

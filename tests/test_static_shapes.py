@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphpass
-from graphpass.models.corpus import build
+from graphpass.models.corpus import SeedStyle, build
 
 from helpers import CountingBackend
 
@@ -162,25 +162,6 @@ def test_dim_out_of_range_is_a_config_error():
     compiled = torch.compile(model, backend=graphpass.backend(then="eager", static_shapes={"dims": {"ids": 5}, "buckets": [8]}), dynamic=True)
     with pytest.raises(graphpass.ConfigError, match="has only 2 dims"):
         compiled(*inputs)
-
-
-class SeedStyle(nn.Module):
-    """The seed's static-able cases: position ids from arange, a fixed-size prefix token
-    concatenated along the variable length, a mask-token embedding, a row-wise MLP."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(64, 16)
-        self.pos = nn.Embedding(128, 16)
-        self.prefix = nn.Parameter(torch.randn(1, 1, 16))
-        self.mask_token = nn.Parameter(torch.randn(16))
-        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
-
-    def forward(self, ids):
-        b, n = ids.shape
-        x = self.emb(ids) + self.pos(torch.arange(n)) + self.mask_token * (ids == 0).unsqueeze(-1)
-        x = torch.cat([self.prefix.expand(b, 1, 16), x], dim=1)
-        return self.mlp(x)
 
 
 def test_seed_style_model_buffers_and_no_variable_size_allocation():

@@ -217,6 +217,28 @@ class GraphBreakModel(nn.Module):
         return self.head(x)
 
 
+# ------------------------------------------------------------------ seed-style static-shape model
+
+
+class SeedStyle(nn.Module):
+    """The seed audit's static-able cases: position ids from arange, a fixed-size prefix token
+    concatenated along the variable length, a mask-token embedding, a row-wise MLP."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16, max_len: int = 128) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(max_len, hidden)
+        self.prefix = nn.Parameter(torch.randn(1, 1, hidden))
+        self.mask_token = nn.Parameter(torch.randn(hidden))
+        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+
+    def forward(self, ids):
+        b, n = ids.shape
+        x = self.emb(ids) + self.pos(torch.arange(n)) + self.mask_token * (ids == 0).unsqueeze(-1)
+        x = torch.cat([self.prefix.expand(b, 1, x.shape[-1]), x], dim=1)
+        return self.mlp(x)
+
+
 # ------------------------------------------------------------------ the corpus
 
 
