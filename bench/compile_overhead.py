@@ -2,7 +2,9 @@
 against plain inductor, side by side in one run.
 
 Compile time: each (model, variant, round) compiles in a fresh process with an empty inductor
-cache directory, so both variants compile cold; variants alternate so drift on the machine hits
+cache directory, so both variants compile cold, with TORCHINDUCTOR_COMPILE_THREADS=1 so all the
+work is in that process and the compiler runs it waits for: reported as wall time and as CPU
+time of the process and those children (steadier on a noisy machine); variants alternate so drift on the machine hits
 both alike; the median over rounds is reported (first call: Dynamo + backend + inductor).
 
 Steady-state latency: one process compiles both variants, then times them interleaved
@@ -51,6 +53,12 @@ def build(name: str):
     raise SystemExit(f"unknown model {name}")
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (the C++ compiler runs)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _compiled(model, variant: str):
     """(compiled model, graphpass backend instance or None)."""
     import torch
@@ -72,11 +80,11 @@ def worker(name: str, variant: str, iters: int) -> dict:
     if variant != "latency":
         compiled, gp = _compiled(model, variant)
         with torch.no_grad():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _cpu()
             compiled(*inputs, **kwargs)
-            compile_s = time.perf_counter() - t0
+            compile_s, cpu_s = time.perf_counter() - t0, _cpu() - c0
         graphs = gp.graphs if gp is not None else []
-        return {"model": name, "variant": variant, "compile_s": compile_s, "params": params,
+        return {"model": name, "variant": variant, "compile_s": compile_s, "cpu_s": cpu_s, "params": params,
                 "pass_s": sum(g.pass_seconds for g in graphs)}
     fns = {v: _compiled(model, v)[0] for v in ("inductor", "graphpass")}
     times: dict[str, list[float]] = {v: [] for v in fns}
@@ -113,6 +121,9 @@ def main() -> None:
     def run(name: str, variant: str) -> dict:
         with tempfile.TemporaryDirectory(prefix="gp-bench-cache-") as cache:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+            if variant != "latency":
+                # compile in-process, so the process's CPU time covers all of it (no worker pool)
+                env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", name, variant, "--iters", str(args.iters)],
                 env=env, capture_output=True, text=True, check=True,
@@ -123,29 +134,34 @@ def main() -> None:
     rows = []
     for name in args.models:
         compile_s: dict[str, list[float]] = {"inductor": [], "graphpass": []}
+        cpu_s: dict[str, list[float]] = {"inductor": [], "graphpass": []}
         for r in range(args.rounds):
             order = ("inductor", "graphpass") if r % 2 == 0 else ("graphpass", "inductor")
             for variant in order:
                 res = run(name, variant)
                 results.append(dict(res, round=r))
                 compile_s[variant].append(res["compile_s"])
-                print(f"  {name:10s} {variant:9s} round {r}: compile {res['compile_s']:.2f} s", file=sys.stderr)
+                cpu_s[variant].append(res["cpu_s"])
+                print(f"  {name:10s} {variant:9s} round {r}: compile {res['compile_s']:.2f} s wall, "
+                      f"{res['cpu_s']:.2f} s CPU", file=sys.stderr)
         lat = run(name, "latency")
         results.append(lat)
         print(f"  {name:10s} latency: {json.dumps({k: round(v, 4) for k, v in lat.items() if k.endswith('ms')})}",
               file=sys.stderr)
         ci, cg = statistics.median(compile_s["inductor"]), statistics.median(compile_s["graphpass"])
+        ui, ug = statistics.median(cpu_s["inductor"]), statistics.median(cpu_s["graphpass"])
         pass_s = statistics.median(x.get("pass_s", 0.0) for x in results if x["model"] == name and x["variant"] == "graphpass")
         rows.append([
             name, f"{lat['params'] / 1e6:.1f} M",
-            f"{ci:.2f}", f"{cg:.2f}", f"{cg / ci:.3f}", f"{pass_s * 1e3:.1f}",
+            f"{ci:.2f}", f"{cg:.2f}", f"{cg / ci:.3f}", f"{ui:.2f}", f"{ug:.2f}", f"{ug / ui:.3f}",
+            f"{pass_s * 1e3:.1f}",
             f"{lat['inductor_median_ms']:.3f}", f"{lat['graphpass_median_ms']:.3f}",
             f"{lat['graphpass_median_ms'] / lat['inductor_median_ms']:.3f}",
             f"{lat['graphpass_min_ms'] / lat['inductor_min_ms']:.3f}",
             f"{lat['paired_ratio']:.3f}",
         ])
     print(tabulate(rows, headers=["model", "params", "compile inductor s", "compile graphpass s", "ratio",
-                                  "graphpass passes ms", "latency inductor ms", "latency graphpass ms",
+                                  "CPU inductor s", "CPU graphpass s", "CPU ratio", "graphpass passes ms", "latency inductor ms", "latency graphpass ms",
                                   "ratio (median)", "ratio (min)", "ratio (paired)"]))
     print(f"(compile: median of {args.rounds} cold-cache rounds per variant, fresh process each; "
           f"latency: {args.iters} interleaved calls per variant in one process)")

@@ -45,6 +45,7 @@ class TensorRegistry:
     def __init__(self, enabled: bool = True, patterns: Sequence[ModulePattern] = ()) -> None:
         self.enabled = enabled
         self.patterns = tuple(patterns)  # module captures this registry accepts (empty: all)
+        self.bucket: int | None = None  # static-shape bucket the captured tensors were padded to
         self._entries: list[tuple[str, torch.Tensor, bool]] = []
 
     def accepts(self, name: str) -> bool:
@@ -67,6 +68,7 @@ class TensorRegistry:
 
     def clear(self) -> None:
         self._entries = []
+        self.bucket = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -287,7 +289,8 @@ class ModelCapture:
             if not self._registry.enabled:
                 return []
             tensors = self._registry.get_all_tensors()
-            size = _step_size(positions, is_prefill, req_ids, tensors)
+            bucket = self._registry.bucket
+            size = bucket if (bucket is not None and is_prefill) else _step_size(positions, is_prefill, req_ids, tensors)
             import graphpass
 
             meta = {
@@ -295,6 +298,7 @@ class ModelCapture:
                 "positions": positions,
                 "graphpass_version": graphpass.__version__,
                 "torch_version": torch.__version__,
+                "bucket": bucket,
             }
             return self.writer.write(tensors, is_prefill=is_prefill, size=size, meta=meta)
         finally:

@@ -163,6 +163,10 @@ class offload_block(contextlib.ContextDecorator):
 # it, it returns at once: nothing is cloned, nothing allocated.
 # ----------------------------------------------------------------------------------------------
 
+# The bucket size of the static-shape graph running now (set by the bucket dispatcher), so a
+# capture step is named after the bucket its tensors have.
+CURRENT_BUCKET: contextvars.ContextVar[int | None] = contextvars.ContextVar("graphpass_bucket", default=None)
+
 # Stack of TensorRegistry objects activated by ModelCapture.setup_tensor_capture in this context.
 ACTIVE_CAPTURES: contextvars.ContextVar[tuple] = contextvars.ContextVar("graphpass_captures", default=())
 
@@ -182,6 +186,9 @@ def capture(name: str, t: torch.Tensor, manual: bool = False) -> None:
     if not registry.enabled:
         return
     value = t.detach().clone()
+    bucket = CURRENT_BUCKET.get()
+    if bucket is not None:
+        registry.bucket = bucket
     if manual:
         registry.register_manual_tensor(name, value)
     else:

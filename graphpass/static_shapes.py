@@ -28,6 +28,7 @@ import torch
 from graphpass.backends import Delegate
 
 from .config import StaticShapesConfig
+from .ops import CURRENT_BUCKET
 
 
 def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -147,12 +148,14 @@ class BucketDispatcher:
             padded[i] = self._stage(key, i, args[i], dims, subs)
         fn = self.compiled.get(key)
         if fn is None:
-            from .delegation import compile_with_delegate
-
             fn = self.compiled[key] = _compile_bucket(copy_graph(self.gm), padded, self.delegate, self.scalars)
             self.log.append(f"static_shapes: compiled bucket {dict((str(s), b) for s, b in subs.items())}")
         self.calls_per_bucket[key] = self.calls_per_bucket.get(key, 0) + 1
-        outs = fn(*padded)
+        token = CURRENT_BUCKET.set(max(subs.values()))  # capture steps are named after the bucket
+        try:
+            outs = fn(*padded)
+        finally:
+            CURRENT_BUCKET.reset(token)
         return self._slice(outs, sizes)
 
     def _stage(self, key: tuple, i: int, t: torch.Tensor, dims: tuple, subs: dict) -> torch.Tensor:

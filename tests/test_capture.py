@@ -370,3 +370,19 @@ def test_setup_save_and_clear_hook(tmp_path):
     written = capture.save_tensor_captures(positions=torch.arange(4).view(1, 4), is_prefill=False, req_ids=["a", "b", "c"])
     assert [p.relative_to(tmp_path).as_posix() for p in written] == ["dp0/decode_b3_0"]
     handle.remove()
+
+
+def test_step_named_after_the_bucket_with_static_shapes(tmp_path):
+    model, _ = build("tiny_transformer")
+    gp = graphpass.backend(then="eager", static_shapes={"dims": {"ids": 1}, "buckets": [8, 16]})
+    compiled = torch.compile(model, backend=gp, dynamic=True)
+    cap = ModelCapture(compiled, modules=["layers.1"], capture_dir=tmp_path)
+    cap.enable()
+    ids = torch.randint(0, 64, (2, 5))
+    with cap.step(is_prefill=True, positions=torch.arange(5)), torch.no_grad():
+        out = compiled(ids)
+    assert out.shape == (2, 5, 64)
+    (step,) = step_dirs(tmp_path)
+    assert step.name == "prefill_s8_0"
+    meta, tensors = load_step(step)
+    assert meta["bucket"] == 8 and tensors["layers.1"]["0"].shape == (2, 8, 32)  # the padded bucket's values
