@@ -6,9 +6,9 @@ The nodes are placed at the trap's edges in graph order (exact for eager-style d
 deps are only values every compiler materializes anyway (graph inputs and the results of
 matmul-like, convolution, attention and custom ops, the "anchors"):
 
-* enter: the latest anchor the trap's inputs are computed from (walking back through pointwise
-  and reduction ops), so it runs after the previous trap's last matmul and before this trap's
-  compute;
+* enter: nothing when the previous trap's exit comes before it (boundary ops keep their order
+  among themselves, so it runs right after that exit); otherwise the latest anchor the trap's
+  inputs are computed from (walking back through pointwise and reduction ops);
 * exit: the latest anchor inside the trap its outputs are computed from, so it runs after the
   trap's last matmul; trailing pointwise ops (a residual add) stay free to fuse into the next kernel.
 
@@ -93,6 +93,7 @@ class InsertTrapBoundaries(GraphPass):
         present = {n.args[0] for n in graph.nodes if is_boundary(n)}
         weights = {nodes[name] for name, t in analysis.tensors.items() if t.is_weight}
         inserted = 0
+        previous_exit = None
         for label, trap in analysis.traps.items():
             if trap.manual or label in present or not trap.nodes:
                 continue
@@ -112,6 +113,14 @@ class InsertTrapBoundaries(GraphPass):
             inside = [a for a in _anchors_behind(outputs, set()) if a in members]
             enter_deps = [max(before, key=order.__getitem__)] if before else list(inputs)
             exit_deps = [max(inside, key=order.__getitem__)] if inside else list(outputs)
+            if previous_exit is not None and order[previous_exit] < order[first]:
+                # Boundary ops keep their relative order in every compiler (they are side
+                # effects), so an enter that follows the previous trap's exit needs no dep of its
+                # own: it runs right after that exit. Each dep is one more user of a matmul result,
+                # which costs inductor compile time (measured: AOT tracing, joint-graph passes and
+                # lowering all slow down), so the deps are kept to one per trap.
+                enter_deps = []
+            previous_exit = last
             profile = ctx.config.profile_ranges
             with graph.inserting_before(first):
                 enter = graph.call_function(TRAP_ENTER, (label, enter_deps), {"profile": profile})
