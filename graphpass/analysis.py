@@ -160,7 +160,6 @@ class Trap:
 class GraphAnalysis:
     """Ownership and traps of one Dynamo graph. Shared by every pass of the pipeline."""
 
-    graph_id: int
     roots: Any = None  # graphpass.roots.Roots: the model objects the sources start from
     node_modules: dict[str, list[str]] = field(default_factory=dict)  # op node -> module FQNs, outermost first
     tensors: dict[str, TensorOwnership] = field(default_factory=dict)

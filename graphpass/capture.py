@@ -17,7 +17,7 @@ On disk::
 from __future__ import annotations
 
 import contextlib
-import itertools
+import contextvars
 import json
 import os
 import re
@@ -35,7 +35,6 @@ from .patterns import ModulePattern, check_all_match, compile_patterns
 
 __all__ = ["TensorRegistry", "CaptureWriter", "ModelCapture", "CaptureSpec", "capture_tensor"]
 
-_IDS = itertools.count()
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]]+$")
 
 
@@ -185,7 +184,6 @@ def _atomic(path: Path, write) -> None:
 class CaptureSpec:
     """What the capture pass needs: which modules (relative to ``prefix``)."""
 
-    capture_id: str
     patterns: tuple[ModulePattern, ...]
     prefix: str = ""  # FQN of the module ModelCapture was given, inside the model graphpass sees
 
@@ -210,7 +208,7 @@ def specs_for(model: torch.nn.Module) -> list[CaptureSpec]:
         for ref in _SPECS.get(mod, []):
             mc = ref()
             if mc is not None:
-                out.append(CaptureSpec(mc.capture_id, mc.patterns, prefix=fqn))
+                out.append(CaptureSpec(mc.patterns, prefix=fqn))
     return out
 
 
@@ -247,10 +245,9 @@ class ModelCapture:
                 "capture nodes: create ModelCapture right after torch.compile and before the first call "
                 "(or call torch._dynamo.reset() first to recompile)"
             )
-        self.capture_id = f"mc{next(_IDS)}"
         self._registry = TensorRegistry(enabled=False, patterns=self.patterns)
         self.writer = CaptureWriter(capture_dir, subdirectory, dp_rank, tp_rank, capture_filter)
-        self._tokens: list[contextvars_Token] = []
+        self._tokens: list[contextvars.Token] = []
         _SPECS.setdefault(self.model, []).append(weakref.ref(self))
 
     # -- seed API ------------------------------------------------------------------------------
@@ -317,9 +314,6 @@ class ModelCapture:
             self._restore()
             raise
         self.save_tensor_captures(positions=positions, is_prefill=is_prefill, req_ids=req_ids)
-
-
-contextvars_Token = Any  # type alias for readability
 
 
 def _step_size(positions: Any, is_prefill: bool, req_ids: Sequence[str] | None, tensors) -> int:

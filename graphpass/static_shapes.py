@@ -101,7 +101,6 @@ class BucketDispatcher:
         self.oversize: dict[tuple, Callable] = {}  # exact-size graphs for calls beyond the largest bucket
         self.warned = False
         self.log = log if log is not None else []
-        self.calls_per_bucket: dict[tuple, int] = {}
         self.scalars = scalar_items(gm)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -119,10 +118,6 @@ class BucketDispatcher:
             source = self.plan.unsliced if self.plan.unsliced is not None else self.gm
             fn = self.oversize[key] = _compile_bucket(copy_graph(source), list(args), self.delegate, self.scalars)
         return fn(*args)
-
-    @property
-    def compilations(self) -> int:
-        return len(self.compiled) + len(self.oversize)
 
     # -- the call --------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
@@ -150,7 +145,6 @@ class BucketDispatcher:
         if fn is None:
             fn = self.compiled[key] = _compile_bucket(copy_graph(self.gm), padded, self.delegate, self.scalars)
             self.log.append(f"static_shapes: compiled bucket {dict((str(s), b) for s, b in subs.items())}")
-        self.calls_per_bucket[key] = self.calls_per_bucket.get(key, 0) + 1
         token = CURRENT_BUCKET.set(max(subs.values()))  # capture steps are named after the bucket
         try:
             outs = fn(*padded)

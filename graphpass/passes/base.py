@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -12,7 +11,6 @@ from ..analysis import GraphAnalysis
 from ..config import GraphpassConfig
 from ..roots import Roots
 
-_GRAPH_IDS = itertools.count()
 
 
 @dataclass
@@ -28,7 +26,7 @@ class PassContext:
 
     def __post_init__(self) -> None:
         if self.analysis is None:
-            self.analysis = GraphAnalysis(graph_id=next(_GRAPH_IDS))
+            self.analysis = GraphAnalysis()
 
 
 

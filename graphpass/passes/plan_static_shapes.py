@@ -113,7 +113,7 @@ class PlanStaticShapes(GraphPass):
             ctx.log.append(f"{self.name}: inputs {missing} not in this graph; bucketing the others")
         plan = BucketPlan(symbols=symbols, pad={}, pad_values={}, size_inputs={}, outputs=[])
         syms = set(symbols)
-        pad_by_name = {find(n).node: v for n, v in cfg.pad_value.items() if find(n) is not None}
+        pad_by_name = {t.node: v for t, v in ((find(n), v) for n, v in cfg.pad_value.items()) if t is not None}
         for i, ph in enumerate(placeholders):
             val = example_of(ph)
             if isinstance(val, torch.SymInt):
