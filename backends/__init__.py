@@ -49,7 +49,16 @@ class InductorDelegate(Delegate):
         if self.mode not in (None, "default"):
             patches.update(torch._inductor.list_mode_options(self.mode))
         patches.update(self.options)
+        if "post_grad_custom_post_pass" not in patches and _has_offload_loads(gm):
+            from graphpass.passes.pin_backward_loads import PinBackwardLoads
+
+            patches["post_grad_custom_post_pass"] = PinBackwardLoads()
         return compile_fx(gm, list(example_inputs), config_patches=patches or None)
+
+
+def _has_offload_loads(gm) -> bool:
+    target = torch.ops.graphpass.load_wait.default if hasattr(torch.ops.graphpass, "load_wait") else None
+    return target is not None and any(n.target is target for n in gm.graph.nodes)
 
 
 class NamedDelegate(Delegate):

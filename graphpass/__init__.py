@@ -19,6 +19,7 @@ from .errors import (
     DelegateUnavailableError,
     GraphpassError,
     CaptureError,
+    OffloadError,
     OwnershipError,
     PatternError,
     PatternMatchError,
@@ -27,6 +28,9 @@ from .capture import CaptureWriter, ModelCapture, TensorRegistry
 from .explain import ExplainReport, explain
 from .audit import AuditReport, audit
 from .ops import capture_tensor, offload_block, trace_traps
+from . import offload_runtime  # registers the offload ops
+from .offload import OffloadConfig, OffloadPlan, OffloadState, memory_stats, offload
+from .offload_runtime import MemoryStats
 from .patterns import ModulePattern, compile_pattern
 from .pipeline import PIPELINE
 
@@ -60,4 +64,11 @@ __all__ = [
     "DelegateError",
     "DelegateUnavailableError",
     "OwnershipError",
+    "OffloadError",
+    "offload",
+    "OffloadConfig",
+    "OffloadPlan",
+    "OffloadState",
+    "MemoryStats",
+    "memory_stats",
 ]

@@ -169,6 +169,7 @@ class GraphAnalysis:
     trap_container: str | None = None  # auto traps: the module list they were found in
     module_names: list[str] = field(default_factory=list)  # every module FQN known for the model
     bucket_plan: Any = None  # graphpass.passes.plan_static_shapes.BucketPlan when static_shapes is on
+    offload: Any = None  # graphpass.passes.insert_offload_schedule.OffloadSchedule when weights are offloaded
 
     def modules_of(self, node: torch.fx.Node) -> list[str]:
         return self.node_modules.get(node.name, [])

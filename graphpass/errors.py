@@ -13,6 +13,7 @@ __all__ = [
     "DelegateUnavailableError",
     "OwnershipError",
     "CaptureError",
+    "OffloadError",
     "surface",
 ]
 
@@ -88,3 +89,7 @@ def surface(err: GraphpassError) -> BaseException:
     new.first_useful_frame = None
     new.__cause__ = err.__cause__
     return new.with_traceback(err.__traceback__)
+
+
+class OffloadError(GraphpassError):
+    """Offload cannot be set up or run as asked: storage, checkpoint files, budget, uncompiled calls."""

@@ -15,6 +15,7 @@ from .passes.analyze_ownership import AnalyzeOwnership
 from .passes.assign_traps import AssignTraps
 from .passes.base import GraphPass, PassContext
 from .passes.insert_capture_nodes import InsertCaptureNodes
+from .passes.insert_offload_schedule import InsertOffloadSchedule
 from .passes.insert_trap_boundaries import InsertTrapBoundaries
 from .passes.plan_static_shapes import PlanStaticShapes
 from .passes.slice_static_buffers import SliceStaticBuffers
@@ -24,6 +25,7 @@ PIPELINE: tuple[GraphPass, ...] = (
     AnalyzeOwnership(),  # inputs -> FQNs -> holding and consuming modules, bytes
     AssignTraps(),  # ops and weights -> trap labels (manual, patterns, or repeated blocks)
     InsertTrapBoundaries(),  # graphpass::trap_enter / trap_exit around each trap region
+    InsertOffloadSchedule(),  # graphpass::load_start / load_wait / evict per trap for offloaded weights
     InsertCaptureNodes(),  # graphpass::capture after each output of ModelCapture-selected modules
     PlanStaticShapes(),  # static_shapes: pad/slice contract per bucket + padding-safety verdict
     SliceStaticBuffers(slice_outputs=False),  # symbolic-size factories -> slices of max-size buffers

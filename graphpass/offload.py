@@ -1,0 +1,522 @@
+"""``graphpass.offload(model, OffloadConfig(...))``: move the matched weights off the device.
+
+What it does to the model, before anything is compiled:
+
+* every parameter, buffer and inner tensor field (``weight.scale``) held by a module matching
+  ``include_patterns`` (and no module matching ``exclude_patterns``) is *streamed*: it is replaced
+  by a host tensor (``storage="cpu"``, or page-locked with ``"pinned"``) or, with ``"disk"``, by an
+  untouched stand-in whose bytes live in a safetensors file and are read per trap;
+* with ``max_device_bytes``, the units (repeated blocks) that save the most transfer per byte
+  are kept on the device instead, as long as the budget still holds the streaming window
+  (``prefetch_distance + 1`` of the largest streamed unit);
+* everything else sits on ``device``.
+
+The loads and evictions themselves are scheduled by the graph pass
+:mod:`graphpass.passes.insert_offload_schedule` when the model is compiled with
+``backend="graphpass"``. Each offloaded module gets a forward pre-hook that calls
+``graphpass::offload_guard``: the pass removes that node from graphs it schedules, so the hook
+only fires (with a clear error) when the model runs eagerly or under another backend.
+
+With ``checkpoint=`` the model may be built on the ``meta`` device: tensors are read from the
+safetensors files (as transformers and accelerate write them), checked against the model first
+(names, shapes, dtypes, file sizes), and a streamed tensor with ``storage="disk"`` is read straight
+from the checkpoint per trap, so a model larger than RAM is never materialized.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .errors import ConfigError, OffloadError
+from .offload_runtime import REGISTRY, MemoryStats, OffloadedTensor, OffloadRuntime
+from .patterns import ModulePattern, check_all_match, compile_patterns
+from .safetensors_io import TensorLocation, index_checkpoint, read_into, write_file
+
+_STORAGES = ("pinned", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """What :func:`offload` streams, from where, and how far ahead.
+
+    include_patterns: module patterns (shared syntax: ``layers.0-31``, regex); ``None`` streams
+        the repeated blocks (the children of the module list holding most parameters).
+    exclude_patterns: modules whose tensors stay on ``device`` even under an included module.
+    device: where the model computes (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+    storage: ``"pinned"`` (page-locked host memory; needs CUDA), ``"cpu"`` (pageable host memory)
+        or ``"disk"`` (safetensors files under ``disk_path``, or the ``checkpoint`` files).
+    disk_path: folder for ``storage="disk"`` when the weights are not already in a checkpoint.
+    prefetch_distance: how many traps ahead a trap's load starts (0: just before the trap).
+    max_device_bytes: device bytes the offloaded tensors may hold at once (resident units plus
+        streamed ones in flight); ``None``: stream everything matched.
+    """
+
+    include_patterns: Sequence[str] | None = None
+    exclude_patterns: Sequence[str] = ()
+    device: Any = "cuda"
+    storage: str = "pinned"
+    disk_path: str | os.PathLike | None = None
+    prefetch_distance: int = 1
+    max_device_bytes: int | None = None
+    _include: tuple[ModulePattern, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _exclude: tuple[ModulePattern, ...] = field(default=(), init=False, repr=False, compare=False)
+    _device: torch.device = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        include = None if self.include_patterns is None else compile_patterns(self.include_patterns, "include_patterns")
+        if include is not None and not include:
+            raise ConfigError("include_patterns", self.include_patterns, "an empty list offloads nothing; use None for the repeated blocks")
+        exclude = compile_patterns(self.exclude_patterns, "exclude_patterns")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ConfigError("device", self.device, "not a torch device (e.g. 'cuda', 'cuda:0', 'cpu')") from None
+        if device.type == "meta":
+            raise ConfigError("device", self.device, "the meta device cannot compute; name the device the model runs on")
+        if self.storage not in _STORAGES:
+            raise ConfigError("storage", self.storage, f"expected one of {', '.join(map(repr, _STORAGES))}")
+        if self.storage == "pinned" and device.type != "cuda":
+            raise ConfigError("storage", self.storage, f"page-locked host memory only helps an accelerator; device is {device}: use storage='cpu'")
+        if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
+            raise ConfigError("disk_path", self.disk_path, "expected a folder path")
+        if self.disk_path is not None and self.storage != "disk":
+            raise ConfigError("disk_path", self.disk_path, f"only used with storage='disk' (storage is {self.storage!r})")
+        if not isinstance(self.prefetch_distance, int) or isinstance(self.prefetch_distance, bool) or self.prefetch_distance < 0:
+            raise ConfigError("prefetch_distance", self.prefetch_distance, "expected an integer >= 0 (traps ahead)")
+        mdb = self.max_device_bytes
+        if mdb is not None and (not isinstance(mdb, int) or isinstance(mdb, bool) or mdb <= 0):
+            raise ConfigError("max_device_bytes", mdb, "expected a positive number of bytes, or None")
+        object.__setattr__(self, "_include", include)
+        object.__setattr__(self, "_exclude", exclude)
+        object.__setattr__(self, "_device", device)
+
+
+# --------------------------------------------------------------------------------------------
+# Planning
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tensor:
+    """One distinct tensor object of the model and every place it is held."""
+
+    tensor: torch.Tensor
+    places: list  # [(module, attr name, kind)] kind: parameter | buffer | inner:<parent attr>
+    fqns: list
+    holders: list  # module FQNs holding it
+    streamed: bool = False
+    unit: str | None = None
+    resident: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass
+class OffloadUnit:
+    """A budget unit: one repeated block (or outermost matched module) and its streamed bytes."""
+
+    name: str
+    nbytes: int
+    transfer: int  # bytes moved per forward if streamed (a tied tensor counts once per unit using it)
+    resident: bool = False
+
+    @property
+    def saving_per_byte(self) -> float:
+        return self.transfer / self.nbytes if self.nbytes else 0.0
+
+
+@dataclass
+class OffloadPlan:
+    """The budget decision: which units stay resident, which stream, and the window it keeps free."""
+
+    units: list[OffloadUnit]
+    prefetch_distance: int
+    max_device_bytes: int | None
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units if u.resident)
+
+    @property
+    def streamed(self) -> list[OffloadUnit]:
+        return [u for u in self.units if not u.resident]
+
+    @property
+    def window_bytes(self) -> int:
+        streamed = self.streamed
+        return (self.prefetch_distance + 1) * max((u.nbytes for u in streamed), default=0)
+
+    def table(self) -> str:
+        from tabulate import tabulate
+
+        rows = [(u.name, "resident" if u.resident else "streamed", f"{u.nbytes:,}", f"{u.saving_per_byte:.2f}") for u in self.units]
+        head = f"budget {self.max_device_bytes:,} bytes" if self.max_device_bytes else "no budget: everything matched streams"
+        foot = (f"resident {self.resident_bytes:,} + streaming window {self.window_bytes:,} "
+                f"(prefetch {self.prefetch_distance} + 1 x largest streamed unit)")
+        return f"offload plan ({head})\n" + tabulate(rows, headers=("unit", "decision", "bytes", "transfer saved / byte")) + "\n" + foot
+
+
+def _repeated_children(model: nn.Module) -> list[str]:
+    """Children of the module container with numbered children holding the most parameter bytes."""
+    best, best_bytes = None, -1
+    for name, mod in model.named_modules():
+        kids = [(k, m) for k, m in mod.named_children() if k.isdigit()]
+        if len(kids) < 1:
+            continue
+        nbytes = sum(p.numel() * p.element_size() for _, m in kids for p in m.parameters())
+        if nbytes > best_bytes:
+            best, best_bytes = (name, [k for k, _ in kids]), nbytes
+    if best is None:
+        return []
+    prefix = best[0] + "." if best[0] else ""
+    return [prefix + k for k in best[1]]
+
+
+def _inner_fields(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return [(k, v) for k, v in vars(t).items() if isinstance(v, torch.Tensor)] if hasattr(t, "__dict__") else []
+
+
+def _collect(model: nn.Module) -> list[_Tensor]:
+    seen: dict[int, _Tensor] = {}
+    order: list[_Tensor] = []
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        prefix = mname + "." if mname else ""
+        for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
+            for attr, t in table.items():
+                if t is None:
+                    continue
+                rec = seen.get(id(t))
+                if rec is None:
+                    rec = seen[id(t)] = _Tensor(t, [], [], [])
+                    order.append(rec)
+                rec.places.append((mod, attr, kind))
+                rec.fqns.append(prefix + attr)
+                rec.holders.append(mname)
+                for field_name, inner in _inner_fields(t):
+                    irec = seen.get(id(inner))
+                    if irec is None:
+                        irec = seen[id(inner)] = _Tensor(inner, [], [], [])
+                        order.append(irec)
+                    irec.places.append((t, field_name, f"inner:{attr}"))
+                    irec.fqns.append(f"{prefix}{attr}.{field_name}")
+                    irec.holders.append(mname)
+    return order
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def plan_units(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], list[OffloadUnit]]:
+    """Mark which tensors stream and group them into budget units (no data moves)."""
+    names = [n for n, _ in model.named_modules() if n]
+    include = config._include
+    auto_children: list[str] = []
+    if include is None:
+        auto_children = _repeated_children(model)
+        if not auto_children:
+            raise ConfigError("include_patterns", None, "the model has no repeated blocks (numbered children) to stream; name the modules")
+    else:
+        check_all_match(include, names, "include_patterns")
+    if config._exclude:
+        check_all_match(config._exclude, names, "exclude_patterns")
+    children = set(auto_children or _repeated_children(model))
+    tensors = _collect(model)
+    units: dict[str, OffloadUnit] = {}
+    for rec in tensors:
+        unit_names: list[str] = []
+        for holder in rec.holders:
+            chain = _ancestors(holder)
+            if include is None:
+                matched = [a for a in chain if a in children]
+            else:
+                matched = [a for a in chain if any(p.matches(a) for p in include)]
+            if not matched or any(any(p.matches(a) for p in config._exclude) for a in chain):
+                continue
+            unit = next((a for a in chain if a in children), matched[0])
+            unit_names.append(unit)
+        if not unit_names:
+            continue
+        rec.streamed = True
+        unit_names = list(dict.fromkeys(unit_names))
+        rec.unit = unit_names[0]
+        for u in unit_names:
+            entry = units.setdefault(u, OffloadUnit(u, 0, 0))
+            entry.transfer += rec.nbytes
+        units[rec.unit].nbytes += rec.nbytes
+    if not units:
+        raise ConfigError("include_patterns", config.include_patterns, "the matched modules hold no tensors to offload")
+    return tensors, list(units.values())
+
+
+def plan_budget(units: list[OffloadUnit], config: OffloadConfig) -> OffloadPlan:
+    """Keep resident the units that save the most transfer per byte while the streaming window fits."""
+    plan = OffloadPlan(units, config.prefetch_distance, config.max_device_bytes)
+    budget = config.max_device_bytes
+    if budget is None:
+        return plan
+    largest = max(u.nbytes for u in units)
+    need = (config.prefetch_distance + 1) * largest
+    if budget < need:
+        raise ConfigError(
+            "max_device_bytes", budget,
+            f"smaller than the largest trap plus its prefetch: unit {max(units, key=lambda u: u.nbytes).name!r} holds "
+            f"{largest:,} bytes and prefetch_distance={config.prefetch_distance} needs {need:,} bytes on the device",
+        )
+    # Ties keep earlier units: the first trap's load can never be hidden behind compute.
+    for u in sorted(units, key=lambda u: -u.saving_per_byte):
+        u.resident = True
+        if plan.resident_bytes + plan.window_bytes > budget:
+            u.resident = False
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# The state attached to an offloaded model
+# --------------------------------------------------------------------------------------------
+
+
+class OffloadState:
+    """What :func:`offload` did to one model; ``model._graphpass_offload``."""
+
+    def __init__(self, config: OffloadConfig, plan: OffloadPlan) -> None:
+        self.config = config
+        self.plan = plan
+        self.device = config._device
+        self.records: list[OffloadedTensor] = []
+        self.runtime = OffloadRuntime(self.device, config.storage, resident_bytes=plan.resident_bytes)
+        self.files: list[str] = []  # safetensors files graphpass wrote (removed with the state)
+        self.hooks: list = []
+        self._finalizer = None
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(r.nbytes for r in self.records)
+
+    def memory_stats(self) -> MemoryStats:
+        return self.runtime.stats()
+
+    def __repr__(self) -> str:
+        return (f"OffloadState(storage={self.config.storage!r}, device={str(self.device)!r}, streamed={len(self.records)} tensors "
+                f"/ {self.streamed_bytes:,} bytes, resident={self.plan.resident_bytes:,} bytes)")
+
+
+def _release(runtime: OffloadRuntime, records: list, files: list) -> None:
+    runtime.close()
+    for rec in records:
+        REGISTRY.remove(rec)
+    for f in files:
+        try:
+            os.unlink(f)
+        except OSError:
+            pass
+
+
+def _guard_hook(name: str):
+    def hook(module, args):
+        torch.ops.graphpass.offload_guard(name)
+
+    return hook
+
+
+def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: Any = None, **kwargs: Any) -> OffloadState:
+    """Move ``model``'s matched weights off the device as ``config`` says; returns the state.
+
+    ``checkpoint``: a safetensors file, a list of them, or a folder (with an ``*.index.json`` or
+    ``*.safetensors`` files); required when the model is on the ``meta`` device. Everything is
+    checked before any tensor of the model is replaced: on error the model is unchanged.
+    """
+    if config is None:
+        config = OffloadConfig(**kwargs)
+    elif kwargs:
+        raise ConfigError(next(iter(kwargs)), kwargs[next(iter(kwargs))], "pass options in the OffloadConfig, not both")
+    if not isinstance(config, OffloadConfig):
+        raise ConfigError("config", config, "expected a graphpass.OffloadConfig")
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", type(model).__name__, "graphpass.offload takes an nn.Module")
+    if getattr(model, "_graphpass_offload", None) is not None:
+        raise OffloadError("this model is already offloaded (graphpass.offload was called on it before)")
+    device = config._device
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", config.device, "CUDA is not available on this machine")
+
+    tensors, units = plan_units(model, config)
+    plan = plan_budget(units, config)
+    resident_units = {u.name for u in units if u.resident}
+    for rec in tensors:
+        if rec.streamed and rec.unit in resident_units:
+            rec.resident = True
+    streamed = [r for r in tensors if r.streamed and not r.resident]
+
+    if config.storage == "disk":
+        grads = [r.fqns[0] for r in streamed if r.tensor.requires_grad]
+        if grads:
+            raise ConfigError("storage", "disk", f"{grads[0]!r} requires grad: training reads and writes weights, so "
+                              "storage='disk' serves inference only; call requires_grad_(False) or use storage='cpu'/'pinned'")
+
+    # ---- checkpoint: resolve and check every tensor before touching the model
+    locations: dict[int, TensorLocation] = {}
+    if checkpoint is not None:
+        index = index_checkpoint(checkpoint)
+        for rec in tensors:
+            name = next((f for f in rec.fqns if f in index), None)
+            if name is None:
+                if rec.tensor.device.type == "meta":
+                    raise OffloadError(f"tensor {rec.fqns[0]!r} is on the meta device and not in the checkpoint")
+                continue
+            loc = index[name]
+            if tuple(rec.tensor.shape) != loc.shape or rec.tensor.dtype != loc.dtype:
+                raise OffloadError(
+                    f"tensor {name!r}: the checkpoint has {list(loc.shape)} {loc.dtype}, the model "
+                    f"{list(rec.tensor.shape)} {rec.tensor.dtype} ({loc.path})"
+                )
+            locations[id(rec)] = loc
+    else:
+        meta = [r.fqns[0] for r in tensors if r.tensor.device.type == "meta"]
+        if meta:
+            raise OffloadError(f"tensor {meta[0]!r} is on the meta device: pass checkpoint= (safetensors files) to load it")
+
+    disk_path = None
+    if config.storage == "disk":
+        need_files = [r for r in streamed if id(r) not in locations]
+        if need_files:
+            if config.disk_path is None:
+                raise ConfigError("disk_path", None, "storage='disk' needs a folder for the weights (or checkpoint= files)")
+            disk_path = Path(config.disk_path)
+            try:
+                disk_path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError("disk_path", str(disk_path), f"cannot create the folder: {exc}") from None
+            if not os.access(disk_path, os.W_OK):
+                raise ConfigError("disk_path", str(disk_path), "the folder is not writable")
+
+    # ---- materialize (the model is changed from here on)
+    state = OffloadState(config, plan)
+
+    def load_value(rec: _Tensor, target: torch.device, pin: bool = False) -> torch.Tensor:
+        loc = locations.get(id(rec))
+        src = rec.tensor
+        if loc is not None:
+            host = torch.empty(loc.shape, dtype=loc.dtype, pin_memory=pin)
+            with open(loc.path, "rb") as f:
+                read_into(f.fileno(), loc, host)
+            return host if target.type == "cpu" else host.to(target)
+        if target.type == "cpu":
+            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            out.copy_(src.detach())
+            return out
+        return src.detach().to(target, copy=True).contiguous()
+
+    new_values: dict[int, torch.Tensor] = {}
+    disk_tensors: dict[str, torch.Tensor] = {}
+    for rec in tensors:
+        if rec.streamed and not rec.resident:
+            if config.storage == "disk":
+                if id(rec) not in locations:
+                    disk_tensors[rec.fqns[0]] = rec.tensor.detach()
+                # an untouched stand-in: right shape, dtype and a storage of its own, pages never written
+                new_values[id(rec)] = torch.empty(rec.tensor.shape, dtype=rec.tensor.dtype)
+            else:
+                new_values[id(rec)] = load_value(rec, torch.device("cpu"), pin=config.storage == "pinned")
+        elif rec.tensor.device != device or id(rec) in locations:
+            new_values[id(rec)] = load_value(rec, device)
+    if disk_tensors:
+        fname = str(disk_path / f"graphpass-offload-{type(model).__name__}-{uuid.uuid4().hex[:8]}.safetensors")
+        write_file(fname, disk_tensors, metadata={"format": "pt", "writer": "graphpass.offload"})
+        state.files.append(fname)
+        from .safetensors_io import read_header
+
+        written = read_header(fname)
+        for rec in tensors:
+            if rec.fqns[0] in disk_tensors:
+                locations[id(rec)] = written[rec.fqns[0]]
+
+    # swap the new tensors in, parents before their inner fields
+    replaced: dict[int, torch.Tensor] = {}
+    for rec in tensors:
+        new = new_values.get(id(rec))
+        if new is None:
+            continue
+        old = rec.tensor
+        if isinstance(old, nn.Parameter):
+            new_obj = nn.Parameter(new, requires_grad=old.requires_grad if not (rec.streamed and not rec.resident and config.storage == "disk") else False)
+        else:
+            new_obj = new
+        for k, v in vars(old).items() if hasattr(old, "__dict__") else ():
+            if not isinstance(v, torch.Tensor):
+                try:
+                    setattr(new_obj, k, v)
+                except (AttributeError, TypeError):
+                    pass
+        replaced[id(old)] = new_obj
+    for rec in tensors:
+        old = rec.tensor
+        new_obj = replaced.get(id(old))
+        for holder, attr, kind in rec.places:
+            if kind == "parameter":
+                holder._parameters[attr] = new_obj if new_obj is not None else old
+            elif kind == "buffer":
+                holder._buffers[attr] = new_obj if new_obj is not None else old
+    for rec in tensors:
+        for holder, attr, kind in rec.places:
+            if kind.startswith("inner:"):
+                parent = replaced.get(id(holder), holder)
+                setattr(parent, attr, replaced.get(id(rec.tensor), rec.tensor))
+                # the parent object the module now holds
+        # parents replaced above were looked up by the old object: also fix fields on new parents
+    for rec in tensors:
+        for holder, attr, kind in rec.places:
+            if kind.startswith("inner:") and id(holder) in replaced:
+                setattr(replaced[id(holder)], attr, replaced.get(id(rec.tensor), rec.tensor))
+
+    # ---- register the streamed tensors
+    for rec in streamed:
+        value = replaced[id(rec.tensor)]
+        r = OffloadedTensor(
+            name=rec.fqns[0], fqns=tuple(rec.fqns), unit=rec.unit or "", shape=tuple(value.shape), dtype=value.dtype,
+            nbytes=rec.nbytes, host=value, location=locations.get(id(rec)) if config.storage == "disk" else None,
+        )
+        r.state = state
+        state.records.append(r)
+        REGISTRY.add(r)
+
+    # ---- guards: an eager call (or another backend) fails loudly instead of reading stand-ins
+    guarded = dict.fromkeys(h for rec in streamed for h in rec.holders)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for name in guarded:
+        state.hooks.append(modules[name].register_forward_pre_hook(_guard_hook(name or type(model).__name__)))
+    state._finalizer = weakref.finalize(state, _release, state.runtime, list(state.records), list(state.files))
+    object.__setattr__(model, "_graphpass_offload", state)
+    return state
+
+
+def offload_state(obj: Any) -> OffloadState | None:
+    """The offload state of a model, of ``torch.compile(model)``, or None."""
+    model = getattr(obj, "_orig_mod", obj)
+    return getattr(model, "_graphpass_offload", None)
+
+
+def memory_stats(obj: Any, reset: bool = False) -> MemoryStats:
+    """Measured offload figures of an offloaded model (or of ``torch.compile`` of it).
+
+    ``reset=True`` returns the figures and starts counting afresh (the peak restarts from what
+    is resident now).
+    """
+    state = offload_state(obj)
+    if state is None:
+        raise OffloadError(f"{type(obj).__name__} is not offloaded: call graphpass.offload(model, ...) first")
+    stats = state.runtime.stats()
+    if reset:
+        state.runtime.reset_stats()
+    return stats

@@ -1,0 +1,481 @@
+"""The ops the offload pass inserts, and the per-model runtime they drive.
+
+``graphpass::load_start(srcs, group, device, after) -> ticket`` allocates device memory for the tensors of
+one trap and starts copying them there: on CUDA on a side stream (from page-locked host memory, or
+from disk through reused page-locked staging buffers read by a background worker); on a host
+device by a background worker (a copy, or a read from disk). It returns a small ticket tensor.
+
+``graphpass::load_wait(ticket, srcs, group, device, started) -> loaded`` waits for that transfer (the
+compute stream waits on the side stream's event, or the worker's job is joined) and returns the
+device tensors. The ticket is a real data dependency from start to wait; consumers read the
+returned tensors, so nothing orders the pair but data. Its autograd formula sends each gradient
+back to the host tensor it was loaded from.
+
+``graphpass::evict(loaded, srcs, group, after) -> token`` is the last reader of a trap's loaded
+tensors: it runs after ``after`` (the output of the trap's last reader), and once it has run the
+graph holds no reference to them, so their memory is returned. It counts the eviction.
+
+The order is carried by data, so a delegate that reorders nodes (inductor does) keeps it: the load
+``prefetch_distance`` traps ahead takes the token of the eviction before it (``after``), and the
+wait of the current trap takes that load's ticket (``started``). A load therefore starts after the
+previous trap's eviction and before the current trap's compute, no earlier and no later.
+
+``graphpass::offload_guard(module)`` is what the forward pre-hook of an offloaded module calls:
+the offload pass deletes it from graphs it schedules; anywhere else (an eager call, another
+backend) it runs and raises a clear error instead of computing with weights that are not there.
+
+Residency is measured, not inferred: every loaded tensor carries a finalizer that lowers the
+model's resident byte count when its memory is actually released.
+
+Which model a tensor belongs to is looked up from the tensor that reaches the op at run time
+(the address of its storage, checked against a weak reference), never baked into the graph:
+Dynamo may run one compiled graph for several instances of a model class.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+
+from .errors import OffloadError
+from .safetensors_io import TensorLocation, read_into
+
+# --------------------------------------------------------------------------------------------
+# Records: one per offloaded tensor, found from the tensor itself
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class OffloadedTensor:
+    """One tensor graphpass streams: where its bytes live and the model state it belongs to."""
+
+    name: str  # first FQN (``layers.0.mlp.up.weight``, ``layers.0.up.weight.scale``)
+    fqns: tuple[str, ...]
+    unit: str  # the budget unit it was planned with
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    host: torch.Tensor  # the tensor the model holds: host copy (cpu/pinned) or an untouched stand-in (disk)
+    location: Optional[TensorLocation]  # disk: where its bytes are
+    state: "OffloadState" = field(repr=False, default=None)  # type: ignore[assignment]
+
+
+class _Registry:
+    """Storage address -> record, for live offloaded tensors only (weak both ways)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_ptr: dict[int, weakref.ref] = {}
+
+    def add(self, rec: OffloadedTensor) -> None:
+        ptr = rec.host.untyped_storage().data_ptr()
+        with self._lock:
+            self._by_ptr[ptr] = weakref.ref(rec)
+
+    def remove(self, rec: OffloadedTensor) -> None:
+        ptr = rec.host.untyped_storage().data_ptr()
+        with self._lock:
+            ref = self._by_ptr.get(ptr)
+            if ref is not None and ref() in (rec, None):
+                del self._by_ptr[ptr]
+
+    def lookup(self, t: Any) -> OffloadedTensor | None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
+            return None
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        ptr = storage.data_ptr()
+        ref = self._by_ptr.get(ptr)
+        rec = ref() if ref is not None else None
+        if rec is None or rec.host.untyped_storage().data_ptr() != ptr or tuple(t.shape) != rec.shape:
+            return None
+        return rec
+
+
+REGISTRY = _Registry()
+
+
+def lookup(t: Any) -> OffloadedTensor | None:
+    """The offload record of ``t`` if ``t`` is a tensor graphpass.offload() moved off the device."""
+    return REGISTRY.lookup(t)
+
+
+# --------------------------------------------------------------------------------------------
+# Stats
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """What the offload runtime measured for one model (``graphpass.memory_stats(compiled)``).
+
+    bytes_loaded / loads_issued: bytes and tensors copied to the device by trap loads.
+    peak_streamed_bytes: the most bytes of streamed tensors alive on the device at once (counted
+        when a load allocates, uncounted when the memory is released).
+    resident_bytes: bytes the budget keeps on the device all the time.
+    peak_resident_bytes: resident_bytes + peak_streamed_bytes.
+    wait_seconds: time the compute spent waiting for loads that had not finished.
+    evictions: trap evictions run; groups_loaded: trap loads started.
+    """
+
+    bytes_loaded: int = 0
+    loads_issued: int = 0
+    groups_loaded: int = 0
+    evictions: int = 0
+    streamed_bytes_now: int = 0
+    peak_streamed_bytes: int = 0
+    resident_bytes: int = 0
+    wait_seconds: float = 0.0
+
+    @property
+    def peak_resident_bytes(self) -> int:
+        return self.resident_bytes + self.peak_streamed_bytes
+
+    def __str__(self) -> str:
+        from tabulate import tabulate
+
+        rows = [
+            ("bytes loaded", f"{self.bytes_loaded:,}"),
+            ("loads issued (tensors)", self.loads_issued),
+            ("trap loads / evictions", f"{self.groups_loaded} / {self.evictions}"),
+            ("resident (budget) bytes", f"{self.resident_bytes:,}"),
+            ("peak streamed bytes", f"{self.peak_streamed_bytes:,}"),
+            ("peak resident offloaded bytes", f"{self.peak_resident_bytes:,}"),
+            ("streamed bytes now", f"{self.streamed_bytes_now:,}"),
+            ("time waiting on loads", f"{self.wait_seconds * 1e3:.2f} ms"),
+        ]
+        return tabulate(rows, headers=("graphpass offload", "value"))
+
+
+@dataclass
+class _Pending:
+    dsts: list
+    nbytes: int
+    future: Optional[Future] = None
+    event: Any = None  # torch.cuda.Event the compute stream waits on
+    owner: tuple = ()
+
+
+class _StagingPool:
+    """Reused page-locked host buffers for disk -> CUDA loads: no host allocation per step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            best = None
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes and (best is None or buf.numel() < self._free[best].numel()):
+                    best = i
+            if best is not None:
+                return self._free.pop(best)
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+class OffloadRuntime:
+    """Per-model runtime: tickets, the worker, the CUDA side stream, open files and the counters."""
+
+    def __init__(self, device: torch.device, storage: str, resident_bytes: int = 0) -> None:
+        self.device = device
+        self.storage = storage
+        self._lock = threading.Lock()
+        self._tickets = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._latest: dict[tuple, int] = {}  # (thread, group) -> ticket: an aborted call's loads are dropped
+        self._executor: ThreadPoolExecutor | None = None
+        self._stream = None
+        self._fds: dict[str, int] = {}
+        self._staging = _StagingPool()
+        self._stats = dict(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0, streamed_bytes_now=0,
+                           peak_streamed_bytes=0, wait_seconds=0.0)
+        self.resident_bytes = resident_bytes
+        self._closed = False
+
+    # ---------------------------------------------------------------- counters
+    def stats(self) -> MemoryStats:
+        with self._lock:
+            return MemoryStats(resident_bytes=self.resident_bytes, **self._stats)
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            now = self._stats["streamed_bytes_now"]
+            self._stats.update(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0,
+                               peak_streamed_bytes=now, wait_seconds=0.0)
+
+    def _freed(self, nbytes: int) -> None:
+        with self._lock:
+            self._stats["streamed_bytes_now"] -= nbytes
+
+    def _allocated(self, dsts: list, nbytes: int) -> None:
+        with self._lock:
+            s = self._stats
+            s["streamed_bytes_now"] += nbytes
+            s["peak_streamed_bytes"] = max(s["peak_streamed_bytes"], s["streamed_bytes_now"])
+            s["bytes_loaded"] += nbytes
+            s["loads_issued"] += len(dsts)
+            s["groups_loaded"] += 1
+        for d in dsts:
+            weakref.finalize(d, self._freed, d.numel() * d.element_size())
+
+    # ---------------------------------------------------------------- resources
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphpass-offload")
+        return self._executor
+
+    def _side_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    try:
+                        fd = os.open(path, os.O_RDONLY)
+                    except OSError as exc:
+                        raise OffloadError(f"cannot open offload file {path}: {exc}") from None
+                    self._fds[path] = fd
+        return fd
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+
+    # ---------------------------------------------------------------- the transfers
+    def _read(self, rec: OffloadedTensor, dst: torch.Tensor) -> None:
+        loc = rec.location
+        fd = self._fd(loc.path)
+        size = os.fstat(fd).st_size
+        if loc.offset + loc.nbytes > size:
+            raise OffloadError(
+                f"tensor {rec.name!r}: {loc.path} is truncated ({size} bytes, its bytes end at {loc.offset + loc.nbytes})"
+            )
+        read_into(fd, loc, dst)
+
+    def _host_job(self, recs: list, srcs: list, dsts: list) -> None:
+        for rec, src, dst in zip(recs, srcs, dsts):
+            if rec.location is not None:
+                self._read(rec, dst)
+            else:
+                dst.copy_(src)
+
+    def _disk_to_cuda_job(self, recs: list, dsts: list, event) -> None:
+        total = sum(r.nbytes for r in recs)
+        staging = self._staging.take(total)
+        try:
+            views, pos = [], 0
+            for rec in recs:
+                part = staging[pos : pos + rec.nbytes].view(rec.dtype).view(rec.shape) if rec.nbytes else None
+                if part is not None:
+                    self._read(rec, part)
+                views.append(part)
+                pos += rec.nbytes
+            stream = self._side_stream()
+            with torch.cuda.stream(stream):
+                for part, dst in zip(views, dsts):
+                    if part is not None:
+                        dst.copy_(part, non_blocking=True)
+                event.record(stream)
+            event.synchronize()  # the staging buffer is reusable once the copy is done
+        finally:
+            self._staging.give(staging)
+
+    def start(self, recs: list, srcs: list, group: str) -> int:
+        if self._closed:
+            raise OffloadError("this model's offload runtime was closed (graphpass.offload state released)")
+        device = self.device
+        nbytes = sum(r.nbytes for r in recs)
+        owner = (threading.get_ident(), group)
+        if device.type == "cuda":
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                dsts = [torch.empty(r.shape, dtype=r.dtype, device=device) for r in recs]
+            self._allocated(dsts, nbytes)
+            event = torch.cuda.Event()
+            if any(r.location is not None for r in recs):
+                pending = _Pending(dsts, nbytes, self._worker().submit(self._disk_to_cuda_job, recs, dsts, event), event)
+            else:
+                with torch.cuda.stream(stream):
+                    for src, dst in zip(srcs, dsts):
+                        dst.copy_(src, non_blocking=True)
+                    event.record(stream)
+                pending = _Pending(dsts, nbytes, None, event)
+        else:
+            dsts = [torch.empty(r.shape, dtype=r.dtype, device=device) for r in recs]
+            self._allocated(dsts, nbytes)
+            pending = _Pending(dsts, nbytes, self._worker().submit(self._host_job, recs, list(srcs), dsts))
+        pending.owner = owner
+        with self._lock:
+            ticket = next(self._tickets)
+            stale = self._latest.get(owner)
+            if stale is not None:
+                self._pending.pop(stale, None)  # left by a call that raised before waiting
+            self._latest[owner] = ticket
+            self._pending[ticket] = pending
+        return ticket
+
+    def wait(self, ticket: int, group: str) -> list:
+        with self._lock:
+            pending = self._pending.pop(ticket, None)
+            if pending is not None and self._latest.get(pending.owner) == ticket:
+                del self._latest[pending.owner]
+        if pending is None:
+            raise OffloadError(f"trap {group!r}: load ticket {ticket} is unknown (its load was never started)")
+        t0 = time.perf_counter()
+        if pending.future is not None:
+            pending.future.result()  # re-raises the worker's OffloadError naming the tensor
+        if pending.event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(pending.event)
+            for d in pending.dsts:
+                d.record_stream(current)
+        waited = time.perf_counter() - t0
+        with self._lock:
+            self._stats["wait_seconds"] += waited
+        return pending.dsts
+
+    def evicted(self, group: str) -> None:
+        with self._lock:
+            self._stats["evictions"] += 1
+
+
+# --------------------------------------------------------------------------------------------
+# The ops
+# --------------------------------------------------------------------------------------------
+
+_LIB = torch.library.Library("graphpass", "FRAGMENT")
+_LIB.define("load_start(Tensor[] srcs, str group, Device device, Tensor[] after) -> Tensor")
+_LIB.define("load_wait(Tensor ticket, Tensor[] srcs, str group, Device device, Tensor[] started) -> Tensor[]")
+_LIB.define("evict(Tensor[] loaded, Tensor[] srcs, str group, Tensor[] after) -> Tensor")
+_LIB.define("offload_guard(str module) -> ()")
+
+
+def _records(srcs: List[torch.Tensor], group: str) -> list:
+    recs = []
+    for i, s in enumerate(srcs):
+        rec = lookup(s)
+        if rec is None:
+            raise OffloadError(
+                f"trap {group!r}: input {i} of its load is not a tensor graphpass.offload() manages "
+                f"(shape {tuple(s.shape)}); was the model re-offloaded or its weights replaced after compiling?"
+            )
+        recs.append(rec)
+    return recs
+
+
+def _load_start(srcs: List[torch.Tensor], group: str, device: torch.device, after: List[torch.Tensor] = ()) -> torch.Tensor:
+    recs = _records(srcs, group)
+    runtime = recs[0].state.runtime
+    ticket = runtime.start(recs, srcs, group)
+    return torch.tensor(ticket, dtype=torch.int64)
+
+
+def _load_start_fake(srcs, group, device, after=()):
+    return torch.empty((), dtype=torch.int64)
+
+
+def _load_wait(
+    ticket: torch.Tensor, srcs: List[torch.Tensor], group: str, device: torch.device, started: List[torch.Tensor] = ()
+) -> List[torch.Tensor]:
+    recs = _records(srcs, group)
+    return recs[0].state.runtime.wait(int(ticket.item()), group)
+
+
+def _load_wait_fake(ticket, srcs, group, device, started=()):
+    return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in srcs]
+
+
+def _evict(loaded: List[torch.Tensor], srcs: List[torch.Tensor], group: str, after: List[torch.Tensor] = ()) -> torch.Tensor:
+    # ``srcs`` (the host tensors the group was loaded from) name the model whose counter this is.
+    if srcs:
+        rec = lookup(srcs[0])
+        if rec is not None:
+            rec.state.runtime.evicted(group)
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _evict_fake(loaded, srcs, group, after=()):
+    return torch.empty((), dtype=torch.int64)
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+def _guard(module: str) -> None:
+    raise OffloadError(
+        f"module {module!r} holds weights that graphpass.offload() moved off the device, and it ran outside a "
+        f"graph graphpass scheduled (an eager call, or torch.compile with another backend). Run it as "
+        f"torch.compile(model, backend='graphpass') (any then= delegate) so the loads are in the graph."
+    )
+
+
+_LIB.impl("load_start", _load_start, "CompositeExplicitAutograd")
+_LIB.impl("load_wait", _load_wait, "CompositeExplicitAutograd")
+_LIB.impl("evict", _evict, "CompositeExplicitAutograd")
+_LIB.impl("offload_guard", _guard, "CompositeExplicitAutograd")
+torch.library.register_fake("graphpass::load_start", _load_start_fake, lib=_LIB)
+torch.library.register_fake("graphpass::load_wait", _load_wait_fake, lib=_LIB)
+torch.library.register_fake("graphpass::evict", _evict_fake, lib=_LIB)
+torch.library.register_fake("graphpass::offload_guard", _nothing, lib=_LIB)
+
+
+def _wait_setup(ctx, inputs, output) -> None:
+    srcs = inputs[1]
+    ctx.src_meta = [(s.device, s.dtype) for s in srcs]
+    ctx.n_started = len(inputs[4])
+
+
+def _wait_backward(ctx, grads):
+    out = []
+    for g, (device, dtype) in zip(grads, ctx.src_meta):
+        out.append(None if g is None else g.to(device=device, dtype=dtype))
+    return None, out, None, None, [None] * ctx.n_started
+
+
+torch.library.register_autograd("graphpass::load_wait", _wait_backward, setup_context=_wait_setup, lib=_LIB)
+
+LOAD_START = torch.ops.graphpass.load_start.default
+LOAD_WAIT = torch.ops.graphpass.load_wait.default
+EVICT = torch.ops.graphpass.evict.default
+OFFLOAD_GUARD = torch.ops.graphpass.offload_guard.default
+
+torch.fx.node.has_side_effect(EVICT)
+torch.fx.node.has_side_effect(OFFLOAD_GUARD)
+torch.fx.node.has_side_effect(torch.ops.graphpass.offload_guard)
+
+
+def is_guard(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (OFFLOAD_GUARD, torch.ops.graphpass.offload_guard)

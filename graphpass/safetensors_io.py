@@ -1,0 +1,201 @@
+"""safetensors files for offloaded weights: read the header, check it, read one tensor's bytes
+straight into a destination tensor, and write files atomically.
+
+Reading never maps the file: a weight is read with ``os.preadv`` into memory the caller owns, so
+the process's resident memory holds only what the caller keeps (an ``mmap`` would leave every
+page it touched counted in the process's RSS). Files written here are ordinary safetensors files
+that ``safetensors.safe_open`` reads, and files written by ``safetensors`` / transformers /
+accelerate are read here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+
+from .errors import OffloadError
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where one tensor's bytes lie: ``path`` from byte ``offset``, ``nbytes`` long."""
+
+    name: str
+    path: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_header(path: str | os.PathLike) -> dict[str, TensorLocation]:
+    """Parse one safetensors file's header; raise :class:`OffloadError` for a foreign or truncated file."""
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise OffloadError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n <= 0 or n > _MAX_HEADER or 8 + n > size:
+                raise OffloadError(f"{path}: not a safetensors file (header length {n} does not fit a {size}-byte file)")
+            raw = f.read(n)
+    except OSError as exc:
+        raise OffloadError(f"{path}: cannot read the checkpoint file: {exc}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise OffloadError(f"{path}: not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise OffloadError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    base = 8 + n
+    out: dict[str, TensorLocation] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise OffloadError(f"{path}: tensor {name!r}: malformed or unsupported header entry {info!r}") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        if end - begin != nbytes or begin < 0:
+            raise OffloadError(
+                f"{path}: tensor {name!r}: header says {end - begin} bytes for shape {list(shape)} {dtype} ({nbytes} bytes)"
+            )
+        if base + end > size:
+            raise OffloadError(
+                f"{path}: tensor {name!r} is truncated: its bytes end at {base + end} but the file has {size} bytes"
+            )
+        out[name] = TensorLocation(name, path, base + begin, nbytes, dtype, shape)
+    return out
+
+
+def checkpoint_files(checkpoint: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
+    """The safetensors files of a checkpoint: a file, a list of files, or a folder (index json or *.safetensors)."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        p = Path(checkpoint)
+        if p.is_dir():
+            indexes = sorted(p.glob("*.safetensors.index.json"))
+            if indexes:
+                try:
+                    weight_map = json.loads(indexes[0].read_text())["weight_map"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    raise OffloadError(f"{indexes[0]}: not a safetensors index (no 'weight_map')") from None
+                files = [str(p / f) for f in dict.fromkeys(weight_map.values())]
+            else:
+                files = [str(f) for f in sorted(p.glob("*.safetensors"))]
+            if not files:
+                raise OffloadError(f"checkpoint folder {p} holds no .safetensors file")
+            return files
+        return [str(p)]
+    files = [os.fspath(f) for f in checkpoint]
+    if not files:
+        raise OffloadError("checkpoint: an empty list of files")
+    return files
+
+
+def index_checkpoint(checkpoint) -> dict[str, TensorLocation]:
+    """Every tensor of every file of ``checkpoint`` by name; a name in two files is an error."""
+    out: dict[str, TensorLocation] = {}
+    for f in checkpoint_files(checkpoint):
+        if not os.path.exists(f):
+            raise OffloadError(f"checkpoint file {f} does not exist")
+        for name, loc in read_header(f).items():
+            if name in out:
+                raise OffloadError(f"tensor {name!r} appears in two checkpoint files: {out[name].path} and {f}")
+            out[name] = loc
+    return out
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def read_into(fd: int, loc: TensorLocation, dst: torch.Tensor) -> None:
+    """Read ``loc``'s bytes into the contiguous CPU tensor ``dst`` (no mapping, no extra copy)."""
+    view = byte_view(dst)
+    if len(view) != loc.nbytes:
+        raise OffloadError(f"tensor {loc.name!r}: destination holds {len(view)} bytes, the file {loc.nbytes}")
+    done = 0
+    while done < loc.nbytes:
+        got = os.preadv(fd, [view[done:]], loc.offset + done)
+        if got <= 0:
+            raise OffloadError(
+                f"tensor {loc.name!r}: {loc.path} ended after {done} of its {loc.nbytes} bytes (file truncated since it was opened?)"
+            )
+        done += got
+
+
+def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``tensors`` as one safetensors file, streaming each tensor's bytes (no whole-file buffer).
+
+    The file appears under its name only once complete (written to a temporary file in the same
+    folder, flushed, then renamed), so a crash never leaves a half-written file behind.
+    """
+    path = os.fspath(path)
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    order = []
+    for name, t in tensors.items():
+        if t.dtype not in _NAMES:
+            raise OffloadError(f"tensor {name!r}: dtype {t.dtype} cannot be stored in safetensors")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        order.append((name, t))
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".graphpass-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for _name, t in order:
+                cpu = t.detach().to("cpu").contiguous()
+                f.write(byte_view(cpu))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
