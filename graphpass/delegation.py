@@ -1,13 +1,15 @@
 """Handing the rewritten graph to the delegate.
 
 Delegates that can run host code get the whole graph, boundary nodes included. For delegates that
-cannot (``host_code = False``, e.g. Neuron), the graph is split at the trap boundaries: each
-stretch of compute between boundaries becomes a piece compiled by the delegate on its first call,
-and the boundary nodes run on the host between the pieces.
+cannot (``host_code = False``, e.g. Neuron), the graph is split at every graphpass node (trap
+boundaries, offload loads and evictions, captures): each stretch of compute between them becomes a
+piece compiled by the delegate on its first call, and the graphpass nodes run on the host between
+the pieces.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -15,7 +17,7 @@ from torch.fx.passes.split_module import split_module
 
 from graphpass.backends import Delegate
 
-from .ops import is_boundary, is_graphpass_op
+from .ops import is_graphpass_op
 
 
 class _LazyPiece(torch.nn.Module):
@@ -46,10 +48,13 @@ def split_at_boundaries(gm: torch.fx.GraphModule, delegate: Delegate) -> tuple[t
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
-        if is_boundary(n):
+        if n.op == "call_function" and is_graphpass_op(n.target):
             seg += 1
             part[n] = seg
             seg += 1
+        elif n.op == "call_function" and n.target is operator.getitem and n.args[0] in part \
+                and is_graphpass_op(getattr(n.args[0], "target", None)):
+            part[n] = part[n.args[0]]  # a graphpass op's list output is unpacked on the host
         else:
             part[n] = seg
     parent = split_module(gm, gm, lambda n: part[n], keep_original_order=True)

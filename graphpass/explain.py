@@ -44,6 +44,25 @@ class ExplainReport:
     graphs: list[CompiledGraph]
     config: GraphpassConfig
     notes: list[str] = field(default_factory=list)
+    offload: Any = None  # graphpass.offload.OffloadState of the model, when it is offloaded
+
+    def offload_table(self) -> str:
+        """The offload plan (budget decision) and each graph's load schedule."""
+        if self.offload is None:
+            return ""
+        parts = [self.offload.plan.table()]
+        rows = []
+        for g in self.graphs:
+            sched = g.analysis.offload
+            if sched is None:
+                continue
+            for grp in sched.groups:
+                rows.append([g.index, grp.label, len(grp.fqns), fmt_bytes(grp.nbytes), grp.start_before, grp.wait_before,
+                             grp.evict_after])
+            rows.append([g.index, "(schedule peak)", "", fmt_bytes(sched.peak_streamed_bytes), "", "", ""])
+        parts.append(tabulate(rows, headers=["graph", "load", "tensors", "bytes", "starts before", "waits before",
+                                             "evicts after"]))
+        return "\n".join(parts)
 
     def trap_rows(self) -> list[TrapRow]:
         rows = []
@@ -136,6 +155,8 @@ class ExplainReport:
         untrapped = [t for t in self.tensors() if t.is_weight and not t.traps]
         if untrapped:
             lines += ["", f"outside any trap: {_compact([t.fqn for t in untrapped], 12)}"]
+        if self.offload is not None:
+            lines += ["", self.offload_table()]
         lines += self.notes
         return "\n".join(lines)
 
@@ -165,4 +186,6 @@ def explain(model: Any, *inputs: Any, dynamic: bool | None = None, **options: An
     compiled = torch.compile(model, backend=recorder, dynamic=dynamic)
     with torch.no_grad():
         compiled(*inputs)
-    return ExplainReport(graphs=gp.graphs, config=gp.config)
+    from .offload import offload_state
+
+    return ExplainReport(graphs=gp.graphs, config=gp.config, offload=offload_state(model))

@@ -251,10 +251,11 @@ def plan_units(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], 
         rec.streamed = True
         unit_names = list(dict.fromkeys(unit_names))
         rec.unit = unit_names[0]
-        for u in unit_names:
-            entry = units.setdefault(u, OffloadUnit(u, 0, 0))
-            entry.transfer += rec.nbytes
-        units[rec.unit].nbytes += rec.nbytes
+        # a tensor several units hold (tied) is streamed once per unit reading it: keeping it
+        # resident saves all those loads, so its unit is credited with each of them
+        entry = units.setdefault(rec.unit, OffloadUnit(rec.unit, 0, 0))
+        entry.nbytes += rec.nbytes
+        entry.transfer += rec.nbytes * len(unit_names)
     if not units:
         raise ConfigError("include_patterns", config.include_patterns, "the matched modules hold no tensors to offload")
     return tensors, list(units.values())
@@ -295,7 +296,7 @@ class OffloadState:
         self.plan = plan
         self.device = config._device
         self.records: list[OffloadedTensor] = []
-        self.runtime = OffloadRuntime(self.device, config.storage, resident_bytes=plan.resident_bytes)
+        self.runtime = OffloadRuntime(config, resident_bytes=plan.resident_bytes)
         self.files: list[str] = []  # safetensors files graphpass wrote (removed with the state)
         self.hooks: list = []
         self._finalizer = None
@@ -487,7 +488,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
             name=rec.fqns[0], fqns=tuple(rec.fqns), unit=rec.unit or "", shape=tuple(value.shape), dtype=value.dtype,
             nbytes=rec.nbytes, host=value, location=locations.get(id(rec)) if config.storage == "disk" else None,
         )
-        r.state = state
+        r.runtime = state.runtime
         state.records.append(r)
         REGISTRY.add(r)
 

@@ -65,7 +65,7 @@ class OffloadedTensor:
     nbytes: int
     host: torch.Tensor  # the tensor the model holds: host copy (cpu/pinned) or an untouched stand-in (disk)
     location: Optional[TensorLocation]  # disk: where its bytes are
-    state: "OffloadState" = field(repr=False, default=None)  # type: ignore[assignment]
+    runtime: "OffloadRuntime" = field(repr=False, default=None)  # type: ignore[assignment]
 
 
 class _Registry:
@@ -191,9 +191,10 @@ class _StagingPool:
 class OffloadRuntime:
     """Per-model runtime: tickets, the worker, the CUDA side stream, open files and the counters."""
 
-    def __init__(self, device: torch.device, storage: str, resident_bytes: int = 0) -> None:
-        self.device = device
-        self.storage = storage
+    def __init__(self, config: Any, resident_bytes: int = 0) -> None:
+        self.config = config  # graphpass.OffloadConfig (frozen; no reference back to the model)
+        self.device = config._device
+        self.storage = config.storage
         self._lock = threading.Lock()
         self._tickets = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -397,9 +398,19 @@ def _records(srcs: List[torch.Tensor], group: str) -> list:
 
 def _load_start(srcs: List[torch.Tensor], group: str, device: torch.device, after: List[torch.Tensor] = ()) -> torch.Tensor:
     recs = _records(srcs, group)
-    runtime = recs[0].state.runtime
+    runtime = recs[0].runtime
     ticket = runtime.start(recs, srcs, group)
+    _record("load", group)
     return torch.tensor(ticket, dtype=torch.int64)
+
+
+def _record(kind: str, group: str) -> None:
+    from .ops import _STATE
+
+    st = _STATE.get()
+    if st is not None:
+        for rec in st.recorders:
+            rec.append((kind, group))
 
 
 def _load_start_fake(srcs, group, device, after=()):
@@ -410,7 +421,9 @@ def _load_wait(
     ticket: torch.Tensor, srcs: List[torch.Tensor], group: str, device: torch.device, started: List[torch.Tensor] = ()
 ) -> List[torch.Tensor]:
     recs = _records(srcs, group)
-    return recs[0].state.runtime.wait(int(ticket.item()), group)
+    out = recs[0].runtime.wait(int(ticket.item()), group)
+    _record("wait", group)
+    return out
 
 
 def _load_wait_fake(ticket, srcs, group, device, started=()):
@@ -422,7 +435,8 @@ def _evict(loaded: List[torch.Tensor], srcs: List[torch.Tensor], group: str, aft
     if srcs:
         rec = lookup(srcs[0])
         if rec is not None:
-            rec.state.runtime.evicted(group)
+            rec.runtime.evicted(group)
+    _record("evict", group)
     return torch.zeros((), dtype=torch.int64)
 
 

@@ -119,7 +119,8 @@ def is_graphpass_op(target: object) -> bool:
 
 @contextlib.contextmanager
 def trace_traps() -> Iterator[list]:
-    """Record ``("enter"|"exit", label)`` for every trap boundary that runs in this context.
+    """Record ``("enter"|"exit", label)`` for every trap boundary that runs in this context, and
+    ``("load"|"wait"|"evict", label)`` for every offload step.
 
     >>> with graphpass.trace_traps() as events:
     ...     compiled(x)

@@ -2,7 +2,7 @@
 
 Two files per model: ``golden/ownership/<model>.txt`` (analysis passes: ownership, traps) and
 ``golden/trap_boundaries/<model>.txt`` (the rewritten graph's code); ``golden/capture_nodes/``
-holds graphs with a ModelCapture attached.
+holds graphs with a ModelCapture attached, ``golden/offload_schedule/`` offloaded models' graphs.
 """
 
 from pathlib import Path
@@ -82,6 +82,35 @@ def test_golden_capture_nodes(name, tmp_path):
     check_golden(GOLDEN / "capture_nodes" / f"{name}.txt", code)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_golden_offload_schedule(name, tmp_path):
+    """``insert_offload_schedule``: loads, waits and evictions per trap, storage="cpu", prefetch 1."""
+    model, inputs = MODELS[name]()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        ref = model(*inputs)
+    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu", prefetch_distance=1))
+    gp = graphpass.backend(then="eager")
+    with torch.no_grad():
+        out = torch.compile(model, backend=gp)(*inputs)
+    if hasattr(out, "logits"):
+        out, ref = out.logits, ref.logits
+    assert torch.equal(out, ref)
+    text = []
+    for g in gp.graphs:
+        sched = g.analysis.offload
+        text.append(f"graph {g.index}")
+        if sched is not None:
+            text.append(f"schedule peak {sched.peak_streamed_bytes}B, prefetch {sched.prefetch_distance}")
+            for grp in sched.groups:
+                text.append(f"  {grp.label}: {grp.nbytes}B {grp.fqns} start<{grp.start_before} wait<{grp.wait_before} evict>{grp.evict_after}")
+        text.append(render_code(g.gm))
+    code = "\n".join(text)
+    assert "graphpass.load_start" in code
+    check_golden(GOLDEN / "offload_schedule" / f"{name}.txt", code)
+
+
 def test_golden_static_shapes(tmp_path):
     """``plan_static_shapes`` and ``slice_static_buffers`` on the seed-style model, dynamic=True."""
     from graphpass.models.corpus import SeedStyle
@@ -103,7 +132,7 @@ def test_golden_static_shapes(tmp_path):
 def test_golden_corpus_is_complete():
     assert len(MODELS) >= 7
     for name in MODELS:
-        for sub in ("ownership", "trap_boundaries"):
+        for sub in ("ownership", "trap_boundaries", "offload_schedule"):
             assert (GOLDEN / sub / f"{name}.txt").exists(), f"run `make golden` to record {sub}/{name}"
 
 
@@ -119,6 +148,6 @@ def test_golden_mismatch_fails(tmp_path, monkeypatch):
 def test_renderings_hold_no_paths_ids_or_addresses():
     text = "\n".join((GOLDEN / sub / f).read_text() for sub in ("ownership", "trap_boundaries") for f in
                      sorted(p.name for p in (GOLDEN / sub).glob("*.txt")))
-    text += "\n".join(p.read_text() for sub in ("capture_nodes", "static_shapes") for p in sorted((GOLDEN / sub).glob("*.txt")))
+    text += "\n".join(p.read_text() for sub in ("capture_nodes", "static_shapes", "offload_schedule") for p in sorted((GOLDEN / sub).glob("*.txt")))
     for bad in ("/work/", "site-packages", ".py:", "0x7f", "File \""):
         assert bad not in text

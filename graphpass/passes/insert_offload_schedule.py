@@ -72,12 +72,12 @@ class InsertOffloadSchedule(GraphPass):
         if not records:
             ctx.gm.recompile()
             return
-        states = {id(r.state): r.state for r in records.values()}
-        state = next(iter(states.values()))
-        if len(states) > 1:
+        runtimes = {id(r.runtime): r.runtime for r in records.values()}
+        runtime = next(iter(runtimes.values()))
+        if len(runtimes) > 1:
             raise OffloadError("one graph reads tensors offloaded from two different models; offload and compile them separately")
-        device = state.device
-        prefetch = state.config.prefetch_distance
+        device = runtime.device
+        prefetch = runtime.config.prefetch_distance
 
         order: dict[torch.fx.Node, int] = {}
         segment: dict[torch.fx.Node, int] = {}
@@ -196,8 +196,8 @@ class InsertOffloadSchedule(GraphPass):
                 peak = max(peak, live)
             elif n.target is EVICT:
                 live -= started.get(n.args[2], 0)
-        budget = state.config.max_device_bytes
-        resident = state.plan.resident_bytes
+        budget = runtime.config.max_device_bytes
+        resident = runtime.resident_bytes
         analysis.offload = OffloadSchedule(schedule, prefetch, peak, resident, budget)
         if budget is not None and resident + peak > budget:
             raise OffloadError(

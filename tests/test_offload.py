@@ -1,0 +1,462 @@
+"""Offload: weights leave the device at offload(), loads/evictions per trap are in the compiled graph.
+
+Every test runs on CPU (``device="cpu"``): a load is then a real copy into fresh memory (or a read
+from a safetensors file), so the schedule, the counters and the residency are the real ones;
+``storage="pinned"`` and the CUDA side stream run in ``bench/gpu_check.sh`` on a lent GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphpass
+from graphpass.models.corpus import CORPUS, build
+from graphpass.offload_runtime import LOAD_START, LOAD_WAIT, EVICT, lookup
+
+from helpers import fresh_inputs, StrictAtenBackend
+
+CPU = dict(device="cpu", storage="cpu")
+
+
+def frozen(name, seed=0):
+    model, inputs = build(name, seed)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, inputs
+
+
+def run(compiled, *inputs):
+    with torch.no_grad():
+        return compiled(*inputs)
+
+
+def trap_bytes(state, unit):
+    return sum(r.nbytes for r in state.records if r.unit == unit)
+
+
+# ------------------------------------------------------------------ config and errors, before anything runs
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        (dict(storage="ssd"), "storage"),
+        (dict(device="cpu", storage="pinned"), "storage"),
+        (dict(device="warp-drive"), "device"),
+        (dict(device="meta", storage="cpu"), "device"),
+        (dict(prefetch_distance=-1, **CPU), "prefetch_distance"),
+        (dict(prefetch_distance=1.5, **CPU), "prefetch_distance"),
+        (dict(max_device_bytes=0, **CPU), "max_device_bytes"),
+        (dict(max_device_bytes="1GB", **CPU), "max_device_bytes"),
+        (dict(include_patterns="layers.*", **CPU), "include_patterns"),
+        (dict(include_patterns=[], **CPU), "include_patterns"),
+        (dict(include_patterns=["layers.5-2"], **CPU), "include_patterns"),
+        (dict(include_patterns=["layers.(["], **CPU), "include_patterns"),
+        (dict(exclude_patterns=["("], **CPU), "exclude_patterns"),
+        (dict(disk_path="/tmp/x", **CPU), "disk_path"),
+        (dict(disk_path=3, device="cpu", storage="disk"), "disk_path"),
+    ],
+)
+def test_bad_config_names_the_option(kwargs, key):
+    with pytest.raises(graphpass.ConfigError) as info:
+        graphpass.OffloadConfig(**kwargs)
+    assert info.value.key == key
+
+
+def test_errors_at_offload_leave_the_model_unchanged(tmp_path):
+    model, inputs = frozen("mlp_stack")
+    before = dict(model.named_parameters())
+    with pytest.raises(graphpass.PatternMatchError, match="include_patterns"):
+        graphpass.offload(model, graphpass.OffloadConfig(include_patterns=["blocks.*"], **CPU))
+    with pytest.raises(graphpass.ConfigError, match="disk_path"):
+        graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk"))
+    with pytest.raises(graphpass.ConfigError, match="smaller than the largest trap plus its prefetch"):
+        graphpass.offload(model, graphpass.OffloadConfig(max_device_bytes=1000, **CPU))
+    if torch.cuda.is_available():  # pragma: no cover - CPU CI
+        pytest.skip("needs a machine without CUDA")
+    with pytest.raises(graphpass.ConfigError, match="CUDA is not available"):
+        graphpass.offload(model, graphpass.OffloadConfig(device="cuda", storage="cpu"))
+    after = dict(model.named_parameters())
+    assert all(after[k] is before[k] for k in before)
+    assert getattr(model, "_graphpass_offload", None) is None
+    assert torch.equal(model(*inputs), model(*inputs))  # still an ordinary model
+
+
+def test_disk_training_refused():
+    model, _ = build("mlp_stack")
+    with pytest.raises(graphpass.ConfigError, match="requires grad"):
+        graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path="/tmp"))
+
+
+def test_offloading_twice_and_stats_of_plain_model_raise():
+    model, _ = frozen("mlp_stack")
+    graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    with pytest.raises(graphpass.OffloadError, match="already offloaded"):
+        graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    plain, _ = frozen("mlp_stack")
+    with pytest.raises(graphpass.OffloadError, match="not offloaded"):
+        graphpass.memory_stats(plain)
+
+
+# ------------------------------------------------------------------ what offload() does to the model
+
+
+def test_matched_tensors_leave_and_the_rest_stay():
+    model, _ = frozen("quant_linear")
+    old = {n: p for n, p in model.named_parameters()}
+    state = graphpass.offload(model, graphpass.OffloadConfig(include_patterns=["layers.1"], **CPU))
+    names = {r.name for r in state.records}
+    assert names == {"layers.1.up.weight", "layers.1.up.weight.scale", "layers.1.up.bias",
+                     "layers.1.down.weight", "layers.1.down.weight.scale", "layers.1.down.bias"}
+    for n, p in model.named_parameters():
+        if n.startswith("layers.1."):
+            assert lookup(p) is not None and p is not old[n]
+        else:
+            assert lookup(p) is None and p is old[n]
+    # the inner field hangs off the new parameter and is offloaded with it
+    w = model.layers[1].up.weight
+    assert lookup(w.scale) is not None and w.scale.shape == old["layers.1.up.weight"].scale.shape
+
+
+def test_eager_call_and_other_backends_raise_clearly():
+    model, inputs = frozen("mlp_stack")
+    graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    with pytest.raises(graphpass.OffloadError, match="backend='graphpass'"):
+        model(*inputs)
+    with pytest.raises(graphpass.OffloadError, match="layers.0"):
+        torch.compile(model, backend="aot_eager")(*inputs)
+
+
+# ------------------------------------------------------------------ numerics: every tier, the corpus
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+@pytest.mark.parametrize("storage", ["cpu", "disk"])
+def test_outputs_equal_eager(name, storage, tmp_path):
+    model, inputs = frozen(name)
+    ref_model, _ = frozen(name)  # same seed; deepcopy would drop inner fields such as weight.scale
+    cfg = graphpass.OffloadConfig(device="cpu", storage=storage, disk_path=tmp_path if storage == "disk" else None)
+    state = graphpass.offload(model, cfg)
+    assert state.records
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    for seed in (1, 2):
+        x = fresh_inputs(inputs, seed=seed)
+        assert torch.equal(run(compiled, *x), ref_model(*x))
+    stats = graphpass.memory_stats(compiled)
+    assert stats.bytes_loaded > 0 and stats.streamed_bytes_now == 0
+
+
+def test_tied_weight_loaded_once_per_trap_that_reads_it():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.lm_head = nn.Linear(16, 50, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = x + layer(x)
+            return self.lm_head(x)
+
+    torch.manual_seed(0)
+    model = Tied().eval().requires_grad_(False)
+    ref = copy.deepcopy(model)
+    state = graphpass.offload(model, graphpass.OffloadConfig(include_patterns=["embed", "lm_head", "layers.*"], **CPU))
+    (embed_unit,) = [u for u in state.plan.units if u.name == "embed"]
+    assert embed_unit.saving_per_byte == 2.0  # one tensor, streamed for two traps
+    gp = graphpass.backend(then="aot_eager", traps=["embed", "lm_head", "layers.0-1"])
+    compiled = torch.compile(model, backend=gp)
+    ids = torch.randint(0, 50, (2, 7))
+    assert torch.equal(run(compiled, ids), ref(ids))
+    sched = gp.graphs[0].analysis.offload
+    by_label = {g.label: g.fqns for g in sched.groups}
+    assert by_label["embed"] == ["embed.weight"] and by_label["lm_head"] == ["embed.weight"]
+    starts = [n for n in gp.graphs[0].gm.graph.nodes if n.target is LOAD_START]
+    assert len(starts) == 4  # embed, layers.0, layers.1, lm_head: each loaded once
+    for n in starts:  # a tensor several ops read is in its trap's load once
+        assert len(n.args[0]) == len(set(n.args[0]))
+
+
+# ------------------------------------------------------------------ the schedule
+
+
+def offloaded(name="mlp_stack", prefetch=1, then="aot_eager", **kw):
+    """(reference copy taken before offloading, inputs, state, backend, compiled)."""
+    model, inputs = frozen(name)
+    ref, _ = frozen(name)
+    state = graphpass.offload(model, graphpass.OffloadConfig(prefetch_distance=prefetch, **CPU, **kw))
+    gp = graphpass.backend(then=then)
+    return ref, inputs, state, gp, torch.compile(model, backend=gp)
+
+
+def test_one_graph_per_frame_not_per_unit():
+    ref, inputs, state, gp, compiled = offloaded("tiny_transformer")
+    run(compiled, *inputs)
+    assert len(gp.graphs) == 1
+    assert len(gp.graphs[0].analysis.offload.groups) == 2
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_prefetch_order_and_measured_peak(prefetch):
+    ref, inputs, state, gp, compiled = offloaded("mlp_stack", prefetch=prefetch)
+    with graphpass.trace_traps() as events:
+        run(compiled, *inputs)
+    one = trap_bytes(state, "layers.0")
+    stats = graphpass.memory_stats(compiled)
+    assert stats.peak_streamed_bytes == min(prefetch + 1, 3) * one
+    assert gp.graphs[0].analysis.offload.peak_streamed_bytes == stats.peak_streamed_bytes
+    # the load of trap k + prefetch is issued before trap k computes, and after trap k-1's eviction
+    seq = [e for e in events if e[0] in ("load", "enter", "evict")]
+    for k in range(3):
+        enter = seq.index(("enter", f"layers.{k}"))
+        ahead = min(k + prefetch, 2)
+        assert seq.index(("load", f"layers.{ahead}")) < enter
+        if k + prefetch <= 2 and k >= 1:
+            assert seq.index(("load", f"layers.{k + prefetch}")) > seq.index(("evict", f"layers.{k - 1}"))
+    assert stats.groups_loaded == 3 and stats.evictions == 3 and stats.loads_issued == 12
+
+
+def test_inductor_keeps_the_schedule():
+    """inductor reorders nodes; the data dependencies keep loads one trap ahead and no further."""
+    ref, inputs, state, gp, compiled = offloaded("mlp_stack", prefetch=1, then="inductor")
+    x = fresh_inputs(inputs)
+    with graphpass.trace_traps() as events:
+        out = run(compiled, *x)
+    torch.testing.assert_close(out, ref(*x), rtol=1e-5, atol=1e-5)  # inductor reorders the matmul sums
+    stats = graphpass.memory_stats(compiled)
+    assert stats.peak_streamed_bytes == 2 * trap_bytes(state, "layers.0")
+    loads = [e for e in events if e[0] in ("load", "wait", "evict")]
+    assert loads[:3] == [("load", "layers.0"), ("load", "layers.1"), ("wait", "layers.0")]
+    assert loads.index(("evict", "layers.0")) < loads.index(("load", "layers.2")) < loads.index(("wait", "layers.1"))
+
+
+def test_budget_keeps_best_units_resident_and_is_respected():
+    model, inputs = frozen("mlp_stack")
+    ref = copy.deepcopy(model)
+    one = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    budget = 3 * one  # window of two traps (prefetch 1) + one resident unit
+    state = graphpass.offload(model, graphpass.OffloadConfig(max_device_bytes=budget, **CPU))
+    decisions = {u.name: u.resident for u in state.plan.units}
+    assert decisions == {"layers.0": True, "layers.1": False, "layers.2": False}
+    assert lookup(model.layers[0].fc1.weight) is None  # resident: an ordinary device tensor
+    report = str(graphpass.explain(model, *inputs))
+    assert "resident" in report and "streamed" in report and f"budget {budget:,}" in report
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    assert torch.equal(run(compiled, *inputs), ref(*inputs))
+    stats = graphpass.memory_stats(compiled)
+    assert stats.resident_bytes == one and stats.peak_resident_bytes <= budget
+
+
+def test_budget_below_a_graph_trap_window_fails_at_compile():
+    """A budget that fits the units but not a coarser trap of the graph is refused before running."""
+
+    class Paired(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+        def forward(self, x):
+            with graphpass.offload_block("pair"):  # one manual trap over two units
+                x = self.layers[1](self.layers[0](x))
+            return self.layers[2](x)
+
+    model = Paired().eval().requires_grad_(False)
+    one = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    graphpass.offload(model, graphpass.OffloadConfig(max_device_bytes=2 * one, **CPU))
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    with pytest.raises(graphpass.OffloadError, match="max_device_bytes"):
+        run(compiled, torch.randn(2, 16))
+
+
+# ------------------------------------------------------------------ training
+
+
+@pytest.mark.parametrize("then", ["aot_eager", "inductor"])
+def test_training_reloads_in_backward(then):
+    torch.manual_seed(0)
+    model, inputs = build("mlp_stack")
+    ref = copy.deepcopy(model)
+    state = graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    compiled = torch.compile(model, backend=graphpass.backend(then=then))
+    x = fresh_inputs(inputs)
+    out = compiled(*x)
+    after_fwd = graphpass.memory_stats(compiled, reset=True)
+    assert after_fwd.streamed_bytes_now == 0  # no device copy kept for the backward
+    out.square().sum().backward()
+    bwd = graphpass.memory_stats(compiled)
+    assert bwd.groups_loaded >= 2  # the backward loads again what it reads
+    assert bwd.peak_streamed_bytes <= 2 * trap_bytes(state, "layers.0")
+    ref(*x).square().sum().backward()
+    grads = dict(model.named_parameters())
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n].grad, p.grad, rtol=1e-5, atol=1e-6)
+        assert grads[n].grad.device == grads[n].device  # gradients land on the host copy
+
+
+# ------------------------------------------------------------------ disk: files, meta models, checkpoints
+
+
+def save_checkpoint(model, path):
+    from safetensors.torch import save_model
+
+    save_model(model, str(path))  # as transformers does: a tied tensor is stored once
+
+
+def meta_copy(name):
+    model, inputs = frozen(name)
+    with torch.device("meta"):
+        empty, _ = build(name)
+    empty.eval().requires_grad_(False)
+    return model, empty, inputs
+
+
+def test_meta_model_from_checkpoint_never_materializes(tmp_path):
+    model, empty, inputs = meta_copy("tiny_transformer")
+    save_checkpoint(model, tmp_path / "model.safetensors")
+    state = graphpass.offload(empty, graphpass.OffloadConfig(device="cpu", storage="disk"), checkpoint=tmp_path)
+    assert all(r.location is not None and r.location.path.endswith("model.safetensors") for r in state.records)
+    assert not list(tmp_path.glob("graphpass-offload-*"))  # read from the checkpoint, no copy written
+    assert not any(t.device.type == "meta" for t in empty.state_dict().values())
+    compiled = torch.compile(empty, backend=graphpass.backend(then="aot_eager"))
+    x = fresh_inputs(inputs)
+    assert torch.equal(run(compiled, *x), model(*x))
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    import json
+    from safetensors.torch import save_file
+
+    model, empty, inputs = meta_copy("mlp_stack")
+    sd = model.state_dict()
+    names = sorted(sd)
+    shards = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    for f, keys in shards.items():
+        save_file({k: sd[k].contiguous() for k in keys}, str(tmp_path / f))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    graphpass.offload(empty, graphpass.OffloadConfig(device="cpu", storage="disk"), checkpoint=tmp_path)
+    compiled = torch.compile(empty, backend=graphpass.backend(then="aot_eager"))
+    assert torch.equal(run(compiled, *inputs), model(*inputs))
+
+
+def test_checkpoint_problems_name_the_tensor_and_change_nothing(tmp_path):
+    model, empty, _ = meta_copy("mlp_stack")
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    from safetensors.torch import save_file
+
+    cfg = graphpass.OffloadConfig(device="cpu", storage="disk")
+    missing = dict(sd)
+    del missing["layers.1.fc2.weight"]
+    save_file(missing, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(graphpass.OffloadError, match="layers.1.fc2.weight"):
+        graphpass.offload(empty, cfg, checkpoint=tmp_path / "missing.safetensors")
+
+    wrong = dict(sd)
+    wrong["layers.0.fc1.weight"] = torch.zeros(3, 3)
+    save_file(wrong, str(tmp_path / "wrong.safetensors"))
+    with pytest.raises(graphpass.OffloadError, match="layers.0.fc1.weight"):
+        graphpass.offload(empty, cfg, checkpoint=tmp_path / "wrong.safetensors")
+
+    save_file(sd, str(tmp_path / "full.safetensors"))
+    raw = (tmp_path / "full.safetensors").read_bytes()
+    (tmp_path / "truncated.safetensors").write_bytes(raw[: len(raw) - 100])
+    with pytest.raises(graphpass.OffloadError, match="truncated"):
+        graphpass.offload(empty, cfg, checkpoint=tmp_path / "truncated.safetensors")
+
+    (tmp_path / "foreign.safetensors").write_bytes(b"PK\x03\x04 this is a zip, not safetensors" * 10)
+    with pytest.raises(graphpass.OffloadError, match="not a safetensors file"):
+        graphpass.offload(empty, cfg, checkpoint=tmp_path / "foreign.safetensors")
+
+    with pytest.raises(graphpass.OffloadError, match="does not exist"):
+        graphpass.offload(empty, cfg, checkpoint=tmp_path / "nope.safetensors")
+    with pytest.raises(graphpass.OffloadError, match="meta device"):
+        graphpass.offload(empty, cfg)
+    # nothing was loaded half-way: the model is still all meta and not offloaded
+    assert all(t.device.type == "meta" for t in empty.state_dict().values())
+    assert getattr(empty, "_graphpass_offload", None) is None
+
+
+def test_file_truncated_after_offload_fails_naming_the_tensor(tmp_path):
+    model, inputs = frozen("mlp_stack")
+    state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=tmp_path))
+    (path,) = state.files
+    os.truncate(path, os.path.getsize(path) // 2)
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    with pytest.raises(graphpass.OffloadError, match=r"layers\.\d\.fc\d\.(weight|bias)'.*truncated"):
+        run(compiled, *inputs)
+
+
+def test_written_files_are_safetensors_and_removed_with_the_model(tmp_path):
+    from safetensors import safe_open
+
+    model, inputs = frozen("mlp_stack")
+    ref = copy.deepcopy(model)
+    state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=tmp_path))
+    (path,) = state.files
+    with safe_open(path, framework="pt") as f:
+        assert torch.equal(f.get_tensor("layers.2.fc1.weight"), ref.layers[2].fc1.weight)
+    assert not list(tmp_path.glob(".graphpass-*"))  # no temporary left behind
+    del model, state
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_disk_stand_ins_hold_no_data():
+    """The model's streamed tensors are untouched stand-ins: never read, never written by graphpass."""
+    model, inputs = frozen("mlp_stack")
+    state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path="/tmp"))
+    for rec in state.records:
+        assert rec.location is not None and rec.host.shape == rec.shape
+
+
+# ------------------------------------------------------------------ isolation, delegates
+
+
+def test_two_instances_of_one_class_each_load_their_own_weights():
+    a, inputs = frozen("mlp_stack", seed=0)
+    b, _ = frozen("mlp_stack", seed=1)
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    graphpass.offload(a, graphpass.OffloadConfig(**CPU))
+    graphpass.offload(b, graphpass.OffloadConfig(**CPU))
+    ca = torch.compile(a, backend=graphpass.backend(then="aot_eager"))
+    cb = torch.compile(b, backend=graphpass.backend(then="aot_eager"))
+    x = fresh_inputs(inputs)
+    assert torch.equal(run(ca, *x), ref_a(*x))
+    assert torch.equal(run(cb, *x), ref_b(*x))
+    assert graphpass.memory_stats(ca).groups_loaded == 3 and graphpass.memory_stats(cb).groups_loaded == 3
+
+
+def test_strict_delegate_gets_only_aten_pieces(strict_backend):
+    from graphpass.backends import NeuronDelegate
+
+    model, inputs = frozen("tiny_transformer")
+    ref = copy.deepcopy(model)
+    graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    delegate = NeuronDelegate(registered_name="strict_aten_standin", module=None)
+    compiled = torch.compile(model, backend=graphpass.backend(then=delegate))
+    x = fresh_inputs(inputs)
+    assert torch.equal(run(compiled, *x), ref(*x))
+    for gm in strict_backend.graphs:
+        assert not any("graphpass" in str(n.target) for n in gm.graph.nodes)
+    assert graphpass.memory_stats(compiled).groups_loaded == 2
+
+
+def test_graph_break_inside_the_layer_stack():
+    ref, inputs, state, gp, compiled = offloaded("graph_break")
+    x = fresh_inputs(inputs)
+    assert torch.equal(run(compiled, *x), ref(*x))
+    assert len(gp.graphs) >= 2
+    loaded = [g.label for rec in gp.graphs if rec.analysis.offload for g in rec.analysis.offload.groups]
+    assert {"layers.0", "layers.1", "layers.2"} <= set(loaded)
+    assert graphpass.memory_stats(compiled).peak_streamed_bytes <= 2 * trap_bytes(state, "layers.0")
