@@ -460,3 +460,20 @@ def test_graph_break_inside_the_layer_stack():
     loaded = [g.label for rec in gp.graphs if rec.analysis.offload for g in rec.analysis.offload.groups]
     assert {"layers.0", "layers.1", "layers.2"} <= set(loaded)
     assert graphpass.memory_stats(compiled).peak_streamed_bytes <= 2 * trap_bytes(state, "layers.0")
+
+
+def test_opcheck():
+    """``evict`` passes every opcheck test. ``load_start``/``load_wait`` identify the model from the
+    very tensor they receive (its storage), and opcheck hands ops clones, so for them only the
+    autograd registration is checked here; their schema, fake kernels and AOTAutograd behaviour are
+    exercised end to end above (aot_eager, inductor, training, strict delegates)."""
+    model, _ = frozen("mlp_stack")
+    state = graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    srcs = [r.host for r in state.records[:4]]
+    dev = torch.device("cpu")
+    torch.library.opcheck(EVICT, ([s.clone() for s in srcs], srcs, "layers.0", []))
+    ticket = LOAD_START(srcs, "layers.0", dev, [])
+    torch.library.opcheck(LOAD_START, (srcs, "layers.0", dev, []), test_utils=("test_autograd_registration",))
+    torch.library.opcheck(LOAD_WAIT, (ticket, srcs, "layers.0", dev, []), test_utils=("test_autograd_registration",))
+    with pytest.raises(graphpass.OffloadError, match="not a tensor graphpass.offload"):
+        LOAD_START([s.clone() for s in srcs], "layers.0", dev, [])
