@@ -292,16 +292,18 @@ class OffloadRuntime:
                 dst.copy_(src)
 
     def _disk_to_cuda_job(self, recs: list, dsts: list, event) -> None:
-        total = sum(r.nbytes for r in recs)
+        offsets, total = [], 0
+        for rec in recs:  # each tensor at a 64-byte aligned offset, so any dtype can view it
+            offsets.append(total)
+            total += -(-rec.nbytes // 64) * 64
         staging = self._staging.take(total)
         try:
-            views, pos = [], 0
-            for rec in recs:
+            views = []
+            for rec, pos in zip(recs, offsets):
                 part = staging[pos : pos + rec.nbytes].view(rec.dtype).view(rec.shape) if rec.nbytes else None
                 if part is not None:
                     self._read(rec, part)
                 views.append(part)
-                pos += rec.nbytes
             stream = self._side_stream()
             with torch.cuda.stream(stream):
                 for part, dst in zip(views, dsts):
