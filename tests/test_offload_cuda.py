@@ -1,0 +1,67 @@
+"""Offload on a CUDA device: pinned / cpu / disk tiers, the side stream, staging buffers.
+
+Skipped without CUDA (this project's CI has none); ``bench/gpu_check.sh`` runs it on a lent GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import graphpass
+from graphpass.models.corpus import build
+
+from helpers import fresh_inputs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def frozen(name):
+    model, inputs = build(name)
+    model.eval().requires_grad_(False)
+    return model, inputs
+
+
+@pytest.mark.parametrize("storage", ["pinned", "cpu", "disk"])
+@pytest.mark.parametrize("then", ["aot_eager", "inductor"])
+def test_tiers_on_cuda(storage, then, tmp_path):
+    model, inputs = frozen("tiny_transformer")
+    ref = copy.deepcopy(model).cuda()
+    state = graphpass.offload(model, graphpass.OffloadConfig(
+        device="cuda", storage=storage, disk_path=tmp_path if storage == "disk" else None))
+    for rec in state.records:
+        assert rec.host.device.type == "cpu"
+        if storage == "pinned":
+            assert rec.host.is_pinned()
+    assert all(p.device.type == "cuda" for n, p in model.named_parameters() if not n.startswith("layers."))
+    compiled = torch.compile(model, backend=graphpass.backend(then=then))
+    x = [t.cuda() for t in fresh_inputs(inputs)]
+    with torch.no_grad():
+        out = compiled(*x)
+        out = compiled(*x)
+        expected = ref(*x)
+    torch.cuda.synchronize()
+    if then == "aot_eager":
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    stats = graphpass.memory_stats(compiled)
+    one = sum(r.nbytes for r in state.records if r.unit == "layers.0")
+    assert stats.peak_streamed_bytes <= 2 * one
+    assert stats.streamed_bytes_now == 0
+
+
+def test_training_on_cuda():
+    torch.manual_seed(0)
+    model, inputs = build("mlp_stack")
+    ref = copy.deepcopy(model).cuda()
+    graphpass.offload(model, graphpass.OffloadConfig(device="cuda", storage="pinned"))
+    compiled = torch.compile(model, backend=graphpass.backend(then="inductor"))
+    x = [t.cuda() for t in fresh_inputs(inputs)]
+    compiled(*x).square().sum().backward()
+    ref(*x).square().sum().backward()
+    grads = dict(model.named_parameters())
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n].grad.cuda(), p.grad, rtol=1e-4, atol=1e-5)
