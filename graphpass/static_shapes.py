@@ -13,12 +13,14 @@
 
 Graphs whose plan was refused (padding not proven safe) never get here: graphpass compiles them
 as the dynamic graphs Dynamo traced, with one warning naming the node and the reason. A call
-larger than the largest bucket runs the unpadded graph compiled for its exact size (warned once):
-compiled outside Dynamo's trace, it cannot stay symbolic.
+larger than the largest bucket runs the unpadded graph with dynamic shapes (warned once), compiled
+once for all such sizes from the symbolic values Dynamo traced (or per size while Dynamo's graph is
+still the static one of its first call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -89,6 +91,33 @@ def _compile_bucket(gm: torch.fx.GraphModule, args: Sequence[Any], delegate: Del
     return lambda *call_args: fn(*(call_args[i] for i in keep))
 
 
+@contextlib.contextmanager
+def _floats_specialized(fakes: Sequence[Any]):
+    """Compile outside Dynamo with the float symbols Dynamo specialized kept specialized.
+
+    AOTAutograd's scalar-tensorify pass asks Dynamo to restart analysis when it meets a float
+    symbol Dynamo already specialized but that is not in Dynamo's (private) list of forced
+    specializations, which Dynamo clears after its compile. There is no Dynamo to restart here:
+    the list is filled for the duration of this compile and restored afterwards."""
+    try:
+        from torch._dynamo.symbolic_convert import TensorifyState
+        from torch.utils._sympy.symbol import SymT, symbol_is_type
+    except ImportError:  # pragma: no cover - other torch versions
+        yield
+        return
+    shape_env = next((f.fake_mode.shape_env for f in fakes if isinstance(f, torch.Tensor) and hasattr(f, "fake_mode")), None)
+    saved = set(TensorifyState.force_specializations)
+    if shape_env is not None:
+        for sym in getattr(shape_env, "backed_var_to_val", getattr(shape_env, "var_to_val", {})):
+            if symbol_is_type(sym, SymT.FLOAT):
+                TensorifyState.specialize(str(sym))
+    try:
+        yield
+    finally:
+        TensorifyState.force_specializations.clear()
+        TensorifyState.force_specializations.update(saved)
+
+
 class BucketDispatcher:
     def __init__(self, gm: torch.fx.GraphModule, plan: Any, cfg: StaticShapesConfig, delegate: Delegate,
                  log: list[str] | None = None) -> None:
@@ -113,11 +142,36 @@ class BucketDispatcher:
     def _run_unpadded(self, args: Sequence[Any], key: tuple) -> Any:
         """A call beyond the largest bucket: the unpadded graph (without fixed-size buffer slices),
         compiled for this exact size. Compiled outside Dynamo's trace, it cannot stay symbolic."""
-        fn = self.oversize.get(key)
+        dyn_key = ("dynamic", tuple(args[i].item() for i in self.scalars))
+        fn = self.oversize.get(dyn_key) or self.oversize.get(key)
         if fn is None:
             source = self.plan.unsliced if self.plan.unsliced is not None else self.gm
-            fn = self.oversize[key] = _compile_bucket(copy_graph(source), list(args), self.delegate, self.scalars)
+            fn = self._compile_dynamic(source, args)
+            if fn is not None:
+                self.oversize[dyn_key] = fn
+            else:
+                fn = self.oversize[key] = _compile_bucket(copy_graph(source), list(args), self.delegate, self.scalars)
         return fn(*args)
+
+    def _compile_dynamic(self, source: torch.fx.GraphModule, args: Sequence[Any]) -> Callable | None:
+        """The graph as Dynamo traced it, with symbolic sizes, compiled once for every size beyond
+        the largest bucket: the delegate gets the placeholders' fake values (sizes as Dynamo's
+        symbols) instead of this call's tensors, so it does not specialize to this size."""
+        from .delegation import compile_with_delegate
+
+        gm = copy_graph(source)
+        _fold_scalars(gm, args, self.scalars)  # lifted Python scalars (eps): part of the key
+        fakes = [ph.meta.get("example_value") for ph in gm.graph.nodes if ph.op == "placeholder"]
+        symbolic = any(isinstance(f, torch.SymInt) or (isinstance(f, torch.Tensor) and any(
+            isinstance(d, torch.SymInt) for d in f.shape)) for f in fakes)
+        if not symbolic or any(f is None for f in fakes):
+            return None  # a static graph (Dynamo has not seen a second size yet): compile per size
+        try:
+            with _floats_specialized(fakes):
+                return compile_with_delegate(gm, fakes, self.delegate)
+        except Exception as exc:  # a delegate that cannot take fake inputs: fall back per size
+            self.log.append(f"static_shapes: dynamic fallback not compiled ({type(exc).__name__}: {exc}); per size instead")
+            return None
 
     # -- the call --------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
@@ -127,7 +181,7 @@ class BucketDispatcher:
         if any(b is None for b in buckets.values()):
             self._warn(
                 f"graphpass static_shapes: size {max(sizes.values())} is larger than the largest bucket "
-                f"{self.cfg.largest}; running it unpadded, compiled for its exact size (add a bucket to avoid it)"
+                f"{self.cfg.largest}; running it unpadded with dynamic shapes (add a bucket to avoid it)"
             )
             shape_key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args
                               if isinstance(a, (torch.Tensor, int)))

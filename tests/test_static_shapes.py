@@ -56,12 +56,38 @@ def test_larger_than_largest_bucket_warns_once_and_runs_unpadded():
     compiled = torch.compile(model, backend=opts(counter), dynamic=True)
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
-        for n in (70, 90, 70):
+        for n in (70, 90, 70, 65, 128, 300):
             ids = torch.randint(0, 64, (1, n))
             assert torch.equal(compiled(ids), model(ids))  # unpadded: exact
     msgs = [str(w.message) for w in caught if "static_shapes" in str(w.message)]
-    assert len(msgs) == 1 and "larger than the largest bucket 64" in msgs[0]
-    assert counter.calls == 2  # one exact-size graph per oversize length, reused
+    assert len(msgs) == 1 and "larger than the largest bucket 64" in msgs[0] and "dynamic shapes" in msgs[0]
+    assert counter.calls == 1  # one dynamic fallback graph for every oversize length
+
+
+def test_dynamic_fallback_under_inductor_and_aot_eager():
+    """The oversize fallback is compiled once with symbolic sizes by a real AOTAutograd delegate."""
+    model, _ = build("tiny_transformer")
+    for then in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        calls = []
+
+        def delegate(gm, example_inputs, then=then):
+            calls.append(1)
+            if then == "inductor":
+                from torch._inductor.compile_fx import compile_fx
+
+                return compile_fx(gm, example_inputs)
+            from torch._dynamo.backends.registry import lookup_backend
+
+            return lookup_backend(then)(gm, example_inputs)
+
+        compiled = torch.compile(model, backend=opts(delegate), dynamic=True)
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            for n in (70, 99, 130):
+                ids = torch.randint(0, 64, (1, n))
+                torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
+        assert len(calls) == 1, then
 
 
 def test_staging_buffers_have_stable_addresses():
