@@ -126,6 +126,8 @@ class MemoryStats:
     peak_resident_bytes: resident_bytes + peak_streamed_bytes.
     wait_seconds: time the compute spent waiting for loads that had not finished.
     evictions: trap evictions run; groups_loaded: trap loads started.
+    buffer_pool_bytes: memory held by the reused load buffers on a host device (they are the
+        device memory of streamed tensors there: it settles at the schedule's peak).
     """
 
     bytes_loaded: int = 0
@@ -136,6 +138,7 @@ class MemoryStats:
     peak_streamed_bytes: int = 0
     resident_bytes: int = 0
     wait_seconds: float = 0.0
+    buffer_pool_bytes: int = 0
 
     @property
     def peak_resident_bytes(self) -> int:
@@ -153,6 +156,7 @@ class MemoryStats:
             ("peak resident offloaded bytes", f"{self.peak_resident_bytes:,}"),
             ("streamed bytes now", f"{self.streamed_bytes_now:,}"),
             ("time waiting on loads", f"{self.wait_seconds * 1e3:.2f} ms"),
+            ("reused load buffers (host device)", f"{self.buffer_pool_bytes:,}"),
         ]
         return tabulate(rows, headers=("graphpass offload", "value"))
 
@@ -188,6 +192,14 @@ class _StagingPool:
             self._free.append(buf)
 
 
+def _storage_use_count():
+    fn = getattr(torch._C, "_storage_Use_Count", None)
+    return None if fn is None else (lambda storage: fn(storage._cdata))
+
+
+_use_count = _storage_use_count()
+
+
 class OffloadRuntime:
     """Per-model runtime: tickets, the worker, the CUDA side stream, open files and the counters."""
 
@@ -203,8 +215,9 @@ class OffloadRuntime:
         self._stream = None
         self._fds: dict[str, int] = {}
         self._staging = _StagingPool()
+        self._pool: dict[int, list] = {}  # nbytes -> storages of reused load buffers (host devices)
         self._stats = dict(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0, streamed_bytes_now=0,
-                           peak_streamed_bytes=0, wait_seconds=0.0)
+                           peak_streamed_bytes=0, wait_seconds=0.0, buffer_pool_bytes=0)
         self.resident_bytes = resident_bytes
         self._closed = False
 
@@ -217,7 +230,7 @@ class OffloadRuntime:
         with self._lock:
             now = self._stats["streamed_bytes_now"]
             self._stats.update(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0,
-                               peak_streamed_bytes=now, wait_seconds=0.0)
+                               peak_streamed_bytes=now, wait_seconds=0.0)  # the pool keeps its size
 
     def _freed(self, nbytes: int) -> None:
         with self._lock:
@@ -314,6 +327,27 @@ class OffloadRuntime:
         finally:
             self._staging.give(staging)
 
+    def _host_buffer(self, rec: OffloadedTensor) -> torch.Tensor:
+        """A device tensor for ``rec`` on a host device, backed by a reused buffer.
+
+        Fresh memory for every load would be mapped from the OS and faulted in page by page on
+        each step (it dominated the disk benchmark); a buffer is reused once nothing but the pool
+        references its storage, which the storage's use count says exactly, so a buffer still
+        read by the graph (or a view of it) is never handed out again."""
+        device = self.device
+        if rec.nbytes == 0 or _use_count is None:
+            return torch.empty(rec.shape, dtype=rec.dtype, device=device)
+        stride = torch.empty(rec.shape, dtype=rec.dtype, device="meta").stride()
+        with self._lock:
+            for storage in self._pool.setdefault(rec.nbytes, []):
+                if _use_count(storage) == 1:
+                    break
+            else:
+                storage = torch.empty(rec.nbytes, dtype=torch.uint8, device=device).untyped_storage()
+                self._pool[rec.nbytes].append(storage)
+                self._stats["buffer_pool_bytes"] += rec.nbytes
+            return torch.empty(0, dtype=rec.dtype, device=device).set_(storage, 0, rec.shape, stride)
+
     def start(self, recs: list, srcs: list, group: str) -> int:
         if self._closed:
             raise OffloadError("this model's offload runtime was closed (graphpass.offload state released)")
@@ -336,7 +370,7 @@ class OffloadRuntime:
                     event.record(stream)
                 pending = _Pending(dsts, nbytes, None, event)
         else:
-            dsts = [torch.empty(r.shape, dtype=r.dtype, device=device) for r in recs]
+            dsts = [self._host_buffer(r) for r in recs]
             self._allocated(dsts, nbytes)
             pending = _Pending(dsts, nbytes, self._worker().submit(self._host_job, recs, list(srcs), dsts))
         pending.owner = owner

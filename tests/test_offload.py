@@ -477,3 +477,17 @@ def test_opcheck():
     torch.library.opcheck(LOAD_WAIT, (ticket, srcs, "layers.0", dev, []), test_utils=("test_autograd_registration",))
     with pytest.raises(graphpass.OffloadError, match="not a tensor graphpass.offload"):
         LOAD_START([s.clone() for s in srcs], "layers.0", dev, [])
+
+
+def test_host_load_buffers_are_reused_not_reallocated():
+    """On a host device a load reuses a buffer once nothing references it: steady state allocates
+    nothing, and the pool settles at the schedule's peak."""
+    ref, inputs, state, gp, compiled = offloaded("mlp_stack", prefetch=1)
+    x = fresh_inputs(inputs)
+    for _ in range(3):
+        assert torch.equal(run(compiled, *x), ref(*x))
+    stats = graphpass.memory_stats(compiled)
+    assert stats.buffer_pool_bytes == stats.peak_streamed_bytes == 2 * trap_bytes(state, "layers.0")
+    for _ in range(3):
+        run(compiled, *x)
+    assert graphpass.memory_stats(compiled).buffer_pool_bytes == stats.buffer_pool_bytes
