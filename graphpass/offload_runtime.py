@@ -34,10 +34,14 @@ Dynamo may run one compiled graph for several instances of a model class.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import itertools
+import mmap
 import os
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -199,6 +203,26 @@ def _storage_use_count():
 
 _use_count = _storage_use_count()
 
+# Disk -> host device: read-only private mappings of the file region, made with libc through
+# ctypes (which releases the GIL for the call, unlike Python's mmap module) and unmapped by a
+# finalizer when the tensor dies; a weight is never copied. The worker asks the kernel to read
+# the region ahead (POSIX_FADV_WILLNEED) and maps it; the compute maps the page cache's pages as it
+# reads them. Filling the page tables in the worker instead (MAP_POPULATE) was measured slower on
+# the 2-core benchmark machine at both batch sizes: it takes the cores the compute needs.
+def _libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        return libc
+    except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
+        return None
+
+
+_LIBC = _libc()
+_MAP_FLAGS = mmap.MAP_PRIVATE if _LIBC is not None and hasattr(mmap, "MAP_PRIVATE") else None
+
 
 class OffloadRuntime:
     """Per-model runtime: tickets, the worker, the CUDA side stream, open files and the counters."""
@@ -216,6 +240,7 @@ class OffloadRuntime:
         self._fds: dict[str, int] = {}
         self._staging = _StagingPool()
         self._pool: dict[int, list] = {}  # nbytes -> storages of reused load buffers (host devices)
+        self._retired: list = []  # evicted tensors the worker releases at its next job
         self._stats = dict(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0, streamed_bytes_now=0,
                            peak_streamed_bytes=0, wait_seconds=0.0, buffer_pool_bytes=0)
         self.resident_bytes = resident_bytes
@@ -297,7 +322,48 @@ class OffloadRuntime:
             )
         read_into(fd, loc, dst)
 
+    def _map(self, rec: OffloadedTensor) -> torch.Tensor:
+        """``rec``'s bytes as a tensor over a read-only private mapping of its file region.
+
+        The pages are the page cache's own (no copy). The mapping is released when the last
+        tensor over it is freed, so the process's resident memory holds the traps in flight, not
+        the model. The schedule pass refuses graphs that write an offloaded tensor."""
+        loc = rec.location
+        fd = self._fd(loc.path)
+        size = os.fstat(fd).st_size
+        if loc.offset + loc.nbytes > size:
+            raise OffloadError(
+                f"tensor {rec.name!r}: {loc.path} is truncated ({size} bytes, its bytes end at {loc.offset + loc.nbytes})"
+            )
+        if loc.nbytes == 0:
+            return torch.empty(rec.shape, dtype=rec.dtype)
+        start = loc.offset - loc.offset % mmap.ALLOCATIONGRANULARITY
+        delta = loc.offset - start
+        if delta % rec.dtype.itemsize:
+            dst = torch.empty(rec.shape, dtype=rec.dtype)  # misaligned for its dtype: read a copy
+            read_into(fd, loc, dst)
+            return dst
+        length = delta + loc.nbytes
+        if hasattr(os, "posix_fadvise"):  # a cold page cache starts reading now, in the background
+            os.posix_fadvise(fd, loc.offset, loc.nbytes, os.POSIX_FADV_WILLNEED)
+        addr = _LIBC.mmap(None, length, mmap.PROT_READ, _MAP_FLAGS, fd, start)  # ctypes: the GIL is released
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OffloadError(f"tensor {rec.name!r}: cannot map {loc.path}: {os.strerror(ctypes.get_errno())}")
+        region = (ctypes.c_char * length).from_address(addr)
+        weakref.finalize(region, _LIBC.munmap, ctypes.c_void_p(addr), ctypes.c_size_t(length))
+        with warnings.catch_warnings():  # read-only pages: the graph never writes a loaded weight
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(region, dtype=torch.uint8, count=loc.nbytes, offset=delta)
+        return flat.view(rec.dtype).view(rec.shape)
+
+    def _map_job(self, recs: list) -> list:
+        self._drop_retired()
+        dsts = [self._map(r) for r in recs]
+        self._allocated(dsts, sum(r.nbytes for r in recs))
+        return dsts
+
     def _host_job(self, recs: list, srcs: list, dsts: list) -> None:
+        self._drop_retired()
         for rec, src, dst in zip(recs, srcs, dsts):
             if rec.location is not None:
                 self._read(rec, dst)
@@ -369,6 +435,9 @@ class OffloadRuntime:
                         dst.copy_(src, non_blocking=True)
                     event.record(stream)
                 pending = _Pending(dsts, nbytes, None, event)
+        elif all(r.location is not None for r in recs) and _MAP_FLAGS is not None:
+            # disk -> host device: map the file region (the worker maps it), no copy at all
+            pending = _Pending(None, nbytes, self._worker().submit(self._map_job, recs))
         else:
             dsts = [self._host_buffer(r) for r in recs]
             self._allocated(dsts, nbytes)
@@ -392,7 +461,9 @@ class OffloadRuntime:
             raise OffloadError(f"trap {group!r}: load ticket {ticket} is unknown (its load was never started)")
         t0 = time.perf_counter()
         if pending.future is not None:
-            pending.future.result()  # re-raises the worker's OffloadError naming the tensor
+            mapped = pending.future.result()  # re-raises the worker's OffloadError naming the tensor
+            if pending.dsts is None:
+                pending.dsts = mapped
         if pending.event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(pending.event)
@@ -403,9 +474,21 @@ class OffloadRuntime:
             self._stats["wait_seconds"] += waited
         return pending.dsts
 
-    def evicted(self, group: str) -> None:
+    def evicted(self, group: str, loaded: list | None = None) -> None:
         with self._lock:
             self._stats["evictions"] += 1
+            if loaded and self.device.type != "cuda" and self._pending and self.storage == "disk":
+                # a load is in flight: keep the last reference so the worker, not the compute
+                # thread, unmaps the region (milliseconds for a layer) when it runs its next job
+                self._retired.append(list(loaded))
+                return
+            retired, self._retired = self._retired, []
+        retired.clear()  # nothing in flight (the end of a pass): release what is left now
+
+    def _drop_retired(self) -> None:
+        with self._lock:
+            retired, self._retired = self._retired, []
+        retired.clear()
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,7 +554,7 @@ def _evict(loaded: List[torch.Tensor], srcs: List[torch.Tensor], group: str, aft
     if srcs:
         rec = lookup(srcs[0])
         if rec is not None:
-            rec.runtime.evicted(group)
+            rec.runtime.evicted(group, loaded)
     _record("evict", group)
     return torch.zeros((), dtype=torch.int64)
 

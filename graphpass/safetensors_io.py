@@ -10,6 +10,7 @@ accelerate are read here.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -139,10 +140,12 @@ def index_checkpoint(checkpoint) -> dict[str, TensorLocation]:
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory."""
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def read_into(fd: int, loc: TensorLocation, dst: torch.Tensor) -> None:
@@ -190,6 +193,7 @@ def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], met
             for _name, t in order:
                 cpu = t.detach().to("cpu").contiguous()
                 f.write(byte_view(cpu))
+                del cpu
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
