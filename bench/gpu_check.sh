@@ -5,6 +5,8 @@
 #   2. offload: pinned host->device bandwidth, then per-forward latency of graphpass offload
 #      (storage="pinned") against max(compute, offloaded bytes / bandwidth), accelerate
 #      cpu_offload and, where it installs, FlexTensor (bench/gpu_offload.py)
+#   3. offload correctness on the device: tests/test_offload_cuda.py (pinned/cpu/disk tiers, side
+#      stream, staging buffers, training), where pytest is installed
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e . 2>/dev/null || python3 -m pip install -q --no-deps -e .
@@ -28,4 +30,15 @@ if [ "$left" -lt 60 ]; then
   echo "offload: skipped, only ${left} s left of the 8 minutes" | tee "$out/offload_gpu.txt"
 else
   PYTHONUNBUFFERED=1 timeout "$left" python3 bench/gpu_offload.py | tee "$out/offload_gpu.txt"
+fi
+echo "== offload on CUDA: tests =="
+if python3 -c "import pytest" 2>/dev/null; then
+  left=$(( 470 - SECONDS ))
+  if [ "$left" -gt 30 ]; then
+    timeout "$left" python3 -m pytest -q -p no:cacheprovider tests/test_offload_cuda.py 2>&1 | tail -15 | tee "$out/offload_cuda_tests.txt" || true
+  else
+    echo "skipped: only ${left} s left" | tee "$out/offload_cuda_tests.txt"
+  fi
+else
+  echo "pytest not installed on this machine: tests/test_offload_cuda.py not run" | tee "$out/offload_cuda_tests.txt"
 fi
