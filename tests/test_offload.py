@@ -491,3 +491,24 @@ def test_host_load_buffers_are_reused_not_reallocated():
     for _ in range(3):
         run(compiled, *x)
     assert graphpass.memory_stats(compiled).buffer_pool_bytes == stats.buffer_pool_bytes
+
+
+def test_graph_writing_an_offloaded_tensor_is_refused():
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            for layer in self.layers:
+                layer.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            for layer in self.layers:
+                layer.calls.add_(1)  # a buffer updated in place: the update would be lost
+                x = layer(x)
+            return x
+
+    model = Counter().eval().requires_grad_(False)
+    graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    with pytest.raises(graphpass.OffloadError, match=r"writes offloaded tensor 'layers.0.calls' in place"):
+        run(compiled, torch.randn(2, 8))

@@ -54,6 +54,27 @@ class OffloadSchedule:
     max_device_bytes: int | None
 
 
+def _writes(node: torch.fx.Node, ph: torch.fx.Node) -> bool:
+    """Does ``node`` write ``ph`` in place (``x.add_()``, ``x[i] = v``, ``copy_``, ``out=``)?"""
+    if node.op == "call_method" and isinstance(node.target, str) and node.target.endswith("_") \
+            and not node.target.endswith("__") and node.args and node.args[0] is ph:
+        return True
+    if node.op == "call_function":
+        if node.target is operator.setitem and node.args and node.args[0] is ph:
+            return True
+        if node.kwargs.get("out") is ph:
+            return True
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            for arg, value in zip(schema.arguments, node.args):
+                if value is ph and arg.alias_info is not None and arg.alias_info.is_write:
+                    return True
+        name = getattr(node.target, "__name__", "")
+        if name.endswith("_") and not name.endswith("__") and node.args and node.args[0] is ph:
+            return True
+    return False
+
+
 class InsertOffloadSchedule(GraphPass):
     name = "insert_offload_schedule"
 
@@ -72,6 +93,13 @@ class InsertOffloadSchedule(GraphPass):
         if not records:
             ctx.gm.recompile()
             return
+        for ph, rec in records.items():
+            writer = next((u for u in ph.users if _writes(u, ph)), None)
+            if writer is not None:
+                raise OffloadError(
+                    f"the graph writes offloaded tensor {rec.name!r} in place ({writer.format_node()}): a write to a "
+                    f"loaded copy would be lost at eviction. Keep it on the device with exclude_patterns"
+                )
         runtimes = {id(r.runtime): r.runtime for r in records.values()}
         runtime = next(iter(runtimes.values()))
         if len(runtimes) > 1:
