@@ -443,7 +443,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
             if rec.fqns[0] in disk_tensors:
                 locations[id(rec)] = written[rec.fqns[0]]
 
-    # swap the new tensors in, parents before their inner fields
+    # swap the new tensors in: new objects first, then every place that held an old one
     replaced: dict[int, torch.Tensor] = {}
     for rec in tensors:
         new = new_values.get(id(rec))
@@ -451,35 +451,26 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
             continue
         old = rec.tensor
         if isinstance(old, nn.Parameter):
-            new_obj = nn.Parameter(new, requires_grad=old.requires_grad if not (rec.streamed and not rec.resident and config.storage == "disk") else False)
+            stand_in = rec.streamed and not rec.resident and config.storage == "disk"
+            new_obj = nn.Parameter(new, requires_grad=False if stand_in else old.requires_grad)
         else:
             new_obj = new
-        for k, v in vars(old).items() if hasattr(old, "__dict__") else ():
-            if not isinstance(v, torch.Tensor):
+        for k, v in (vars(old).items() if hasattr(old, "__dict__") else ()):
+            if not isinstance(v, torch.Tensor):  # plain attributes (loaders' flags) travel along
                 try:
                     setattr(new_obj, k, v)
                 except (AttributeError, TypeError):
                     pass
         replaced[id(old)] = new_obj
     for rec in tensors:
-        old = rec.tensor
-        new_obj = replaced.get(id(old))
+        value = replaced.get(id(rec.tensor), rec.tensor)
         for holder, attr, kind in rec.places:
             if kind == "parameter":
-                holder._parameters[attr] = new_obj if new_obj is not None else old
+                holder._parameters[attr] = value
             elif kind == "buffer":
-                holder._buffers[attr] = new_obj if new_obj is not None else old
-    for rec in tensors:
-        for holder, attr, kind in rec.places:
-            if kind.startswith("inner:"):
-                parent = replaced.get(id(holder), holder)
-                setattr(parent, attr, replaced.get(id(rec.tensor), rec.tensor))
-                # the parent object the module now holds
-        # parents replaced above were looked up by the old object: also fix fields on new parents
-    for rec in tensors:
-        for holder, attr, kind in rec.places:
-            if kind.startswith("inner:") and id(holder) in replaced:
-                setattr(replaced[id(holder)], attr, replaced.get(id(rec.tensor), rec.tensor))
+                holder._buffers[attr] = value
+            else:  # an inner field: set it on the parent the module holds now
+                setattr(replaced.get(id(holder), holder), attr, value)
 
     # ---- register the streamed tensors
     for rec in streamed:

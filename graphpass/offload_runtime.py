@@ -206,9 +206,10 @@ _use_count = _storage_use_count()
 # Disk -> host device: read-only private mappings of the file region, made with libc through
 # ctypes (which releases the GIL for the call, unlike Python's mmap module) and unmapped by a
 # finalizer when the tensor dies; a weight is never copied. The worker asks the kernel to read
-# the region ahead (POSIX_FADV_WILLNEED) and maps it; the compute maps the page cache's pages as it
-# reads them. Filling the page tables in the worker instead (MAP_POPULATE) was measured slower on
-# the 2-core benchmark machine at both batch sizes: it takes the cores the compute needs.
+# the region ahead (POSIX_FADV_WILLNEED) and maps it. It also fills the page tables
+# (MAP_POPULATE) when a core is left over by torch's compute threads; without one, populating in
+# the worker competes with the compute and was measured slower (2-core machine, both batch sizes)
+# than letting the compute fault the pages in as it reads them.
 def _libc():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -222,6 +223,16 @@ def _libc():
 
 _LIBC = _libc()
 _MAP_FLAGS = mmap.MAP_PRIVATE if _LIBC is not None and hasattr(mmap, "MAP_PRIVATE") else None
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _spare_core() -> bool:
+    """Is there a core the compute does not use? Then the worker fills the page tables."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return cores > torch.get_num_threads()
 
 
 class OffloadRuntime:
@@ -346,7 +357,8 @@ class OffloadRuntime:
         length = delta + loc.nbytes
         if hasattr(os, "posix_fadvise"):  # a cold page cache starts reading now, in the background
             os.posix_fadvise(fd, loc.offset, loc.nbytes, os.POSIX_FADV_WILLNEED)
-        addr = _LIBC.mmap(None, length, mmap.PROT_READ, _MAP_FLAGS, fd, start)  # ctypes: the GIL is released
+        flags = _MAP_FLAGS | (_MAP_POPULATE if _spare_core() else 0)
+        addr = _LIBC.mmap(None, length, mmap.PROT_READ, flags, fd, start)  # ctypes: the GIL is released
         if addr in (None, ctypes.c_void_p(-1).value):
             raise OffloadError(f"tensor {rec.name!r}: cannot map {loc.path}: {os.strerror(ctypes.get_errno())}")
         region = (ctypes.c_char * length).from_address(addr)
