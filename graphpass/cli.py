@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import sys
+import tempfile
 import time
 from typing import Any, Sequence
 
@@ -91,14 +93,23 @@ def _demo(args: argparse.Namespace) -> int:
     model, inputs = demo_model(seed=args.seed)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"graphpass demo: TinyTransformer, {n_params / 1e6:.2f} M parameters, delegate {args.then}")
+    print(f"graphpass demo: TinyTransformer, {n_params / 1e6:.2f} M parameters, delegate {args.then}"
+          + (f", layer weights offloaded to storage={args.offload!r}" if args.offload != "none" else ""))
+    reference = copy.deepcopy(model)  # eager reference with its weights in place
+    state = None
+    if args.offload != "none":
+        from .offload import OffloadConfig, offload
+
+        folder = tempfile.mkdtemp(prefix="graphpass-demo-") if args.offload == "disk" else None
+        model.requires_grad_(False)
+        state = offload(model, OffloadConfig(device="cpu", storage=args.offload, disk_path=folder))
     gp = GraphpassBackend({"then": args.then})
     compiled = torch.compile(model, backend=gp)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = compiled(*inputs)
     compile_s = time.perf_counter() - t0
-    print(ExplainReport(graphs=gp.graphs, config=gp.config))
+    print(ExplainReport(graphs=gp.graphs, config=gp.config, offload=state))
     print()
     from .ops import trace_traps
 
@@ -109,7 +120,7 @@ def _demo(args: argparse.Namespace) -> int:
             ids = torch.randint(0, model.cfg.vocab, inputs[0].shape, generator=g)
             with trace_traps() as events:
                 got = compiled(ids)
-            ref = model(ids)
+            ref = reference(ids)
             worst = max(worst, (got - ref).abs().max().item())
     ran = sorted({label for kind, label in events if kind == "enter"})
     rtol, atol = 1e-4, 1e-5
@@ -117,6 +128,11 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"first call (compile + run): {compile_s:.1f} s; traps that ran: {', '.join(ran)}")
     print(f"max |compiled - eager| over 3 fresh inputs: {worst:.3g} (tolerance atol={atol}, rtol={rtol}: "
           f"{args.then} reorders float math) -> {'OK' if ok else 'MISMATCH'}")
+    if state is not None:
+        from .offload import memory_stats
+
+        print()
+        print(memory_stats(compiled))
     del out
     return 0 if ok else 1
 
@@ -144,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("demo", help="compile the bundled transformer with graphpass and check it against eager")
     p.add_argument("--then", default="inductor", help="delegate backend (default: inductor)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--offload", default="cpu", choices=("none", "cpu", "disk"),
+                   help="stream the layer weights from host memory or disk (default: cpu; none: keep them)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("explain", help="print the trap table of a model: graphpass explain module:factory")

@@ -62,6 +62,12 @@ def test_cli_errors_are_clear(capsys):
     assert main(["explain", "graphpass.models.corpus"]) == 2
 
 
+def test_cli_demo_with_disk_offload(capsys):
+    assert main(["demo", "--then", "aot_eager", "--offload", "disk"]) == 0
+    out = capsys.readouterr().out
+    assert "storage='disk'" in out and "offload plan" in out and "peak streamed bytes" in out and "-> OK" in out
+
+
 def test_cli_demo_with_eager_delegate(capsys):
     assert main(["demo", "--then", "aot_eager"]) == 0
     out = capsys.readouterr().out
