@@ -529,3 +529,51 @@ def test_disk_mappings_with_and_without_populating(spare_core, monkeypatch, tmp_
         x = fresh_inputs(inputs, seed=seed)
         assert torch.equal(run(compiled, *x), ref(*x))
     assert graphpass.memory_stats(compiled).streamed_bytes_now == 0
+
+
+def test_training_backward_stays_within_the_budget():
+    torch.manual_seed(0)
+    model, inputs = build("mlp_stack")
+    ref, _ = build("mlp_stack")
+    one = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    budget = 3 * one  # one unit resident + the streaming window of two
+    state = graphpass.offload(model, graphpass.OffloadConfig(max_device_bytes=budget, **CPU))
+    assert [u.resident for u in state.plan.units] == [True, False, False]
+    compiled = torch.compile(model, backend=graphpass.backend(then="inductor"))
+    x = fresh_inputs(inputs)
+    out = compiled(*x)
+    assert graphpass.memory_stats(compiled, reset=True).peak_resident_bytes <= budget
+    out.square().sum().backward()
+    bwd = graphpass.memory_stats(compiled)
+    assert bwd.groups_loaded >= 1 and bwd.peak_resident_bytes <= budget
+    ref(*x).square().sum().backward()
+    grads = dict(model.named_parameters())
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n].grad, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_two_threads_share_one_offloaded_model():
+    """Each call's tickets are its own: two threads running the same compiled model concurrently
+    get their own loads and the eager result."""
+    import threading
+
+    ref, inputs, state, gp, compiled = offloaded("mlp_stack", prefetch=1)
+    xs = [fresh_inputs(inputs, seed=s) for s in range(2)]
+    run(compiled, *xs[0])  # compile once, in this thread
+    errors = []
+
+    def worker(x):
+        try:
+            for _ in range(20):
+                if not torch.equal(run(compiled, *x), ref(*x)):
+                    errors.append("mismatch")
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(x,)) for x in xs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert graphpass.memory_stats(compiled).streamed_bytes_now == 0
