@@ -323,7 +323,8 @@ class OffloadRuntime:
         self._fds.clear()
 
     # ---------------------------------------------------------------- the transfers
-    def _read(self, rec: OffloadedTensor, dst: torch.Tensor) -> None:
+    def _checked_fd(self, rec: OffloadedTensor) -> int:
+        """The open file of ``rec``'s bytes, checked to still hold them (truncated since offload?)."""
         loc = rec.location
         fd = self._fd(loc.path)
         size = os.fstat(fd).st_size
@@ -331,7 +332,10 @@ class OffloadRuntime:
             raise OffloadError(
                 f"tensor {rec.name!r}: {loc.path} is truncated ({size} bytes, its bytes end at {loc.offset + loc.nbytes})"
             )
-        read_into(fd, loc, dst)
+        return fd
+
+    def _read(self, rec: OffloadedTensor, dst: torch.Tensor) -> None:
+        read_into(self._checked_fd(rec), rec.location, dst)
 
     def _map(self, rec: OffloadedTensor) -> torch.Tensor:
         """``rec``'s bytes as a tensor over a read-only private mapping of its file region.
@@ -340,12 +344,7 @@ class OffloadRuntime:
         tensor over it is freed, so the process's resident memory holds the traps in flight, not
         the model. The schedule pass refuses graphs that write an offloaded tensor."""
         loc = rec.location
-        fd = self._fd(loc.path)
-        size = os.fstat(fd).st_size
-        if loc.offset + loc.nbytes > size:
-            raise OffloadError(
-                f"tensor {rec.name!r}: {loc.path} is truncated ({size} bytes, its bytes end at {loc.offset + loc.nbytes})"
-            )
+        fd = self._checked_fd(rec)
         if loc.nbytes == 0:
             return torch.empty(rec.shape, dtype=rec.dtype)
         start = loc.offset - loc.offset % mmap.ALLOCATIONGRANULARITY
