@@ -9,11 +9,12 @@
 #      stream, staging buffers, training), where pytest is installed
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q -e . 2>/dev/null || python3 -m pip install -q --no-deps -e .
+# the lent machine is offline: install without an isolated build env (setuptools is in its image)
+python3 -m pip install -q --no-build-isolation --no-deps -e . || python3 -m pip install -q --no-build-isolation --no-deps .
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 echo "== static-shape buckets =="
-timeout 300 python3 bench/gpu_static_shapes.py --lengths 64 | tee "$out/static_shapes_gpu.txt"
+PYTHONUNBUFFERED=1 timeout 180 python3 bench/gpu_static_shapes.py --lengths 64 | tee "$out/static_shapes_gpu.txt"
 echo "== offload =="
 # FlexTensor, where it installs. The lent machine has no network: wheels carried in .whl/ (flextensor and
 # the dependencies missing there) are installed from there; otherwise a short pip try, then "not available".

@@ -291,12 +291,12 @@ def plan_budget(units: list[OffloadUnit], config: OffloadConfig) -> OffloadPlan:
 class OffloadState:
     """What :func:`offload` did to one model; ``model._graphpass_offload``."""
 
-    def __init__(self, config: OffloadConfig, plan: OffloadPlan) -> None:
+    def __init__(self, config: OffloadConfig, plan: OffloadPlan, device: torch.device | None = None) -> None:
         self.config = config
         self.plan = plan
-        self.device = config._device
+        self.device = device if device is not None else config._device
         self.records: list[OffloadedTensor] = []
-        self.runtime = OffloadRuntime(config, resident_bytes=plan.resident_bytes)
+        self.runtime = OffloadRuntime(config, resident_bytes=plan.resident_bytes, device=self.device)
         self.files: list[str] = []  # safetensors files graphpass wrote (removed with the state)
         self.hooks: list = []
         self._finalizer = None
@@ -351,6 +351,8 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
     device = config._device
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", config.device, "CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda" and "cuda:0" are one device
 
     tensors, units = plan_units(model, config)
     plan = plan_budget(units, config)
@@ -403,7 +405,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
                 raise ConfigError("disk_path", str(disk_path), "the folder is not writable")
 
     # ---- materialize (the model is changed from here on)
-    state = OffloadState(config, plan)
+    state = OffloadState(config, plan, device)
 
     def load_value(rec: _Tensor, target: torch.device, pin: bool = False) -> torch.Tensor:
         loc = locations.get(id(rec))

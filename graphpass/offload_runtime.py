@@ -238,11 +238,13 @@ def _spare_core() -> bool:
 class OffloadRuntime:
     """Per-model runtime: tickets, the worker, the CUDA side stream, open files and the counters."""
 
-    def __init__(self, config: Any, resident_bytes: int = 0) -> None:
+    def __init__(self, config: Any, resident_bytes: int = 0, device: torch.device | None = None) -> None:
         self.config = config  # graphpass.OffloadConfig (frozen; no reference back to the model)
-        self.device = config._device
+        self.device = device if device is not None else config._device
         self.storage = config.storage
-        self._lock = threading.Lock()
+        # re-entrant: a finalizer (memory released) may run while this thread holds it
+        self._lock = threading.RLock()
+        self._evict_events: dict[int, Any] = {}  # CUDA: thread -> event after its last eviction
         self._tickets = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._latest: dict[tuple, int] = {}  # (thread, group) -> ticket: an aborted call's loads are dropped
@@ -293,7 +295,9 @@ class OffloadRuntime:
 
     def _side_stream(self):
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
+            with self._lock:
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(device=self.device)
         return self._stream
 
     def _fd(self, path: str) -> int:
@@ -356,8 +360,12 @@ class OffloadRuntime:
         length = delta + loc.nbytes
         if hasattr(os, "posix_fadvise"):  # a cold page cache starts reading now, in the background
             os.posix_fadvise(fd, loc.offset, loc.nbytes, os.POSIX_FADV_WILLNEED)
-        flags = _MAP_FLAGS | (_MAP_POPULATE if _spare_core() else 0)
-        addr = _LIBC.mmap(None, length, mmap.PROT_READ, flags, fd, start)  # ctypes: the GIL is released
+        populate = _spare_core()
+        # Writable and private (copy-on-write) unless populating (that would copy every page):
+        # a write the schedule pass did not see lands in a private copy, never in the file.
+        prot = mmap.PROT_READ if populate else mmap.PROT_READ | mmap.PROT_WRITE
+        flags = _MAP_FLAGS | (_MAP_POPULATE if populate else 0)
+        addr = _LIBC.mmap(None, length, prot, flags, fd, start)  # ctypes: the GIL is released
         if addr in (None, ctypes.c_void_p(-1).value):
             raise OffloadError(f"tensor {rec.name!r}: cannot map {loc.path}: {os.strerror(ctypes.get_errno())}")
         region = (ctypes.c_char * length).from_address(addr)
@@ -432,12 +440,18 @@ class OffloadRuntime:
         nbytes = sum(r.nbytes for r in recs)
         owner = (threading.get_ident(), group)
         if device.type == "cuda":
+            # The CPU runs ahead of the GPU; memory freed by an evicted trap is reused only once
+            # the GPU is past that trap. Waiting here for the eviction before this load keeps the
+            # device at the schedule's traps instead of the caching allocator growing to all.
+            done = self._evict_events.pop(threading.get_ident(), None)
+            if done is not None:
+                done.synchronize()
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 dsts = [torch.empty(r.shape, dtype=r.dtype, device=device) for r in recs]
             self._allocated(dsts, nbytes)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)
             if any(r.location is not None for r in recs):
                 pending = _Pending(dsts, nbytes, self._worker().submit(self._disk_to_cuda_job, recs, dsts, event), event)
             else:
@@ -457,10 +471,10 @@ class OffloadRuntime:
         with self._lock:
             ticket = next(self._tickets)
             stale = self._latest.get(owner)
-            if stale is not None:
-                self._pending.pop(stale, None)  # left by a call that raised before waiting
+            dropped = self._pending.pop(stale, None) if stale is not None else None  # a call that raised
             self._latest[owner] = ticket
             self._pending[ticket] = pending
+        del dropped  # released outside the lock
         return ticket
 
     def wait(self, ticket: int, group: str) -> list:
@@ -488,6 +502,10 @@ class OffloadRuntime:
     def evicted(self, group: str, loaded: list | None = None) -> None:
         with self._lock:
             self._stats["evictions"] += 1
+            if self.device.type == "cuda":
+                event = torch.cuda.Event(blocking=True)
+                event.record(torch.cuda.current_stream(self.device))
+                self._evict_events[threading.get_ident()] = event
             if loaded and self.device.type != "cuda" and self._pending and self.storage == "disk":
                 # a load is in flight: keep the last reference so the worker, not the compute
                 # thread, unmaps the region (milliseconds for a layer) when it runs its next job

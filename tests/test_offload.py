@@ -513,6 +513,20 @@ def test_graph_writing_an_offloaded_tensor_is_refused():
     with pytest.raises(graphpass.OffloadError, match=r"writes offloaded tensor 'layers.0.calls' in place"):
         run(compiled, torch.randn(2, 8))
 
+    class ThroughAView(Counter):
+        def forward(self, x):
+            for layer in self.layers:
+                layer.calls.view(-1).add_(1)  # the write goes through a view
+                x = layer(x)
+            return x
+
+    torch._dynamo.reset()
+    model = ThroughAView().eval().requires_grad_(False)
+    graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    with pytest.raises(graphpass.OffloadError, match=r"writes offloaded tensor 'layers.0.calls' in place"):
+        run(compiled, torch.randn(2, 8))
+
 
 @pytest.mark.parametrize("spare_core", [False, True])
 def test_disk_mappings_with_and_without_populating(spare_core, monkeypatch, tmp_path):

@@ -54,6 +54,31 @@ class OffloadSchedule:
     max_device_bytes: int | None
 
 
+_VIEW_NAMES = {"view", "view_as", "reshape", "t", "transpose", "permute", "expand", "expand_as", "flatten",
+               "unflatten", "squeeze", "unsqueeze", "narrow", "select", "as_strided", "unbind", "split", "chunk",
+               "detach", "movedim", "swapaxes", "diagonal", "real", "imag", "view_as_real", "view_as_complex"}
+
+
+def _views_of(ph: torch.fx.Node) -> list:
+    """``ph`` and every node that may alias it (views, their views, items of split/chunk)."""
+    out, todo = [], [ph]
+    while todo:
+        n = todo.pop()
+        if n in out:
+            continue
+        out.append(n)
+        for u in n.users:
+            name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
+            if u.op == "call_function" and u.target is operator.getitem and u.args[0] is n:
+                todo.append(u)
+            elif isinstance(name, str) and name in _VIEW_NAMES and u.args and u.args[0] is n:
+                todo.append(u)
+            elif u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload) and u.args and u.args[0] is n \
+                    and u.target.is_view:
+                todo.append(u)
+    return out
+
+
 def _writes(node: torch.fx.Node, ph: torch.fx.Node) -> bool:
     """Does ``node`` write ``ph`` in place (``x.add_()``, ``x[i] = v``, ``copy_``, ``out=``)?"""
     if node.op == "call_method" and isinstance(node.target, str) and node.target.endswith("_") \
@@ -94,7 +119,7 @@ class InsertOffloadSchedule(GraphPass):
             ctx.gm.recompile()
             return
         for ph, rec in records.items():
-            writer = next((u for u in ph.users if _writes(u, ph)), None)
+            writer = next(((u, v) for v in _views_of(ph) for u in v.users if _writes(u, v)), (None, None))[0]
             if writer is not None:
                 raise OffloadError(
                     f"the graph writes offloaded tensor {rec.name!r} in place ({writer.format_node()}): a write to a "

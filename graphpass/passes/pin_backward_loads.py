@@ -40,7 +40,7 @@ def pin_backward_loads(graph: torch.fx.Graph) -> int:
         return 0
     pinned = 0
     for start in [n for n in nodes if n.target is LOAD_START]:
-        wait = next((u for u in start.users if u.target is LOAD_WAIT), None)
+        wait = next((u for u in start.users if u.target is LOAD_WAIT and u.args[0] is start), None)
         if wait is None:
             continue
         items = list(wait.users)
