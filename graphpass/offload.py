@@ -362,6 +362,12 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
             rec.resident = True
     streamed = [r for r in tensors if r.streamed and not r.resident]
 
+    if device.type != "cpu":
+        grads = [r.fqns[0] for r in streamed if r.tensor.requires_grad]
+        if grads:
+            raise ConfigError("device", str(device), f"{grads[0]!r} requires grad: training with weights streamed to "
+                              f"an accelerator is not supported yet (the model holds device stand-ins there); call "
+                              f"requires_grad_(False) for inference, or train with device='cpu'")
     if config.storage == "disk":
         grads = [r.fqns[0] for r in streamed if r.tensor.requires_grad]
         if grads:
@@ -475,11 +481,41 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
                 setattr(replaced.get(id(holder), holder), attr, value)
 
     # ---- register the streamed tensors
+    handles: dict[int, torch.Tensor] = {}  # id(old tensor) -> the device stand-in the model holds
     for rec in streamed:
         value = replaced[id(rec.tensor)]
+        handle = None
+        if device.type != "cpu":
+            # Dynamo traces the model with tensors on their devices: a host tensor next to device
+            # activations is a device mismatch before graphpass ever sees the graph. The model
+            # holds a stand-in on the device instead: one element, expanded to the shape (no
+            # memory), which the loads replace; the bytes stay in the host copy (or the file).
+            handle = torch.empty(1, dtype=value.dtype, device=device).expand(value.shape)
+            if isinstance(value, nn.Parameter):
+                handle = nn.Parameter(handle, requires_grad=False)
+                for k, v in vars(value).items():
+                    if not isinstance(v, torch.Tensor):  # inner tensor fields get stand-ins below
+                        try:
+                            setattr(handle, k, v)
+                        except (AttributeError, TypeError):
+                            pass
+            host_value = value.detach() if isinstance(value, nn.Parameter) else value
+            for holder, attr, kind in rec.places:
+                if kind == "parameter":
+                    holder._parameters[attr] = handle
+                elif kind == "buffer":
+                    holder._buffers[attr] = handle
+                else:  # an inner field: on the parent's stand-in (parents come first)
+                    parent = handles.get(id(holder))
+                    if parent is None:
+                        parent = replaced.get(id(holder), holder)
+                    setattr(parent, attr, handle)
+            handles[id(rec.tensor)] = handle
+            value = host_value
         r = OffloadedTensor(
             name=rec.fqns[0], fqns=tuple(rec.fqns), unit=rec.unit or "", shape=tuple(value.shape), dtype=value.dtype,
             nbytes=rec.nbytes, host=value, location=locations.get(id(rec)) if config.storage == "disk" else None,
+            handle=handle,
         )
         r.runtime = state.runtime
         state.records.append(r)

@@ -67,9 +67,15 @@ class OffloadedTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
-    host: torch.Tensor  # the tensor the model holds: host copy (cpu/pinned) or an untouched stand-in (disk)
+    host: torch.Tensor  # the bytes on the host: host copy (cpu/pinned) or an untouched stand-in (disk)
     location: Optional[TensorLocation]  # disk: where its bytes are
+    handle: Optional[torch.Tensor] = None  # what the model holds when it is not ``host`` (CUDA: a stand-in)
     runtime: "OffloadRuntime" = field(repr=False, default=None)  # type: ignore[assignment]
+
+    @property
+    def key(self) -> torch.Tensor:
+        """The tensor that reaches the graph (and identifies this record at run time)."""
+        return self.handle if self.handle is not None else self.host
 
 
 class _Registry:
@@ -80,12 +86,12 @@ class _Registry:
         self._by_ptr: dict[int, weakref.ref] = {}
 
     def add(self, rec: OffloadedTensor) -> None:
-        ptr = rec.host.untyped_storage().data_ptr()
+        ptr = rec.key.untyped_storage().data_ptr()
         with self._lock:
             self._by_ptr[ptr] = weakref.ref(rec)
 
     def remove(self, rec: OffloadedTensor) -> None:
-        ptr = rec.host.untyped_storage().data_ptr()
+        ptr = rec.key.untyped_storage().data_ptr()
         with self._lock:
             ref = self._by_ptr.get(ptr)
             if ref is not None and ref() in (rec, None):
@@ -101,7 +107,8 @@ class _Registry:
         ptr = storage.data_ptr()
         ref = self._by_ptr.get(ptr)
         rec = ref() if ref is not None else None
-        if rec is None or rec.host.untyped_storage().data_ptr() != ptr or tuple(t.shape) != rec.shape:
+        if rec is None or rec.key.untyped_storage().data_ptr() != ptr or tuple(t.shape) != rec.shape \
+                or t.device != rec.key.device:
             return None
         return rec
 
@@ -387,7 +394,7 @@ class OffloadRuntime:
             if rec.location is not None:
                 self._read(rec, dst)
             else:
-                dst.copy_(src)
+                dst.copy_(rec.host)
 
     def _disk_to_cuda_job(self, recs: list, dsts: list, event) -> None:
         offsets, total = [], 0
@@ -456,8 +463,8 @@ class OffloadRuntime:
                 pending = _Pending(dsts, nbytes, self._worker().submit(self._disk_to_cuda_job, recs, dsts, event), event)
             else:
                 with torch.cuda.stream(stream):
-                    for src, dst in zip(srcs, dsts):
-                        dst.copy_(src, non_blocking=True)
+                    for rec, dst in zip(recs, dsts):
+                        dst.copy_(rec.host, non_blocking=True)  # the graph's input is a stand-in
                     event.record(stream)
                 pending = _Pending(dsts, nbytes, None, event)
         elif all(r.location is not None for r in recs) and _MAP_FLAGS is not None:

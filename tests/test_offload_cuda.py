@@ -35,7 +35,8 @@ def test_tiers_on_cuda(storage, then, tmp_path):
         assert rec.host.device.type == "cpu"
         if storage == "pinned":
             assert rec.host.is_pinned()
-    assert all(p.device.type == "cuda" for n, p in model.named_parameters() if not n.startswith("layers."))
+    assert all(p.device.type == "cuda" for n, p in model.named_parameters())
+    assert all(p.stride() == (0,) * p.dim() for n, p in model.named_parameters() if n.startswith("layers."))
     compiled = torch.compile(model, backend=graphpass.backend(then=then))
     x = [t.cuda() for t in fresh_inputs(inputs)]
     with torch.no_grad():
@@ -53,15 +54,23 @@ def test_tiers_on_cuda(storage, then, tmp_path):
     assert stats.streamed_bytes_now == 0
 
 
-def test_training_on_cuda():
-    torch.manual_seed(0)
-    model, inputs = build("mlp_stack")
-    ref = copy.deepcopy(model).cuda()
+def test_training_on_cuda_is_refused_clearly():
+    model, _ = build("mlp_stack")  # parameters require grad
+    with pytest.raises(graphpass.ConfigError, match="requires grad"):
+        graphpass.offload(model, graphpass.OffloadConfig(device="cuda", storage="pinned"))
+
+
+def test_quant_linear_inner_fields_on_cuda():
+    model, inputs = frozen("quant_linear")
+    ref, _ = frozen("quant_linear")
+    ref = ref.cuda()
+    for m in ref.modules():  # .cuda() does not move inner tensor fields
+        w = getattr(m, "weight", None)
+        if w is not None and hasattr(w, "scale"):
+            w.scale = w.scale.cuda()
     graphpass.offload(model, graphpass.OffloadConfig(device="cuda", storage="pinned"))
-    compiled = torch.compile(model, backend=graphpass.backend(then="inductor"))
+    assert model.layers[0].up.weight.scale.device.type == "cuda"  # a stand-in on the device
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
     x = [t.cuda() for t in fresh_inputs(inputs)]
-    compiled(*x).square().sum().backward()
-    ref(*x).square().sum().backward()
-    grads = dict(model.named_parameters())
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(grads[n].grad.cuda(), p.grad, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(compiled(*x), ref(*x))
