@@ -235,18 +235,22 @@ def plan_units(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], 
     tensors = _collect(model)
     units: dict[str, OffloadUnit] = {}
     for rec in tensors:
+        if rec.nbytes == 0:
+            continue  # nothing to move (and no storage address to know it by)
         unit_names: list[str] = []
+        excluded = False
         for holder in rec.holders:
             chain = _ancestors(holder)
+            if any(any(p.matches(a) for p in config._exclude) for a in chain):
+                excluded = True  # a tied tensor one excluded module holds stays on the device
+                break
             if include is None:
                 matched = [a for a in chain if a in children]
             else:
                 matched = [a for a in chain if any(p.matches(a) for p in include)]
-            if not matched or any(any(p.matches(a) for p in config._exclude) for a in chain):
-                continue
-            unit = next((a for a in chain if a in children), matched[0])
-            unit_names.append(unit)
-        if not unit_names:
+            if matched:
+                unit_names.append(next((a for a in chain if a in children), matched[0]))
+        if excluded or not unit_names:
             continue
         rec.streamed = True
         unit_names = list(dict.fromkeys(unit_names))

@@ -506,6 +506,14 @@ class OffloadRuntime:
             self._stats["wait_seconds"] += waited
         return pending.dsts
 
+    def abandon(self, ticket: int) -> None:
+        """Drop a load whose ticket died without a wait (no-op once waited)."""
+        with self._lock:
+            pending = self._pending.pop(ticket, None)
+            if pending is not None and self._latest.get(pending.owner) == ticket:
+                del self._latest[pending.owner]
+        del pending  # released outside the lock
+
     def evicted(self, group: str, loaded: list | None = None) -> None:
         with self._lock:
             self._stats["evictions"] += 1
@@ -556,7 +564,10 @@ def _load_start(srcs: List[torch.Tensor], group: str, device: torch.device, afte
     runtime = recs[0].runtime
     ticket = runtime.start(recs, srcs, group)
     _record("load", group)
-    return torch.tensor(ticket, dtype=torch.int64)
+    out = torch.tensor(ticket, dtype=torch.int64)
+    # a call that raises between the start and the wait drops its ticket: the load goes with it
+    weakref.finalize(out, runtime.abandon, ticket)
+    return out
 
 
 def _record(kind: str, group: str) -> None:

@@ -609,3 +609,59 @@ def test_offload_with_static_shape_buckets():
             # padding changes matmul shapes, so BLAS may block the sums differently
             torch.testing.assert_close(run(compiled, ids), ref(ids), rtol=1e-5, atol=1e-6)
     assert graphpass.memory_stats(compiled).groups_loaded == 8  # two traps per call
+
+
+def test_a_call_that_raises_mid_forward_leaves_nothing_behind():
+    """Loads started before an error are dropped with their tickets; the next call neither hangs
+    nor finds them (this deadlocked before the runtime's lock was re-entrant)."""
+    import threading
+
+    class Failing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x, idx):
+            for i, layer in enumerate(self.layers):
+                x = layer(x)
+                if i == 0:
+                    x = x + x.index_select(0, idx)  # an out-of-range idx raises here, mid-forward
+            return x
+
+    torch.manual_seed(0)
+    model = Failing().eval().requires_grad_(False)
+    ref = copy.deepcopy(model)
+    graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    x, good, bad = torch.randn(4, 8), torch.tensor([1, 0, 3, 2]), torch.tensor([1, 0, 99, 2])
+    assert torch.equal(run(compiled, x, good), ref(x, good))
+    with pytest.raises((IndexError, RuntimeError)):
+        run(compiled, x, bad)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("out", run(compiled, x, good)))
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "the call after an error hung"
+    assert torch.equal(result["out"], ref(x, good))
+    gc.collect()
+    assert graphpass.memory_stats(compiled).streamed_bytes_now == 0
+
+
+def test_tied_tensor_held_by_an_excluded_module_stays_and_empty_tensors_are_not_streamed():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.layers[1].weight = self.layers[0].weight
+            self.layers[0].register_buffer("empty", torch.zeros(0))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Tied().eval().requires_grad_(False)
+    state = graphpass.offload(model, graphpass.OffloadConfig(exclude_patterns=["layers.1"], **CPU))
+    names = {r.name for r in state.records}
+    assert names == {"layers.0.bias"}  # the tied weight is held by layers.1 too: it stays
+    assert lookup(torch.zeros(0)) is None

@@ -100,6 +100,26 @@ def _writes(node: torch.fx.Node, ph: torch.fx.Node) -> bool:
     return False
 
 
+def _last_reader(users: list, order: dict) -> list:
+    """The last node (in graph order) that reads the loaded tensors, looking through views
+    (``w.t()`` is not the read: the matmul on it is), as the eviction's ordering dependency."""
+    readers, todo, seen = [], list(users), set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        is_view = (isinstance(name, str) and name in _VIEW_NAMES) or (
+            n.op == "call_function" and n.target is operator.getitem) or (
+            isinstance(n.target, torch._ops.OpOverload) and n.target.is_view)
+        if is_view:
+            todo.extend(u for u in n.users if not (u.op == "call_function" and is_graphpass_op(u.target)))
+        if isinstance(n.meta.get("example_value"), torch.Tensor):
+            readers.append(n)
+    return sorted(readers, key=lambda n: order.get(n, -1))[-1:]
+
+
 class InsertOffloadSchedule(GraphPass):
     name = "insert_offload_schedule"
 
@@ -219,7 +239,7 @@ class InsertOffloadSchedule(GraphPass):
             for ph, item in zip(phs, items):
                 for user in users:
                     user.replace_input_with(ph, item)
-            done = [u for u in users if isinstance(u.meta.get("example_value"), torch.Tensor)][-1:]
+            done = _last_reader(users, order)
             with graph.inserting_after(last):
                 ev = graph.call_function(EVICT, (list(items), list(phs), key, done))
             evicts[k] = ev
