@@ -41,6 +41,7 @@ from .patterns import ModulePattern, check_all_match, compile_patterns
 from .safetensors_io import TensorLocation, index_checkpoint, read_into, write_file
 
 _STORAGES = ("pinned", "cpu", "disk")
+_STAND_INS_ON_HOST = False  # tests: use the accelerator path's device stand-ins on a host device
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,22 @@ class OffloadState:
         self.hooks: list = []
         self._finalizer = None
 
+    def parameters(self, model: nn.Module | None = None):
+        """The parameters to train: the host copies of streamed weights (where their gradients
+        accumulate when the model holds device stand-ins) and, given ``model``, its other
+        parameters. Build optimizers from this after :func:`offload`."""
+        seen: set[int] = set()
+        for rec in self.records:
+            if isinstance(rec.host, nn.Parameter) and id(rec.host) not in seen:
+                seen.add(id(rec.host))
+                yield rec.host
+        if model is not None:
+            handles = {id(r.handle) for r in self.records if r.handle is not None}
+            for p in model.parameters():
+                if id(p) not in handles and id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
     @property
     def streamed_bytes(self) -> int:
         return sum(r.nbytes for r in self.records)
@@ -366,12 +383,6 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
             rec.resident = True
     streamed = [r for r in tensors if r.streamed and not r.resident]
 
-    if device.type != "cpu":
-        grads = [r.fqns[0] for r in streamed if r.tensor.requires_grad]
-        if grads:
-            raise ConfigError("device", str(device), f"{grads[0]!r} requires grad: training with weights streamed to "
-                              f"an accelerator is not supported yet (the model holds device stand-ins there); call "
-                              f"requires_grad_(False) for inference, or train with device='cpu'")
     if config.storage == "disk":
         grads = [r.fqns[0] for r in streamed if r.tensor.requires_grad]
         if grads:
@@ -489,21 +500,23 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
     for rec in streamed:
         value = replaced[id(rec.tensor)]
         handle = None
-        if device.type != "cpu":
+        if device.type != "cpu" or _STAND_INS_ON_HOST:
             # Dynamo traces the model with tensors on their devices: a host tensor next to device
             # activations is a device mismatch before graphpass ever sees the graph. The model
             # holds a stand-in on the device instead: one element, expanded to the shape (no
             # memory), which the loads replace; the bytes stay in the host copy (or the file).
             handle = torch.empty(1, dtype=value.dtype, device=device).expand(value.shape)
             if isinstance(value, nn.Parameter):
-                handle = nn.Parameter(handle, requires_grad=False)
+                # it requires grad when the weight does, so autograd reaches the load; the load's
+                # backward sends the gradient to the host copy (state.parameters() yields those)
+                handle = nn.Parameter(handle, requires_grad=value.requires_grad)
                 for k, v in vars(value).items():
                     if not isinstance(v, torch.Tensor):  # inner tensor fields get stand-ins below
                         try:
                             setattr(handle, k, v)
                         except (AttributeError, TypeError):
                             pass
-            host_value = value.detach() if isinstance(value, nn.Parameter) else value
+            host_value = value  # the host Parameter: gradients accumulate on it
             for holder, attr, kind in rec.places:
                 if kind == "parameter":
                     holder._parameters[attr] = handle

@@ -634,15 +634,49 @@ torch.library.register_fake("graphpass::offload_guard", _nothing, lib=_LIB)
 
 def _wait_setup(ctx, inputs, output) -> None:
     srcs = inputs[1]
-    ctx.src_meta = [(s.device, s.dtype) for s in srcs]
+    ctx.src_meta = [(s.device, s.dtype, _is_stand_in(s)) for s in srcs]
     ctx.n_started = len(inputs[4])
+    stand_ins = [s for s, (_, _, st) in zip(srcs, ctx.src_meta) if st]
+    ctx.save_for_backward(*stand_ins)
+
+
+def _is_stand_in(t: torch.Tensor) -> bool:
+    """A graph input that stands in for offloaded bytes: the one-element expanded tensors the
+    model holds on an accelerator (a host copy is never expanded)."""
+    return t.dim() > 0 and t.numel() > 1 and all(st == 0 for st in t.stride())
 
 
 def _wait_backward(ctx, grads):
     out = []
-    for g, (device, dtype) in zip(grads, ctx.src_meta):
-        out.append(None if g is None else g.to(device=device, dtype=dtype))
+    stand_ins = iter(ctx.saved_tensors)
+    for g, (device, dtype, stand_in) in zip(grads, ctx.src_meta):
+        if g is None:
+            out.append(None)
+        elif stand_in:
+            # the weight lives on the host: its gradient goes there, not to the stand-in
+            torch.ops.graphpass.accumulate_grad(g, next(stand_ins))
+            out.append(None)
+        else:
+            out.append(g.to(device=device, dtype=dtype))
     return None, out, None, None, [None] * ctx.n_started
+
+
+def _accumulate_grad(grad: torch.Tensor, handle: torch.Tensor) -> None:
+    rec = lookup(handle)
+    if rec is None:
+        raise OffloadError("a gradient for an offloaded weight reached graphpass, but its stand-in is not registered")
+    host = rec.host
+    g = grad.to(device=host.device, dtype=host.dtype)
+    if host.grad is None:
+        host.grad = g if g is not grad else g.clone()
+    else:
+        host.grad.add_(g)
+
+
+_LIB.define("accumulate_grad(Tensor grad, Tensor handle) -> ()")
+_LIB.impl("accumulate_grad", _accumulate_grad, "CompositeExplicitAutograd")
+torch.library.register_fake("graphpass::accumulate_grad", _nothing, lib=_LIB)
+torch.fx.node.has_side_effect(torch.ops.graphpass.accumulate_grad.default)
 
 
 torch.library.register_autograd("graphpass::load_wait", _wait_backward, setup_context=_wait_setup, lib=_LIB)
