@@ -57,8 +57,9 @@ class InductorDelegate(Delegate):
 
 
 def _has_offload_loads(gm) -> bool:
-    target = torch.ops.graphpass.load_wait.default if hasattr(torch.ops.graphpass, "load_wait") else None
-    return target is not None and any(n.target is target for n in gm.graph.nodes)
+    from graphpass.offload_runtime import LOAD_WAIT
+
+    return any(n.target is LOAD_WAIT for n in gm.graph.nodes)
 
 
 class NamedDelegate(Delegate):

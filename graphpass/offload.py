@@ -38,7 +38,7 @@ from torch import nn
 from .errors import ConfigError, OffloadError
 from .offload_runtime import REGISTRY, MemoryStats, OffloadedTensor, OffloadRuntime
 from .patterns import ModulePattern, check_all_match, compile_patterns
-from .safetensors_io import TensorLocation, index_checkpoint, read_into, write_file
+from .safetensors_io import TensorLocation, index_checkpoint, read_header, read_into, write_file
 
 _STORAGES = ("pinned", "cpu", "disk")
 _STAND_INS_ON_HOST = False  # tests: use the accelerator path's device stand-ins on a host device
@@ -345,6 +345,17 @@ def _release(runtime: OffloadRuntime, records: list, files: list) -> None:
             pass
 
 
+def _copy_plain_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Plain (non-tensor) attributes of a parameter, such as loaders' flags, travel along; inner
+    tensor fields are tensors of their own and are placed separately."""
+    for k, v in (vars(src).items() if hasattr(src, "__dict__") else ()):
+        if not isinstance(v, torch.Tensor):
+            try:
+                setattr(dst, k, v)
+            except (AttributeError, TypeError):
+                pass
+
+
 def _guard_hook(name: str):
     def hook(module, args):
         torch.ops.graphpass.offload_guard(name)
@@ -459,80 +470,58 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
         fname = str(disk_path / f"graphpass-offload-{type(model).__name__}-{uuid.uuid4().hex[:8]}.safetensors")
         write_file(fname, disk_tensors, metadata={"format": "pt", "writer": "graphpass.offload"})
         state.files.append(fname)
-        from .safetensors_io import read_header
-
         written = read_header(fname)
         for rec in tensors:
             if rec.fqns[0] in disk_tensors:
                 locations[id(rec)] = written[rec.fqns[0]]
 
-    # swap the new tensors in: new objects first, then every place that held an old one
+    # New objects first, then every place that held an old one. ``replaced``: the new tensor of
+    # each changed tensor (for a streamed one, its host copy); ``held``: what the model holds.
+    # Dynamo traces the model with tensors on their devices, so on an accelerator a host copy next
+    # to device activations would be a device mismatch before graphpass ever sees the graph: there
+    # the model holds a stand-in on the device instead, one element expanded to the shape (no
+    # memory), which the loads replace; the bytes stay in the host copy (or the file). A stand-in
+    # requires grad when the weight does, so autograd reaches the load, whose backward sends the
+    # gradient to the host copy (``state.parameters()`` yields those).
+    use_stand_ins = device.type != "cpu" or _STAND_INS_ON_HOST
     replaced: dict[int, torch.Tensor] = {}
+    held: dict[int, torch.Tensor] = {}
     for rec in tensors:
         new = new_values.get(id(rec))
         if new is None:
             continue
         old = rec.tensor
+        streamed_here = rec.streamed and not rec.resident
         if isinstance(old, nn.Parameter):
-            stand_in = rec.streamed and not rec.resident and config.storage == "disk"
-            new_obj = nn.Parameter(new, requires_grad=False if stand_in else old.requires_grad)
+            on_disk = streamed_here and config.storage == "disk"
+            new_obj = nn.Parameter(new, requires_grad=False if on_disk else old.requires_grad)
         else:
             new_obj = new
-        for k, v in (vars(old).items() if hasattr(old, "__dict__") else ()):
-            if not isinstance(v, torch.Tensor):  # plain attributes (loaders' flags) travel along
-                try:
-                    setattr(new_obj, k, v)
-                except (AttributeError, TypeError):
-                    pass
-        replaced[id(old)] = new_obj
+        _copy_plain_attributes(old, new_obj)
+        replaced[id(old)] = held[id(old)] = new_obj
+        if streamed_here and use_stand_ins:
+            stand_in = torch.empty(1, dtype=new.dtype, device=device).expand(new.shape)
+            if isinstance(new_obj, nn.Parameter):
+                stand_in = nn.Parameter(stand_in, requires_grad=new_obj.requires_grad)
+                _copy_plain_attributes(old, stand_in)
+            held[id(old)] = stand_in
     for rec in tensors:
-        value = replaced.get(id(rec.tensor), rec.tensor)
+        value = held.get(id(rec.tensor), rec.tensor)
         for holder, attr, kind in rec.places:
             if kind == "parameter":
                 holder._parameters[attr] = value
             elif kind == "buffer":
                 holder._buffers[attr] = value
             else:  # an inner field: set it on the parent the module holds now
-                setattr(replaced.get(id(holder), holder), attr, value)
+                setattr(held.get(id(holder), holder), attr, value)
 
     # ---- register the streamed tensors
-    handles: dict[int, torch.Tensor] = {}  # id(old tensor) -> the device stand-in the model holds
     for rec in streamed:
-        value = replaced[id(rec.tensor)]
-        handle = None
-        if device.type != "cpu" or _STAND_INS_ON_HOST:
-            # Dynamo traces the model with tensors on their devices: a host tensor next to device
-            # activations is a device mismatch before graphpass ever sees the graph. The model
-            # holds a stand-in on the device instead: one element, expanded to the shape (no
-            # memory), which the loads replace; the bytes stay in the host copy (or the file).
-            handle = torch.empty(1, dtype=value.dtype, device=device).expand(value.shape)
-            if isinstance(value, nn.Parameter):
-                # it requires grad when the weight does, so autograd reaches the load; the load's
-                # backward sends the gradient to the host copy (state.parameters() yields those)
-                handle = nn.Parameter(handle, requires_grad=value.requires_grad)
-                for k, v in vars(value).items():
-                    if not isinstance(v, torch.Tensor):  # inner tensor fields get stand-ins below
-                        try:
-                            setattr(handle, k, v)
-                        except (AttributeError, TypeError):
-                            pass
-            host_value = value  # the host Parameter: gradients accumulate on it
-            for holder, attr, kind in rec.places:
-                if kind == "parameter":
-                    holder._parameters[attr] = handle
-                elif kind == "buffer":
-                    holder._buffers[attr] = handle
-                else:  # an inner field: on the parent's stand-in (parents come first)
-                    parent = handles.get(id(holder))
-                    if parent is None:
-                        parent = replaced.get(id(holder), holder)
-                    setattr(parent, attr, handle)
-            handles[id(rec.tensor)] = handle
-            value = host_value
+        host = replaced[id(rec.tensor)]
         r = OffloadedTensor(
-            name=rec.fqns[0], fqns=tuple(rec.fqns), unit=rec.unit or "", shape=tuple(value.shape), dtype=value.dtype,
-            nbytes=rec.nbytes, host=value, location=locations.get(id(rec)) if config.storage == "disk" else None,
-            handle=handle,
+            name=rec.fqns[0], fqns=tuple(rec.fqns), unit=rec.unit or "", shape=tuple(host.shape), dtype=host.dtype,
+            nbytes=rec.nbytes, host=host, location=locations.get(id(rec)) if config.storage == "disk" else None,
+            handle=held[id(rec.tensor)] if use_stand_ins else None,
         )
         r.runtime = state.runtime
         state.records.append(r)

@@ -20,6 +20,10 @@ The order is carried by data, so a delegate that reorders nodes (inductor does) 
 wait of the current trap takes that load's ticket (``started``). A load therefore starts after the
 previous trap's eviction and before the current trap's compute, no earlier and no later.
 
+``graphpass::accumulate_grad(grad, handle)`` adds a gradient to the host copy behind a device
+stand-in (the backward of ``load_wait`` calls it on an accelerator, where the model holds
+stand-ins rather than the weights).
+
 ``graphpass::offload_guard(module)`` is what the forward pre-hook of an offloaded module calls:
 the offload pass deletes it from graphs it schedules; anywhere else (an eager call, another
 backend) it runs and raises a clear error instead of computing with weights that are not there.
@@ -50,6 +54,7 @@ from typing import Any, List, Optional
 import torch
 
 from .errors import OffloadError
+from .ops import record_event
 from .safetensors_io import TensorLocation, read_into
 
 # --------------------------------------------------------------------------------------------
@@ -174,8 +179,7 @@ class MemoryStats:
 
 @dataclass
 class _Pending:
-    dsts: list
-    nbytes: int
+    dsts: Optional[list]  # None while the worker maps them (disk -> host device)
     future: Optional[Future] = None
     event: Any = None  # torch.cuda.Event the compute stream waits on
     owner: tuple = ()
@@ -349,7 +353,7 @@ class OffloadRuntime:
         read_into(self._checked_fd(rec), rec.location, dst)
 
     def _map(self, rec: OffloadedTensor) -> torch.Tensor:
-        """``rec``'s bytes as a tensor over a read-only private mapping of its file region.
+        """``rec``'s bytes as a tensor over a private mapping of its file region.
 
         The pages are the page cache's own (no copy). The mapping is released when the last
         tensor over it is freed, so the process's resident memory holds the traps in flight, not
@@ -377,7 +381,7 @@ class OffloadRuntime:
             raise OffloadError(f"tensor {rec.name!r}: cannot map {loc.path}: {os.strerror(ctypes.get_errno())}")
         region = (ctypes.c_char * length).from_address(addr)
         weakref.finalize(region, _LIBC.munmap, ctypes.c_void_p(addr), ctypes.c_size_t(length))
-        with warnings.catch_warnings():  # read-only pages: the graph never writes a loaded weight
+        with warnings.catch_warnings():  # torch warns for read-only buffers (the populated mapping)
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(region, dtype=torch.uint8, count=loc.nbytes, offset=delta)
         return flat.view(rec.dtype).view(rec.shape)
@@ -388,9 +392,9 @@ class OffloadRuntime:
         self._allocated(dsts, sum(r.nbytes for r in recs))
         return dsts
 
-    def _host_job(self, recs: list, srcs: list, dsts: list) -> None:
+    def _host_job(self, recs: list, dsts: list) -> None:
         self._drop_retired()
-        for rec, src, dst in zip(recs, srcs, dsts):
+        for rec, dst in zip(recs, dsts):
             if rec.location is not None:
                 self._read(rec, dst)
             else:
@@ -440,7 +444,7 @@ class OffloadRuntime:
                 self._stats["buffer_pool_bytes"] += rec.nbytes
             return torch.empty(0, dtype=rec.dtype, device=device).set_(storage, 0, rec.shape, stride)
 
-    def start(self, recs: list, srcs: list, group: str) -> int:
+    def start(self, recs: list, group: str) -> int:
         if self._closed:
             raise OffloadError("this model's offload runtime was closed (graphpass.offload state released)")
         device = self.device
@@ -460,20 +464,20 @@ class OffloadRuntime:
             self._allocated(dsts, nbytes)
             event = torch.cuda.Event(blocking=True)
             if any(r.location is not None for r in recs):
-                pending = _Pending(dsts, nbytes, self._worker().submit(self._disk_to_cuda_job, recs, dsts, event), event)
+                pending = _Pending(dsts, self._worker().submit(self._disk_to_cuda_job, recs, dsts, event), event)
             else:
                 with torch.cuda.stream(stream):
                     for rec, dst in zip(recs, dsts):
                         dst.copy_(rec.host, non_blocking=True)  # the graph's input is a stand-in
                     event.record(stream)
-                pending = _Pending(dsts, nbytes, None, event)
+                pending = _Pending(dsts, None, event)
         elif all(r.location is not None for r in recs) and _MAP_FLAGS is not None:
             # disk -> host device: map the file region (the worker maps it), no copy at all
-            pending = _Pending(None, nbytes, self._worker().submit(self._map_job, recs))
+            pending = _Pending(None, self._worker().submit(self._map_job, recs))
         else:
             dsts = [self._host_buffer(r) for r in recs]
             self._allocated(dsts, nbytes)
-            pending = _Pending(dsts, nbytes, self._worker().submit(self._host_job, recs, list(srcs), dsts))
+            pending = _Pending(dsts, self._worker().submit(self._host_job, recs, dsts))
         pending.owner = owner
         with self._lock:
             ticket = next(self._tickets)
@@ -484,11 +488,15 @@ class OffloadRuntime:
         del dropped  # released outside the lock
         return ticket
 
-    def wait(self, ticket: int, group: str) -> list:
+    def _take(self, ticket: int) -> _Pending | None:
         with self._lock:
             pending = self._pending.pop(ticket, None)
             if pending is not None and self._latest.get(pending.owner) == ticket:
                 del self._latest[pending.owner]
+        return pending
+
+    def wait(self, ticket: int, group: str) -> list:
+        pending = self._take(ticket)
         if pending is None:
             raise OffloadError(f"trap {group!r}: load ticket {ticket} is unknown (its load was never started)")
         t0 = time.perf_counter()
@@ -508,11 +516,7 @@ class OffloadRuntime:
 
     def abandon(self, ticket: int) -> None:
         """Drop a load whose ticket died without a wait (no-op once waited)."""
-        with self._lock:
-            pending = self._pending.pop(ticket, None)
-            if pending is not None and self._latest.get(pending.owner) == ticket:
-                del self._latest[pending.owner]
-        del pending  # released outside the lock
+        self._take(ticket)  # released outside the lock
 
     def evicted(self, group: str, loaded: list | None = None) -> None:
         with self._lock:
@@ -526,8 +530,7 @@ class OffloadRuntime:
                 # thread, unmaps the region (milliseconds for a layer) when it runs its next job
                 self._retired.append(list(loaded))
                 return
-            retired, self._retired = self._retired, []
-        retired.clear()  # nothing in flight (the end of a pass): release what is left now
+        self._drop_retired()  # nothing in flight (the end of a pass): release what is left now
 
     def _drop_retired(self) -> None:
         with self._lock:
@@ -544,6 +547,7 @@ _LIB.define("load_start(Tensor[] srcs, str group, Device device, Tensor[] after)
 _LIB.define("load_wait(Tensor ticket, Tensor[] srcs, str group, Device device, Tensor[] started) -> Tensor[]")
 _LIB.define("evict(Tensor[] loaded, Tensor[] srcs, str group, Tensor[] after) -> Tensor")
 _LIB.define("offload_guard(str module) -> ()")
+_LIB.define("accumulate_grad(Tensor grad, Tensor handle) -> ()")
 
 
 def _records(srcs: List[torch.Tensor], group: str) -> list:
@@ -562,21 +566,12 @@ def _records(srcs: List[torch.Tensor], group: str) -> list:
 def _load_start(srcs: List[torch.Tensor], group: str, device: torch.device, after: List[torch.Tensor] = ()) -> torch.Tensor:
     recs = _records(srcs, group)
     runtime = recs[0].runtime
-    ticket = runtime.start(recs, srcs, group)
-    _record("load", group)
+    ticket = runtime.start(recs, group)
+    record_event("load", group)
     out = torch.tensor(ticket, dtype=torch.int64)
     # a call that raises between the start and the wait drops its ticket: the load goes with it
     weakref.finalize(out, runtime.abandon, ticket)
     return out
-
-
-def _record(kind: str, group: str) -> None:
-    from .ops import _STATE
-
-    st = _STATE.get()
-    if st is not None:
-        for rec in st.recorders:
-            rec.append((kind, group))
 
 
 def _load_start_fake(srcs, group, device, after=()):
@@ -588,7 +583,7 @@ def _load_wait(
 ) -> List[torch.Tensor]:
     recs = _records(srcs, group)
     out = recs[0].runtime.wait(int(ticket.item()), group)
-    _record("wait", group)
+    record_event("wait", group)
     return out
 
 
@@ -602,7 +597,7 @@ def _evict(loaded: List[torch.Tensor], srcs: List[torch.Tensor], group: str, aft
         rec = lookup(srcs[0])
         if rec is not None:
             rec.runtime.evicted(group, loaded)
-    _record("evict", group)
+    record_event("evict", group)
     return torch.zeros((), dtype=torch.int64)
 
 
@@ -673,7 +668,6 @@ def _accumulate_grad(grad: torch.Tensor, handle: torch.Tensor) -> None:
         host.grad.add_(g)
 
 
-_LIB.define("accumulate_grad(Tensor grad, Tensor handle) -> ()")
 _LIB.impl("accumulate_grad", _accumulate_grad, "CompositeExplicitAutograd")
 torch.library.register_fake("graphpass::accumulate_grad", _nothing, lib=_LIB)
 torch.fx.node.has_side_effect(torch.ops.graphpass.accumulate_grad.default)

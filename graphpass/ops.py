@@ -41,6 +41,14 @@ def _state() -> _RuntimeState:
     return st
 
 
+def record_event(kind: str, label: str) -> None:
+    """Report ``(kind, label)`` to every :func:`trace_traps` recorder of the current context."""
+    st = _STATE.get()
+    if st is not None:
+        for rec in st.recorders:
+            rec.append((kind, label))
+
+
 def _profiler_on() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
 
@@ -60,8 +68,7 @@ def trap_enter(label: str, deps: List[torch.Tensor], profile: bool = True) -> No
     if profile and _profiler_on():
         handle = torch.ops.profiler._record_function_enter_new(PROFILE_PREFIX + label, None)
     st.open_ranges.append((label, handle))
-    for rec in st.recorders:
-        rec.append(("enter", label))
+    record_event("enter", label)
 
 
 def trap_exit(label: str, deps: List[torch.Tensor], profile: bool = True) -> None:
@@ -75,8 +82,7 @@ def trap_exit(label: str, deps: List[torch.Tensor], profile: bool = True) -> Non
                     torch.ops.profiler._record_function_exit._RecordFunction(handle)
             del st.open_ranges[i:]
             break
-    for rec in st.recorders:
-        rec.append(("exit", label))
+    record_event("exit", label)
 
 
 def _nothing(*args, **kwargs) -> None:

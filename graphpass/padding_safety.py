@@ -378,33 +378,28 @@ def _arg(node: torch.fx.Node, pos: int, kw: str, default: Any = _MISSING) -> Any
     return default
 
 
-def _iter_nodes(value: Any) -> Iterable[torch.fx.Node]:
-    if isinstance(value, torch.fx.Node):
-        yield value
-    elif isinstance(value, (list, tuple)):
+def _leaves(value: Any) -> Iterable[Any]:
+    """Every leaf of an argument structure (lists, tuples, dicts, slices)."""
+    if isinstance(value, (list, tuple)):
         for v in value:
-            yield from _iter_nodes(v)
+            yield from _leaves(v)
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _iter_nodes(v)
+            yield from _leaves(v)
     elif isinstance(value, slice):
         for v in (value.start, value.stop, value.step):
-            yield from _iter_nodes(v)
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def _iter_nodes(value: Any) -> Iterable[torch.fx.Node]:
+    return (v for v in _leaves(value) if isinstance(v, torch.fx.Node))
 
 
 def _iter_values(value: Any) -> Iterable[Any]:
     """Every leaf argument, with nodes replaced by their example values."""
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _iter_values(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _iter_values(v)
-    elif isinstance(value, slice):
-        for v in (value.start, value.stop, value.step):
-            yield from _iter_values(v)
-    else:
-        yield _example(value)
+    return (_example(v) for v in _leaves(value))
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

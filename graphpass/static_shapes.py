@@ -127,7 +127,8 @@ class BucketDispatcher:
         self.delegate = delegate
         self.compiled: dict[tuple, Callable] = {}  # (bucket per symbol, other size inputs) -> compiled fn
         self.staging: dict[tuple, torch.Tensor] = {}  # (bucket key, input index) -> persistent padded buffer
-        self.oversize: dict[tuple, Callable] = {}  # exact-size graphs for calls beyond the largest bucket
+        self.oversize: dict[tuple, Callable] = {}  # graphs for calls beyond the largest bucket
+        self.dynamic_fallback: bool | None = None  # None: not tried yet; False: per size instead
         self.warned = False
         self.log = log if log is not None else []
         self.scalars = scalar_items(gm)
@@ -141,12 +142,15 @@ class BucketDispatcher:
 
     def _run_unpadded(self, args: Sequence[Any], key: tuple) -> Any:
         """A call beyond the largest bucket: the unpadded graph (without fixed-size buffer slices),
-        compiled for this exact size. Compiled outside Dynamo's trace, it cannot stay symbolic."""
+        compiled once with symbolic sizes (per lifted-scalar values), or for this exact size when
+        that is not possible (a static graph, or a delegate that cannot compile from fake values)."""
         dyn_key = ("dynamic", tuple(args[i].item() for i in self.scalars))
         fn = self.oversize.get(dyn_key) or self.oversize.get(key)
         if fn is None:
             source = self.plan.unsliced if self.plan.unsliced is not None else self.gm
-            fn = self._compile_dynamic(source, args)
+            if self.dynamic_fallback is not False:
+                fn = self._compile_dynamic(source, args)
+                self.dynamic_fallback = fn is not None  # tried once: not again for every size
             if fn is not None:
                 self.oversize[dyn_key] = fn
             else:
@@ -159,13 +163,13 @@ class BucketDispatcher:
         symbols) instead of this call's tensors, so it does not specialize to this size."""
         from .delegation import compile_with_delegate
 
-        gm = copy_graph(source)
-        _fold_scalars(gm, args, self.scalars)  # lifted Python scalars (eps): part of the key
-        fakes = [ph.meta.get("example_value") for ph in gm.graph.nodes if ph.op == "placeholder"]
+        fakes = [ph.meta.get("example_value") for ph in source.graph.nodes if ph.op == "placeholder"]
         symbolic = any(isinstance(f, torch.SymInt) or (isinstance(f, torch.Tensor) and any(
             isinstance(d, torch.SymInt) for d in f.shape)) for f in fakes)
         if not symbolic or any(f is None for f in fakes):
             return None  # a static graph (Dynamo has not seen a second size yet): compile per size
+        gm = copy_graph(source)
+        _fold_scalars(gm, args, self.scalars)  # lifted Python scalars (eps): part of the key
         try:
             with _floats_specialized(fakes):
                 return compile_with_delegate(gm, fakes, self.delegate)

@@ -59,6 +59,15 @@ _VIEW_NAMES = {"view", "view_as", "reshape", "t", "transpose", "permute", "expan
                "detach", "movedim", "swapaxes", "diagonal", "real", "imag", "view_as_real", "view_as_complex"}
 
 
+def _is_view(node: torch.fx.Node) -> bool:
+    """May ``node``'s result alias its first argument (a view, or an item of split/chunk/unbind)?"""
+    if node.op == "call_function" and (node.target is operator.getitem or (
+            isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)):
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name in _VIEW_NAMES
+
+
 def _views_of(ph: torch.fx.Node) -> list:
     """``ph`` and every node that may alias it (views, their views, items of split/chunk)."""
     out, todo = [], [ph]
@@ -67,15 +76,7 @@ def _views_of(ph: torch.fx.Node) -> list:
         if n in out:
             continue
         out.append(n)
-        for u in n.users:
-            name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
-            if u.op == "call_function" and u.target is operator.getitem and u.args[0] is n:
-                todo.append(u)
-            elif isinstance(name, str) and name in _VIEW_NAMES and u.args and u.args[0] is n:
-                todo.append(u)
-            elif u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload) and u.args and u.args[0] is n \
-                    and u.target.is_view:
-                todo.append(u)
+        todo.extend(u for u in n.users if _is_view(u) and u.args and u.args[0] is n)
     return out
 
 
@@ -109,11 +110,7 @@ def _last_reader(users: list, order: dict) -> list:
         if n in seen:
             continue
         seen.add(n)
-        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-        is_view = (isinstance(name, str) and name in _VIEW_NAMES) or (
-            n.op == "call_function" and n.target is operator.getitem) or (
-            isinstance(n.target, torch._ops.OpOverload) and n.target.is_view)
-        if is_view:
+        if _is_view(n):
             todo.extend(u for u in n.users if not (u.op == "call_function" and is_graphpass_op(u.target)))
         if isinstance(n.meta.get("example_value"), torch.Tensor):
             readers.append(n)
@@ -171,8 +168,7 @@ class InsertOffloadSchedule(GraphPass):
                 key = label if label is not None else f"between:{segment[user]}"
                 g = groups.setdefault(key, {"users": {}, "phs": {}})
                 g["users"][user] = None
-                g["phs"].setdefault(ph, order[user])
-                g["phs"][ph] = min(g["phs"][ph], order[user])
+                g["phs"][ph] = min(g["phs"].get(ph, order[user]), order[user])  # first read
         if not groups:
             ctx.gm.recompile()
             return
@@ -259,16 +255,14 @@ class InsertOffloadSchedule(GraphPass):
         ctx.gm.recompile()
 
         # the schedule's own peak: bytes started and not yet evicted, walking the graph
+        group_bytes = {g.label: g.nbytes for g in schedule}
         live = peak = 0
-        started = {}
         for n in graph.nodes:
             if n.target is LOAD_START:
-                b = sum(records[p].nbytes for p in n.args[0])
-                started[n.args[1]] = b
-                live += b
+                live += group_bytes[n.args[1]]
                 peak = max(peak, live)
             elif n.target is EVICT:
-                live -= started.get(n.args[2], 0)
+                live -= group_bytes[n.args[2]]
         budget = runtime.config.max_device_bytes
         resident = runtime.resident_bytes
         analysis.offload = OffloadSchedule(schedule, prefetch, peak, resident, budget)
