@@ -15,7 +15,7 @@ then splits the graph at trap boundaries and runs the boundaries between the com
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -57,7 +57,7 @@ class InductorDelegate(Delegate):
 
 
 def _has_offload_loads(gm) -> bool:
-    from graphpass.offload_runtime import LOAD_WAIT
+    from graphpass.offloading.ops import LOAD_WAIT
 
     return any(n.target is LOAD_WAIT for n in gm.graph.nodes)
 

@@ -9,30 +9,29 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import ops  # registers graphpass:: custom ops
-from .backend import CompiledGraph, GraphpassBackend, backend, graphpass_backend
-from .compare import CompareReport, compare
+from . import ops
+from .capturing import CaptureWriter, CompareReport, ModelCapture, TensorRegistry, capture_tensor, compare
 from .config import GraphpassConfig
+from .dynamo_backend import CompiledGraph, GraphpassBackend, backend, graphpass_backend
 from .errors import (
+    CaptureError,
     ConfigError,
     DelegateError,
     DelegateUnavailableError,
     GraphpassError,
-    CaptureError,
     OffloadError,
     OwnershipError,
     PatternError,
     PatternMatchError,
 )
-from .capture import CaptureWriter, ModelCapture, TensorRegistry
-from .explain import ExplainReport, explain
-from .audit import AuditReport, audit
-from .ops import capture_tensor, offload_block, trace_traps
-from . import offload_runtime  # registers the offload ops
-from .offload import OffloadConfig, OffloadPlan, OffloadState, memory_stats, offload
-from .offload_runtime import MemoryStats
+from .explain_report import ExplainReport, explain
+from .offloading import MemoryStats, OffloadConfig, OffloadPlan, OffloadState, memory_stats, offload
+from .ops import offload_block, trace_traps
 from .patterns import ModulePattern, compile_pattern
 from .pipeline import PIPELINE
+from .static_shapes import AuditReport, audit
+
+ops.register_all()  # every graphpass:: custom op, whatever was imported first
 
 __all__ = [
     "__version__",

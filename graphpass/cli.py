@@ -33,7 +33,7 @@ def load_factory(spec: str) -> tuple[Any, tuple]:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from .explain import explain
+    from .explain_report import explain
 
     model, inputs = load_factory(args.factory)
     options: dict[str, Any] = {}
@@ -70,7 +70,7 @@ def parse_dynamic(specs: Sequence[str]) -> dict[str, dict[int, tuple[int | None,
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from .audit import audit
+    from .static_shapes import audit
 
     dynamic = parse_dynamic(args.dynamic)
     model, inputs = load_factory(args.factory)
@@ -86,8 +86,8 @@ def _audit(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from .backend import GraphpassBackend
-    from .explain import ExplainReport
+    from .dynamo_backend import GraphpassBackend
+    from .explain_report import ExplainReport
     from .models.corpus import demo_model
 
     model, inputs = demo_model(seed=args.seed)
@@ -98,7 +98,7 @@ def _demo(args: argparse.Namespace) -> int:
     reference = copy.deepcopy(model)  # eager reference with its weights in place
     state = None
     if args.offload != "none":
-        from .offload import OffloadConfig, offload
+        from .offloading import OffloadConfig, offload
 
         folder = tempfile.mkdtemp(prefix="graphpass-demo-") if args.offload == "disk" else None
         model.requires_grad_(False)
@@ -129,7 +129,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"max |compiled - eager| over 3 fresh inputs: {worst:.3g} (tolerance atol={atol}, rtol={rtol}: "
           f"{args.then} reorders float math) -> {'OK' if ok else 'MISMATCH'}")
     if state is not None:
-        from .offload import memory_stats
+        from .offloading import memory_stats
 
         print()
         print(memory_stats(compiled))
@@ -140,7 +140,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .compare import CompareError, compare
+    from .capturing import CompareError, compare
 
     report = compare(args.ref, args.test, rtol=args.rtol, atol=args.atol)
     print(report)

@@ -56,10 +56,9 @@ def _profiler_on() -> bool:
 # Defined with torch.library.Library rather than torch.library.custom_op: the ops return nothing
 # and need no autograd formula, and a direct CompositeExplicitAutograd kernel costs ~4 us a call
 # against ~18 us through custom_op's wrapper (measured here; it matters for small models).
-_LIB = torch.library.Library("graphpass", "DEF")
+_LIB = torch.library.Library("graphpass", "FRAGMENT")
 _LIB.define("trap_enter(str label, Tensor[] deps, bool profile=True) -> ()")
 _LIB.define("trap_exit(str label, Tensor[] deps, bool profile=True) -> ()")
-_LIB.define("capture(str name, Tensor t, bool manual=False) -> ()")
 
 
 def trap_enter(label: str, deps: List[torch.Tensor], profile: bool = True) -> None:
@@ -164,57 +163,19 @@ class offload_block(contextlib.ContextDecorator):
         return False
 
 
-# ----------------------------------------------------------------------------------------------
-# Capture: ``graphpass::capture(name, t, manual)`` hands a value to the capture registry active
-# in the current context (see graphpass.capture). With no active, enabled registry that wants
-# it, it returns at once: nothing is cloned, nothing allocated.
-# ----------------------------------------------------------------------------------------------
-
-# The bucket size of the static-shape graph running now (set by the bucket dispatcher), so a
-# capture step is named after the bucket its tensors have.
+# The bucket size of the static-shape graph running now (set by the static-shape bucket
+# dispatcher), so a capture step is named after the bucket its tensors have. Shared runtime
+# context between two features, so it lives here rather than in either.
 CURRENT_BUCKET: contextvars.ContextVar[int | None] = contextvars.ContextVar("graphpass_bucket", default=None)
 
-# Stack of TensorRegistry objects activated by ModelCapture.setup_tensor_capture in this context.
-ACTIVE_CAPTURES: contextvars.ContextVar[tuple] = contextvars.ContextVar("graphpass_captures", default=())
 
+def register_all() -> None:
+    """Register every graphpass custom op (the trap ops here, and each feature's own ops module).
 
-def capture(name: str, t: torch.Tensor, manual: bool = False) -> None:
-    active = ACTIVE_CAPTURES.get()
-    if not active:
-        return
-    if manual:
-        registry = active[-1]
-    else:
-        # The innermost active registry that asked for this module. Routing by name, not by a
-        # baked-in id: Dynamo may run one compiled graph for several instances of a model class.
-        registry = next((reg for reg in reversed(active) if reg.accepts(name)), None)
-        if registry is None:
-            return
-    if not registry.enabled:
-        return
-    value = t.detach().clone()
-    bucket = CURRENT_BUCKET.get()
-    if bucket is not None:
-        registry.bucket = bucket
-    if manual:
-        registry.register_manual_tensor(name, value)
-    else:
-        registry.register_module_tensor(name, value)
-
-
-_LIB.impl("capture", capture, "CompositeExplicitAutograd")
-torch.library.register_fake("graphpass::capture", _nothing, lib=_LIB)
-
-CAPTURE = torch.ops.graphpass.capture.default
-torch.fx.node.has_side_effect(CAPTURE)
-_CAPTURE_TARGETS = (CAPTURE, torch.ops.graphpass.capture)
-
-
-def is_capture(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _CAPTURE_TARGETS
-
-
-def capture_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
-    """Capture ``t`` under ``name`` from inside model code (works compiled and eager); returns ``t``."""
-    torch.ops.graphpass.capture(name, t, True)
-    return t
+    Each feature keeps its ops in one module (``graphpass.capturing.ops``, ``graphpass.offloading.ops``)
+    that defines them in a ``torch.library.Library("graphpass", "FRAGMENT")`` when imported; code
+    that inserts or matches an op imports it from there, so no registration depends on what else
+    was imported first. Idempotent (Python imports a module once).
+    """
+    from .capturing import ops as _capture_ops  # noqa: F401
+    from .offloading import ops as _offload_ops  # noqa: F401

@@ -221,7 +221,7 @@ def _(x, flag):
 
 
 def test_forward_that_raises_writes_nothing_and_restores(tmp_path):
-    from graphpass.ops import ACTIVE_CAPTURES
+    from graphpass.capturing.ops import ACTIVE_CAPTURES
 
     class Boom(nn.Module):
         def __init__(self):

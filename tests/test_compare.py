@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 import graphpass
 from graphpass.cli import main
-from graphpass.compare import CompareError, CompareReport, compare
+from graphpass.capturing import CompareError, CompareReport, compare
 from graphpass.errors import GraphpassError
 
 Step = dict[str, dict[int, dict[str, torch.Tensor]]]  # module -> rank -> key -> tensor

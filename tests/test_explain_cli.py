@@ -121,7 +121,7 @@ def test_pyproject_declares_what_the_issue_lists():
     deps = " ".join(data["project"]["dependencies"])
     for dep in ("torch>=2.11", "sympy", "tabulate", "safetensors"):
         assert dep in deps
-    assert data["project"]["entry-points"]["torch_dynamo_backends"]["graphpass"] == "graphpass.backend:graphpass_backend"
+    assert data["project"]["entry-points"]["torch_dynamo_backends"]["graphpass"] == "graphpass.dynamo_backend:graphpass_backend"
     assert data["project"]["scripts"]["graphpass"] == "graphpass.cli:main"
     assert data["tool"]["setuptools"]["package-dir"]["graphpass.backends"] == "backends"
     assert {"pytest", "expecttest"} <= set(data["project"]["optional-dependencies"]["test"])

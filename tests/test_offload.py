@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 import graphpass
 from graphpass.models.corpus import CORPUS, build
-from graphpass.offload_runtime import LOAD_START, LOAD_WAIT, EVICT, lookup
+from graphpass.offloading.ops import LOAD_START, LOAD_WAIT, EVICT
+from graphpass.offloading.runtime import lookup
 
 from helpers import fresh_inputs, StrictAtenBackend
 
@@ -532,7 +533,7 @@ def test_graph_writing_an_offloaded_tensor_is_refused():
 def test_disk_mappings_with_and_without_populating(spare_core, monkeypatch, tmp_path):
     """disk -> host device maps the file region; with a core to spare the worker also fills the
     page tables (MAP_POPULATE). Both give the eager result, and nothing stays mapped after a call."""
-    import graphpass.offload_runtime as rt
+    import graphpass.offloading.runtime as rt
 
     monkeypatch.setattr(rt, "_spare_core", lambda: spare_core)
     model, inputs = frozen("tiny_transformer")
@@ -673,7 +674,7 @@ def test_training_with_device_stand_ins(then, monkeypatch):
     loads read the host copies, and the gradients accumulate on those host copies."""
     import sys
 
-    monkeypatch.setattr(sys.modules["graphpass.offload"], "_STAND_INS_ON_HOST", True)
+    monkeypatch.setattr(sys.modules["graphpass.offloading.install"], "_STAND_INS_ON_HOST", True)
     torch.manual_seed(0)
     model, inputs = build("mlp_stack")
     ref, _ = build("mlp_stack")

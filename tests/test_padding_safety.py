@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import graphpass
 from graphpass.models.transformer import TinyTransformer, TransformerConfig
-from graphpass.padding_safety import PaddingViolation, check_padding_safety, padded_dims
+from graphpass.static_shapes.padding_safety import PaddingViolation, check_padding_safety, padded_dims
 
 B, L, H, V = 2, 7, 16, 11  # distinct sizes: Dynamo would give equal sizes one symbol
 

@@ -19,7 +19,7 @@ class PassContext:
     example_inputs: Sequence[Any]
     config: GraphpassConfig
     roots: Roots = field(default_factory=Roots)  # the model objects the graph's sources start from
-    captures: list = field(default_factory=list)  # graphpass.capture.CaptureSpec of attached ModelCaptures
+    captures: list = field(default_factory=list)  # graphpass.capturing.CaptureSpec of attached ModelCaptures
     static_bounds: dict = field(default_factory=dict)  # sympy symbol -> upper bound (largest bucket)
     analysis: GraphAnalysis = None  # type: ignore[assignment]
     log: list[str] = field(default_factory=list)  # what each pass did, one line per change

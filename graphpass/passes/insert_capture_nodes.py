@@ -14,7 +14,8 @@ asked for the module (one compiled graph may serve several instances of a model 
 from __future__ import annotations
 
 from ..analysis import is_tensor_node
-from ..ops import CAPTURE, is_graphpass_op
+from ..capturing.ops import CAPTURE
+from ..ops import is_graphpass_op
 from .base import GraphPass, PassContext
 
 

@@ -27,7 +27,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..errors import OffloadError
-from ..offload_runtime import EVICT, LOAD_START, LOAD_WAIT, is_guard, lookup
+from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, is_guard
+from ..offloading.runtime import lookup
 from ..ops import is_enter, is_exit, is_graphpass_op
 from .base import GraphPass, PassContext
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..offload_runtime import EVICT, LOAD_START, LOAD_WAIT
+from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT
 from ..ops import is_graphpass_op
 
 

@@ -159,11 +159,11 @@ class PlanStaticShapes(GraphPass):
                 plan.outputs.append(None)
         unmasked = syms - masked_syms
         if unmasked and not plan.refused:
-            from ..padding_safety import check_padding_safety
+            from ..static_shapes.padding_safety import check_padding_safety
 
             for v in check_padding_safety(ctx.gm, unmasked):
                 plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
-        from ..static_shapes import copy_graph
+        from ..static_shapes.dispatcher import copy_graph
 
         plan.unsliced = copy_graph(ctx.gm)  # the dynamic fallback must not slice fixed-size buffers
         analysis.bucket_plan = plan

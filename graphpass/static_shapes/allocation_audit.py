@@ -26,8 +26,8 @@ import sympy
 import torch
 from tabulate import tabulate
 
-from .errors import ConfigError
-from .explain import fmt_bytes
+from ..errors import ConfigError
+from ..explain_report import fmt_bytes
 
 __all__ = ["audit", "AuditReport", "AllocationRow", "VERDICTS", "RULES"]
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from .backend import CompiledGraph, GraphpassBackend
+from .dynamo_backend import CompiledGraph, GraphpassBackend
 from .config import GraphpassConfig
 from .errors import GraphpassError, surface
 
@@ -186,6 +186,6 @@ def explain(model: Any, *inputs: Any, dynamic: bool | None = None, **options: An
     compiled = torch.compile(model, backend=recorder, dynamic=dynamic)
     with torch.no_grad():
         compiled(*inputs)
-    from .offload import offload_state
+    from .offloading import offload_state
 
     return ExplainReport(graphs=gp.graphs, config=gp.config, offload=offload_state(model))

@@ -24,13 +24,12 @@ import contextlib
 import warnings
 from typing import Any, Callable, Sequence
 
-import sympy
 import torch
 
 from graphpass.backends import Delegate
 
-from .config import StaticShapesConfig
-from .ops import CURRENT_BUCKET
+from ..config import StaticShapesConfig
+from ..ops import CURRENT_BUCKET
 
 
 def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -74,7 +73,7 @@ def _compile_bucket(gm: torch.fx.GraphModule, args: Sequence[Any], delegate: Del
     """Compile a copy of the graph for one concrete call: lifted scalars folded, and size inputs
     (Python ints here) baked in and dropped from the signature, so the delegate sees a fully
     static graph with tensor inputs only (CUDA-graph backends need exactly that)."""
-    from .delegation import compile_with_delegate
+    from ..delegation import compile_with_delegate
 
     _fold_scalars(gm, args, scalars)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -161,7 +160,7 @@ class BucketDispatcher:
         """The graph as Dynamo traced it, with symbolic sizes, compiled once for every size beyond
         the largest bucket: the delegate gets the placeholders' fake values (sizes as Dynamo's
         symbols) instead of this call's tensors, so it does not specialize to this size."""
-        from .delegation import compile_with_delegate
+        from ..delegation import compile_with_delegate
 
         fakes = [ph.meta.get("example_value") for ph in source.graph.nodes if ph.op == "placeholder"]
         symbolic = any(isinstance(f, torch.SymInt) or (isinstance(f, torch.Tensor) and any(

@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .errors import OffloadError
+from ..errors import OffloadError
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

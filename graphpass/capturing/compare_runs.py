@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 from tabulate import tabulate
 
-from .errors import GraphpassError
+from ..errors import GraphpassError
 
 __all__ = ["CompareError", "CompareRow", "CompareReport", "compare"]
 

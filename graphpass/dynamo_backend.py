@@ -71,7 +71,7 @@ class GraphpassBackend:
 
     def transform(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: GraphpassConfig):
         """Run the pipeline over ``gm`` in place and record it; compiles nothing."""
-        from .capture import specs_for
+        from .capturing import specs_for
 
         t0 = time.perf_counter()
         roots = dynamo_roots(gm)
@@ -96,7 +96,7 @@ class GraphpassBackend:
 
         from .delegation import compile_with_delegate
 
-        from .capture import TRACED
+        from .capturing import TRACED
 
         delegate = resolve_delegate(config.then, mode=config.mode, options=config.delegate_options)
         ctx, record = self.transform(gm, example_inputs, config)
@@ -104,7 +104,7 @@ class GraphpassBackend:
             TRACED[model] = TRACED.get(model, 0) + 1
         plan = ctx.analysis.bucket_plan
         if plan is not None and plan.active:
-            from .static_shapes import BucketDispatcher
+            from .static_shapes.dispatcher import BucketDispatcher
 
             record.runner = BucketDispatcher(gm, plan, config.static_shapes, delegate, ctx.log)
             return record.runner

@@ -1,0 +1,17 @@
+"""Capture: chosen module outputs copied inside the compiled graph and written to disk, and
+``compare`` to find the first module where two runs diverge.
+
+Modules: ``ops`` (the ``graphpass::capture`` op and :func:`capture_tensor`), ``registry``
+(:class:`TensorRegistry`), ``writer`` (:class:`CaptureWriter`), ``model_capture``
+(:class:`ModelCapture` and the specs the capture pass reads), ``compare_runs`` (:func:`compare`).
+The graph pass that inserts the op is :mod:`graphpass.passes.insert_capture_nodes`.
+"""
+
+from .compare_runs import CompareError, CompareReport, compare
+from .model_capture import TRACED, CaptureSpec, ModelCapture, specs_for
+from .ops import capture_tensor
+from .registry import TensorRegistry
+from .writer import CaptureWriter
+
+__all__ = ["ModelCapture", "TensorRegistry", "CaptureWriter", "CaptureSpec", "capture_tensor", "compare",
+           "CompareReport", "CompareError", "specs_for", "TRACED"]

@@ -1,0 +1,165 @@
+"""The offload custom ops: ``graphpass::load_start`` / ``load_wait`` / ``evict`` / ``accumulate_grad`` /
+``offload_guard`` (semantics in :mod:`graphpass.offloading.runtime`), registered when this module
+is imported; every module that inserts or matches these ops imports them from here.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import List
+
+import torch
+
+from ..errors import OffloadError
+from ..ops import record_event
+from .runtime import lookup
+
+# --------------------------------------------------------------------------------------------
+# The ops
+# --------------------------------------------------------------------------------------------
+
+_LIB = torch.library.Library("graphpass", "FRAGMENT")
+_LIB.define("load_start(Tensor[] srcs, str group, Device device, Tensor[] after) -> Tensor")
+_LIB.define("load_wait(Tensor ticket, Tensor[] srcs, str group, Device device, Tensor[] started) -> Tensor[]")
+_LIB.define("evict(Tensor[] loaded, Tensor[] srcs, str group, Tensor[] after) -> Tensor")
+_LIB.define("offload_guard(str module) -> ()")
+_LIB.define("accumulate_grad(Tensor grad, Tensor handle) -> ()")
+
+
+def _records(srcs: List[torch.Tensor], group: str) -> list:
+    recs = []
+    for i, s in enumerate(srcs):
+        rec = lookup(s)
+        if rec is None:
+            raise OffloadError(
+                f"trap {group!r}: input {i} of its load is not a tensor graphpass.offload() manages "
+                f"(shape {tuple(s.shape)}); was the model re-offloaded or its weights replaced after compiling?"
+            )
+        recs.append(rec)
+    return recs
+
+
+def _load_start(srcs: List[torch.Tensor], group: str, device: torch.device, after: List[torch.Tensor] = ()) -> torch.Tensor:
+    recs = _records(srcs, group)
+    runtime = recs[0].runtime
+    ticket = runtime.start(recs, group)
+    record_event("load", group)
+    out = torch.tensor(ticket, dtype=torch.int64)
+    # a call that raises between the start and the wait drops its ticket: the load goes with it
+    weakref.finalize(out, runtime.abandon, ticket)
+    return out
+
+
+def _load_start_fake(srcs, group, device, after=()):
+    return torch.empty((), dtype=torch.int64)
+
+
+def _load_wait(
+    ticket: torch.Tensor, srcs: List[torch.Tensor], group: str, device: torch.device, started: List[torch.Tensor] = ()
+) -> List[torch.Tensor]:
+    recs = _records(srcs, group)
+    out = recs[0].runtime.wait(int(ticket.item()), group)
+    record_event("wait", group)
+    return out
+
+
+def _load_wait_fake(ticket, srcs, group, device, started=()):
+    return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in srcs]
+
+
+def _evict(loaded: List[torch.Tensor], srcs: List[torch.Tensor], group: str, after: List[torch.Tensor] = ()) -> torch.Tensor:
+    # ``srcs`` (the host tensors the group was loaded from) name the model whose counter this is.
+    if srcs:
+        rec = lookup(srcs[0])
+        if rec is not None:
+            rec.runtime.evicted(group, loaded)
+    record_event("evict", group)
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _evict_fake(loaded, srcs, group, after=()):
+    return torch.empty((), dtype=torch.int64)
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+def _guard(module: str) -> None:
+    raise OffloadError(
+        f"module {module!r} holds weights that graphpass.offload() moved off the device, and it ran outside a "
+        f"graph graphpass scheduled (an eager call, or torch.compile with another backend). Run it as "
+        f"torch.compile(model, backend='graphpass') (any then= delegate) so the loads are in the graph."
+    )
+
+
+_LIB.impl("load_start", _load_start, "CompositeExplicitAutograd")
+_LIB.impl("load_wait", _load_wait, "CompositeExplicitAutograd")
+_LIB.impl("evict", _evict, "CompositeExplicitAutograd")
+_LIB.impl("offload_guard", _guard, "CompositeExplicitAutograd")
+torch.library.register_fake("graphpass::load_start", _load_start_fake, lib=_LIB)
+torch.library.register_fake("graphpass::load_wait", _load_wait_fake, lib=_LIB)
+torch.library.register_fake("graphpass::evict", _evict_fake, lib=_LIB)
+torch.library.register_fake("graphpass::offload_guard", _nothing, lib=_LIB)
+
+
+def _wait_setup(ctx, inputs, output) -> None:
+    srcs = inputs[1]
+    ctx.src_meta = [(s.device, s.dtype, _is_stand_in(s)) for s in srcs]
+    ctx.n_started = len(inputs[4])
+    stand_ins = [s for s, (_, _, st) in zip(srcs, ctx.src_meta) if st]
+    ctx.save_for_backward(*stand_ins)
+
+
+def _is_stand_in(t: torch.Tensor) -> bool:
+    """A graph input that stands in for offloaded bytes: the one-element expanded tensors the
+    model holds on an accelerator (a host copy is never expanded)."""
+    return t.dim() > 0 and t.numel() > 1 and all(st == 0 for st in t.stride())
+
+
+def _wait_backward(ctx, grads):
+    out = []
+    stand_ins = iter(ctx.saved_tensors)
+    for g, (device, dtype, stand_in) in zip(grads, ctx.src_meta):
+        if g is None:
+            out.append(None)
+        elif stand_in:
+            # the weight lives on the host: its gradient goes there, not to the stand-in
+            torch.ops.graphpass.accumulate_grad(g, next(stand_ins))
+            out.append(None)
+        else:
+            out.append(g.to(device=device, dtype=dtype))
+    return None, out, None, None, [None] * ctx.n_started
+
+
+def _accumulate_grad(grad: torch.Tensor, handle: torch.Tensor) -> None:
+    rec = lookup(handle)
+    if rec is None:
+        raise OffloadError("a gradient for an offloaded weight reached graphpass, but its stand-in is not registered")
+    host = rec.host
+    g = grad.to(device=host.device, dtype=host.dtype)
+    if host.grad is None:
+        host.grad = g if g is not grad else g.clone()
+    else:
+        host.grad.add_(g)
+
+
+_LIB.impl("accumulate_grad", _accumulate_grad, "CompositeExplicitAutograd")
+torch.library.register_fake("graphpass::accumulate_grad", _nothing, lib=_LIB)
+torch.fx.node.has_side_effect(torch.ops.graphpass.accumulate_grad.default)
+
+
+torch.library.register_autograd("graphpass::load_wait", _wait_backward, setup_context=_wait_setup, lib=_LIB)
+
+LOAD_START = torch.ops.graphpass.load_start.default
+LOAD_WAIT = torch.ops.graphpass.load_wait.default
+EVICT = torch.ops.graphpass.evict.default
+OFFLOAD_GUARD = torch.ops.graphpass.offload_guard.default
+
+torch.fx.node.has_side_effect(EVICT)
+torch.fx.node.has_side_effect(OFFLOAD_GUARD)
+torch.fx.node.has_side_effect(torch.ops.graphpass.offload_guard)
+
+
+def is_guard(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (OFFLOAD_GUARD, torch.ops.graphpass.offload_guard)

@@ -1,0 +1,198 @@
+"""Offload planning (no data moves): which tensors stream, grouped into budget units, and which
+units the ``max_device_bytes`` budget keeps resident."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..patterns import check_all_match
+from .config import OffloadConfig
+
+
+
+
+@dataclass
+class _Tensor:
+    """One distinct tensor object of the model and every place it is held."""
+
+    tensor: torch.Tensor
+    places: list  # [(module, attr name, kind)] kind: parameter | buffer | inner:<parent attr>
+    fqns: list
+    holders: list  # module FQNs holding it
+    streamed: bool = False
+    unit: str | None = None
+    resident: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass
+class OffloadUnit:
+    """A budget unit: one repeated block (or outermost matched module) and its streamed bytes."""
+
+    name: str
+    nbytes: int
+    transfer: int  # bytes moved per forward if streamed (a tied tensor counts once per unit using it)
+    resident: bool = False
+
+    @property
+    def saving_per_byte(self) -> float:
+        return self.transfer / self.nbytes if self.nbytes else 0.0
+
+
+@dataclass
+class OffloadPlan:
+    """The budget decision: which units stay resident, which stream, and the window it keeps free."""
+
+    units: list[OffloadUnit]
+    prefetch_distance: int
+    max_device_bytes: int | None
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units if u.resident)
+
+    @property
+    def streamed(self) -> list[OffloadUnit]:
+        return [u for u in self.units if not u.resident]
+
+    @property
+    def window_bytes(self) -> int:
+        streamed = self.streamed
+        return (self.prefetch_distance + 1) * max((u.nbytes for u in streamed), default=0)
+
+    def table(self) -> str:
+        from tabulate import tabulate
+
+        rows = [(u.name, "resident" if u.resident else "streamed", f"{u.nbytes:,}", f"{u.saving_per_byte:.2f}") for u in self.units]
+        head = f"budget {self.max_device_bytes:,} bytes" if self.max_device_bytes else "no budget: everything matched streams"
+        foot = (f"resident {self.resident_bytes:,} + streaming window {self.window_bytes:,} "
+                f"(prefetch {self.prefetch_distance} + 1 x largest streamed unit)")
+        return f"offload plan ({head})\n" + tabulate(rows, headers=("unit", "decision", "bytes", "transfer saved / byte")) + "\n" + foot
+
+
+def _repeated_children(model: nn.Module) -> list[str]:
+    """Children of the module container with numbered children holding the most parameter bytes."""
+    best, best_bytes = None, -1
+    for name, mod in model.named_modules():
+        kids = [(k, m) for k, m in mod.named_children() if k.isdigit()]
+        if len(kids) < 1:
+            continue
+        nbytes = sum(p.numel() * p.element_size() for _, m in kids for p in m.parameters())
+        if nbytes > best_bytes:
+            best, best_bytes = (name, [k for k, _ in kids]), nbytes
+    if best is None:
+        return []
+    prefix = best[0] + "." if best[0] else ""
+    return [prefix + k for k in best[1]]
+
+
+def _inner_fields(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return [(k, v) for k, v in vars(t).items() if isinstance(v, torch.Tensor)] if hasattr(t, "__dict__") else []
+
+
+def _collect(model: nn.Module) -> list[_Tensor]:
+    seen: dict[int, _Tensor] = {}
+    order: list[_Tensor] = []
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        prefix = mname + "." if mname else ""
+        for kind, table in (("parameter", mod._parameters), ("buffer", mod._buffers)):
+            for attr, t in table.items():
+                if t is None:
+                    continue
+                rec = seen.get(id(t))
+                if rec is None:
+                    rec = seen[id(t)] = _Tensor(t, [], [], [])
+                    order.append(rec)
+                rec.places.append((mod, attr, kind))
+                rec.fqns.append(prefix + attr)
+                rec.holders.append(mname)
+                for field_name, inner in _inner_fields(t):
+                    irec = seen.get(id(inner))
+                    if irec is None:
+                        irec = seen[id(inner)] = _Tensor(inner, [], [], [])
+                        order.append(irec)
+                    irec.places.append((t, field_name, f"inner:{attr}"))
+                    irec.fqns.append(f"{prefix}{attr}.{field_name}")
+                    irec.holders.append(mname)
+    return order
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def plan_units(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], list[OffloadUnit]]:
+    """Mark which tensors stream and group them into budget units (no data moves)."""
+    names = [n for n, _ in model.named_modules() if n]
+    include = config._include
+    auto_children: list[str] = []
+    if include is None:
+        auto_children = _repeated_children(model)
+        if not auto_children:
+            raise ConfigError("include_patterns", None, "the model has no repeated blocks (numbered children) to stream; name the modules")
+    else:
+        check_all_match(include, names, "include_patterns")
+    if config._exclude:
+        check_all_match(config._exclude, names, "exclude_patterns")
+    children = set(auto_children or _repeated_children(model))
+    tensors = _collect(model)
+    units: dict[str, OffloadUnit] = {}
+    for rec in tensors:
+        if rec.nbytes == 0:
+            continue  # nothing to move (and no storage address to know it by)
+        unit_names: list[str] = []
+        excluded = False
+        for holder in rec.holders:
+            chain = _ancestors(holder)
+            if any(any(p.matches(a) for p in config._exclude) for a in chain):
+                excluded = True  # a tied tensor one excluded module holds stays on the device
+                break
+            if include is None:
+                matched = [a for a in chain if a in children]
+            else:
+                matched = [a for a in chain if any(p.matches(a) for p in include)]
+            if matched:
+                unit_names.append(next((a for a in chain if a in children), matched[0]))
+        if excluded or not unit_names:
+            continue
+        rec.streamed = True
+        unit_names = list(dict.fromkeys(unit_names))
+        rec.unit = unit_names[0]
+        # a tensor several units hold (tied) is streamed once per unit reading it: keeping it
+        # resident saves all those loads, so its unit is credited with each of them
+        entry = units.setdefault(rec.unit, OffloadUnit(rec.unit, 0, 0))
+        entry.nbytes += rec.nbytes
+        entry.transfer += rec.nbytes * len(unit_names)
+    if not units:
+        raise ConfigError("include_patterns", config.include_patterns, "the matched modules hold no tensors to offload")
+    return tensors, list(units.values())
+
+
+def plan_budget(units: list[OffloadUnit], config: OffloadConfig) -> OffloadPlan:
+    """Keep resident the units that save the most transfer per byte while the streaming window fits."""
+    plan = OffloadPlan(units, config.prefetch_distance, config.max_device_bytes)
+    budget = config.max_device_bytes
+    if budget is None:
+        return plan
+    largest = max(u.nbytes for u in units)
+    need = (config.prefetch_distance + 1) * largest
+    if budget < need:
+        raise ConfigError(
+            "max_device_bytes", budget,
+            f"smaller than the largest trap plus its prefetch: unit {max(units, key=lambda u: u.nbytes).name!r} holds "
+            f"{largest:,} bytes and prefetch_distance={config.prefetch_distance} needs {need:,} bytes on the device",
+        )
+    # Ties keep earlier units: the first trap's load can never be hidden behind compute.
+    for u in sorted(units, key=lambda u: -u.saving_per_byte):
+        u.resident = True
+        if plan.resident_bytes + plan.window_bytes > budget:
+            u.resident = False
+    return plan
