@@ -49,17 +49,13 @@ class InductorDelegate(Delegate):
         if self.mode not in (None, "default"):
             patches.update(torch._inductor.list_mode_options(self.mode))
         patches.update(self.options)
-        if "post_grad_custom_post_pass" not in patches and _has_offload_loads(gm):
-            from graphpass.passes.pin_backward_loads import PinBackwardLoads
+        if "post_grad_custom_post_pass" not in patches:
+            from graphpass.pipeline import inductor_post_grad_pass
 
-            patches["post_grad_custom_post_pass"] = PinBackwardLoads()
+            post_grad = inductor_post_grad_pass(gm)  # the aten-level passes declared beside PIPELINE
+            if post_grad is not None:
+                patches["post_grad_custom_post_pass"] = post_grad
         return compile_fx(gm, list(example_inputs), config_patches=patches or None)
-
-
-def _has_offload_loads(gm) -> bool:
-    from graphpass.offloading.ops import LOAD_WAIT
-
-    return any(n.target is LOAD_WAIT for n in gm.graph.nodes)
 
 
 class NamedDelegate(Delegate):

@@ -92,14 +92,6 @@ def module_paths(node: torch.fx.Node, roots: Any = None) -> list[str]:
     return out
 
 
-def example_of(node: torch.fx.Node) -> Any:
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
-def is_tensor_node(node: torch.fx.Node) -> bool:
-    return isinstance(example_of(node), torch.Tensor)
-
-
 # --------------------------------------------------------------------------------------------
 # The analysis records
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from torch.fx.passes.split_module import split_module
 
 from graphpass.backends import Delegate
 
-from .ops import is_graphpass_op
+from .fx_utils import is_graphpass_node
 
 
 class _LazyPiece(torch.nn.Module):
@@ -48,12 +48,12 @@ def split_at_boundaries(gm: torch.fx.GraphModule, delegate: Delegate) -> tuple[t
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
-        if n.op == "call_function" and is_graphpass_op(n.target):
+        if is_graphpass_node(n):
             seg += 1
             part[n] = seg
             seg += 1
         elif n.op == "call_function" and n.target is operator.getitem and n.args[0] in part \
-                and is_graphpass_op(getattr(n.args[0], "target", None)):
+                and is_graphpass_node(n.args[0]):
             part[n] = part[n.args[0]]  # a graphpass op's list output is unpacked on the host
         else:
             part[n] = seg
@@ -62,7 +62,7 @@ def split_at_boundaries(gm: torch.fx.GraphModule, delegate: Delegate) -> tuple[t
     for name, sub in list(parent.named_children()):
         if not isinstance(sub, torch.fx.GraphModule):
             continue
-        if any(n.op == "call_function" and is_graphpass_op(n.target) for n in sub.graph.nodes):
+        if any(is_graphpass_node(n) for n in sub.graph.nodes):
             continue  # host code: runs as Python between the delegate's pieces
         setattr(parent, name, _LazyPiece(sub, delegate))
         pieces += 1
@@ -72,7 +72,7 @@ def split_at_boundaries(gm: torch.fx.GraphModule, delegate: Delegate) -> tuple[t
 def compile_with_delegate(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], delegate: Delegate) -> Callable:
     if delegate.host_code:
         return delegate.compile(gm, list(example_inputs))
-    if not any(n.op == "call_function" and is_graphpass_op(n.target) for n in gm.graph.nodes):
+    if not any(is_graphpass_node(n) for n in gm.graph.nodes):
         return delegate.compile(gm, list(example_inputs))
     parent, _ = split_at_boundaries(gm, delegate)
     return parent.forward

@@ -76,7 +76,8 @@ class GraphpassBackend:
         t0 = time.perf_counter()
         roots = dynamo_roots(gm)
         captures = [spec for model in roots.whole_models() for spec in specs_for(model)]
-        ctx = run_pipeline(gm, example_inputs, config, roots=roots, captures=captures, passes=PIPELINE)
+        name = f"graph {len(self.graphs)} ({getattr(roots, 'frame_name', '') or 'frame'})"
+        ctx = run_pipeline(gm, example_inputs, config, roots=roots, captures=captures, passes=PIPELINE, graph_name=name)
         seconds = time.perf_counter() - t0
         record = CompiledGraph(
             index=len(self.graphs),
@@ -96,12 +97,12 @@ class GraphpassBackend:
 
         from .delegation import compile_with_delegate
 
-        from .capturing import TRACED
+        from .capturing import note_traced
 
         delegate = resolve_delegate(config.then, mode=config.mode, options=config.delegate_options)
         ctx, record = self.transform(gm, example_inputs, config)
         for model in ctx.roots.whole_models():
-            TRACED[model] = TRACED.get(model, 0) + 1
+            note_traced(model)
         plan = ctx.analysis.bucket_plan
         if plan is not None and plan.active:
             from .static_shapes.dispatcher import BucketDispatcher

@@ -14,6 +14,7 @@ __all__ = [
     "OwnershipError",
     "CaptureError",
     "OffloadError",
+    "PassError",
     "surface",
 ]
 
@@ -61,6 +62,8 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# error class -> its surfaced twin. Module-level on purpose: a cache of classes derived from
+# graphpass's own (a fixed, small set), the same for every model and thread; a race builds one twin twice.
 _SURFACED: dict[type, type] = {}
 
 
@@ -93,3 +96,17 @@ def surface(err: GraphpassError) -> BaseException:
 
 class OffloadError(GraphpassError):
     """Offload cannot be set up or run as asked: storage, checkpoint files, budget, uncompiled calls."""
+
+
+class PassError(GraphpassError):
+    """A graph pass failed unexpectedly (a bug in graphpass, or a graph it does not understand).
+
+    ``pass_name`` and ``graph`` name where; the original exception is the ``__cause__``. Also raised
+    when a pass leaves a graph that is not well formed (a node used before it is defined).
+    """
+
+    def __init__(self, pass_name: str, graph: str, problem: str) -> None:
+        self.pass_name = pass_name
+        self.graph = graph
+        self.problem = problem
+        super().__init__(f"graphpass pass {pass_name!r} on {graph}: {problem}")

@@ -15,14 +15,7 @@ from tabulate import tabulate
 from .dynamo_backend import CompiledGraph, GraphpassBackend
 from .config import GraphpassConfig
 from .errors import GraphpassError, surface
-
-
-def fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
+from .formatting import fmt_bytes
 
 
 @dataclass

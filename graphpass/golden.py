@@ -41,7 +41,7 @@ def render_code(gm: torch.fx.GraphModule) -> str:
 
 
 def render_ownership(record) -> str:
-    """What the analysis passes found in one :class:`graphpass.backend.CompiledGraph`: every
+    """What the analysis passes found in one :class:`graphpass.dynamo_backend.CompiledGraph`: every
     tensor input with its FQNs, kind, owners and traps, then every trap."""
     a = record.analysis
     lines = [f"graph {record.index}"]

@@ -117,11 +117,6 @@ def is_boundary(node: torch.fx.Node) -> bool:
     return is_enter(node) or is_exit(node)
 
 
-def is_graphpass_op(target: object) -> bool:
-    """Any op in the ``graphpass`` namespace (overload or packet)."""
-    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and str(target).startswith("graphpass.")
-
-
 @contextlib.contextmanager
 def trace_traps() -> Iterator[list]:
     """Record ``("enter"|"exit", label)`` for every trap boundary that runs in this context, and

@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 
 from .errors import ConfigError, PatternError, PatternMatchError
 
-_PLAIN = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_PLAIN = re.compile(r"[A-Za-z0-9_.\-]+")  # used with fullmatch: `$` would accept a trailing newline
 _RANGE_SEGMENT = re.compile(r"(?:(?<=^)|(?<=\.))(\d+)-(\d+)(?=$|\.)")
 
 
@@ -44,7 +44,7 @@ def compile_pattern(text: object, key: str) -> ModulePattern:
         raise PatternError(key, text, "empty module pattern")
     if text != text.strip():
         raise PatternError(key, text, "module pattern has leading or trailing whitespace")
-    plain = _PLAIN.match(text) is not None
+    plain = _PLAIN.fullmatch(text) is not None
     parts: list[str] = []
     pos = 0
     for m in _RANGE_SEGMENT.finditer(text):

@@ -1,25 +1,44 @@
-"""The graphpass pipeline: every pass, in the order it runs. This list is the only place the
-order is written down; each pass lives in a file of its own under ``graphpass/passes/``.
+"""The graphpass pipeline: every pass, in the order it runs, and the runner that enforces the
+pass contract. This file is the only place the order is written down; each pass lives in a file
+of its own under ``graphpass/passes/`` (the contract: :mod:`graphpass.passes.base`).
 
-Dynamo-level passes run on the graph Dynamo hands the backend, before the delegate lowers it.
+Dynamo-level passes (``PIPELINE``) run on the graph Dynamo hands the backend, before the delegate
+lowers it. Aten-level passes (``POST_GRAD_PASSES``) run inside inductor, after AOTAutograd split
+the graph into forward and backward; the inductor delegate installs them from here.
+
+Logging: every pass reports to ``logging.getLogger("graphpass.passes.<name>")`` at DEBUG (its wall
+time and what it changed); ``graphpass.graphs`` carries the graphs themselves. The environment
+variable ``GRAPHPASS_LOG`` turns them on without code, the way ``TORCH_LOGS`` does for Dynamo:
+``GRAPHPASS_LOG=+passes`` (each pass), ``passes`` (one line per graph), ``+graphs`` (each graph
+before and after each pass), ``graphs`` (each graph after the pipeline); comma-separated.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from .config import GraphpassConfig
+from .errors import GraphpassError, PassError
+from .fx_utils import is_graphpass_node
 from .passes.analyze_ownership import AnalyzeOwnership
 from .passes.assign_traps import AssignTraps
 from .passes.base import GraphPass, PassContext
 from .passes.insert_capture_nodes import InsertCaptureNodes
 from .passes.insert_offload_schedule import InsertOffloadSchedule
 from .passes.insert_trap_boundaries import InsertTrapBoundaries
+from .passes.pin_backward_loads import PinBackwardLoads
 from .passes.plan_static_shapes import PlanStaticShapes
 from .passes.slice_static_buffers import SliceStaticBuffers
 from .roots import Roots
+
+if TYPE_CHECKING:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
 PIPELINE: tuple[GraphPass, ...] = (
     AnalyzeOwnership(),  # inputs -> FQNs -> holding and consuming modules, bytes
@@ -31,6 +50,68 @@ PIPELINE: tuple[GraphPass, ...] = (
     SliceStaticBuffers(slice_outputs=False),  # symbolic-size factories -> slices of max-size buffers
 )
 
+# Aten-level passes inductor runs after AOTAutograd (``post_grad_custom_post_pass``), in order.
+POST_GRAD_PASSES: tuple[CustomGraphPass, ...] = (
+    PinBackwardLoads(),  # backward re-loads: a data dependency so each starts when the backward reaches its trap
+)
+
+_log = logging.getLogger("graphpass")
+_graphs_log = logging.getLogger("graphpass.graphs")
+
+
+def check_pipeline(passes: Sequence[GraphPass]) -> None:
+    """Every pass's ``requires`` names a pass that runs earlier in ``passes``; names are unique."""
+    seen: set[str] = set()
+    for p in passes:
+        missing = [r for r in p.requires if r not in seen]
+        if missing:
+            raise PassError(p.name, "the pipeline", f"requires {', '.join(missing)} to run before it")
+        if p.name in seen:
+            raise PassError(p.name, "the pipeline", "listed twice")
+        seen.add(p.name)
+
+
+check_pipeline(PIPELINE)  # once, when the pipeline is defined
+
+
+def check_well_formed(graph: torch.fx.Graph, pass_name: str, graph_name: str = "graph") -> None:
+    """The graph is in topological order and every argument is defined before it is used."""
+    try:
+        graph.lint()
+    except Exception as err:  # noqa: BLE001 - FX reports malformed graphs as RuntimeError / AssertionError
+        raise PassError(pass_name, graph_name, f"left a malformed graph: {err}") from err
+
+
+def run_pass(p: GraphPass, ctx: PassContext) -> bool:
+    """Run one pass under the contract: skip it when ``should_run`` says so; time it; turn an
+    unexpected exception into a :class:`PassError` naming the pass and the graph; after a change,
+    check the graph is well formed and recompile it. Returns whether the pass changed the graph."""
+    if not p.should_run(ctx):
+        p.logger.debug("%s: skipped on %s", p.name, ctx.graph_name)
+        return False
+    if _graphs_log.isEnabledFor(logging.DEBUG):
+        _graphs_log.debug("%s before %s:\n%s", ctx.graph_name, p.name, _readable(ctx.gm))
+    lines = len(ctx.log)
+    t0 = time.perf_counter()
+    try:
+        changed = p.run(ctx)
+    except GraphpassError:
+        raise
+    except Exception as err:  # noqa: BLE001 - re-raised with the pass named, the original as cause
+        raise PassError(p.name, ctx.graph_name, f"{type(err).__name__}: {err}") from err
+    if not isinstance(changed, bool):
+        raise PassError(p.name, ctx.graph_name, f"run() returned {changed!r}: a pass returns whether it changed the graph")
+    if changed:
+        check_well_formed(ctx.gm.graph, p.name, ctx.graph_name)
+        ctx.gm.recompile()
+    if p.logger.isEnabledFor(logging.DEBUG):
+        what = "; ".join(ctx.log[lines:]) or "nothing to report"
+        p.logger.debug("%s: %.2f ms on %s, %s: %s", p.name, (time.perf_counter() - t0) * 1e3, ctx.graph_name,
+                       "changed the graph" if changed else "graph unchanged", what)
+    if changed and _graphs_log.isEnabledFor(logging.DEBUG):
+        _graphs_log.debug("%s after %s:\n%s", ctx.graph_name, p.name, _readable(ctx.gm))
+    return changed
+
 
 def run_pipeline(
     gm: torch.fx.GraphModule,
@@ -39,15 +120,116 @@ def run_pipeline(
     roots: Roots | None = None,
     captures: Sequence[Any] = (),
     passes: Sequence[GraphPass] = PIPELINE,
+    graph_name: str = "graph",
 ) -> PassContext:
     """Run ``passes`` over ``gm`` in place and return the context holding the shared analysis."""
+    configure_logging_from_env()
+    if passes is not PIPELINE:
+        check_pipeline(passes)
     ctx = PassContext(
         gm=gm,
         example_inputs=list(example_inputs),
         config=config,
         roots=roots if roots is not None else Roots(),
         captures=list(captures),
+        graph_name=graph_name,
     )
-    for p in passes:
-        p(ctx)
+    t0 = time.perf_counter()
+    changed = [p.name for p in passes if run_pass(p, ctx)]
+    if _log.isEnabledFor(logging.INFO):
+        _log.info("graphpass: %s in %.1f ms; changed by %s", graph_name, (time.perf_counter() - t0) * 1e3,
+                  ", ".join(changed) or "no pass")
+    if _graphs_log.isEnabledFor(logging.INFO) and not _graphs_log.isEnabledFor(logging.DEBUG):
+        _graphs_log.info("%s after the pipeline:\n%s", graph_name, _readable(gm))
     return ctx
+
+
+def inductor_post_grad_pass(gm: torch.fx.GraphModule) -> CustomGraphPass | None:
+    """The ``post_grad_custom_post_pass`` inductor gets for ``gm``: the post-grad passes, when the
+    graph holds graphpass ops they act on (today: offload loads), else None (inductor's FX graph
+    cache stays usable for graphs graphpass did not touch)."""
+    if not any(is_graphpass_node(n) for n in gm.graph.nodes):
+        return None
+    passes = [p for p in POST_GRAD_PASSES if p.applies_to(gm)]
+    if not passes:
+        return None
+    return passes[0] if len(passes) == 1 else _Chain(passes)
+
+
+def _chain_type():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Chain(CustomGraphPass):
+        def __init__(self, passes):
+            self.passes = list(passes)
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            for p in self.passes:
+                p(graph)
+
+        def uuid(self) -> bytes:
+            return b"".join(p.uuid() for p in self.passes)
+
+    return Chain
+
+
+def _Chain(passes):  # noqa: N802 - builds the CustomGraphPass subclass lazily (inductor imports are heavy)
+    return _chain_type()(passes)
+
+
+def _readable(gm: torch.fx.GraphModule) -> str:
+    try:
+        return gm.print_readable(print_output=False)
+    except Exception:  # noqa: BLE001 - a graph that cannot be printed is still logged by its nodes
+        return str(gm.graph)
+
+
+# --------------------------------------------------------------------------------------------
+# GRAPHPASS_LOG
+# --------------------------------------------------------------------------------------------
+
+# Logging configuration is process-wide by nature (the logging module's loggers are); this records
+# which GRAPHPASS_LOG value it was configured for, under a lock, so it is done once per value.
+_LOG_LOCK = threading.Lock()
+_LOG_STATE: dict[str, Any] = {"value": None, "handler": None}
+_TOPICS = {"passes": "graphpass", "graphs": "graphpass.graphs", "all": "graphpass"}
+
+
+def configure_logging_from_env() -> None:
+    """Apply ``GRAPHPASS_LOG`` (see the module docstring); unknown topics are ignored with a warning."""
+    value = os.environ.get("GRAPHPASS_LOG", "")
+    if value == _LOG_STATE["value"]:
+        return
+    with _LOG_LOCK:
+        if value == _LOG_STATE["value"]:
+            return
+        handler = _LOG_STATE["handler"]
+        if handler is None:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+            _LOG_STATE["handler"] = handler
+        for name in set(_TOPICS.values()):
+            logging.getLogger(name).removeHandler(handler)
+            logging.getLogger(name).setLevel(logging.NOTSET)
+        levels: dict[str, int] = {}
+        for token in (t.strip() for t in value.split(",")):
+            if not token:
+                continue
+            debug = token.startswith("+")
+            topic = token.lstrip("+")
+            if topic not in _TOPICS:
+                import warnings
+
+                warnings.warn(f"GRAPHPASS_LOG: unknown topic {topic!r} (known: {', '.join(sorted(_TOPICS))})", stacklevel=2)
+                continue
+            level = logging.DEBUG if debug else logging.INFO
+            levels[_TOPICS[topic]] = min(levels.get(_TOPICS[topic], logging.WARNING), level)
+            if topic == "all":
+                levels["graphpass.graphs"] = level
+        if levels:
+            root = logging.getLogger("graphpass")
+            root.addHandler(handler)
+            root.setLevel(levels.get("graphpass", logging.WARNING))
+            graphs = logging.getLogger("graphpass.graphs")
+            graphs.setLevel(levels.get("graphpass.graphs", logging.WARNING))
+        _LOG_STATE["value"] = value

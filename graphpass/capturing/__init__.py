@@ -8,10 +8,10 @@ The graph pass that inserts the op is :mod:`graphpass.passes.insert_capture_node
 """
 
 from .compare_runs import CompareError, CompareReport, compare
-from .model_capture import TRACED, CaptureSpec, ModelCapture, specs_for
+from .model_capture import TRACED, CaptureSpec, ModelCapture, note_traced, specs_for
 from .ops import capture_tensor
 from .registry import TensorRegistry
 from .writer import CaptureWriter
 
 __all__ = ["ModelCapture", "TensorRegistry", "CaptureWriter", "CaptureSpec", "capture_tensor", "compare",
-           "CompareReport", "CompareError", "specs_for", "TRACED"]
+           "CompareReport", "CompareError", "specs_for", "note_traced", "TRACED"]

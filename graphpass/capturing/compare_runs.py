@@ -7,15 +7,18 @@ A capture directory (written by ``CaptureWriter``) looks like::
 
 ``compare(ref_dir, test_dir)`` walks every step of both trees (steps in execution order: by the
 numeric ``_k`` suffix, then name; modules in the order of the ref meta's ``"modules"``), compares
-every tensor of every rank file in float64 and returns a :class:`CompareReport` whose
+every tensor of every rank file in float64 (in chunks of at most ``CHUNK_ELEMS`` elements read from the
+memory-mapped files, so memory stays a small multiple of one chunk) and returns a :class:`CompareReport` whose
 ``first_failure`` is the first diverging module. Missing, corrupt or mismatched files never raise:
-each becomes a ``FAIL`` row with a note. Only bad arguments raise :class:`CompareError`.
+each becomes a ``FAIL`` row with a note, and so does a module folder or file in a step that the
+step's meta file does not list (left over from another run). Only bad arguments raise :class:`CompareError`.
 Notes that name two values give the ref value first: ``shape mismatch [ref] vs [test]``,
 ``dtype <ref> vs <test>``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -23,10 +26,11 @@ import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import _TYPES as _ST_DTYPES
 from tabulate import tabulate
 
 from ..errors import GraphpassError
@@ -35,9 +39,11 @@ __all__ = ["CompareError", "CompareRow", "CompareReport", "compare"]
 
 PASS, FAIL = "pass", "FAIL"
 _EPS = 1e-30  # guards relative errors against an all-zero reference
-_DP_RE = re.compile(r"^dp\d+$")
-_RANK_RE = re.compile(r"^rank(\d+)\.safetensors$")
-_STEP_K_RE = re.compile(r"^(.*)_(\d+)$")
+# always used with fullmatch (`$` would accept a trailing newline); [0-9], not \d (no Unicode digits)
+_DP_RE = re.compile(r"dp[0-9]+")
+_RANK_RE = re.compile(r"rank([0-9]+)\.safetensors")
+_STEP_K_RE = re.compile(r"(.*)_([0-9]+)")
+CHUNK_ELEMS = 1 << 20  # elements per compared chunk (float64: 8 MiB per temporary)
 HEADERS = ["step", "module", "rank", "key", "status", "max abs", "rel L2", "rel L∞", "note"]
 
 
@@ -117,7 +123,7 @@ class CompareReport:
         parts = [self.table()] if self.rows else []
         parts += [f"note: {n}" for n in self.notes]
         parts.append(self.summary_line())
-        return "\n".join(parts)
+        return printable("\n".join(parts))
 
     def to_dict(self) -> dict[str, Any]:
         n_pass = sum(r.passed for r in self.rows)
@@ -191,9 +197,19 @@ def _check_dir(name: str, value: Any) -> Path:
 def _check_tol(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise CompareError(f"{name} must be a number, got {value!r}")
-    if math.isnan(value) or value < 0:
-        raise CompareError(f"{name} must be >= 0, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise CompareError(f"{name} must be >= 0 and finite, got {value!r}: pass a number such as --{name} 1e-3")
     return float(value)
+
+
+def printable(text: str) -> str:
+    """``text`` with undecodable file-name bytes (``os.fsdecode``'s surrogates) and any other lone
+    surrogate written as backslash escapes, so it can be printed to a strict UTF-8 stream."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = text.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 def _find_steps(root: Path) -> set[str]:
@@ -203,7 +219,7 @@ def _find_steps(root: Path) -> set[str]:
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         name = here.resolve().name if here == root else here.name  # ref_dir may itself be a dp dir
-        if _DP_RE.match(name):
+        if _DP_RE.fullmatch(name):
             steps.update((here / d).relative_to(root).as_posix() for d in dirnames)
             dirnames[:] = []  # a dp directory's children are steps: do not descend further
     return steps
@@ -215,38 +231,64 @@ def _natural(text: str) -> tuple:
 
 def _step_sort_key(rel: str) -> tuple:
     *parents, step = rel.split("/")
-    m = _STEP_K_RE.match(step)
+    m = _STEP_K_RE.fullmatch(step)
     step_key = (0, int(m.group(2)), _natural(step)) if m else (1, 0, _natural(step))
     return (tuple(_natural(p) for p in parents), step_key)
 
 
-def _module_order(step_dir: Path, report: CompareReport, rel: str, side: str) -> tuple[list[str], set[str]]:
-    """(order, present): order from the meta's ``modules`` then unlisted dirs sorted; present = dirs."""
+def _module_order(step_dir: Path, report: CompareReport, rel: str,
+                  side: str) -> tuple[list[str], set[str], list[str] | None]:
+    """(order, present, listed): order from the meta's ``modules`` then unlisted dirs sorted;
+    present = dirs; listed = the meta's modules, None without a readable meta file."""
     present = {d.name for d in step_dir.iterdir() if d.is_dir() and not d.name.startswith(".")}
     meta_path = step_dir / f"{step_dir.name}_meta.json"
     listed: list[str] = []
+    ok = False
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         modules = meta.get("modules") if isinstance(meta, dict) else None
         if not (isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
             raise ValueError("no 'modules' list")
         listed = list(dict.fromkeys(modules))
+        ok = True
     except FileNotFoundError:
         report.notes.append(f"{rel}: no {side} meta file; module order from sorted directory names")
     except (OSError, ValueError) as exc:
         report.notes.append(f"{rel}: unreadable {side} meta file ({exc}); module order from sorted directory names")
     order = listed + sorted((present - set(listed)), key=_natural)
-    return order, present
+    return order, present, (listed if ok else None)
+
+
+def _unlisted(report: CompareReport, rel: str, step_dir: Path, listed: list[str] | None, side: str) -> set[str]:
+    """FAIL rows for what a step holds that its meta file does not list (an earlier run's leftovers):
+    module folders, and files other than the meta file. Returns the unlisted module folders."""
+    if listed is None:
+        return set()
+    extra: set[str] = set()
+    meta_name = f"{step_dir.name}_meta.json"
+    for entry in sorted(step_dir.iterdir(), key=lambda p: _natural(p.name)):
+        name = entry.name
+        if name.startswith(".") or name == meta_name or name in listed:
+            continue
+        what = "module folder" if entry.is_dir() else "file"
+        if entry.is_dir():
+            extra.add(name)
+        report.rows.append(CompareRow(rel, name, None, None, FAIL,
+                                      note=f"{what} in {side} not listed in its meta file (left from another run?)"))
+    return extra
 
 
 # --- comparison --------------------------------------------------------------------------------
 
 def _compare_step(report: CompareReport, rel: str, ref_step: Path, test_step: Path) -> None:
-    ref_order, ref_present = _module_order(ref_step, report, rel, "ref")
-    test_order, test_present = _module_order(test_step, report, rel, "test")
+    ref_order, ref_present, ref_listed = _module_order(ref_step, report, rel, "ref")
+    test_order, test_present, test_listed = _module_order(test_step, report, rel, "test")
+    stale = _unlisted(report, rel, ref_step, ref_listed, "ref") | _unlisted(report, rel, test_step, test_listed, "test")
     seen = set(ref_order)
     order = ref_order + [m for m in test_order if m not in seen]
     for module in order:
+        if module in stale:
+            continue  # already a FAIL row: its files are not this run's
         in_ref, in_test = module in ref_present, module in test_present
         if not in_ref and not in_test:
             report.rows.append(CompareRow(rel, module, None, None, FAIL, note="listed in meta but no directory"))
@@ -261,20 +303,70 @@ def _compare_step(report: CompareReport, rel: str, ref_step: Path, test_step: Pa
 def _rank_files(module_dir: Path) -> dict[int, Path]:
     found = {}
     for f in module_dir.iterdir():
-        m = _RANK_RE.match(f.name)
+        m = _RANK_RE.fullmatch(f.name)
         if m and f.is_file():
             found[int(m.group(1))] = f
     return found
 
 
-def _load(path: Path) -> tuple[dict[str, torch.Tensor] | None, str]:
+class _Tensor:
+    """One tensor, read lazily: from a memory-mapped safetensors file (``safe_open`` slice) or from
+    memory. ``chunks`` yields pieces of at most ``limit`` elements in row-major order."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, read) -> None:
+        self.shape, self.dtype, self._read = shape, dtype, read
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "_Tensor":
+        return cls(tuple(t.shape), t.dtype, lambda index: t[index])
+
+    @classmethod
+    def from_slice(cls, sl: Any) -> "_Tensor":
+        dtype = _ST_DTYPES.get(sl.get_dtype())
+        if dtype is None:
+            raise ValueError(f"unsupported safetensors dtype {sl.get_dtype()}")
+        return cls(tuple(int(d) for d in sl.get_shape()), dtype, lambda index: sl[index])
+
+    def chunks(self, limit: int) -> Iterator[torch.Tensor]:
+        for index in _chunk_indices(self.shape, limit):
+            yield self._read(index)
+
+
+def _chunk_indices(shape: tuple[int, ...], limit: int) -> Iterator[tuple]:
+    """Index tuples (of slices) covering ``shape`` in row-major order, each at most ``limit`` elements:
+    the trailing dims that fit whole, a range of the next dim, single indices of the leading dims."""
+    limit = max(1, int(limit))
+    if not shape:
+        yield ()
+        return
+    if 0 in shape:
+        return
+    inner, d = 1, len(shape)
+    while d > 0 and inner * shape[d - 1] <= limit:
+        inner *= shape[d - 1]
+        d -= 1
+    if d == 0:
+        yield tuple(slice(0, n) for n in shape)
+        return
+    split = d - 1
+    step = max(1, limit // inner)
+    whole = tuple(slice(0, n) for n in shape[split + 1:])
+    for lead in itertools.product(*(range(n) for n in shape[:split])):
+        head = tuple(slice(i, i + 1) for i in lead)
+        for start in range(0, shape[split], step):
+            yield head + (slice(start, min(start + step, shape[split])),) + whole
+
+
+def _open(path: Path, stack: Any) -> tuple[Any, str]:
     try:
-        return load_file(str(path)), ""
+        return stack.enter_context(safe_open(str(path), framework="pt")), ""
     except Exception as exc:  # corrupt header, truncated file, permission denied, ...
         return None, f"{type(exc).__name__}: {exc}".strip()
 
 
 def _compare_module(report: CompareReport, rel: str, module: str, ref_mod: Path, test_mod: Path) -> None:
+    import contextlib
+
     ref_ranks, test_ranks = _rank_files(ref_mod), _rank_files(test_mod)
     if not ref_ranks and not test_ranks:
         report.rows.append(CompareRow(rel, module, None, None, FAIL, note="no rank*.safetensors files"))
@@ -284,49 +376,89 @@ def _compare_module(report: CompareReport, rel: str, module: str, ref_mod: Path,
             side = "test" if rank not in test_ranks else "ref"
             report.rows.append(CompareRow(rel, module, rank, None, FAIL, note=f"rank file missing in {side}"))
             continue
-        ref_t, ref_err = _load(ref_ranks[rank])
-        test_t, test_err = _load(test_ranks[rank])
-        if ref_t is None or test_t is None:
-            notes = [f"cannot read {side} file: {err}" for side, err in (("ref", ref_err), ("test", test_err)) if err]
-            report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="; ".join(notes)))
-            continue
-        keys = sorted(set(ref_t) | set(test_t), key=_natural)
-        if not keys:
-            report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="rank files hold no tensors"))
-        for key in keys:
-            if key not in test_t or key not in ref_t:
-                side = "test" if key not in test_t else "ref"
-                report.rows.append(CompareRow(rel, module, rank, key, FAIL, note=f"key missing in {side}"))
+        with contextlib.ExitStack() as stack:
+            ref_f, ref_err = _open(ref_ranks[rank], stack)
+            test_f, test_err = _open(test_ranks[rank], stack)
+            if ref_f is None or test_f is None:
+                notes = [f"cannot read {side} file: {err}" for side, err in (("ref", ref_err), ("test", test_err)) if err]
+                report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="; ".join(notes)))
                 continue
-            report.rows.append(_compare_tensors(rel, module, rank, key, ref_t[key], test_t[key],
-                                                report.rtol, report.atol))
+            ref_keys, test_keys = set(ref_f.keys()), set(test_f.keys())
+            keys = sorted(ref_keys | test_keys, key=_natural)
+            if not keys:
+                report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="rank files hold no tensors"))
+            for key in keys:
+                if key not in test_keys or key not in ref_keys:
+                    side = "test" if key not in test_keys else "ref"
+                    report.rows.append(CompareRow(rel, module, rank, key, FAIL, note=f"key missing in {side}"))
+                    continue
+                try:
+                    ref_t, test_t = _Tensor.from_slice(ref_f.get_slice(key)), _Tensor.from_slice(test_f.get_slice(key))
+                except Exception as exc:
+                    report.rows.append(CompareRow(rel, module, rank, key, FAIL,
+                                                  note=f"cannot read tensor: {type(exc).__name__}: {exc}"))
+                    continue
+                report.rows.append(_compare_tensors(rel, module, rank, key, ref_t, test_t, report.rtol, report.atol))
 
 
-def _compare_tensors(rel: str, module: str, rank: int, key: str, ref: torch.Tensor, test: torch.Tensor,
-                     rtol: float, atol: float) -> CompareRow:
+def _nanhypot(a: float, b: float) -> float:
+    """sqrt(a² + b²) without overflow (exact for b alone), propagating NaN like ``vector_norm``."""
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return math.hypot(a, b)
+
+
+def _nanmax(a: float, b: float) -> float:
+    """max that propagates NaN whatever the order (like ``Tensor.max``)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return max(a, b)
+
+
+def _compare_tensors(rel: str, module: str, rank: int, key: str, ref: "torch.Tensor | _Tensor",
+                     test: "torch.Tensor | _Tensor", rtol: float, atol: float,
+                     chunk_elems: int | None = None) -> CompareRow:
+    """Compare chunk by chunk in float64 (complex128): per chunk ``allclose``, max |t-r|, the sums of
+    L2 norms (combined with hypot) and max |r| over finite r; combined, they are the whole-tensor numbers."""
+    ref = ref if isinstance(ref, _Tensor) else _Tensor.from_tensor(ref.detach())
+    test = test if isinstance(test, _Tensor) else _Tensor.from_tensor(test.detach())
     notes = []
     if ref.dtype != test.dtype:
         notes.append(f"dtype {_dtype(ref.dtype)} vs {_dtype(test.dtype)}")
-    if tuple(ref.shape) != tuple(test.shape):
+    if ref.shape != test.shape:
         notes.insert(0, f"shape mismatch {list(ref.shape)} vs {list(test.shape)}")
         return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
+    limit = CHUNK_ELEMS if chunk_elems is None else chunk_elems
     try:
-        wide = torch.complex128 if ref.is_complex() or test.is_complex() else torch.float64
-        r, t = ref.detach().to(wide), test.detach().to(wide)
-        ok = torch.allclose(t, r, rtol=rtol, atol=atol, equal_nan=True)
-        both_nan = torch.isnan(r) & torch.isnan(t)
-        diff = torch.where((r == t) | both_nan, 0.0, (t - r).abs())  # equal infs and paired NaNs: 0
-        r_fin = torch.where(torch.isfinite(r), r.abs(), 0.0)
-        if diff.numel() == 0:
+        wide = torch.complex128 if ref.dtype.is_complex or test.dtype.is_complex else torch.float64
+        ok, any_nan, n = True, False, 0
+        max_abs, ref_max = 0.0, 0.0
+        diff_l2, ref_l2 = 0.0, 0.0
+        for rc, tc in zip(ref.chunks(limit), test.chunks(limit)):
+            r, t = rc.to(wide).reshape(-1), tc.to(wide).reshape(-1)
+            if r.numel() == 0:
+                continue
+            n += r.numel()
+            ok = ok and torch.allclose(t, r, rtol=rtol, atol=atol, equal_nan=True)
+            both_nan = torch.isnan(r) & torch.isnan(t)
+            diff = torch.where((r == t) | both_nan, 0.0, (t - r).abs())  # equal infs and paired NaNs: 0
+            r_fin = torch.where(torch.isfinite(r), r.abs(), 0.0)
+            del r, t, both_nan
+            max_abs = _nanmax(max_abs, diff.max().item())
+            ref_max = _nanmax(ref_max, r_fin.max().item())
+            diff_l2 = _nanhypot(diff_l2, torch.linalg.vector_norm(diff).item())
+            ref_l2 = _nanhypot(ref_l2, torch.linalg.vector_norm(r_fin).item())
+            any_nan = any_nan or bool(torch.isnan(diff).any())
+            del diff, r_fin
+        if n == 0:
             max_abs = rel_l2 = rel_linf = 0.0
         else:
-            max_abs = diff.max().item()
-            rel_l2 = (torch.linalg.vector_norm(diff) / max(torch.linalg.vector_norm(r_fin).item(), _EPS)).item()
-            rel_linf = max_abs / max(r_fin.max().item(), _EPS)
+            rel_l2 = diff_l2 / max(ref_l2, _EPS)
+            rel_linf = max_abs / max(ref_max, _EPS)
     except Exception as exc:  # e.g. a dtype float64 cannot hold: never crash the whole report
         notes.append(f"comparison failed: {type(exc).__name__}: {exc}")
         return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
-    if not ok and torch.isnan(diff).any():
+    if not ok and any_nan:
         notes.append("NaN in only one of ref/test")
     return CompareRow(rel, module, rank, key, PASS if ok else FAIL, max_abs, rel_l2, rel_linf, "; ".join(notes))
 

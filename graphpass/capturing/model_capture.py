@@ -28,8 +28,8 @@ import torch
 
 from ..errors import CaptureError, ConfigError
 from .ops import ACTIVE_CAPTURES, capture_tensor
-from .registry import TensorRegistry
-from .writer import CaptureWriter
+from .registry import Switch, TensorRegistry
+from .writer import CaptureWriter, _check_component
 from ..patterns import ModulePattern, check_all_match, compile_patterns
 
 __all__ = ["TensorRegistry", "CaptureWriter", "ModelCapture", "CaptureSpec", "capture_tensor"]
@@ -51,8 +51,20 @@ def _unwrap(model: Any) -> torch.nn.Module:
 
 # model -> its live ModelCapture specs; weak keys, so nothing outlives the model or is shared by two.
 _SPECS: "weakref.WeakKeyDictionary[torch.nn.Module, list[weakref.ref]]" = weakref.WeakKeyDictionary()
-# models graphpass has already traced (a ModelCapture made after that would capture nothing)
+# models graphpass has already traced (a ModelCapture made after that would capture nothing); written
+# only through note_traced. Weak keys: an entry lives as long as its model, and two models never share one.
 TRACED: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def note_traced(model: torch.nn.Module) -> None:
+    """Record that graphpass traced ``model`` (the backend calls this for every model a graph reads)."""
+    TRACED[model] = TRACED.get(model, 0) + 1
+
+
+# This context's open capture steps, innermost last: (ModelCapture, its registry for this step).
+# A ContextVar, so each thread / asyncio task has its own: one ModelCapture can step in several
+# threads at once, each step with its own registry (no shared tokens, no mixed tensors).
+_FRAMES: contextvars.ContextVar[tuple] = contextvars.ContextVar("graphpass_capture_frames", default=())
 
 
 def specs_for(model: torch.nn.Module) -> list[CaptureSpec]:
@@ -93,20 +105,30 @@ class ModelCapture:
         self.patterns = compile_patterns(modules, "modules")
         names = [n for n, _ in self.model.named_modules() if n]
         check_all_match(self.patterns, names, "modules")
+        for name in names:  # the folder names capture will use: fail now, not mid-run
+            if any(p.matches(name) for p in self.patterns):
+                _check_component(name, "module name")
         if self.model in TRACED and _has_compiled_code(self.model):
             raise CaptureError(
                 "ModelCapture was created after graphpass already compiled this model, so its graphs hold no "
                 "capture nodes: create ModelCapture right after torch.compile and before the first call "
                 "(or call torch._dynamo.reset() first to recompile)"
             )
-        self._registry = TensorRegistry(enabled=False, patterns=self.patterns)
         self.writer = CaptureWriter(capture_dir, subdirectory, dp_rank, tp_rank, capture_filter)
-        self._tokens: list[contextvars.Token] = []
+        self._switch = Switch(False)  # enable()/disable() apply to every thread's registry
+        self._registry = TensorRegistry(patterns=self.patterns, switch=self._switch)  # outside any step
         _SPECS.setdefault(self.model, []).append(weakref.ref(self))
 
     # -- seed API ------------------------------------------------------------------------------
     @property
     def registry(self) -> TensorRegistry:
+        """This context's registry: the innermost open step's of this capture in this thread / task."""
+        return self._current()
+
+    def _current(self) -> TensorRegistry:
+        for owner, reg in reversed(_FRAMES.get()):
+            if owner is self:
+                return reg
         return self._registry
 
     def enable(self) -> None:
@@ -121,26 +143,34 @@ class ModelCapture:
 
     def register_clear_hook(self, compiled: Any) -> Any:
         """Clear this registry before every forward of ``compiled`` (a pre-forward hook on the wrapper)."""
-        return compiled.register_forward_pre_hook(lambda *_: self._registry.clear())
+        return compiled.register_forward_pre_hook(lambda *_: self._current().clear())
 
     def setup_tensor_capture(self) -> None:
-        """Make this registry the active one in the current context (thread / task)."""
-        self._registry.clear()
-        self._tokens.append(ACTIVE_CAPTURES.set(ACTIVE_CAPTURES.get() + (self._registry,)))
+        """Make a fresh registry of this capture the active one in the current context (thread / task)."""
+        reg = TensorRegistry(patterns=self.patterns, switch=self._switch)
+        ACTIVE_CAPTURES.set(ACTIVE_CAPTURES.get() + (reg,))
+        _FRAMES.set(_FRAMES.get() + ((self, reg),))
 
     def _restore(self) -> None:
-        if self._tokens:
-            ACTIVE_CAPTURES.reset(self._tokens.pop())
+        """Close this context's innermost step of this capture: its registry stops being active."""
+        frames = _FRAMES.get()
+        for i in range(len(frames) - 1, -1, -1):
+            if frames[i][0] is self:
+                reg = frames[i][1]
+                _FRAMES.set(frames[:i] + frames[i + 1:])
+                ACTIVE_CAPTURES.set(tuple(r for r in ACTIVE_CAPTURES.get() if r is not reg))
+                return
 
     def save_tensor_captures(
         self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None
     ) -> list[Path]:
         """Write what was captured since ``setup_tensor_capture`` and restore the previous registry."""
+        reg = self._current()
         try:
-            if not self._registry.enabled:
+            if not reg.enabled:
                 return []
-            tensors = self._registry.get_all_tensors()
-            bucket = self._registry.bucket
+            tensors = reg.get_all_tensors()
+            bucket = reg.bucket
             size = bucket if (bucket is not None and is_prefill) else _step_size(positions, is_prefill, req_ids, tensors)
             import graphpass
 
@@ -153,7 +183,7 @@ class ModelCapture:
             }
             return self.writer.write(tensors, is_prefill=is_prefill, size=size, meta=meta)
         finally:
-            self._registry.clear()
+            reg.clear()
             self._restore()
 
     @contextlib.contextmanager
@@ -164,7 +194,7 @@ class ModelCapture:
         try:
             yield self
         except BaseException:
-            self._registry.clear()
+            self._current().clear()
             self._restore()
             raise
         self.save_tensor_captures(positions=positions, is_prefill=is_prefill, req_ids=req_ids)

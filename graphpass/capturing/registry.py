@@ -9,17 +9,39 @@ import torch
 from ..patterns import ModulePattern
 
 
-class TensorRegistry:
-    """Holds the tensors captured during one forward, in registration order."""
+class Switch:
+    """An on/off flag several registries share (a ``ModelCapture``'s per-context registries)."""
 
-    def __init__(self, enabled: bool = True, patterns: Sequence[ModulePattern] = ()) -> None:
-        self.enabled = enabled
+    __slots__ = ("on",)
+
+    def __init__(self, on: bool = True) -> None:
+        self.on = bool(on)
+
+
+class TensorRegistry:
+    """Holds the tensors captured during one forward, in registration order.
+
+    ``switch``: share the enabled flag with other registries (``configure`` on one turns all on or
+    off); by default each registry has its own.
+    """
+
+    def __init__(self, enabled: bool = True, patterns: Sequence[ModulePattern] = (), *,
+                 switch: Switch | None = None) -> None:
+        self._switch = switch if switch is not None else Switch(enabled)
         self.patterns = tuple(patterns)  # module captures this registry accepts (empty: all)
         self.bucket: int | None = None  # static-shape bucket the captured tensors were padded to
         self._entries: list[tuple[str, torch.Tensor, bool]] = []
 
     def accepts(self, name: str) -> bool:
         return not self.patterns or any(p.matches(name) for p in self.patterns)
+
+    @property
+    def enabled(self) -> bool:
+        return self._switch.on
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._switch.on = bool(value)
 
     def configure(self, enabled: bool = True) -> None:
         self.enabled = bool(enabled)

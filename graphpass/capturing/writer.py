@@ -1,26 +1,91 @@
-"""``CaptureWriter``: writes one step's captured tensors as safetensors files (write, then rename)."""
+"""``CaptureWriter``: writes one step's captured tensors as safetensors files (write, then rename).
+
+Rules for what lands on disk (docs/capture.md, "What a run leaves on disk"):
+
+* every file is written to a new temporary file created exclusively (``O_CREAT | O_EXCL |
+  O_NOFOLLOW``, random name) in its target folder, then renamed into place; nothing is written
+  through a symbolic link, and no folder below ``capture_dir`` may be a link;
+* a step folder that already holds files of an earlier run is refused (``CaptureError``), so two
+  runs never mix; other tensor-parallel ranks' ``rank{r}.safetensors`` files and the shared meta
+  file are not "an earlier run";
+* a write that fails (disk full, permissions) raises ``CaptureError`` naming the path and removes
+  what this step had already written, temporary files included.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
+import numbers
 import os
 import re
-import tempfile
+import secrets
+import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from ..errors import CaptureError
+from ..errors import CaptureError, ConfigError
 from ..patterns import compile_patterns
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]]+$")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]+")  # always fullmatch: `$` would accept a trailing newline
+_RANK_FILE = re.compile(r"rank([0-9]+)\.safetensors")
+NAME_MAX = 255  # bytes in one path component (Linux, macOS, Windows)
+_TMP_PREFIX, _TMP_SUFFIX = ".graphpass-", ".tmp"  # short: a long final name never makes the temp name too long
 
 
-def _check_component(value: str, what: str) -> str:
-    if not value or value in (".", "..") or not _SAFE_NAME.match(value):
-        raise CaptureError(f"{what} {value!r} cannot be used as a directory name under capture_dir")
+def _check_component(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value or value in (".", "..") or _SAFE_NAME.fullmatch(value) is None:
+        raise CaptureError(f"{what} {value!r} cannot be used as a directory name under capture_dir "
+                           "(allowed: letters, digits, '_', '.', '-', '[', ']')")
+    if len(value) > NAME_MAX:
+        raise CaptureError(f"{what} {value[:40]!r}... is {len(value)} characters long; a file or folder name may "
+                           f"have at most {NAME_MAX}: use a shorter name")
     return value
+
+
+def check_rank(value: Any, key: str) -> int:
+    """``dp_rank`` / ``tp_rank``: a non-bool int >= 0 whose file name fits."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 0:
+        raise ConfigError(key, value, "must be an int >= 0 (the data / tensor parallel rank of this process)")
+    value = int(value)
+    if len(f"rank{value}.safetensors") > NAME_MAX:
+        raise ConfigError(key, value, f"too large: its file name would exceed {NAME_MAX} bytes")
+    return value
+
+
+def check_capture_dir(value: Any) -> Path:
+    """``capture_dir``: a str or path without NUL whose every component fits the file-name limit."""
+    try:
+        text = os.fspath(value)
+    except TypeError:
+        raise CaptureError(f"capture_dir must be a str or os.PathLike, got {type(value).__name__}") from None
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if "\x00" in text:
+        raise CaptureError(f"capture_dir {text!r} contains a NUL character: pass a valid directory path")
+    path = Path(text)
+    for part in path.parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise CaptureError(f"capture_dir {text[:60]!r}...: the component {part[:40]!r}... is longer than "
+                               f"{NAME_MAX} bytes, which no file system allows: use a shorter path")
+    return path
+
+
+def check_subdirectory(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise CaptureError(f"subdirectory must be a str or None, got {type(value).__name__}")
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text:
+        raise CaptureError(f"subdirectory {text!r} must be a non-empty relative path (str)")
+    if Path(text).is_absolute():
+        raise CaptureError(f"subdirectory {text!r} must be relative to capture_dir")
+    for part in Path(text).parts:
+        _check_component(part, "subdirectory part")
+    return text
 
 
 class CaptureWriter:
@@ -34,23 +99,23 @@ class CaptureWriter:
         tp_rank: int = 0,
         capture_filter: Sequence[str] | None = None,
     ) -> None:
-        self.capture_dir = Path(capture_dir)
-        if subdirectory is not None:
-            for part in Path(subdirectory).parts:
-                _check_component(part, "subdirectory part")
-            if Path(subdirectory).is_absolute():
-                raise CaptureError(f"subdirectory {subdirectory!r} must be relative to capture_dir")
-        self.subdirectory = subdirectory
-        self.dp_rank = int(dp_rank)
-        self.tp_rank = int(tp_rank)
+        self.capture_dir = check_capture_dir(capture_dir)
+        self.subdirectory = check_subdirectory(subdirectory)
+        self.dp_rank = check_rank(dp_rank, "dp_rank")
+        self.tp_rank = check_rank(tp_rank, "tp_rank")
+        if capture_filter is not None and (isinstance(capture_filter, str)
+                                           or not isinstance(capture_filter, (list, tuple))):
+            raise ConfigError("capture_filter", capture_filter, "expected a list of module patterns or None")
         self.filter = compile_patterns(list(capture_filter), "capture_filter") if capture_filter is not None else None
         self._counts: dict[str, int] = {}
+        self._own_steps: set[str] = set()  # step folders this writer claimed (it may write them again)
+        self._lock = threading.Lock()  # one ModelCapture stepping in several threads: one write at a time
         self._check_writable()
 
     def _check_writable(self) -> None:
         try:
             self.capture_dir.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".graphpass-probe-", dir=self.capture_dir)
+            fd, probe = _create_temp(self.capture_dir)
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
@@ -69,8 +134,15 @@ class CaptureWriter:
         return f"prefill_s{size}_{k}" if is_prefill else f"decode_b{size}_{k}"
 
     def write(self, tensors: Sequence[tuple[str, torch.Tensor]], *, is_prefill: bool, size: int, meta: dict) -> list[Path]:
-        """Write ``tensors`` (name, tensor pairs in execution order) as one step. Returns the step dirs."""
-        from safetensors.torch import save_file
+        """Write ``tensors`` (name, tensor pairs in execution order) as one step. Returns the step dirs.
+
+        Raises ``CaptureError`` (naming the path) when a step folder holds an earlier run's files or a
+        write fails; then nothing of this step is left behind."""
+        with self._lock:
+            return self._write(tensors, is_prefill=is_prefill, size=size, meta=meta)
+
+    def _write(self, tensors: Sequence[tuple[str, torch.Tensor]], *, is_prefill: bool, size: int, meta: dict) -> list[Path]:
+        from safetensors.torch import save as encode
 
         step = self.step_name(is_prefill, size)
         grouped: dict[str, list[torch.Tensor]] = {}
@@ -84,28 +156,113 @@ class CaptureWriter:
         for name in grouped:
             by_base.setdefault(self._base(name), []).append(name)
         written: list[Path] = []
-        for base, names in by_base.items():
-            step_dir = base / step
-            if not step_dir.resolve().is_relative_to(root):
-                raise CaptureError(f"capture path {step_dir} would leave capture_dir")
-            step_dir.mkdir(parents=True, exist_ok=True)
-            info: dict[str, list[dict]] = {}
-            for name in names:
-                mod_dir = step_dir / name
-                if not mod_dir.resolve().is_relative_to(root):
-                    raise CaptureError(f"capture name {name!r} would leave capture_dir")
-                mod_dir.mkdir(exist_ok=True)
-                payload = {str(i): t.detach().to("cpu").contiguous() for i, t in enumerate(grouped[name])}
-                _atomic(mod_dir / f"rank{self.tp_rank}.safetensors", lambda p, d=payload: save_file(d, str(p)))
-                info[name] = [{"key": k, "dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
-                              for k, v in payload.items()]
-            doc = dict(meta, step=step, phase="prefill" if is_prefill else "decode", size=size, modules=names,
-                       tensors=info, dp_rank=self.dp_rank, tp_rank=self.tp_rank)
-            _atomic(step_dir / f"{step}_meta.json", lambda p, d=doc: p.write_text(json.dumps(d, indent=2, default=_jsonable)))
-            written.append(step_dir)
+        new_files: list[Path] = []
+        new_dirs: list[Path] = []
+        where = self.capture_dir
+        try:
+            for base, names in by_base.items():
+                step_dir = where = base / step
+                if not step_dir.resolve().is_relative_to(root):
+                    raise CaptureError(f"capture path {step_dir} would leave capture_dir")
+                self._claim(step_dir)
+                _make_dirs(self.capture_dir, step_dir, new_dirs)
+                info: dict[str, list[dict]] = {}
+                for name in names:
+                    mod_dir = where = step_dir / name
+                    if not mod_dir.resolve().is_relative_to(root):
+                        raise CaptureError(f"capture name {name!r} would leave capture_dir")
+                    _make_dirs(self.capture_dir, mod_dir, new_dirs)
+                    payload = {str(i): t.detach().to("cpu").contiguous() for i, t in enumerate(grouped[name])}
+                    where = mod_dir / f"rank{self.tp_rank}.safetensors"
+                    _atomic(where, encode(payload), new_files)
+                    info[name] = [{"key": k, "dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
+                                  for k, v in payload.items()]
+                doc = dict(meta, step=step, phase="prefill" if is_prefill else "decode", size=size, modules=names,
+                           tensors=info, dp_rank=self.dp_rank, tp_rank=self.tp_rank)
+                where = step_dir / f"{step}_meta.json"
+                _atomic(where, json.dumps(doc, indent=2, default=_jsonable).encode("utf-8"), new_files)
+                written.append(step_dir)
+        except BaseException as exc:
+            _roll_back(new_files, new_dirs)
+            if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
+                raise
+            hint = "free some disk space" if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) \
+                else "check the path and its permissions"
+            raise CaptureError(f"cannot write capture file {str(where)!r}: {type(exc).__name__}: {exc}; {hint} and "
+                               "run the step again (nothing of this step was kept)") from exc
         phase = "prefill" if is_prefill else "decode"
         self._counts[phase] = self._counts.get(phase, 0) + 1
         return written
+
+    def _claim(self, step_dir: Path) -> None:
+        """Refuse a step folder that holds an earlier run's files (this writer's own are fine)."""
+        key = os.path.abspath(step_dir)
+        if key in self._own_steps:
+            return
+        stale = _earlier_run_file(step_dir, self.tp_rank)
+        if stale is not None:
+            raise CaptureError(
+                f"step folder {str(step_dir)!r} already holds {str(stale)!r} from an earlier run, and graphpass never "
+                "mixes two runs in one folder (compare would read the old files as current): pass a new capture_dir "
+                f"(or subdirectory), or delete {str(self.capture_dir)!r} before capturing again")
+        self._own_steps.add(key)
+
+
+def _earlier_run_file(step_dir: Path, tp_rank: int) -> Path | None:
+    """The first file under ``step_dir`` an earlier run left, or None. Not counted: hidden names
+    (temporary files), the step's meta file (shared by tensor-parallel ranks) and other ranks'
+    ``rank{r}.safetensors`` files in module folders."""
+    if not os.path.lexists(step_dir):
+        return None
+    if os.path.islink(step_dir) or not step_dir.is_dir():
+        return step_dir
+    meta_name = f"{step_dir.name}_meta.json"
+    for dirpath, dirnames, filenames in os.walk(step_dir):  # never follows links
+        here = Path(dirpath)
+        depth = len(here.relative_to(step_dir).parts)
+        links = [d for d in dirnames if os.path.islink(here / d)]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in links]
+        for name in filenames + links:
+            if name.startswith("."):
+                continue
+            if depth == 0 and name == meta_name:
+                continue
+            m = _RANK_FILE.fullmatch(name)
+            if depth == 1 and m is not None and int(m.group(1)) != tp_rank:
+                continue
+            return here / name
+    return None
+
+
+def _make_dirs(capture_dir: Path, path: Path, created: list[Path]) -> None:
+    """mkdir -p below ``capture_dir``, refusing any existing component that is a symbolic link."""
+    current = capture_dir
+    for part in path.relative_to(capture_dir).parts:
+        current = current / part
+        if os.path.islink(current):
+            raise CaptureError(f"{str(current)!r} is a symbolic link graphpass did not create; refusing to write "
+                               "through it: remove it or use a new capture_dir")
+        try:
+            os.mkdir(current)
+        except FileExistsError:
+            if not current.is_dir():
+                raise CaptureError(f"{str(current)!r} exists and is not a directory: remove it or use a new "
+                                   "capture_dir") from None
+        else:
+            created.append(current)
+
+
+def _roll_back(files: list[Path], dirs: list[Path]) -> None:
+    for f in reversed(files):
+        try:
+            os.unlink(f)
+        except OSError:
+            pass
+    for d in reversed(dirs):
+        try:
+            os.rmdir(d)  # only if empty: another rank's files stay
+        except OSError:
+            pass
 
 
 def _jsonable(value: Any) -> Any:
@@ -114,11 +271,48 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def _temp_names() -> Iterator[str]:
+    """Candidate temporary names (random; a test may replace this to force a collision)."""
+    while True:
+        yield f"{_TMP_PREFIX}{secrets.token_hex(8)}{_TMP_SUFFIX}"
+
+
+def _create_temp(folder: Path) -> tuple[int, Path]:
+    """Create a new file exclusively in ``folder``: never opens an existing file or follows a link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    for _, name in zip(range(100), _temp_names()):
+        path = folder / name
+        try:
+            return os.open(path, flags, 0o666), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary file name", str(folder))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _atomic(path: Path, data: bytes, created: list[Path] | None = None) -> None:
+    """Write ``data`` to a fresh temporary file next to ``path``, then rename it onto ``path``
+    (``os.replace`` replaces a link at ``path`` itself, never writes through it). The temporary file
+    is removed if anything fails; ``path`` is appended to ``created`` when it did not exist before."""
+    existed = os.path.lexists(path)
+    fd, tmp = _create_temp(path.parent)
     try:
-        write(tmp)
+        try:
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if created is not None and not existed:
+        created.append(path)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..fx_utils import inner_tensor_fields, repeated_blocks
 from ..patterns import check_all_match
 from .config import OffloadConfig
 
@@ -77,24 +78,12 @@ class OffloadPlan:
         return f"offload plan ({head})\n" + tabulate(rows, headers=("unit", "decision", "bytes", "transfer saved / byte")) + "\n" + foot
 
 
-def _repeated_children(model: nn.Module) -> list[str]:
-    """Children of the module container with numbered children holding the most parameter bytes."""
-    best, best_bytes = None, -1
-    for name, mod in model.named_modules():
-        kids = [(k, m) for k, m in mod.named_children() if k.isdigit()]
-        if len(kids) < 1:
-            continue
-        nbytes = sum(p.numel() * p.element_size() for _, m in kids for p in m.parameters())
-        if nbytes > best_bytes:
-            best, best_bytes = (name, [k for k, _ in kids]), nbytes
-    if best is None:
-        return []
-    prefix = best[0] + "." if best[0] else ""
-    return [prefix + k for k in best[1]]
-
-
-def _inner_fields(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    return [(k, v) for k, v in vars(t).items() if isinstance(v, torch.Tensor)] if hasattr(t, "__dict__") else []
+def _repeated_children(model: nn.Module, tensors: list[_Tensor]) -> list[str]:
+    """The repeated blocks of ``model`` (:func:`graphpass.fx_utils.repeated_blocks`, the rule the
+    default traps use), weighted by the bytes of the tensors each block holds."""
+    names = [n for n, _ in model.named_modules() if n]
+    _, children = repeated_blocks(names, ((rec.nbytes, rec.holders) for rec in tensors))
+    return children
 
 
 def _collect(model: nn.Module) -> list[_Tensor]:
@@ -113,7 +102,7 @@ def _collect(model: nn.Module) -> list[_Tensor]:
                 rec.places.append((mod, attr, kind))
                 rec.fqns.append(prefix + attr)
                 rec.holders.append(mname)
-                for field_name, inner in _inner_fields(t):
+                for field_name, inner in inner_tensor_fields(t):
                     irec = seen.get(id(inner))
                     if irec is None:
                         irec = seen[id(inner)] = _Tensor(inner, [], [], [])
@@ -133,17 +122,17 @@ def plan_units(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], 
     """Mark which tensors stream and group them into budget units (no data moves)."""
     names = [n for n, _ in model.named_modules() if n]
     include = config._include
+    tensors = _collect(model)
     auto_children: list[str] = []
     if include is None:
-        auto_children = _repeated_children(model)
+        auto_children = _repeated_children(model, tensors)
         if not auto_children:
             raise ConfigError("include_patterns", None, "the model has no repeated blocks (numbered children) to stream; name the modules")
     else:
         check_all_match(include, names, "include_patterns")
     if config._exclude:
         check_all_match(config._exclude, names, "exclude_patterns")
-    children = set(auto_children or _repeated_children(model))
-    tensors = _collect(model)
+    children = set(auto_children or _repeated_children(model, tensors))
     units: dict[str, OffloadUnit] = {}
     for rec in tensors:
         if rec.nbytes == 0:

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..analysis import TensorOwnership, example_of, module_paths, parse_source_name
-from ..ops import is_graphpass_op
+from ..analysis import TensorOwnership, module_paths, parse_source_name
+from ..fx_utils import example_of, inner_tensor_fields, is_graphpass_node, is_graphpass_op, node_order
 from .base import GraphPass, PassContext
 
 
@@ -47,9 +47,8 @@ def _alias_table(root: Any) -> dict[int, list[str]]:
     named = list(root.named_parameters(remove_duplicate=False)) + list(root.named_buffers(remove_duplicate=False))
     for name, t in named:
         table.setdefault(id(t), []).append(name)
-        for field_name, value in vars(t).items() if hasattr(t, "__dict__") else ():
-            if isinstance(value, torch.Tensor) and not field_name.startswith("_"):
-                table.setdefault(id(value), []).append(f"{name}.{field_name}")
+        for field_name, value in inner_tensor_fields(t):
+            table.setdefault(id(value), []).append(f"{name}.{field_name}")
     return table
 
 
@@ -64,10 +63,10 @@ def _input_name(source: str, fallback: str) -> str:
 class AnalyzeOwnership(GraphPass):
     name = "analyze_ownership"
 
-    def run(self, ctx: PassContext) -> None:
+    def run(self, ctx: PassContext) -> bool:
         analysis = ctx.analysis
         graph = ctx.gm.graph
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = node_order(graph)
         alias_tables: dict[int, dict[int, list[str]]] = {}
         module_names: dict[str, None] = {}
 
@@ -143,6 +142,7 @@ class AnalyzeOwnership(GraphPass):
             for path in paths:
                 module_names[path] = None
         analysis.module_names = list(module_names)
+        return False  # analysis only
 
     @staticmethod
     def _consumers(ph: torch.fx.Node, order: dict, node_modules: dict) -> tuple[list[str], list[str]]:
@@ -156,7 +156,7 @@ class AnalyzeOwnership(GraphPass):
             if user in seen or user.op == "output":
                 continue
             seen.add(user)
-            if user.op == "call_function" and is_graphpass_op(user.target):
+            if is_graphpass_node(user):
                 continue
             paths = node_modules.get(user.name)
             if paths:

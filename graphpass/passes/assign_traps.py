@@ -18,7 +18,8 @@ Assumes :mod:`analyze_ownership` ran first.
 from __future__ import annotations
 
 from ..analysis import Trap
-from ..ops import is_enter, is_exit, is_graphpass_op
+from ..fx_utils import is_graphpass_op, repeated_blocks
+from ..ops import is_enter, is_exit
 from ..patterns import check_all_match, first_match
 from .base import GraphPass, PassContext
 
@@ -28,34 +29,18 @@ def _is_op(node) -> bool:
 
 
 def find_repeated_container(ctx: PassContext) -> tuple[str | None, list[str]]:
-    """The container of numbered children holding the most weight bytes, and its children seen in ops."""
+    """The repeated blocks among the modules that run ops in this graph (see
+    :func:`graphpass.fx_utils.repeated_blocks`), weighted by the bytes of the weights they hold or read."""
     analysis = ctx.analysis
-    called: dict[str, None] = {}
-    for paths in analysis.node_modules.values():
-        for path in paths:
-            called[path] = None
-    candidates: dict[str, dict[str, None]] = {}
-    for path in called:
-        segs = path.split(".")
-        for j, seg in enumerate(segs):
-            if seg.isdigit():
-                container = ".".join(segs[:j])
-                candidates.setdefault(container, {})[".".join(segs[: j + 1])] = None
-    if not candidates:
-        return None, []
-    score: dict[str, int] = {c: 0 for c in candidates}
-    for t in analysis.weights():
-        for c, children in candidates.items():
-            if any(h == ch or h.startswith(ch + ".") for h in t.holders + t.consumers for ch in children):
-                score[c] += t.nbytes
-    best = max(candidates, key=lambda c: (score[c], len(candidates[c]), -len(c)))
-    return best, list(candidates[best])
+    called = dict.fromkeys(path for paths in analysis.node_modules.values() for path in paths)
+    return repeated_blocks(called, ((t.nbytes, t.holders + t.consumers) for t in analysis.weights()))
 
 
 class AssignTraps(GraphPass):
     name = "assign_traps"
+    requires = ("analyze_ownership",)
 
-    def run(self, ctx: PassContext) -> None:
+    def run(self, ctx: PassContext) -> bool:
         analysis = ctx.analysis
         graph = ctx.gm.graph
         cfg = ctx.config
@@ -129,3 +114,4 @@ class AssignTraps(GraphPass):
             f"{self.name}: {len(analysis.traps)} traps"
             + (f" in {analysis.trap_container!r}" if analysis.trap_container is not None else "")
         )
+        return False  # analysis only

@@ -13,19 +13,19 @@ asked for the module (one compiled graph may serve several instances of a model 
 
 from __future__ import annotations
 
-from ..analysis import is_tensor_node
+from ..fx_utils import is_graphpass_node, is_tensor_node
 from ..capturing.ops import CAPTURE
-from ..ops import is_graphpass_op
 from .base import GraphPass, PassContext
 
 
 class InsertCaptureNodes(GraphPass):
     name = "insert_capture_nodes"
+    requires = ("analyze_ownership",)
 
     def should_run(self, ctx: PassContext) -> bool:
         return bool(ctx.captures)
 
-    def run(self, ctx: PassContext) -> None:
+    def run(self, ctx: PassContext) -> bool:
         graph = ctx.gm.graph
         analysis = ctx.analysis
         modules = list(dict.fromkeys(p for paths in analysis.node_modules.values() for p in paths))
@@ -48,14 +48,12 @@ class InsertCaptureNodes(GraphPass):
                 for n in region:
                     if not is_tensor_node(n):
                         continue
-                    if not any(u not in members and not (u.op == "call_function" and is_graphpass_op(u.target))
+                    if not any(u not in members and not is_graphpass_node(u)
                                for u in n.users):
                         continue
                     with graph.inserting_after(n):
                         node = graph.call_function(CAPTURE, (rel, n))
                     node.meta["graphpass_capture"] = rel
                     inserted += 1
-        if inserted:
-            graph.lint()
-            ctx.gm.recompile()
+        return inserted > 0
         ctx.log.append(f"{self.name}: {inserted} capture nodes")

@@ -12,7 +12,10 @@ trap (and each stretch of graph between traps that reads an offloaded tensor) th
 
 Load nodes are tagged ``recompute=MUST_RECOMPUTE``: in training, AOTAutograd's partitioner
 re-runs the load in the backward graph instead of keeping device copies alive between forward
-and backward. Guard nodes left by the offloaded modules' pre-hooks are removed.
+and backward. Guard nodes left by the offloaded modules' pre-hooks are removed; a graph that holds
+guard nodes but reads no offloaded tensor (the model's tensors were replaced after ``offload()``)
+is refused, as is a graph that writes into an offloaded tensor or a view of it (any write form
+:func:`graphpass.fx_utils.writes_into` knows, ``+=`` included).
 
 Assumes the trap boundaries were inserted (it anchors loads at ``trap_enter`` nodes when present,
 else at the trap's first reader) and that the analysis holds ``node_trap``.
@@ -28,8 +31,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..errors import OffloadError
 from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, is_guard
-from ..offloading.runtime import lookup
-from ..ops import is_enter, is_exit, is_graphpass_op
+from ..offloading.runtime import OffloadedTensor, lookup
+from ..fx_utils import AliasIndex, find_write, is_graphpass_node, is_view, node_order
+from ..ops import is_enter, is_exit
 from .base import GraphPass, PassContext
 
 
@@ -55,53 +59,6 @@ class OffloadSchedule:
     max_device_bytes: int | None
 
 
-_VIEW_NAMES = {"view", "view_as", "reshape", "t", "transpose", "permute", "expand", "expand_as", "flatten",
-               "unflatten", "squeeze", "unsqueeze", "narrow", "select", "as_strided", "unbind", "split", "chunk",
-               "detach", "movedim", "swapaxes", "diagonal", "real", "imag", "view_as_real", "view_as_complex"}
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    """May ``node``'s result alias its first argument (a view, or an item of split/chunk/unbind)?"""
-    if node.op == "call_function" and (node.target is operator.getitem or (
-            isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)):
-        return True
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return isinstance(name, str) and name in _VIEW_NAMES
-
-
-def _views_of(ph: torch.fx.Node) -> list:
-    """``ph`` and every node that may alias it (views, their views, items of split/chunk)."""
-    out, todo = [], [ph]
-    while todo:
-        n = todo.pop()
-        if n in out:
-            continue
-        out.append(n)
-        todo.extend(u for u in n.users if _is_view(u) and u.args and u.args[0] is n)
-    return out
-
-
-def _writes(node: torch.fx.Node, ph: torch.fx.Node) -> bool:
-    """Does ``node`` write ``ph`` in place (``x.add_()``, ``x[i] = v``, ``copy_``, ``out=``)?"""
-    if node.op == "call_method" and isinstance(node.target, str) and node.target.endswith("_") \
-            and not node.target.endswith("__") and node.args and node.args[0] is ph:
-        return True
-    if node.op == "call_function":
-        if node.target is operator.setitem and node.args and node.args[0] is ph:
-            return True
-        if node.kwargs.get("out") is ph:
-            return True
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None and schema.is_mutable:
-            for arg, value in zip(schema.arguments, node.args):
-                if value is ph and arg.alias_info is not None and arg.alias_info.is_write:
-                    return True
-        name = getattr(node.target, "__name__", "")
-        if name.endswith("_") and not name.endswith("__") and node.args and node.args[0] is ph:
-            return True
-    return False
-
-
 def _last_reader(users: list, order: dict) -> list:
     """The last node (in graph order) that reads the loaded tensors, looking through views
     (``w.t()`` is not the read: the matmul on it is), as the eviction's ordering dependency."""
@@ -111,151 +68,110 @@ def _last_reader(users: list, order: dict) -> list:
         if n in seen:
             continue
         seen.add(n)
-        if _is_view(n):
-            todo.extend(u for u in n.users if not (u.op == "call_function" and is_graphpass_op(u.target)))
+        if is_view(n):
+            todo.extend(u for u in n.users if not is_graphpass_node(u))
         if isinstance(n.meta.get("example_value"), torch.Tensor):
             readers.append(n)
     return sorted(readers, key=lambda n: order.get(n, -1))[-1:]
 
 
+@dataclass
+class _Group:
+    """One planned load: the readers of offloaded tensors in one trap (or stretch between traps)."""
+
+    key: str  # trap label, or "between:<n>"
+    anchor: torch.fx.Node  # the load waits before this node (the trap's enter, else its first reader)
+    last: torch.fx.Node  # the last reader: the eviction follows it
+    users: list[torch.fx.Node]  # the readers, in graph order
+    phs: list[torch.fx.Node]  # the offloaded placeholders it reads, first read first
+
+
+@dataclass
+class _Inserted:
+    """The nodes inserted so far, by group index (loads may be issued before their group's turn)."""
+
+    starts: dict[int, torch.fx.Node] = field(default_factory=dict)
+    evicts: dict[int, torch.fx.Node] = field(default_factory=dict)
+
+
 class InsertOffloadSchedule(GraphPass):
     name = "insert_offload_schedule"
+    requires = ("assign_traps", "insert_trap_boundaries")
 
-    def run(self, ctx: PassContext) -> None:
+    def run(self, ctx: PassContext) -> bool:
         graph = ctx.gm.graph
-        analysis = ctx.analysis
-        for node in [n for n in graph.nodes if is_guard(n)]:
-            graph.erase_node(node)
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        records = {}
-        for i, ph in enumerate(placeholders):
-            if i < len(ctx.example_inputs):
-                rec = lookup(ctx.example_inputs[i])
-                if rec is not None:
-                    records[ph] = rec
+        guards = [n for n in graph.nodes if is_guard(n)]
+        records = _offloaded_inputs(ctx)
         if not records:
-            ctx.gm.recompile()
-            return
-        for ph, rec in records.items():
-            writer = next(((u, v) for v in _views_of(ph) for u in v.users if _writes(u, v)), (None, None))[0]
-            if writer is not None:
+            if guards:
                 raise OffloadError(
-                    f"the graph writes offloaded tensor {rec.name!r} in place ({writer.format_node()}): a write to a "
-                    f"loaded copy would be lost at eviction. Keep it on the device with exclude_patterns"
+                    f"module {guards[0].args[0]!r} was offloaded with graphpass.offload(), but this graph reads none of its "
+                    f"offloaded tensors: they were replaced after offload() (.half(), .to(), load_state_dict() into a "
+                    f"stand-in, or a new parameter assigned). Change the model before offloading it, or offload it again "
+                    f"on a fresh instance"
                 )
+            return False
+        for node in guards:
+            graph.erase_node(node)
+        _refuse_writes(graph, records)
         runtimes = {id(r.runtime): r.runtime for r in records.values()}
-        runtime = next(iter(runtimes.values()))
         if len(runtimes) > 1:
             raise OffloadError("one graph reads tensors offloaded from two different models; offload and compile them separately")
+        runtime = next(iter(runtimes.values()))
+        order = node_order(graph)
+        plan = _plan_groups(graph, records, ctx.analysis.node_trap, order)
+        if not plan:
+            return bool(guards)
+        schedule = self._insert(graph, plan, records, runtime, order)
+        self._check_budget(ctx, graph, schedule, runtime)
+        return True
+
+    def _insert(self, graph: torch.fx.Graph, plan: list[_Group], records: dict, runtime, order: dict) -> list[LoadGroup]:
+        """Insert the start / wait / evict nodes of every group; return the schedule."""
         device = runtime.device
         prefetch = runtime.config.prefetch_distance
-
-        order: dict[torch.fx.Node, int] = {}
-        segment: dict[torch.fx.Node, int] = {}
-        exits = 0
-        for i, n in enumerate(graph.nodes):
-            order[n] = i
-            segment[n] = exits
-            if is_exit(n):
-                exits += 1
-
-        # group the readers of every offloaded input by trap
-        groups: dict[str, dict] = {}
-        for ph, rec in records.items():
-            for user in ph.users:
-                if user.op == "call_function" and is_graphpass_op(user.target):
-                    continue  # boundary deps keep reading the host tensor
-                label = analysis.node_trap.get(user.name)
-                key = label if label is not None else f"between:{segment[user]}"
-                g = groups.setdefault(key, {"users": {}, "phs": {}})
-                g["users"][user] = None
-                g["phs"][ph] = min(g["phs"].get(ph, order[user]), order[user])  # first read
-        if not groups:
-            ctx.gm.recompile()
-            return
-        enters = {}
-        for n in graph.nodes:
-            if is_enter(n):
-                enters.setdefault(n.args[0], []).append(n)
-        plan = []
-        for key, g in groups.items():
-            users = sorted(g["users"], key=order.__getitem__)
-            first, last = users[0], users[-1]
-            anchor = first
-            for e in enters.get(key, []):
-                if order[e] < order[first]:
-                    anchor = e
-            phs = sorted(g["phs"], key=lambda p: (g["phs"][p], order[p]))
-            plan.append((order[anchor], key, anchor, first, last, users, phs))
-        plan.sort(key=lambda t: t[0])
-
-        fake_mode = None
-        for ph in records:
-            ev = ph.meta.get("example_value")
-            fake_mode = getattr(ev, "fake_mode", None)
-            if fake_mode is not None:
-                break
-
+        fake_mode = next((m for m in (getattr(ph.meta.get("example_value"), "fake_mode", None) for ph in records) if m is not None), None)
+        done = _Inserted()
         schedule: list[LoadGroup] = []
-        n_groups = len(plan)
-        starts: dict[int, torch.fx.Node] = {}
-        evicts: dict[int, torch.fx.Node] = {}
-
-        def make_start(j: int, before: torch.fx.Node, k: int) -> None:
-            _, key_j, _, _, _, _, phs_j = plan[j]
-            after = []
-            prev = k - 1  # the eviction this load must follow (the trap before the one it is issued at)
-            if prev >= 0 and prev in evicts and order[plan[prev][4]] < order[before]:
-                after = [evicts[prev]]
-            with graph.inserting_before(before):
-                starts[j] = graph.call_function(LOAD_START, (list(phs_j), key_j, device, after))
-
-        for k, (_, key, anchor, first, last, users, phs) in enumerate(plan):
-            issue = range(0, min(prefetch, n_groups - 1) + 1) if k == 0 else [k + prefetch]
+        for k, group in enumerate(plan):
+            issue = range(0, min(prefetch, len(plan) - 1) + 1) if k == 0 else [k + prefetch]
             for j in issue:
-                if j < n_groups:
-                    make_start(j, anchor, k)
-            start = starts[k]
-            ahead = [starts[k + prefetch]] if prefetch and k + prefetch < n_groups else []
-            with graph.inserting_before(anchor):
-                wait = graph.call_function(LOAD_WAIT, (start, list(phs), key, device, ahead))
-                items = [graph.call_function(operator.getitem, (wait, j)) for j in range(len(phs))]
+                if j < len(plan):
+                    _insert_start(graph, plan, done, j, group.anchor, k, device, order)
+            start = done.starts[k]
+            ahead = [done.starts[k + prefetch]] if prefetch and k + prefetch < len(plan) else []
+            with graph.inserting_before(group.anchor):
+                wait = graph.call_function(LOAD_WAIT, (start, list(group.phs), group.key, device, ahead))
+                items = [graph.call_function(operator.getitem, (wait, j)) for j in range(len(group.phs))]
             for n in [start, wait, *items]:
                 n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 n.meta["ac_graph_id"] = 100000 + k
-                n.meta["graphpass_offload"] = key
-            if fake_mode is not None:
-                with fake_mode:
-                    start.meta["example_value"] = torch.empty((), dtype=torch.int64)
-                    vals = [torch.empty(p.meta["example_value"].shape, dtype=p.meta["example_value"].dtype, device=device)
-                            for p in phs]
-                    token = torch.empty((), dtype=torch.int64)
-                wait.meta["example_value"] = vals
-                for item, v in zip(items, vals):
-                    item.meta["example_value"] = v
-            for ph, item in zip(phs, items):
-                for user in users:
+                n.meta["graphpass_offload"] = group.key
+            token = _fake_values(fake_mode, start, wait, items, group.phs, device)
+            for ph, item in zip(group.phs, items):
+                for user in group.users:
                     user.replace_input_with(ph, item)
-            done = _last_reader(users, order)
-            with graph.inserting_after(last):
-                ev = graph.call_function(EVICT, (list(items), list(phs), key, done))
-            evicts[k] = ev
-            ev.meta["graphpass_offload"] = key
-            if fake_mode is not None:
+            with graph.inserting_after(group.last):
+                ev = graph.call_function(EVICT, (list(items), list(group.phs), group.key, _last_reader(group.users, order)))
+            done.evicts[k] = ev
+            ev.meta["graphpass_offload"] = group.key
+            if token is not None:
                 ev.meta["example_value"] = token
             schedule.append(LoadGroup(
-                label=key,
-                placeholders=[p.name for p in phs],
-                fqns=[records[p].name for p in phs],
-                nbytes=sum(records[p].nbytes for p in phs),
-                start_before=plan[max(0, k - prefetch)][2].name,
-                wait_before=anchor.name,
-                evict_after=last.name,
+                label=group.key,
+                placeholders=[p.name for p in group.phs],
+                fqns=[records[p].name for p in group.phs],
+                nbytes=sum(records[p].nbytes for p in group.phs),
+                start_before=plan[max(0, k - prefetch)].anchor.name,
+                wait_before=group.anchor.name,
+                evict_after=group.last.name,
             ))
-        graph.lint()
-        ctx.gm.recompile()
+        return schedule
 
-        # the schedule's own peak: bytes started and not yet evicted, walking the graph
+    def _check_budget(self, ctx: PassContext, graph: torch.fx.Graph, schedule: list[LoadGroup], runtime) -> None:
+        """Record the schedule and its peak (bytes started and not yet evicted, walking the graph);
+        refuse it when the peak and the resident units exceed ``max_device_bytes``."""
+        prefetch = runtime.config.prefetch_distance
         group_bytes = {g.label: g.nbytes for g in schedule}
         live = peak = 0
         for n in graph.nodes:
@@ -266,7 +182,7 @@ class InsertOffloadSchedule(GraphPass):
                 live -= group_bytes[n.args[2]]
         budget = runtime.config.max_device_bytes
         resident = runtime.resident_bytes
-        analysis.offload = OffloadSchedule(schedule, prefetch, peak, resident, budget)
+        ctx.analysis.offload = OffloadSchedule(schedule, prefetch, peak, resident, budget)
         if budget is not None and resident + peak > budget:
             raise OffloadError(
                 f"offload budget max_device_bytes={budget:,}: this graph's traps need {peak:,} streamed bytes at once "
@@ -276,3 +192,87 @@ class InsertOffloadSchedule(GraphPass):
             f"{self.name}: {len(schedule)} trap loads of {sum(g.nbytes for g in schedule):,} bytes, prefetch {prefetch}, "
             f"schedule peak {peak:,} streamed bytes"
         )
+
+
+def _offloaded_inputs(ctx: PassContext) -> dict[torch.fx.Node, OffloadedTensor]:
+    """Placeholder -> its offload record, for the graph inputs :func:`graphpass.offload` registered."""
+    placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
+    records = {}
+    for ph, value in zip(placeholders, ctx.example_inputs):
+        rec = lookup(value)
+        if rec is not None:
+            records[ph] = rec
+    return records
+
+
+def _refuse_writes(graph: torch.fx.Graph, records: dict) -> None:
+    """A write into an offloaded tensor (or a view of it) would land in a loaded copy and be lost."""
+    aliases = AliasIndex(graph)
+    for ph, rec in records.items():
+        hit = find_write(ph, aliases)
+        if hit is not None:
+            raise OffloadError(
+                f"the graph writes offloaded tensor {rec.name!r} in place ({hit[0].format_node()}): a write to a "
+                f"loaded copy would be lost at eviction. Keep it on the device with exclude_patterns"
+            )
+
+
+def _plan_groups(graph: torch.fx.Graph, records: dict, node_trap: dict[str, str], order: dict) -> list[_Group]:
+    """Group the readers of every offloaded input by trap (readers outside traps by the stretch
+    between two trap exits), anchored at the trap's enter node; in graph order of the anchors."""
+    segment: dict[torch.fx.Node, int] = {}
+    exits = 0
+    for n in graph.nodes:
+        segment[n] = exits
+        if is_exit(n):
+            exits += 1
+    groups: dict[str, dict] = {}
+    for ph in records:
+        for user in ph.users:
+            if is_graphpass_node(user):
+                continue  # boundary deps keep reading the host tensor
+            label = node_trap.get(user.name)
+            key = label if label is not None else f"between:{segment[user]}"
+            g = groups.setdefault(key, {"users": {}, "phs": {}})
+            g["users"][user] = None
+            g["phs"][ph] = min(g["phs"].get(ph, order[user]), order[user])  # first read
+    enters: dict[str, list[torch.fx.Node]] = {}
+    for n in graph.nodes:
+        if is_enter(n):
+            enters.setdefault(n.args[0], []).append(n)
+    plan = []
+    for key, g in groups.items():
+        users = sorted(g["users"], key=order.__getitem__)
+        anchor = users[0]
+        for e in enters.get(key, []):
+            if order[e] < order[users[0]]:
+                anchor = e
+        phs = sorted(g["phs"], key=lambda p: (g["phs"][p], order[p]))
+        plan.append(_Group(key, anchor, users[-1], users, phs))
+    plan.sort(key=lambda grp: order[grp.anchor])
+    return plan
+
+
+def _insert_start(graph, plan: list[_Group], done: _Inserted, j: int, before: torch.fx.Node, k: int, device, order: dict) -> None:
+    """Insert group ``j``'s ``load_start`` before ``before`` (issued at group ``k``), after the
+    eviction of the group before ``k`` when that eviction comes earlier in the graph."""
+    after = []
+    prev = k - 1
+    if prev >= 0 and prev in done.evicts and order[plan[prev].last] < order[before]:
+        after = [done.evicts[prev]]
+    with graph.inserting_before(before):
+        done.starts[j] = graph.call_function(LOAD_START, (list(plan[j].phs), plan[j].key, device, after))
+
+
+def _fake_values(fake_mode, start, wait, items, phs, device):
+    """Example values for the inserted nodes (fake tensors on ``device``); the eviction token, or None."""
+    if fake_mode is None:
+        return None
+    with fake_mode:
+        start.meta["example_value"] = torch.empty((), dtype=torch.int64)
+        vals = [torch.empty(p.meta["example_value"].shape, dtype=p.meta["example_value"].dtype, device=device) for p in phs]
+        token = torch.empty((), dtype=torch.int64)
+    wait.meta["example_value"] = vals
+    for item, v in zip(items, vals):
+        item.meta["example_value"] = v
+    return token

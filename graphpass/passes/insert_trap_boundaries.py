@@ -27,8 +27,8 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from ..analysis import is_tensor_node
-from ..ops import TRAP_ENTER, TRAP_EXIT, is_boundary, is_graphpass_op
+from ..fx_utils import is_graphpass_op, is_tensor_node, node_order
+from ..ops import TRAP_ENTER, TRAP_EXIT, is_boundary
 from .base import GraphPass, PassContext
 
 _ANCHOR_FUNCTIONS = {
@@ -81,15 +81,16 @@ def _anchors_behind(starts, stop) -> list:
 
 class InsertTrapBoundaries(GraphPass):
     name = "insert_trap_boundaries"
+    requires = ("assign_traps",)
 
     def should_run(self, ctx: PassContext) -> bool:
         return ctx.config.boundaries
 
-    def run(self, ctx: PassContext) -> None:
+    def run(self, ctx: PassContext) -> bool:
         graph = ctx.gm.graph
         analysis = ctx.analysis
         nodes = {n.name: n for n in graph.nodes}
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = node_order(graph)
         present = {n.args[0] for n in graph.nodes if is_boundary(n)}
         weights = {nodes[name] for name, t in analysis.tensors.items() if t.is_weight}
         inserted = 0
@@ -129,7 +130,5 @@ class InsertTrapBoundaries(GraphPass):
             enter.meta["graphpass_trap"] = label
             exit_.meta["graphpass_trap"] = label
             inserted += 1
-        if inserted:
-            graph.lint()
-            ctx.gm.recompile()
         ctx.log.append(f"{self.name}: {inserted} traps bounded")
+        return inserted > 0

@@ -9,9 +9,9 @@ tensor-producing compute node before it, so a re-load cannot start before the ba
 its trap and device residency in the backward stays one trap at a time.
 
 Applies to graphs that hold ``load_wait`` nodes but no ``evict`` node (the backward graphs); the
-forward graph's loads already carry their order in data. Registered as inductor's
-``post_grad_custom_post_pass`` by :class:`graphpass.backends.InductorDelegate` when a graph holds
-offload loads.
+forward graph's loads already carry their order in data. Declared in
+``graphpass.pipeline.POST_GRAD_PASSES``; :class:`graphpass.backends.InductorDelegate` installs it
+as inductor's ``post_grad_custom_post_pass`` for a graph that holds offload loads.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT
-from ..ops import is_graphpass_op
+from ..fx_utils import is_graphpass_op, node_order
 
 
 def _descendants(node: torch.fx.Node) -> set:
@@ -47,7 +47,7 @@ def pin_backward_loads(graph: torch.fx.Graph) -> int:
         consumers = [c for it in items for c in it.users if not (c.op == "call_function" and is_graphpass_op(c.target))]
         if not consumers:
             continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = node_order(graph)
         first = min(consumers, key=order.__getitem__)
         below = _descendants(wait)
         anchor = None
@@ -70,13 +70,21 @@ def pin_backward_loads(graph: torch.fx.Graph) -> int:
         for n in (start, wait, *items):
             first.prepend(n)
         pinned += 1
-    graph.lint()
     return pinned
 
 
 class PinBackwardLoads(CustomGraphPass):
+    name = "pin_backward_loads"
+
+    def applies_to(self, gm: torch.fx.GraphModule) -> bool:
+        """Whether a Dynamo-level graph holds offload loads (its backward may then need pinning)."""
+        return any(n.target is LOAD_WAIT for n in gm.graph.nodes)
+
     def __call__(self, graph: torch.fx.Graph) -> None:
-        pin_backward_loads(graph)
+        from ..pipeline import check_well_formed
+
+        if pin_backward_loads(graph):
+            check_well_formed(graph, self.name, "a backward graph")
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__,))

@@ -23,8 +23,9 @@ from typing import Any
 import sympy
 import torch
 
-from ..analysis import example_of
+from ..analysis import TensorOwnership
 from ..errors import ConfigError
+from ..fx_utils import example_of, is_symbolic, size_expr
 from .base import GraphPass, PassContext
 
 
@@ -36,7 +37,7 @@ class BucketPlan:
     size_inputs: dict[int, sympy.Expr]  # placeholder index of a SymInt input -> its expression
     outputs: list[Any]  # per output: None (no padded dim) or per-dim None / (symbol, a, b): size a*L + b
     refused: list[str] = field(default_factory=list)  # why this graph runs dynamic (empty: bucketed)
-    unsliced: Any = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
+    unsliced: torch.fx.GraphModule | None = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
 
     @property
     def active(self) -> bool:
@@ -44,9 +45,8 @@ class BucketPlan:
 
 
 def _expr(s: Any) -> sympy.Expr | None:
-    if isinstance(s, torch.SymInt):
-        return s.node.expr
-    return None
+    """A symbolic size's expression; None for a fixed size."""
+    return size_expr(s) if is_symbolic(s) else None
 
 
 def _linear(expr: sympy.Expr, sym: sympy.Symbol) -> tuple[int, int] | None:
@@ -64,99 +64,23 @@ def _linear(expr: sympy.Expr, sym: sympy.Symbol) -> tuple[int, int] | None:
 
 class PlanStaticShapes(GraphPass):
     name = "plan_static_shapes"
+    requires = ("analyze_ownership",)
 
     def should_run(self, ctx: PassContext) -> bool:
         return ctx.config.static_shapes is not None
 
-    def run(self, ctx: PassContext) -> None:
+    def run(self, ctx: PassContext) -> bool:
         cfg = ctx.config.static_shapes
-        analysis = ctx.analysis
         placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
-        index = {n.name: i for i, n in enumerate(placeholders)}
-        inputs = {t.fqn: t for t in analysis.tensors.values() if t.kind == "input"}
-
-        def find(name: str):
-            for key in (name, f"kwargs[{name!r}]"):
-                if key in inputs:
-                    return inputs[key]
-            return None
-
-        symbols: dict[sympy.Symbol, tuple[int, int]] = {}
-        masked_syms: set[sympy.Symbol] = set()
-        missing = []
-        for name, dims in cfg.dims.items():
-            t = find(name)
-            if t is None:
-                missing.append(name)
-                continue
-            val = example_of(placeholders[index[t.node]])
-            for d in dims:
-                if d >= val.dim():
-                    raise ConfigError(f"static_shapes.dims.{name}", d, f"input {name!r} has only {val.dim()} dims")
-                e = _expr(val.shape[d])
-                if e is None:
-                    ctx.log.append(f"{self.name}: {name} dim {d} is static here ({int(val.shape[d])}): exact-size graph")
-                    return
-                if not isinstance(e, sympy.Symbol):
-                    ctx.log.append(f"{self.name}: {name} dim {d} has size {e}, not a plain symbol: not bucketed")
-                    return
-                symbols[e] = (index[t.node], d)
-                if name in cfg.masked:
-                    masked_syms.add(e)
-        if missing and not symbols:
-            if ctx.roots.is_entry_frame:
-                known = ", ".join(sorted(inputs)) or "none"
-                raise ConfigError("static_shapes.dims", missing[0], f"no input of the compiled function has this name (inputs: {known})")
-            ctx.log.append(f"{self.name}: inputs {missing} not in this graph (a graph after a break): not bucketed")
-            return
-        if missing:
-            ctx.log.append(f"{self.name}: inputs {missing} not in this graph; bucketing the others")
+        inputs = _Inputs(ctx, placeholders)
+        found = self._bucket_symbols(ctx, inputs)
+        if found is None:
+            return False  # not bucketed; the reason is in ctx.log
+        symbols, masked_syms = found
         plan = BucketPlan(symbols=symbols, pad={}, pad_values={}, size_inputs={}, outputs=[])
         syms = set(symbols)
-        pad_by_name = {t.node: v for t, v in ((find(n), v) for n, v in cfg.pad_value.items()) if t is not None}
-        for i, ph in enumerate(placeholders):
-            val = example_of(ph)
-            if isinstance(val, torch.SymInt):
-                e = val.node.expr
-                if e.free_symbols & syms:
-                    plan.size_inputs[i] = e
-                continue
-            if not isinstance(val, torch.Tensor):
-                continue
-            dims = []
-            for d, s in enumerate(val.shape):
-                e = _expr(s)
-                if e is None or not (e.free_symbols & syms):
-                    continue
-                if e not in syms:
-                    plan.refused.append(f"input {ph.name} dim {d} has size {e}: only dims sized exactly by a bucketed dim can be padded")
-                dims.append((d, e))
-            if dims:
-                plan.pad[i] = tuple(dims)
-                plan.pad_values[i] = float(pad_by_name.get(ph.name, 0))
-        out = next(n for n in ctx.gm.graph.nodes if n.op == "output")
-        for arg in out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]:
-            val = example_of(arg) if isinstance(arg, torch.fx.Node) else arg
-            if isinstance(val, torch.Tensor):
-                spec = []
-                for d, s in enumerate(val.shape):
-                    e = _expr(s)
-                    if e is None or not (e.free_symbols & syms):
-                        spec.append(None)
-                        continue
-                    sym = next((sym for sym in syms if e.free_symbols == {sym}), None)
-                    lin = _linear(e, sym) if sym is not None else None
-                    if lin is None:
-                        plan.refused.append(f"output {arg.name} dim {d} has size {e}: cannot slice it back")
-                        spec.append(None)
-                    else:
-                        spec.append((sym, *lin))
-                plan.outputs.append(tuple(spec) if any(x is not None for x in spec) else None)
-            elif isinstance(val, torch.SymInt) and val.node.expr.free_symbols & syms:
-                plan.refused.append(f"output {getattr(arg, 'name', arg)} is a size ({val.node.expr}) that depends on the padded dim")
-                plan.outputs.append(None)
-            else:
-                plan.outputs.append(None)
+        _plan_inputs(plan, placeholders, syms, inputs.pad_values(cfg.pad_value))
+        _plan_outputs(plan, ctx.gm, syms)
         unmasked = syms - masked_syms
         if unmasked and not plan.refused:
             from ..static_shapes.padding_safety import check_padding_safety
@@ -166,8 +90,120 @@ class PlanStaticShapes(GraphPass):
         from ..static_shapes.dispatcher import copy_graph
 
         plan.unsliced = copy_graph(ctx.gm)  # the dynamic fallback must not slice fixed-size buffers
-        analysis.bucket_plan = plan
+        ctx.analysis.bucket_plan = plan
         if plan.active:
             ctx.static_bounds = {sym: cfg.largest for sym in symbols}
         state = "bucketed" if plan.active else "refused: " + plan.refused[0]
         ctx.log.append(f"{self.name}: {len(plan.pad)} padded inputs, {len(plan.outputs)} outputs; {state}")
+        return False  # a plan: the graph itself is padded per bucket by the dispatcher
+
+    def _bucket_symbols(self, ctx: PassContext, inputs: "_Inputs") -> tuple[dict, set] | None:
+        """The symbol of every bucketed dim (-> (placeholder index, dim)) and those the user masks,
+        or None (logged) when this graph is not bucketed."""
+        cfg = ctx.config.static_shapes
+        symbols: dict[sympy.Symbol, tuple[int, int]] = {}
+        masked_syms: set[sympy.Symbol] = set()
+        missing = []
+        for name, dims in cfg.dims.items():
+            t = inputs.find(name)
+            if t is None:
+                missing.append(name)
+                continue
+            val = example_of(inputs.placeholders[inputs.index[t.node]])
+            for d in dims:
+                if d >= val.dim():
+                    raise ConfigError(f"static_shapes.dims.{name}", d, f"input {name!r} has only {val.dim()} dims")
+                e = _expr(val.shape[d])
+                if e is None:
+                    ctx.log.append(f"{self.name}: {name} dim {d} is static here ({int(val.shape[d])}): exact-size graph")
+                    return None
+                if not isinstance(e, sympy.Symbol):
+                    ctx.log.append(f"{self.name}: {name} dim {d} has size {e}, not a plain symbol: not bucketed")
+                    return None
+                symbols[e] = (inputs.index[t.node], d)
+                if name in cfg.masked:
+                    masked_syms.add(e)
+        if missing and not symbols:
+            if ctx.roots.is_entry_frame:
+                known = ", ".join(sorted(inputs.by_name)) or "none"
+                raise ConfigError("static_shapes.dims", missing[0], f"no input of the compiled function has this name (inputs: {known})")
+            ctx.log.append(f"{self.name}: inputs {missing} not in this graph (a graph after a break): not bucketed")
+            return None
+        if missing:
+            ctx.log.append(f"{self.name}: inputs {missing} not in this graph; bucketing the others")
+        return symbols, masked_syms
+
+
+class _Inputs:
+    """The graph's user inputs by name (``ids`` or ``kwargs['ids']``) and placeholder position."""
+
+    def __init__(self, ctx: PassContext, placeholders: list[torch.fx.Node]) -> None:
+        self.placeholders = placeholders
+        self.index = {n.name: i for i, n in enumerate(placeholders)}
+        self.by_name = {t.fqn: t for t in ctx.analysis.tensors.values() if t.kind == "input"}
+
+    def find(self, name: str) -> TensorOwnership | None:
+        for key in (name, f"kwargs[{name!r}]"):
+            if key in self.by_name:
+                return self.by_name[key]
+        return None
+
+    def pad_values(self, pad_value: dict[str, float]) -> dict[str, float]:
+        """Placeholder name -> the pad value the user gave for that input."""
+        found = ((self.find(n), v) for n, v in pad_value.items())
+        return {t.node: v for t, v in found if t is not None}
+
+
+def _plan_inputs(plan: BucketPlan, placeholders: list[torch.fx.Node], syms: set, pad_by_name: dict[str, float]) -> None:
+    """Which dims of which inputs are padded, and the size inputs that follow a bucketed dim."""
+    for i, ph in enumerate(placeholders):
+        val = example_of(ph)
+        if isinstance(val, torch.SymInt):
+            e = val.node.expr
+            if e.free_symbols & syms:
+                plan.size_inputs[i] = e
+            continue
+        if not isinstance(val, torch.Tensor):
+            continue
+        dims = []
+        for d, s in enumerate(val.shape):
+            e = _expr(s)
+            if e is None or not (e.free_symbols & syms):
+                continue
+            if e not in syms:
+                plan.refused.append(f"input {ph.name} dim {d} has size {e}: only dims sized exactly by a bucketed dim can be padded")
+            dims.append((d, e))
+        if dims:
+            plan.pad[i] = tuple(dims)
+            plan.pad_values[i] = float(pad_by_name.get(ph.name, 0))
+
+
+def _plan_outputs(plan: BucketPlan, gm: torch.fx.GraphModule, syms: set) -> None:
+    """How each output is sliced back to the real size (``sym + b`` dims only)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for arg in out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]:
+        val = example_of(arg)
+        if isinstance(val, torch.Tensor):
+            plan.outputs.append(_output_spec(plan, arg, val, syms))
+        elif isinstance(val, torch.SymInt) and val.node.expr.free_symbols & syms:
+            plan.refused.append(f"output {getattr(arg, 'name', arg)} is a size ({val.node.expr}) that depends on the padded dim")
+            plan.outputs.append(None)
+        else:
+            plan.outputs.append(None)
+
+
+def _output_spec(plan: BucketPlan, arg: torch.fx.Node, val: torch.Tensor, syms: set) -> tuple | None:
+    spec = []
+    for d, s in enumerate(val.shape):
+        e = _expr(s)
+        if e is None or not (e.free_symbols & syms):
+            spec.append(None)
+            continue
+        sym = next((sym for sym in syms if e.free_symbols == {sym}), None)
+        lin = _linear(e, sym) if sym is not None else None
+        if lin is None:
+            plan.refused.append(f"output {arg.name} dim {d} has size {e}: cannot slice it back")
+            spec.append(None)
+        else:
+            spec.append((sym, *lin))
+    return tuple(spec) if any(x is not None for x in spec) else None

@@ -56,18 +56,13 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-from ..analysis import example_of
+from ..fx_utils import AliasIndex, example_of, size_expr as _expr, writes_into
 from .base import GraphPass, PassContext
 
 BUFFER_PREFIX = "_graphpass_static_"
 
 _FILLS: dict[Any, float | None] = {torch.zeros: 0, torch.ones: 1, torch.empty: 0, torch.full: None}
 _NEW_FILLS: dict[str, float | None] = {"new_zeros": 0, "new_ones": 1, "new_empty": 0, "new_full": None}
-_INPLACE_OPERATORS = {
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-    operator.irshift, operator.imatmul,
-}
 
 
 @dataclass
@@ -143,12 +138,6 @@ def _size_arg(args: list[Any], kwargs: dict[str, Any]) -> Any:
     return list(args)
 
 
-def _expr(v: Any) -> sympy.Expr:
-    if isinstance(v, (torch.SymInt, torch.SymFloat)):
-        return sympy.sympify(v.node.expr)
-    return sympy.sympify(v)
-
-
 def _value(v: Any) -> Any:
     """A constant itself, a node's example value (a SymInt for size nodes)."""
     return example_of(v) if isinstance(v, Node) else v
@@ -163,51 +152,13 @@ def _is_const(v: Any) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _storage_key(v: Any) -> int | None:
-    if not isinstance(v, torch.Tensor):
-        return None
-    try:
-        return v.untyped_storage()._cdata
-    except Exception:  # noqa: BLE001 - tensors without a storage (sparse, ...) alias nothing we track
-        return None
-
-
-def _flat_nodes(v: Any) -> list[Node]:
-    if isinstance(v, Node):
-        return [v]
-    if isinstance(v, (list, tuple)):
-        return [n for item in v for n in _flat_nodes(item)]
-    if isinstance(v, dict):
-        return [n for item in v.values() for n in _flat_nodes(item)]
-    return []
-
-
-def _writes(user: Node, alias: Node) -> bool:
-    """Whether ``user`` may write into ``alias`` (one of its arguments)."""
-    if alias in _flat_nodes(user.kwargs.get("out")):
-        return True
-    if isinstance(user.target, torch._ops.OpOverload) and user.target._schema.is_mutable:
-        return True  # an op that writes into some argument (aten add_, a mutating custom op)
-    if not user.args or user.args[0] is not alias:
-        return False
-    if user.op == "call_method":
-        return isinstance(user.target, str) and user.target.endswith("_") and not user.target.startswith("__")
-    if user.op != "call_function":
-        return False
-    if user.target in _INPLACE_OPERATORS or user.kwargs.get("inplace") is True:
-        return True
-    return getattr(user.target, "__name__", "").endswith("_")  # torch.relu_, Tensor.add_
-
-
-def _unsafe_use(node: Node, slice_outputs: bool) -> str | None:
+def _unsafe_use(node: Node, slice_outputs: bool, index: AliasIndex) -> str | None:
     """Why the result of ``node`` must not be a slice of a shared buffer, or None."""
     ev = example_of(node)
-    key = _storage_key(ev)
-    # every node whose example value shares the factory's storage: itself and its views
-    aliases = [n for n in node.graph.nodes if key is not None and _storage_key(example_of(n)) == key] or [node]
-    for alias in aliases:
+    # the factory's result and every node that may alias it: its views, and nodes sharing its storage
+    for alias in index.aliases(node):
         for user in alias.users:
-            if _writes(user, alias):
+            if writes_into(user, alias):
                 what = f"{alias.name}, a view of it" if alias is not node else "it"
                 return f"{user.name} ({user.op} {getattr(user.target, '__name__', user.target)}) writes into {what}"
             if user.op == "output" and not slice_outputs:
@@ -280,14 +231,16 @@ class _Bounder:
 
 
 def slice_static_buffers(
-    gm: GraphModule, bounds: dict[sympy.Symbol, int], *, slice_outputs: bool = True
+    gm: GraphModule, bounds: dict[sympy.Symbol, int], *, slice_outputs: bool = True, recompile: bool = True
 ) -> list[SlicedFactory]:
     """Replace every factory with a symbolic size in ``gm`` by a slice of a constant max-size buffer.
 
     ``bounds`` maps each size symbol (``s0``: ``placeholder.meta["example_value"].node.expr``) to the
     largest value it takes. Returns one record per factory with a symbolic size, replaced or not.
+    With ``recompile=False`` (the pipeline's runner lints and recompiles) ``gm`` is left to the caller.
     """
     graph = gm.graph
+    index = AliasIndex(graph)
     records: list[SlicedFactory] = []
     buffers: dict[tuple, str] = {}  # buffer contents -> name, so equal buffers are shared
     for node in list(graph.nodes):
@@ -301,7 +254,7 @@ def slice_static_buffers(
         rec = SlicedFactory(node.name, spec.op, str(shape), None, None, 0)
         records.append(rec)
         try:
-            _check(node, spec, ev, slice_outputs)
+            _check(node, spec, ev, slice_outputs, index)
             bounder = _Bounder(bounds, ev)
             rec.max_shape = tuple(bounder.max_int(e) for e in shape)
             contents, make = _contents(spec, ev, rec.max_shape, bounder)
@@ -316,13 +269,13 @@ def slice_static_buffers(
         except _Skip as why:
             rec.skipped_reason = str(why)
             rec.buffer, rec.bytes = None, 0
-    if any(r.skipped_reason is None for r in records):
+    if recompile and any(r.skipped_reason is None for r in records):
         graph.lint()
         gm.recompile()
     return records
 
 
-def _check(node: Node, spec: _Factory, ev: torch.Tensor, slice_outputs: bool) -> None:
+def _check(node: Node, spec: _Factory, ev: torch.Tensor, slice_outputs: bool, index: AliasIndex) -> None:
     if node.kwargs.get("requires_grad") or ev.requires_grad:
         raise _Skip("requires_grad=True: a fresh leaf tensor is expected")
     if node.kwargs.get("pin_memory"):
@@ -345,7 +298,7 @@ def _check(node: Node, spec: _Factory, ev: torch.Tensor, slice_outputs: bool) ->
             for i, d in enumerate(ev.shape) if isinstance(d, torch.SymInt)
         ):
             raise _Skip(f"cannot find the size nodes in {items}")
-    unsafe = _unsafe_use(node, slice_outputs)
+    unsafe = _unsafe_use(node, slice_outputs, index)
     if unsafe:
         raise _Skip(unsafe)
 
@@ -523,6 +476,7 @@ class SliceStaticBuffers(GraphPass):
     """
 
     name = "slice_static_buffers"
+    requires = ("plan_static_shapes",)  # in the pipeline, the bounds come from its plan
 
     def __init__(
         self,
@@ -543,8 +497,9 @@ class SliceStaticBuffers(GraphPass):
         """Only for graphs with symbolic sizes, and only when bounds are known."""
         return any(_symbolic(example_of(n)) for n in ctx.gm.graph.nodes) and bool(self._bounds(ctx))
 
-    def run(self, ctx: PassContext) -> None:
-        records = slice_static_buffers(ctx.gm, self._bounds(ctx), slice_outputs=self.slice_outputs)
+    def run(self, ctx: PassContext) -> bool:
+        records = slice_static_buffers(ctx.gm, self._bounds(ctx), slice_outputs=self.slice_outputs, recompile=False)
         ctx.log.extend(f"{self.name}: {r.line()}" for r in records)
         if not records:
             ctx.log.append(f"{self.name}: no factory with a symbolic size")
+        return any(r.skipped_reason is None for r in records)

@@ -16,8 +16,9 @@ The graphs run eagerly on the example inputs (to get past graph breaks); nothing
 from __future__ import annotations
 
 import inspect
-import os
+import itertools
 import re
+import threading
 import types
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -27,7 +28,8 @@ import torch
 from tabulate import tabulate
 
 from ..errors import ConfigError
-from ..explain_report import fmt_bytes
+from ..formatting import fmt_bytes
+from ..fx_utils import returns_alias, size_expr, source_frame, tensors_of
 
 __all__ = ["audit", "AuditReport", "AllocationRow", "VERDICTS", "RULES"]
 
@@ -74,46 +76,13 @@ _DATA_DEPENDENT_WHY = {
 for _u in ("unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive"):
     _DATA_DEPENDENT_WHY[_u] = f"{_u} returns one element per distinct value"
 
-# View (and view-like) ops allocate nothing. Most are recognised from their schema (a return that
-# aliases an input without writing it); these are listed because their schema does not say so.
-_VIEW_NAMES = {
-    "view",
-    "reshape",
-    "expand",
-    "slice",
-    "select",
-    "permute",
-    "transpose",
-    "t",
-    "unsqueeze",
-    "squeeze",
-    "_unsafe_view",
-    "alias",
-    "as_strided",
-    "detach",
-    "lift_fresh",
-    "narrow",
-    "split",
-    "split_with_sizes",
-    "chunk",
-    "unbind",
-    "diagonal",
-    "unfold",
-    "view_as_real",
-    "view_as_complex",
-    "_reshape_alias",
-    "unflatten",
-    "movedim",
-}
+# View ops (and in-place / out= ops) allocate nothing: graphpass.fx_utils.returns_alias says which.
 
 # torch 2.13 tags every node of a non-reentrant checkpoint region with ``ac_graph_id`` and a
 # ``recompute`` policy (PREFER_RECOMPUTE by default). The partitioner also stamps ``recompute=MUST_SAVE``
 # on nodes it saves for backward (the region's inputs among them), so the key alone proves nothing.
 _RECOMPUTE_POLICIES = {"PREFER_RECOMPUTE", "MUST_RECOMPUTE"}
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_THIS_FILE = os.path.abspath(__file__)
-_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\s*$')
 
 
 # ----------------------------------------------------------------------------------------- rows
@@ -368,7 +337,10 @@ class _Recorder:
         )
 
 
-_ENTRY_COUNT = [0]
+# Names for fresh entry code objects: unique per process, so two audits (two threads, two models)
+# never share Dynamo's cache entry. itertools.count's __next__ is atomic; the lock makes it explicit.
+_ENTRY_NAMES = itertools.count(1)
+_ENTRY_LOCK = threading.Lock()
 
 
 def _fresh_entry(fn: Any):
@@ -377,8 +349,9 @@ def _fresh_entry(fn: Any):
     def entry(*args):
         return fn(*args)
 
-    _ENTRY_COUNT[0] += 1
-    code = entry.__code__.replace(co_name=f"graphpass_audit_{_ENTRY_COUNT[0]}")
+    with _ENTRY_LOCK:
+        n = next(_ENTRY_NAMES)
+    code = entry.__code__.replace(co_name=f"graphpass_audit_{n}")
     return types.FunctionType(code, entry.__globals__, code.co_name, None, entry.__closure__)
 
 
@@ -468,27 +441,11 @@ def audit(
 
 def _shape_env(gm: torch.fx.GraphModule):
     for n in gm.graph.nodes:
-        for v in _tensors(n.meta.get("val")):
+        for v in tensors_of(n.meta.get("val")):
             mode = getattr(v, "fake_mode", None)
             if mode is not None and mode.shape_env is not None:
                 return mode.shape_env
     return None
-
-
-def _tensors(val: Any) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
-
-
-def _expr(s: Any) -> sympy.Expr:
-    if isinstance(s, torch.fx.Node):
-        s = s.meta.get("val")
-    if isinstance(s, torch.SymInt):
-        return sympy.sympify(s.node.expr)
-    return sympy.Integer(int(s))
 
 
 def _op_name(target: Any) -> str:
@@ -503,40 +460,10 @@ def _packet(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _is_view(target: Any) -> bool:
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target.overloadpacket.__name__ in _VIEW_NAMES:
-        return True
-    rets = target._schema.returns
-    # in-place and out= ops write an existing tensor; view ops alias one: neither allocates
-    return bool(rets) and all(r.alias_info is not None for r in rets)
-
-
-_SOURCE_CACHE: dict[str, tuple[str, str]] = {}
-
-
 def _source(node: torch.fx.Node) -> tuple[str, str]:
-    """``("file.py:LINE", code)`` of the innermost user frame in the node's stack trace."""
-    trace = node.meta.get("stack_trace") or ""
-    if not trace:
-        return "-", ""
-    hit = _SOURCE_CACHE.get(trace)
-    if hit is not None:
-        return hit
-    lines = trace.splitlines()
-    best = ("-", "")
-    for i, line in enumerate(lines):
-        m = _FRAME.match(line)
-        if not m:
-            continue
-        path = os.path.abspath(m.group(1))
-        if path.startswith(_TORCH_DIR + os.sep) or path == _THIS_FILE:
-            continue
-        code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
-        best = (f"{os.path.basename(path)}:{m.group(2)}", code)
-    _SOURCE_CACHE[trace] = best
-    return best
+    """``("file.py:LINE", code)`` of the innermost user frame in the node's stack trace (``"-"``: unknown)."""
+    frame = source_frame(node)
+    return (str(frame), frame.code) if frame is not None else ("-", "")
 
 
 def _is_int_bound(v: Any) -> bool:
@@ -613,20 +540,20 @@ def _analyze(rec: _Recorder, named: dict, dyn: dict, training: bool, factor: flo
             # callables compute SymInts
             if node.op != "call_function" or not isinstance(node.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
                 continue
-            if _is_view(node.target):
+            if returns_alias(node.target):
                 base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
                 if base is not None:
                     view_base[node.name] = view_base.get(base.name, base)
                 continue
-            outs = _tensors(node.meta.get("val"))
+            outs = tensors_of(node.meta.get("val"))
             if not outs:
                 continue
-            shapes = [[_expr(s) for s in t.shape] for t in outs]
+            shapes = [[size_expr(s) for s in t.shape] for t in outs]
             exprs = [e for shape in shapes for e in shape]
             unbacked = set().union(*(free_unbacked_symbols(e) for e in exprs)) if exprs else set()
             packet = _packet(node.target)
             data_dep = packet in _DATA_DEPENDENT or _is_bool_index(node)
-            randperm_var = packet == "randperm" and bool(_expr(node.args[0]).free_symbols)
+            randperm_var = packet == "randperm" and bool(size_expr(node.args[0]).free_symbols)
             symbolic = any(e.free_symbols for e in exprs)
             if not (symbolic or data_dep):
                 continue
@@ -746,7 +673,7 @@ def _verdict(node, packet, data_dep, randperm_var, unbacked, born, numels, bound
              allocating, view_base, ranges_for) -> tuple[str, str, str]:
     op = _op_name(node.target)
     if randperm_var:
-        count = _expr(node.args[0])
+        count = size_expr(node.args[0])
         why = f"its count {count} is data-dependent" if _has_unbacked(count) else f"its count {count} varies"
         return ("NO", "data-dependent",
                 f"randperm over a variable count ({why}): a prefix of a max-size permutation is not a permutation "
@@ -778,9 +705,9 @@ def _verdict(node, packet, data_dep, randperm_var, unbacked, born, numels, bound
                 "a max-size buffer would mostly sit idle; bucket the length")
     if packet == "cat":
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        out = _tensors(node.meta.get("val"))[0]
+        out = tensors_of(node.meta.get("val"))[0]
         dim = dim % max(out.dim(), 1)
-        if _expr(out.shape[dim]).free_symbols:
+        if size_expr(out.shape[dim]).free_symbols:
             pieces = []
             for p in node.args[0]:
                 base = view_base.get(p.name, p) if isinstance(p, torch.fx.Node) else None

@@ -38,14 +38,14 @@ OpOverloads arguments are read by their schema names, so aten graphs work for th
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
 import sympy
 import torch
+
+from ..fx_utils import example_of, mentions_symbol, size_expr, source_frame, tensors_of
 
 __all__ = ["PaddingViolation", "check_padding_safety", "padded_dims"]
 
@@ -239,29 +239,14 @@ def _symbol_names(symbols: Iterable[Any]) -> frozenset[str]:
     return frozenset(str(s) for s in symbols)
 
 
-def _mentions(value: Any, names: frozenset[str]) -> bool:
-    """Whether a size / scalar (int, SymInt, SymFloat, SymBool, sympy expr) mentions a symbol."""
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        value = value.node.expr
-    if isinstance(value, sympy.Basic):
-        return any(str(s) in names for s in value.free_symbols)
-    return False
-
-
-def _example(value: Any) -> Any:
-    if isinstance(value, torch.fx.Node):
-        return value.meta.get("example_value", value.meta.get("val"))
-    return value
-
-
 def padded_dims(value: Any, symbols: Iterable[Any]) -> tuple[int, ...]:
     """The dims of a (Fake)Tensor -- or of an FX node's example value -- whose size mentions one
     of ``symbols``. Anything that is not a tensor has none."""
-    value = _example(value)
+    value = example_of(value)
     if not isinstance(value, torch.Tensor):
         return ()
     names = _symbol_names(symbols)
-    return tuple(d for d, s in enumerate(value.shape) if _mentions(s, names))
+    return tuple(d for d, s in enumerate(value.shape) if mentions_symbol(s, names))
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,18 +254,10 @@ def padded_dims(value: Any, symbols: Iterable[Any]) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------
 
 _MISSING = object()
-_FRAME = re.compile(r'\s*File "(.+)", line (\d+)')
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-
-
 def _source(node: torch.fx.Node) -> str:
     """``file.py:LINE`` of the innermost user frame of the node's stack trace, or ``""``."""
-    best = ""
-    for line in (node.meta.get("stack_trace") or "").splitlines():
-        m = _FRAME.match(line)
-        if m and not os.path.abspath(m.group(1)).startswith(_TORCH_DIR + os.sep):
-            best = f"{os.path.basename(m.group(1))}:{m.group(2)}"
-    return best
+    frame = source_frame(node)
+    return str(frame) if frame is not None else ""
 
 
 def _namespace(target: Any) -> str | None:
@@ -399,20 +376,11 @@ def _iter_nodes(value: Any) -> Iterable[torch.fx.Node]:
 
 def _iter_values(value: Any) -> Iterable[Any]:
     """Every leaf argument, with nodes replaced by their example values."""
-    return (_example(v) for v in _leaves(value))
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    value = _example(value)
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+    return (example_of(v) for v in _leaves(value))
 
 
 def _is_tensor_arg(value: Any) -> bool:
-    return isinstance(_example(value), torch.Tensor)
+    return isinstance(example_of(value), torch.Tensor)
 
 
 def _dims(value: Any) -> list[int] | None:
@@ -432,7 +400,7 @@ def _norm_dim(d: int, ndim: int) -> int:
 
 def _static_int(value: Any) -> int | None:
     """A plain int argument; None for anything else (SymInts included)."""
-    value = _example(value)
+    value = example_of(value)
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -453,17 +421,17 @@ class _Ctx:
     causal_ok: bool
 
     def padded(self, value: Any) -> tuple[int, ...]:
-        t = _example(value)
+        t = example_of(value)
         if not isinstance(t, torch.Tensor):
             return ()
-        return tuple(d for d, s in enumerate(t.shape) if _mentions(s, self.names))
+        return tuple(d for d, s in enumerate(t.shape) if mentions_symbol(s, self.names))
 
 
 def _value_use(node: torch.fx.Node, ctx: _Ctx, args: Iterable[Any] | None = None) -> _Finding | None:
     """A scalar argument that mentions a padded length: the op computes with the length itself."""
     leaves = _iter_values(list(node.args) + list(node.kwargs.values()) if args is None else list(args))
     for v in leaves:
-        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Basic)) and _mentions(v, ctx.names):
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Basic)) and mentions_symbol(v, ctx.names):
             expr = v.node.expr if hasattr(v, "node") else v
             return None, f"uses the padded length ({expr}) as a value"
     return None
@@ -472,7 +440,7 @@ def _value_use(node: torch.fx.Node, ctx: _Ctx, args: Iterable[Any] | None = None
 def _check_along_dim(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     spec = ALONG_DIM[name]
     x = _arg(node, 0, "input")
-    t = _example(x)
+    t = example_of(x)
     if not isinstance(t, torch.Tensor):
         return None
     if name in ("max", "min") and _is_tensor_arg(_arg(node, 1, "other", None)):
@@ -508,13 +476,13 @@ def _check_matmul(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
         return _check_einsum(node, ctx)
     pairs: list[tuple[Any, int]] = []
     if spec is None:  # matmul: by rank
-        a, b = _example(_arg(node, 0, "input")), _example(_arg(node, 1, "other"))
+        a, b = example_of(_arg(node, 0, "input")), example_of(_arg(node, 1, "other"))
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return None
         pairs = [(a, 0 if a.dim() == 1 else -1), (b, 0 if b.dim() == 1 else -2)]
     else:
         for pos, kw, d in spec:
-            t = _example(_arg(node, pos, kw, None))
+            t = example_of(_arg(node, pos, kw, None))
             if isinstance(t, torch.Tensor):
                 pairs.append((t, d))
     for t, d in pairs:
@@ -541,7 +509,7 @@ def _check_einsum(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
         rhs = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
     kept = set(rhs)
     for term, op in zip(terms, ops):
-        t = _example(op)
+        t = example_of(op)
         if not isinstance(t, torch.Tensor):
             continue
         pads = ctx.padded(t)
@@ -557,7 +525,7 @@ def _check_einsum(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
 
 
 def _check_norm(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
-    t = _example(_arg(node, 0, "input"))
+    t = example_of(_arg(node, 0, "input"))
     if not isinstance(t, torch.Tensor):
         return None
     pads = ctx.padded(t)
@@ -582,9 +550,9 @@ def _check_norm(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
 
 
 def _check_attention(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
-    q = _example(_arg(node, 0, "query"))
-    k = _example(_arg(node, 1, "key", None))
-    v = _example(_arg(node, 2, "value", None))
+    q = example_of(_arg(node, 0, "query"))
+    k = example_of(_arg(node, 1, "key", None))
+    v = example_of(_arg(node, 2, "value", None))
     for t in (q, k):
         if isinstance(t, torch.Tensor) and t.dim() and t.dim() - 1 in ctx.padded(t):
             return t.dim() - 1, f"{name} contracts over the padded head dim"
@@ -599,14 +567,14 @@ def _check_attention(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
 
 def _bad_start(start: Any, ctx: _Ctx) -> str | None:
     """Why a start index / int index into a padded dim is not row-preserving, or None."""
-    v = _example(start)
+    v = example_of(start)
     if v is None:
         return None
     if isinstance(v, bool):
         return None
     if isinstance(v, int):
         return "counts from the end of the padded dim (reads padding rows)" if v < 0 else None
-    if isinstance(v, (torch.SymInt, torch.SymFloat)) and _mentions(v, ctx.names):
+    if isinstance(v, (torch.SymInt, torch.SymFloat)) and mentions_symbol(v, ctx.names):
         return f"is computed from the padded length ({v.node.expr}) and moves with the padding"
     if isinstance(v, torch.Tensor):
         return "is a tensor: rows chosen by tensor values"
@@ -615,7 +583,7 @@ def _bad_start(start: Any, ctx: _Ctx) -> str | None:
 
 def _check_getitem(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     target = node.args[0] if node.args else None
-    t = _example(target)
+    t = example_of(target)
     if not isinstance(t, torch.Tensor):
         return None  # a tuple / list / torch.Size element
     pads = ctx.padded(t)
@@ -641,7 +609,7 @@ def _check_getitem(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None
     def width(item: Any) -> int:
         if item is None:
             return 0
-        v = _example(item)
+        v = example_of(item)
         if isinstance(v, torch.Tensor) and v.dtype == torch.bool:
             return v.dim()
         return 0 if item is Ellipsis else 1
@@ -656,10 +624,10 @@ def _check_getitem(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None
         for dd in range(d, d + w):
             if dd not in pads:
                 continue
-            v = _example(item)
+            v = example_of(item)
             if isinstance(item, slice):
                 why = _bad_start(item.start, ctx)
-                step = _example(item.step)
+                step = example_of(item.step)
                 if step is not None and not (isinstance(step, int) and step >= 1):
                     why = why or "steps backwards or by a non-static step"
             elif isinstance(v, torch.Tensor):
@@ -681,7 +649,7 @@ def _check_cat(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     if not isinstance(pieces, (list, tuple)):
         return None, f"{name} of an unreadable list: cannot prove row independence"
     d = _arg(node, 1, "dim", 0)
-    tensors = [_example(p) for p in pieces]
+    tensors = [example_of(p) for p in pieces]
     tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0]
     if not tensors:
         return None
@@ -695,14 +663,14 @@ def _check_cat(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
 
 
 def _check_repeat(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
-    t = _example(node.args[0] if node.args else _arg(node, 0, "input"))
+    t = example_of(node.args[0] if node.args else _arg(node, 0, "input"))
     if not isinstance(t, torch.Tensor):
         return None
     pads = ctx.padded(t)
     if not pads:
         return None
     if name == "repeat_interleave":
-        reps = _example(_arg(node, 1, "repeats", None))
+        reps = example_of(_arg(node, 1, "repeats", None))
         d = _arg(node, 2, "dim", None)
         if isinstance(reps, torch.Tensor) and reps.dim() > 0:
             return None, "repeat_interleave with tensor repeats: cannot prove row independence"
@@ -723,7 +691,7 @@ def _check_repeat(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
 
 
 def _check_pad(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
-    t = _example(_arg(node, 0, "input"))
+    t = example_of(_arg(node, 0, "input"))
     if not isinstance(t, torch.Tensor):
         return None
     amounts = _arg(node, 1, "pad", ())
@@ -742,14 +710,10 @@ def _check_pad(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
 
 
 def _check_embedding(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
-    w = _example(_arg(node, 1, "weight", None))
+    w = example_of(_arg(node, 1, "weight", None))
     if isinstance(w, torch.Tensor) and w.dim() and 0 in ctx.padded(w):
         return 0, "embedding looks up rows of a table along the padded dim"
     return None
-
-
-def _size_expr(size: Any) -> sympy.Expr:
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
 
 
 def _shape_env(t: torch.Tensor) -> Any:
@@ -792,7 +756,7 @@ def _reshape_keeps_rows(src: torch.Tensor, dst: torch.Tensor, ctx: _Ctx) -> bool
     env = _shape_env(src) or _shape_env(dst)
 
     def blocks(t: torch.Tensor) -> list[tuple[sympy.Expr, sympy.Expr]]:
-        shape = [_exact(_size_expr(s), env) for s in t.shape]
+        shape = [_exact(size_expr(s), env) for s in t.shape]
         return [(sympy.Mul(*shape[d + 1:]), sympy.Mul(*shape[d:])) for d in ctx.padded(t)]
 
     a, b = blocks(src), blocks(dst)
@@ -806,8 +770,8 @@ def _reshape_keeps_rows(src: torch.Tensor, dst: torch.Tensor, ctx: _Ctx) -> bool
 
 
 def _check_reshape(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
-    src = _example(node.args[0] if node.args else _arg(node, 0, "input"))
-    dst = _example(node)
+    src = example_of(node.args[0] if node.args else _arg(node, 0, "input"))
+    dst = example_of(node)
     if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
         return None
     if _reshape_keeps_rows(src, dst, ctx):
@@ -871,11 +835,11 @@ def _check_node(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
     if node.op == "call_function" and _namespace(node.target) in _SAFE_NAMESPACES:
         return None  # graphpass's own markers: no outputs, run-time side effects only
     inputs = [n for n in _iter_nodes((node.args, node.kwargs))]
-    tensor_in = [n for n in inputs if _tensors(n)]
-    tensor_out = _tensors(node)
+    tensor_in = [n for n in inputs if tensors_of(n)]
+    tensor_out = tensors_of(node)
     if not tensor_in and not tensor_out:
         return None  # SymInt / SymFloat arithmetic, size queries of nothing, asserts
-    padded_in = any(ctx.padded(t) for n in tensor_in for t in _tensors(n))
+    padded_in = any(ctx.padded(t) for n in tensor_in for t in tensors_of(n))
     padded_out = any(ctx.padded(t) for t in tensor_out)
     if not padded_in and not padded_out and _value_use(node, ctx) is None:
         return None  # nothing padded goes in, comes out, or is used as a value

@@ -1,0 +1,369 @@
+"""The graph toolkit: every graph question more than one pass or analysis asks, answered once.
+
+* values: :func:`example_of`, :func:`is_tensor_node`, :func:`tensors_of`;
+* order: :func:`node_order`;
+* graphpass's own ops: :func:`is_graphpass_op`, :func:`is_graphpass_node`;
+* views and aliases: :func:`is_view`, :func:`returns_alias`, :func:`views_of`, :class:`AliasIndex`;
+* writes: :func:`writes_into` (in place methods and functions, ``out=``, ``operator.i*``,
+  ``inplace=True``, ``copy_``, ``index_put_``, ``x[i] = v``, mutable schemas) and :func:`find_write`;
+* the user's source frame of a node: :func:`source_frame`;
+* symbolic sizes: :func:`size_expr`, :func:`mentions_symbol`;
+* model structure: :func:`repeated_blocks` (the container of numbered children, shared by trap
+  assignment and the offload planner) and :func:`inner_tensor_fields`.
+
+Functions here read graphs and tensors; they never change them. They work on Dynamo-level graphs
+(``example_value``, ``call_method`` and Python callables) and on aten-level graphs (``val``,
+``OpOverload`` targets) alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import sympy
+import torch
+from torch.fx import Graph, Node
+
+# --------------------------------------------------------------------------------------------
+# Values and order
+# --------------------------------------------------------------------------------------------
+
+
+def example_of(node: Any) -> Any:
+    """A node's example value (Dynamo's ``example_value``, else AOTAutograd's ``val``); a non-node
+    is returned as it is."""
+    if isinstance(node, Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def is_tensor_node(node: Node) -> bool:
+    return isinstance(example_of(node), torch.Tensor)
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors in a value (a node's example value, a tensor, or nested lists/tuples of them)."""
+    value = example_of(value)
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+def node_order(graph: Graph) -> dict[Node, int]:
+    """Position of every node in ``graph`` (take it again after inserting nodes)."""
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def flat_nodes(value: Any) -> list[Node]:
+    """The nodes inside an argument (a node, or lists / tuples / dicts of them)."""
+    if isinstance(value, Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for item in value for n in flat_nodes(item)]
+    if isinstance(value, dict):
+        return [n for item in value.values() for n in flat_nodes(item)]
+    return []
+
+
+# --------------------------------------------------------------------------------------------
+# graphpass's own ops
+# --------------------------------------------------------------------------------------------
+
+
+def is_graphpass_op(target: object) -> bool:
+    """Any op in the ``graphpass`` namespace (overload or packet)."""
+    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and str(target).startswith("graphpass.")
+
+
+def is_graphpass_node(node: Node) -> bool:
+    return node.op == "call_function" and is_graphpass_op(node.target)
+
+
+# --------------------------------------------------------------------------------------------
+# Views and aliases
+# --------------------------------------------------------------------------------------------
+
+# Names of ops, methods and functions whose result may share memory with their first argument.
+# Most aten views also say so in their schema (``OpOverload.is_view``); these are listed because
+# a Dynamo-level graph calls them as Python methods / functions, or their schema does not say so.
+VIEW_NAMES = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "_unsafe_view", "_reshape_alias", "alias", "lift_fresh",
+    "t", "transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis",
+    "expand", "expand_as", "flatten", "unflatten", "squeeze", "unsqueeze",
+    "narrow", "select", "slice", "as_strided", "diagonal", "unfold",
+    "split", "split_with_sizes", "chunk", "unbind", "tensor_split",
+    "detach", "real", "imag", "view_as_real", "view_as_complex",
+})
+
+
+def _target_name(node: Node) -> str:
+    if node.op == "call_method":
+        return node.target if isinstance(node.target, str) else ""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t.overloadpacket.__name__
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t.__name__
+    return getattr(t, "__name__", "") or ""
+
+
+def is_view(node: Node) -> bool:
+    """May ``node``'s result alias its first argument (a view, or an item of a split / unbind)?"""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.op == "call_function" and node.target is operator.getitem:
+        return True
+    if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        return True
+    return _target_name(node) in VIEW_NAMES
+
+
+def returns_alias(target: Any) -> bool:
+    """Does the aten op ``target`` return (views of) existing tensors, allocating nothing: a view
+    op, or an in-place / ``out=`` op whose every return aliases an argument?"""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.overloadpacket.__name__ in VIEW_NAMES or target.is_view:
+        return True
+    rets = target._schema.returns
+    return bool(rets) and all(r.alias_info is not None for r in rets)
+
+
+def views_of(node: Node) -> list[Node]:
+    """``node`` and every node that may alias it through views (views of views, split items)."""
+    out: list[Node] = []
+    seen: set[Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        out.append(n)
+        todo.extend(u for u in n.users if is_view(u) and u.args and u.args[0] is n)
+    return out
+
+
+def _storage_key(value: Any) -> int | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001 - no storage of its own (sparse, DTensor, ...): aliases nothing we track
+        return None
+
+
+class AliasIndex:
+    """Which nodes of one graph may share memory: through views (:func:`views_of`) and, where the
+    example values are real or fake tensors, through their storage. Built once per graph."""
+
+    def __init__(self, graph: Graph) -> None:
+        self._by_storage: dict[int, list[Node]] = {}
+        for n in graph.nodes:
+            key = _storage_key(example_of(n))
+            if key is not None:
+                self._by_storage.setdefault(key, []).append(n)
+
+    def aliases(self, node: Node) -> list[Node]:
+        """``node`` first, then every node that may alias it, in graph order where known."""
+        out = dict.fromkeys(views_of(node))
+        key = _storage_key(example_of(node))
+        if key is not None:
+            out.update(dict.fromkeys(self._by_storage.get(key, ())))
+        return list(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Writes
+# --------------------------------------------------------------------------------------------
+
+INPLACE_OPERATORS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift, operator.imatmul,
+})
+_INPLACE_DUNDER = re.compile(r"^__i[a-z]+__$")  # __iadd__, __imul__, ... (__init__ is no write: excluded below)
+
+
+def _inplace_name(name: str) -> bool:
+    """``add_``, ``copy_``, ``index_put_`` (not ``__dunder__``), or ``__iadd__``-style augmented assignment."""
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    return bool(_INPLACE_DUNDER.match(name)) and name not in ("__init__", "__iter__", "__index__", "__int__")
+
+
+def writes_into(user: Node, alias: Node) -> bool:
+    """Does ``user`` write into ``alias`` (one of its arguments)?
+
+    Recognized: ``out=`` (any nesting), ops whose schema marks the argument written (aten ``add_``,
+    ``index_put_``, ``copy_``, mutating custom ops), in-place methods and functions (``x.add_()``,
+    ``torch.relu_(x)``, ``x.copy_(y)``, ``x.__iadd__(y)``), ``operator.iadd`` and friends (``x += 1``),
+    ``x[i] = v`` (``operator.setitem``), and ``inplace=True`` (``F.relu(x, inplace=True)``).
+    """
+    if alias in flat_nodes(user.kwargs.get("out")):
+        return True
+    if user.op == "call_function" and isinstance(user.target, torch._ops.OpOverload):
+        schema = user.target._schema
+        if schema.is_mutable:
+            for i, arg in enumerate(schema.arguments):
+                value = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+                if alias in flat_nodes(value) and arg.alias_info is not None and arg.alias_info.is_write:
+                    return True
+        return False
+    if not user.args or user.args[0] is not alias:
+        return False
+    if user.op == "call_method":
+        return isinstance(user.target, str) and _inplace_name(user.target)
+    if user.op != "call_function":
+        return False
+    if user.target in INPLACE_OPERATORS or user.kwargs.get("inplace") is True:
+        return True
+    if isinstance(user.target, torch._ops.OpOverloadPacket):
+        return False  # a packet says nothing until an overload is chosen; custom ops declare writes in their schema
+    return _inplace_name(getattr(user.target, "__name__", "") or "")
+
+
+def find_write(node: Node, index: AliasIndex | None = None) -> tuple[Node, Node] | None:
+    """The first ``(writer, alias)`` where ``writer`` writes into ``node`` or a view of it, or None.
+    With an :class:`AliasIndex`, nodes sharing ``node``'s storage count as views too."""
+    aliases = index.aliases(node) if index is not None else views_of(node)
+    for alias in aliases:
+        for user in alias.users:
+            if writes_into(user, alias):
+                return user, alias
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Where in the user's code a node came from
+# --------------------------------------------------------------------------------------------
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)(?:, in (.+?))?\s*$')
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MODELS_DIR = os.path.join(_PACKAGE_DIR, "models") + os.sep  # graphpass's bundled models are user code
+
+
+@dataclass(frozen=True)
+class SourceFrame:
+    """The innermost user frame of a node's stack trace."""
+
+    file: str  # basename of the file
+    line: int
+    code: str = ""  # that line's code, when the trace shows it
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def _internal(path: str) -> bool:
+    return path.startswith(_TORCH_DIR) or (path.startswith(_PACKAGE_DIR) and not path.startswith(_MODELS_DIR))
+
+
+# Bounded: traces repeat across nodes of one graph, and a long-lived process sees many graphs.
+@functools.lru_cache(maxsize=4096)
+def _frame_of_trace(trace: str) -> SourceFrame | None:
+    lines = trace.splitlines()
+    best = None
+    for i, line in enumerate(lines):
+        m = _FRAME.match(line)
+        if not m or _internal(os.path.abspath(m.group(1))):
+            continue
+        code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
+        best = SourceFrame(os.path.basename(m.group(1)), int(m.group(2)), code)
+    return best
+
+
+def source_frame(node: Node) -> SourceFrame | None:
+    """The innermost frame of ``node``'s stack trace outside torch and graphpass (graphpass's
+    bundled models count as user code), or None when the node carries no trace."""
+    trace = node.meta.get("stack_trace") or ""
+    return _frame_of_trace(trace) if trace else None
+
+
+# --------------------------------------------------------------------------------------------
+# Symbolic sizes
+# --------------------------------------------------------------------------------------------
+
+
+def size_expr(size: Any) -> sympy.Expr:
+    """A size (int, SymInt, SymFloat, a node holding one, a sympy expression) as a sympy expression."""
+    size = example_of(size)
+    if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return sympy.sympify(size.node.expr)
+    if isinstance(size, bool):
+        return sympy.Integer(int(size))
+    return sympy.sympify(size)
+
+
+def is_symbolic(size: Any) -> bool:
+    return isinstance(example_of(size), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def mentions_symbol(value: Any, names: frozenset[str]) -> bool:
+    """Whether a size / scalar (int, SymInt, SymFloat, SymBool, sympy expression) mentions one of
+    the symbols named in ``names`` (matched by name: ``sympy.Symbol("s27")`` finds Dynamo's ``s27``)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        value = value.node.expr
+    if isinstance(value, sympy.Basic):
+        return any(str(s) in names for s in value.free_symbols)
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# Model structure
+# --------------------------------------------------------------------------------------------
+
+
+def numbered_containers(paths: Iterable[str]) -> dict[str, list[str]]:
+    """Containers of numbered children among module paths: ``layers.3.mlp`` gives ``layers`` ->
+    ``[layers.3]`` (and ``layers.3.experts.1`` also ``layers.3.experts`` -> ``[...experts.1]``)."""
+    out: dict[str, dict[str, None]] = {}
+    for path in paths:
+        segs = path.split(".") if path else []
+        for j, seg in enumerate(segs):
+            if seg.isdigit():
+                out.setdefault(".".join(segs[:j]), {})[".".join(segs[: j + 1])] = None
+    return {c: list(children) for c, children in out.items()}
+
+
+def _under(path: str, child: str) -> bool:
+    return path == child or path.startswith(child + ".")
+
+
+def repeated_blocks(paths: Iterable[str], weights: Iterable[tuple[int, Iterable[str]]]) -> tuple[str | None, list[str]]:
+    """The repeated blocks: among the containers of numbered children in ``paths``, the one whose
+    children hold the most weight bytes, and its children (in first-seen order).
+
+    ``weights``: ``(nbytes, module paths that hold or read it)`` per distinct tensor; a tensor
+    counts once for a container when any of its paths lies under one of the container's children.
+    Ties go to the container with more children, then to the shorter (outer) name. This is the
+    one rule both the default traps (:mod:`graphpass.passes.assign_traps`) and the offload
+    planner (:mod:`graphpass.offloading.planning`) use.
+    """
+    candidates = numbered_containers(paths)
+    if not candidates:
+        return None, []
+    score = dict.fromkeys(candidates, 0)
+    for nbytes, owners in weights:
+        owners = list(owners)
+        for c, children in candidates.items():
+            if any(_under(o, ch) for o in owners for ch in children):
+                score[c] += nbytes
+    best = max(candidates, key=lambda c: (score[c], len(candidates[c]), -len(c)))
+    return best, candidates[best]
+
+
+def inner_tensor_fields(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Tensors a parameter or buffer carries as plain attributes (``weight.scale`` of a quantized
+    weight), in attribute order. Private names (``_x``) are bookkeeping, not weights: skipped."""
+    if not hasattr(t, "__dict__"):
+        return []
+    return [(k, v) for k, v in vars(t).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]
