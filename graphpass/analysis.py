@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .passes.insert_offload_schedule import OffloadSchedule
+    from .passes.plan_static_shapes import BucketPlan
+    from .roots import Roots
 
 # --------------------------------------------------------------------------------------------
 # Names: Dynamo source strings and nn_module_stack paths -> module FQNs
@@ -70,7 +75,7 @@ def parse_source_name(name: str) -> ParsedSource | None:
     return ParsedSource(root=root, is_global=name.startswith("G"), path=tuple(path), kind=kind, parent=parent)
 
 
-def module_paths(node: torch.fx.Node, roots: Any = None) -> list[str]:
+def module_paths(node: torch.fx.Node, roots: Roots | None = None) -> list[str]:
     """The modules ``node`` ran in, outermost first, as FQNs in the model (``layers.0.mlp``).
 
     ``roots`` (a :class:`graphpass.roots.Roots`) places paths of a graph traced from a submodule's
@@ -152,7 +157,7 @@ class Trap:
 class GraphAnalysis:
     """Ownership and traps of one Dynamo graph. Shared by every pass of the pipeline."""
 
-    roots: Any = None  # graphpass.roots.Roots: the model objects the sources start from
+    roots: Roots | None = None  # the model objects the sources start from
     node_modules: dict[str, list[str]] = field(default_factory=dict)  # op node -> module FQNs, outermost first
     tensors: dict[str, TensorOwnership] = field(default_factory=dict)
     traps: dict[str, Trap] = field(default_factory=dict)
@@ -160,8 +165,8 @@ class GraphAnalysis:
     consumer_nodes: dict[str, list[str]] = field(default_factory=dict)  # placeholder -> op nodes reading it
     trap_container: str | None = None  # auto traps: the module list they were found in
     module_names: list[str] = field(default_factory=list)  # every module FQN known for the model
-    bucket_plan: Any = None  # graphpass.passes.plan_static_shapes.BucketPlan when static_shapes is on
-    offload: Any = None  # graphpass.passes.insert_offload_schedule.OffloadSchedule when weights are offloaded
+    bucket_plan: BucketPlan | None = None  # when static_shapes is on
+    offload: OffloadSchedule | None = None  # when weights are offloaded
 
     def modules_of(self, node: torch.fx.Node) -> list[str]:
         return self.node_modules.get(node.name, [])

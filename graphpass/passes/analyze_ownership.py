@@ -65,63 +65,28 @@ class AnalyzeOwnership(GraphPass):
 
     def run(self, ctx: PassContext) -> bool:
         analysis = ctx.analysis
-        graph = ctx.gm.graph
-        order = node_order(graph)
-        alias_tables: dict[int, dict[int, list[str]]] = {}
+        analysis.roots = ctx.roots
         module_names: dict[str, None] = {}
-
-        roots = ctx.roots
-        analysis.roots = roots
-        for model in roots.whole_models():
+        for model in ctx.roots.whole_models():
             for name, _ in model.named_modules(remove_duplicate=False):
                 if name:
                     module_names[name] = None
-        # A graph traced from a submodule's own frame (after a graph break) runs every op inside
-        # that submodule, even ops of its forward that carry no nn_module_stack entry.
-        frame_module = roots.frame_module
-        for node in graph.nodes:
-            if node.op in ("call_function", "call_method", "call_module") and not is_graphpass_op(node.target):
-                paths = module_paths(node, roots)
-                if frame_module:
-                    paths = [frame_module] + [p for p in paths if p != frame_module]
-                analysis.node_modules[node.name] = paths
-
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        analysis.node_modules.update(_node_modules(ctx))
+        order = node_order(ctx.gm.graph)
+        names = _Names(ctx.roots)
+        placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
         for index, ph in enumerate(placeholders):
             real = ctx.example_inputs[index] if index < len(ctx.example_inputs) else None
             value = real if isinstance(real, torch.Tensor) else example_of(ph)
             if not isinstance(value, torch.Tensor):
                 continue  # SymInt sizes and other non-tensor inputs
             source = _source_name(ph) or ph.name
-            parsed = parse_source_name(source)
-            key = None
-            if parsed is not None:
-                key, below = roots.split(parsed)
-                if roots.modules and key is None:
-                    parsed = None  # rooted at a plain local (an input), not at a module
-                elif not roots.modules and parsed.root != "self" and parsed.kind == "attribute":
-                    parsed = None  # no frame to resolve against: only self.<...> is the model
-            if parsed is None or not parsed.path:
-                kind, fqns, parent = "input", [_input_name(source, ph.name)], None
-            else:
-                kind = parsed.kind
-                fqns = [roots.qualify(parsed)]
-                parent = roots.qualify(parsed, parsed.parent) if parsed.parent is not None else None
-                model = roots.model_for(parsed)
-                if model is not None and isinstance(real, torch.Tensor):
-                    table = alias_tables.get(id(model))
-                    if table is None:
-                        table = alias_tables[id(model)] = _alias_table(model)
-                    for alias in table.get(id(real), []):
-                        if alias not in fqns:
-                            fqns.append(alias)
+            kind, fqns, parent = names.of(source, ph.name, real)
             holders: list[str] = []
             if kind != "input":
                 drop = 2 if kind == "inner" else 1  # inner fields hang off a parameter of the holder
                 holders = list(dict.fromkeys(".".join(f.split(".")[:-drop]) for f in fqns))
-                for h in holders:
-                    if h:
-                        module_names[h] = None
+                module_names.update((h, None) for h in holders if h)
             consumers, consumer_nodes = self._consumers(ph, order, analysis.node_modules)
             analysis.tensors[ph.name] = TensorOwnership(
                 node=ph.name,
@@ -137,10 +102,8 @@ class AnalyzeOwnership(GraphPass):
                 nbytes=_nbytes(value) if kind != "input" else 0,
             )
             analysis.consumer_nodes[ph.name] = consumer_nodes
-
         for paths in analysis.node_modules.values():
-            for path in paths:
-                module_names[path] = None
+            module_names.update((path, None) for path in paths)
         analysis.module_names = list(module_names)
         return False  # analysis only
 
@@ -167,3 +130,48 @@ class AnalyzeOwnership(GraphPass):
         for n in ordered:
             modules[node_modules[n.name][-1]] = None
         return list(modules), [n.name for n in ordered]
+
+
+def _node_modules(ctx: PassContext) -> dict[str, list[str]]:
+    """Op node -> the module FQNs it ran in, outermost first."""
+    out: dict[str, list[str]] = {}
+    # A graph traced from a submodule's own frame (after a graph break) runs every op inside
+    # that submodule, even ops of its forward that carry no nn_module_stack entry.
+    frame_module = ctx.roots.frame_module
+    for node in ctx.gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module") and not is_graphpass_op(node.target):
+            paths = module_paths(node, ctx.roots)
+            if frame_module:
+                paths = [frame_module] + [p for p in paths if p != frame_module]
+            out[node.name] = paths
+    return out
+
+
+class _Names:
+    """Names a graph input by its Dynamo source: its kind, every FQN (tied names from the model,
+    compared by identity) and, for an inner field, its parent's FQN."""
+
+    def __init__(self, roots) -> None:
+        self.roots = roots
+        self._alias_tables: dict[int, dict[int, list[str]]] = {}
+
+    def of(self, source: str, fallback: str, real: Any) -> tuple[str, list[str], str | None]:
+        roots = self.roots
+        parsed = parse_source_name(source)
+        if parsed is not None:
+            key, _ = roots.split(parsed)
+            if roots.modules and key is None:
+                parsed = None  # rooted at a plain local (an input), not at a module
+            elif not roots.modules and parsed.root != "self" and parsed.kind == "attribute":
+                parsed = None  # no frame to resolve against: only self.<...> is the model
+        if parsed is None or not parsed.path:
+            return "input", [_input_name(source, fallback)], None
+        fqns = [roots.qualify(parsed)]
+        parent = roots.qualify(parsed, parsed.parent) if parsed.parent is not None else None
+        model = roots.model_for(parsed)
+        if model is not None and isinstance(real, torch.Tensor):
+            table = self._alias_tables.get(id(model))
+            if table is None:
+                table = self._alias_tables[id(model)] = _alias_table(model)
+            fqns.extend(alias for alias in table.get(id(real), []) if alias not in fqns)
+        return parsed.kind, fqns, parent

@@ -42,52 +42,9 @@ class AssignTraps(GraphPass):
 
     def run(self, ctx: PassContext) -> bool:
         analysis = ctx.analysis
-        graph = ctx.gm.graph
-        cfg = ctx.config
-
-        # 1. manual regions from boundary nodes already in the graph
-        manual: dict[str, str] = {}
-        open_labels: list[str] = []
-        for node in graph.nodes:
-            if is_enter(node):
-                open_labels.append(node.args[0])
-                analysis.traps.setdefault(node.args[0], Trap(node.args[0], manual=True))
-            elif is_exit(node):
-                label = node.args[0]
-                if label in open_labels:
-                    idx = len(open_labels) - 1 - open_labels[::-1].index(label)
-                    del open_labels[idx:]
-            elif _is_op(node) and open_labels:
-                manual[node.name] = open_labels[-1]
-
-        # 2./3. module-based traps, unless another graphpass instance already bounded this graph
-        # (chaining): then its traps are the traps.
-        rewritten = any("graphpass_trap" in n.meta for n in graph.nodes)
-        by_module: dict[str, str] = {}
-        if rewritten:
-            pass
-        elif cfg.traps is not None:
-            check_all_match(cfg.traps, analysis.module_names, "traps")
-            for node in graph.nodes:
-                if not _is_op(node) or node.name in manual:
-                    continue
-                for path in analysis.modules_of(node):
-                    if first_match(cfg.traps, path):
-                        by_module[node.name] = path
-                        break
-        else:
-            container, children = find_repeated_container(ctx)
-            analysis.trap_container = container
-            child_set = set(children)
-            for node in graph.nodes:
-                if not _is_op(node) or node.name in manual:
-                    continue
-                for path in analysis.modules_of(node):
-                    if path in child_set:
-                        by_module[node.name] = path
-                        break
-
-        for node in graph.nodes:
+        manual = _manual_regions(ctx)  # 1. boundary nodes already in the graph
+        by_module = _module_traps(ctx, manual)  # 2./3. patterns, or the repeated blocks
+        for node in ctx.gm.graph.nodes:
             label = manual.get(node.name) or by_module.get(node.name)
             if label is None:
                 continue
@@ -100,18 +57,68 @@ class AssignTraps(GraphPass):
             inner = paths[-1] if paths else None
             if inner is not None and inner not in trap.modules:
                 trap.modules.append(inner)
-
-        for t in analysis.tensors.values():
-            if not t.is_weight:
-                continue
-            labels = [analysis.node_trap[n] for n in analysis.consumer_nodes.get(t.node, []) if n in analysis.node_trap]
-            t.traps = list(dict.fromkeys(labels))
-            for label in t.traps:
-                trap = analysis.traps[label]
-                trap.tensors.append(t.node)
-                trap.nbytes += t.nbytes
+        _assign_weights(analysis)
         ctx.log.append(
             f"{self.name}: {len(analysis.traps)} traps"
             + (f" in {analysis.trap_container!r}" if analysis.trap_container is not None else "")
         )
         return False  # analysis only
+
+
+def _manual_regions(ctx: PassContext) -> dict[str, str]:
+    """Op node -> the innermost manual trap (``offload_block``) open around it; registers those traps."""
+    manual: dict[str, str] = {}
+    open_labels: list[str] = []
+    for node in ctx.gm.graph.nodes:
+        if is_enter(node):
+            open_labels.append(node.args[0])
+            ctx.analysis.traps.setdefault(node.args[0], Trap(node.args[0], manual=True))
+        elif is_exit(node):
+            label = node.args[0]
+            if label in open_labels:
+                idx = len(open_labels) - 1 - open_labels[::-1].index(label)
+                del open_labels[idx:]
+        elif _is_op(node) and open_labels:
+            manual[node.name] = open_labels[-1]
+    return manual
+
+
+def _module_traps(ctx: PassContext, manual: dict[str, str]) -> dict[str, str]:
+    """Op node -> its module-based trap: the outermost module matching ``traps=`` patterns, else the
+    repeated block it runs in. None at all when another graphpass instance already bounded this
+    graph (chaining): then its traps are the traps."""
+    analysis = ctx.analysis
+    graph = ctx.gm.graph
+    if any("graphpass_trap" in n.meta for n in graph.nodes):
+        return {}
+    patterns = ctx.config.traps
+    if patterns is not None:
+        check_all_match(patterns, analysis.module_names, "traps")
+        chosen = lambda path: first_match(patterns, path)  # noqa: E731
+    else:
+        container, children = find_repeated_container(ctx)
+        analysis.trap_container = container
+        child_set = set(children)
+        chosen = child_set.__contains__
+    by_module: dict[str, str] = {}
+    for node in graph.nodes:
+        if not _is_op(node) or node.name in manual:
+            continue
+        for path in analysis.modules_of(node):
+            if chosen(path):
+                by_module[node.name] = path
+                break
+    return by_module
+
+
+def _assign_weights(analysis) -> None:
+    """A weight belongs to the traps whose ops read it (a tied weight to several)."""
+    for t in analysis.tensors.values():
+        if not t.is_weight:
+            continue
+        labels = [analysis.node_trap[n] for n in analysis.consumer_nodes.get(t.node, []) if n in analysis.node_trap]
+        t.traps = list(dict.fromkeys(labels))
+        for label in t.traps:
+            trap = analysis.traps[label]
+            trap.tensors.append(t.node)
+            trap.nbytes += t.nbytes

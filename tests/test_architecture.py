@@ -1,0 +1,269 @@
+"""The pass contract, logging, op registration and the code-shape rules of docs/architecture.md."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphpass
+from graphpass.config import GraphpassConfig
+from graphpass.errors import PassError
+from graphpass.passes.base import GraphPass, PassContext
+from graphpass.pipeline import PIPELINE, POST_GRAD_PASSES, check_pipeline, inductor_post_grad_pass, run_pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _gm():
+    def f(x, w):
+        return torch.relu(x @ w) + 1
+
+    return torch.fx.symbolic_trace(f)
+
+
+# ------------------------------------------------------------------ regression: += on an offloaded buffer
+
+
+class _Steps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        for layer in self.layers:
+            layer.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        for layer in self.layers:
+            layer.steps += 1  # Dynamo records operator.iadd
+            x = layer(x)
+        return x
+
+
+def test_augmented_assignment_on_an_offloaded_buffer_is_refused_at_compile_time():
+    """Before the toolkit, the offload pass did not know ``operator.iadd``: the first call replaced
+    the buffer with its loaded copy, the second failed with a misleading error."""
+    torch._dynamo.reset()
+    model = _Steps().eval().requires_grad_(False)
+    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
+    compiled = torch.compile(model, backend=graphpass.backend(then="eager"))
+    with pytest.raises(graphpass.OffloadError, match=r"writes offloaded tensor 'layers.0.steps' in place"):
+        with torch.no_grad():
+            compiled(torch.randn(2, 8))
+
+
+def test_tensors_replaced_after_offload_are_refused_at_compile_time():
+    """``.half()`` after ``offload()`` replaced every offloaded tensor: the graph holds the guards
+    but reads no offloaded tensor, which used to run silently on the replaced (garbage) tensors."""
+    torch._dynamo.reset()
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(2))).eval().requires_grad_(False)
+    graphpass.offload(model, graphpass.OffloadConfig(include_patterns=["0", "1"], device="cpu", storage="cpu"))
+    model.double()
+    compiled = torch.compile(model, backend=graphpass.backend(then="eager"))
+    with pytest.raises(graphpass.OffloadError, match=r"replaced after offload\(\)"):
+        with torch.no_grad():
+            compiled(torch.randn(2, 8, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------ the pass contract
+
+
+class _Broken(GraphPass):
+    name = "broken"
+
+    def run(self, ctx):
+        raise KeyError("boom")
+
+
+class _Unordered(GraphPass):
+    """Moves the output's producer after the output: a scheduling bug the runner must catch here."""
+
+    name = "unordered"
+
+    def run(self, ctx):
+        out = next(n for n in ctx.gm.graph.nodes if n.op == "output")
+        producer = out.args[0]
+        out.prepend(producer)  # fine
+        out.append(producer)  # producer now after the output that uses it
+        return True
+
+
+class _NoBool(GraphPass):
+    name = "no_bool"
+
+    def run(self, ctx):
+        return None
+
+
+class _Counting(GraphPass):
+    name = "counting"
+
+    def __init__(self, changed):
+        self.changed = changed
+
+    def run(self, ctx):
+        if self.changed:
+            node = next(n for n in ctx.gm.graph.nodes if n.target is torch.relu)
+            node.target = torch.sigmoid
+        return self.changed
+
+
+def _ctx(gm):
+    return PassContext(gm=gm, example_inputs=[], config=GraphpassConfig(), graph_name="graph 7 (test)")
+
+
+def test_an_unexpected_exception_names_the_pass_and_the_graph():
+    with pytest.raises(PassError, match=r"pass 'broken' on graph 7 \(test\): KeyError") as info:
+        _Broken()(_ctx(_gm()))
+    assert isinstance(info.value.__cause__, KeyError)
+    assert isinstance(info.value, graphpass.GraphpassError)
+
+
+def test_a_malformed_graph_fails_at_the_pass_that_made_it():
+    with pytest.raises(PassError, match=r"pass 'unordered' .*malformed graph"):
+        _Unordered()(_ctx(_gm()))
+
+
+def test_a_pass_must_say_whether_it_changed_the_graph():
+    with pytest.raises(PassError, match=r"returns whether it changed the graph"):
+        _NoBool()(_ctx(_gm()))
+
+
+def test_the_runner_recompiles_only_after_a_change(monkeypatch):
+    for changed in (False, True):
+        gm = _gm()
+        calls = []
+        monkeypatch.setattr(gm, "recompile", lambda: calls.append(1) or torch.fx.GraphModule.recompile(gm))
+        assert _Counting(changed)(_ctx(gm)) is changed
+        assert len(calls) == int(changed)
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    assert torch.equal(gm(x, w), torch.sigmoid(x @ w) + 1)  # the recompiled code runs the change
+
+
+def test_requires_is_checked_against_the_pipeline():
+    check_pipeline(PIPELINE)
+    names = [p.name for p in PIPELINE]
+    for p in PIPELINE:
+        for r in p.requires:
+            assert names.index(r) < names.index(p.name)
+    reordered = [PIPELINE[1], PIPELINE[0], *PIPELINE[2:]]  # assign_traps before analyze_ownership
+    with pytest.raises(PassError, match=r"'assign_traps' .*requires analyze_ownership"):
+        check_pipeline(reordered)
+    with pytest.raises(PassError, match="requires"):
+        run_pipeline(_gm(), [], GraphpassConfig(), passes=reordered)
+
+
+def test_no_pass_lints_or_recompiles_by_hand():
+    """Inside the pass classes (standalone helpers such as ``slice_static_buffers(gm, ...)`` may)."""
+    for path in (ROOT / "graphpass" / "passes").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for cls in ast.walk(tree):
+            if not (isinstance(cls, ast.ClassDef) and any(getattr(b, "id", "") == "GraphPass" for b in cls.bases)):
+                continue
+            calls = [n.func.attr for n in ast.walk(cls) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+            assert "recompile" not in calls and "lint" not in calls, f"{path.name}: {cls.name}"
+
+
+def test_post_grad_passes_are_declared_in_the_pipeline_and_installed_from_there(monkeypatch):
+    """The inductor delegate asks pipeline.py for its post-grad pass (only for graphs with loads)."""
+    assert [type(p).__name__ for p in POST_GRAD_PASSES] == ["PinBackwardLoads"]
+    assert inductor_post_grad_pass(_gm()) is None
+    import graphpass.backends as backends
+    import torch._inductor.compile_fx as cfx
+
+    seen = {}
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, inputs, config_patches=None: seen.setdefault("patches", config_patches) or gm.forward)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(2))).eval().requires_grad_(False)
+    graphpass.offload(model, graphpass.OffloadConfig(include_patterns=["0", "1"], device="cpu", storage="cpu"))
+    gm_box = {}
+
+    def capture_graph(gm, example_inputs):
+        gm_box["gm"] = gm
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=graphpass.backend(then=capture_graph))(torch.randn(2, 8))
+    backends.InductorDelegate().compile(gm_box["gm"], [])
+    assert type(seen["patches"]["post_grad_custom_post_pass"]) is type(POST_GRAD_PASSES[0])
+
+
+# ------------------------------------------------------------------ logging
+
+
+def test_each_pass_is_logged_with_its_time_at_debug(caplog):
+    torch._dynamo.reset()
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(2)))
+    with caplog.at_level(logging.DEBUG, logger="graphpass"):
+        torch.compile(model, backend=graphpass.backend(then="eager"))(torch.randn(2, 4))
+    by_pass = {r.name: r.getMessage() for r in caplog.records if r.name.startswith("graphpass.passes.")}
+    assert "graphpass.passes.insert_trap_boundaries" in by_pass
+    assert "ms on graph 0" in by_pass["graphpass.passes.insert_trap_boundaries"]
+    assert "changed the graph" in by_pass["graphpass.passes.insert_trap_boundaries"]
+    assert "graph unchanged" in by_pass["graphpass.passes.analyze_ownership"]
+
+
+def test_graphpass_log_env_prints_graphs_before_and_after_each_pass():
+    code = (
+        "import torch, torch.nn as nn, graphpass\n"
+        "m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))\n"
+        "torch.compile(m, backend=graphpass.backend(then='eager'))(torch.randn(2, 4))\n"
+    )
+    env = dict(os.environ, GRAPHPASS_LOG="+passes,+graphs")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "before insert_trap_boundaries" in out.stderr and "after insert_trap_boundaries" in out.stderr
+    assert "trap_enter" in out.stderr  # the graph after the boundaries were inserted
+    env["GRAPHPASS_LOG"] = ""
+    quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0 and "[graphpass" not in quiet.stderr
+
+
+# ------------------------------------------------------------------ registration and code shape
+
+
+def test_ops_register_whatever_is_imported_first():
+    for first in ("graphpass.offloading.ops", "graphpass.capturing.ops", "graphpass.ops", "graphpass.fx_utils"):
+        code = (
+            f"import {first}\n"
+            "import torch\n"
+            "from graphpass.ops import register_all\n"
+            "register_all()\n"
+            "for op in ('trap_enter', 'trap_exit', 'capture', 'load_start', 'load_wait', 'evict', 'offload_guard', 'accumulate_grad'):\n"
+            "    getattr(torch.ops.graphpass, op).default\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (first, out.stderr)
+
+
+def test_no_public_function_is_shadowed_by_a_module():
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.walk_packages(graphpass.__path__, "graphpass."):
+        importlib.import_module(info.name)
+    for name in graphpass.__all__:
+        assert not isinstance(getattr(graphpass, name), type(sys)), name
+
+
+def test_library_code_never_prints():
+    for path in list((ROOT / "graphpass").rglob("*.py")) + list((ROOT / "backends").rglob("*.py")):
+        if path.name == "cli.py":
+            continue
+        tree = ast.parse(path.read_text())
+        prints = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "print"]
+        assert not prints, f"{path.relative_to(ROOT)}:{prints}"
+
+
+def test_no_function_is_over_sixty_lines():
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "func_lengths.py"), "--limit", "60"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("(over 60 lines)")
+    assert out.stdout.strip().splitlines()[-1].startswith("0 of"), out.stdout
