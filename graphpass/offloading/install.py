@@ -25,9 +25,13 @@ from the checkpoint per trap, so a model larger than RAM is never materialized.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import uuid
 import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,22 @@ from .runtime import REGISTRY, MemoryStats, OffloadedTensor, OffloadRuntime
 from .safetensors_io import TensorLocation, index_checkpoint, read_header, read_into, write_file
 
 _STORAGES = ("pinned", "cpu", "disk")
-_STAND_INS_ON_HOST = False  # tests: use the accelerator path's device stand-ins on a host device
+
+# Device stand-ins on a host device: the accelerator path (the model holds one-element expanded
+# stand-ins, the loads fill them from the host copies) exercised where no accelerator is. A
+# ContextVar, not a module flag: it is per thread / asyncio task and reset on leaving the block, so
+# it never leaks into another model offloaded elsewhere by accident.
+_DEVICE_STAND_INS: contextvars.ContextVar[bool] = contextvars.ContextVar("graphpass_device_stand_ins", default=False)
+
+
+@contextlib.contextmanager
+def device_stand_ins_on_host() -> Iterator[None]:
+    """Within the block, :func:`offload` gives a model on a host device the accelerator path's stand-ins."""
+    token = _DEVICE_STAND_INS.set(True)
+    try:
+        yield
+    finally:
+        _DEVICE_STAND_INS.reset(token)
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,13 +138,26 @@ def _guard_hook(name: str):
     return hook
 
 
-def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: Any = None, **kwargs: Any) -> OffloadState:
-    """Move ``model``'s matched weights off the device as ``config`` says; returns the state.
+@dataclass
+class _Placement:
+    """Where every changed tensor goes; filled step by step while the model is swapped over.
 
-    ``checkpoint``: a safetensors file, a list of them, or a folder (with an ``*.index.json`` or
-    ``*.safetensors`` files); required when the model is on the ``meta`` device. Everything is
-    checked before any tensor of the model is replaced: on error the model is unchanged.
+    ``locations``: the safetensors location of a tensor (by ``id`` of its :class:`_Tensor`), from
+    the checkpoint or the file graphpass writes; ``new_values``: the new data of each changed
+    tensor; ``disk_tensors``: what graphpass writes to its own file (by first FQN); ``replaced``
+    and ``held`` (by ``id`` of the old tensor): the new tensor object (for a streamed one, its
+    host copy) and what the model holds (the same, or a device stand-in).
     """
+
+    locations: dict[int, TensorLocation]
+    new_values: dict[int, torch.Tensor] = field(default_factory=dict)
+    disk_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    replaced: dict[int, torch.Tensor] = field(default_factory=dict)
+    held: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _check_arguments(model: nn.Module, config: OffloadConfig | None, kwargs: dict[str, Any]) -> tuple[OffloadConfig, torch.device]:
+    """Check the arguments of :func:`offload`; return the config and the device it resolves to."""
     if config is None:
         config = OffloadConfig(**kwargs)
     elif kwargs:
@@ -141,7 +173,11 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
         raise ConfigError("device", config.device, "CUDA is not available on this machine")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # "cuda" and "cuda:0" are one device
+    return config, device
 
+
+def _plan(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], OffloadPlan, list[_Tensor]]:
+    """Plan which tensors stream and which units stay resident; return tensors, plan and the streamed ones."""
     tensors, units = plan_units(model, config)
     plan = plan_budget(units, config)
     resident_units = {u.name for u in units if u.resident}
@@ -149,14 +185,20 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
         if rec.streamed and rec.unit in resident_units:
             rec.resident = True
     streamed = [r for r in tensors if r.streamed and not r.resident]
+    return tensors, plan, streamed
 
+
+def _check_disk_inference_only(config: OffloadConfig, streamed: list[_Tensor]) -> None:
+    """Refuse ``storage="disk"`` for a streamed tensor that requires grad."""
     if config.storage == "disk":
         grads = [r.fqns[0] for r in streamed if r.tensor.requires_grad]
         if grads:
             raise ConfigError("storage", "disk", f"{grads[0]!r} requires grad: training reads and writes weights, so "
                               "storage='disk' serves inference only; call requires_grad_(False) or use storage='cpu'/'pinned'")
 
-    # ---- checkpoint: resolve and check every tensor before touching the model
+
+def _check_checkpoint(tensors: list[_Tensor], checkpoint: Any) -> dict[int, TensorLocation]:
+    """Resolve every tensor in ``checkpoint`` and check it against the model; return their locations."""
     locations: dict[int, TensorLocation] = {}
     if checkpoint is not None:
         index = index_checkpoint(checkpoint)
@@ -177,7 +219,11 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
         meta = [r.fqns[0] for r in tensors if r.tensor.device.type == "meta"]
         if meta:
             raise OffloadError(f"tensor {meta[0]!r} is on the meta device: pass checkpoint= (safetensors files) to load it")
+    return locations
 
+
+def _prepare_disk_path(config: OffloadConfig, streamed: list[_Tensor], locations: dict[int, TensorLocation]) -> Path | None:
+    """The writable folder for streamed tensors no checkpoint holds (``storage="disk"``), or None."""
     disk_path = None
     if config.storage == "disk":
         need_files = [r for r in streamed if id(r) not in locations]
@@ -191,46 +237,58 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
                 raise ConfigError("disk_path", str(disk_path), f"cannot create the folder: {exc}") from None
             if not os.access(disk_path, os.W_OK):
                 raise ConfigError("disk_path", str(disk_path), "the folder is not writable")
+    return disk_path
 
-    # ---- materialize (the model is changed from here on)
-    state = OffloadState(config, plan, device)
 
-    def load_value(rec: _Tensor, target: torch.device, pin: bool = False) -> torch.Tensor:
-        loc = locations.get(id(rec))
-        src = rec.tensor
-        if loc is not None:
-            host = torch.empty(loc.shape, dtype=loc.dtype, pin_memory=pin)
-            with open(loc.path, "rb") as f:
-                read_into(f.fileno(), loc, host)
-            return host if target.type == "cpu" else host.to(target)
-        if target.type == "cpu":
-            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
-            out.copy_(src.detach())
-            return out
-        return src.detach().to(target, copy=True).contiguous()
+def _load_value(rec: _Tensor, loc: TensorLocation | None, target: torch.device, pin: bool = False) -> torch.Tensor:
+    """A fresh copy of ``rec``'s data on ``target``, read from ``loc`` when the checkpoint holds it."""
+    src = rec.tensor
+    if loc is not None:
+        host = torch.empty(loc.shape, dtype=loc.dtype, pin_memory=pin)
+        with open(loc.path, "rb") as f:
+            read_into(f.fileno(), loc, host)
+        return host if target.type == "cpu" else host.to(target)
+    if target.type == "cpu":
+        out = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+        out.copy_(src.detach())
+        return out
+    return src.detach().to(target, copy=True).contiguous()
 
-    new_values: dict[int, torch.Tensor] = {}
-    disk_tensors: dict[str, torch.Tensor] = {}
+
+def _materialize(tensors: list[_Tensor], config: OffloadConfig, device: torch.device,
+                 locations: dict[int, TensorLocation]) -> _Placement:
+    """Build the new value of every tensor that moves, and collect what graphpass writes to disk."""
+    placement = _Placement(locations)
     for rec in tensors:
         if rec.streamed and not rec.resident:
             if config.storage == "disk":
                 if id(rec) not in locations:
-                    disk_tensors[rec.fqns[0]] = rec.tensor.detach()
+                    placement.disk_tensors[rec.fqns[0]] = rec.tensor.detach()
                 # an untouched stand-in: right shape, dtype and a storage of its own, pages never written
-                new_values[id(rec)] = torch.empty(rec.tensor.shape, dtype=rec.tensor.dtype)
+                placement.new_values[id(rec)] = torch.empty(rec.tensor.shape, dtype=rec.tensor.dtype)
             else:
-                new_values[id(rec)] = load_value(rec, torch.device("cpu"), pin=config.storage == "pinned")
+                placement.new_values[id(rec)] = _load_value(rec, locations.get(id(rec)), torch.device("cpu"),
+                                                            pin=config.storage == "pinned")
         elif rec.tensor.device != device or id(rec) in locations:
-            new_values[id(rec)] = load_value(rec, device)
-    if disk_tensors:
-        fname = str(disk_path / f"graphpass-offload-{type(model).__name__}-{uuid.uuid4().hex[:8]}.safetensors")
-        write_file(fname, disk_tensors, metadata={"format": "pt", "writer": "graphpass.offload"})
-        state.files.append(fname)
-        written = read_header(fname)
-        for rec in tensors:
-            if rec.fqns[0] in disk_tensors:
-                locations[id(rec)] = written[rec.fqns[0]]
+            placement.new_values[id(rec)] = _load_value(rec, locations.get(id(rec)), device)
+    return placement
 
+
+def _write_disk_file(state: OffloadState, model: nn.Module, disk_path: Path, tensors: list[_Tensor],
+                     placement: _Placement) -> None:
+    """Write ``placement.disk_tensors`` to a safetensors file of the state and record their locations."""
+    fname = str(disk_path / f"graphpass-offload-{type(model).__name__}-{uuid.uuid4().hex[:8]}.safetensors")
+    write_file(fname, placement.disk_tensors, metadata={"format": "pt", "writer": "graphpass.offload"})
+    state.files.append(fname)
+    written = read_header(fname)
+    for rec in tensors:
+        if rec.fqns[0] in placement.disk_tensors:
+            placement.locations[id(rec)] = written[rec.fqns[0]]
+
+
+def _swap_into_model(tensors: list[_Tensor], config: OffloadConfig, device: torch.device, placement: _Placement,
+                     use_stand_ins: bool) -> None:
+    """Make the new tensor objects, then put them in every place of the model that held an old one."""
     # New objects first, then every place that held an old one. ``replaced``: the new tensor of
     # each changed tensor (for a streamed one, its host copy); ``held``: what the model holds.
     # Dynamo traces the model with tensors on their devices, so on an accelerator a host copy next
@@ -239,11 +297,9 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
     # memory), which the loads replace; the bytes stay in the host copy (or the file). A stand-in
     # requires grad when the weight does, so autograd reaches the load, whose backward sends the
     # gradient to the host copy (``state.parameters()`` yields those).
-    use_stand_ins = device.type != "cpu" or _STAND_INS_ON_HOST
-    replaced: dict[int, torch.Tensor] = {}
-    held: dict[int, torch.Tensor] = {}
+    replaced, held = placement.replaced, placement.held
     for rec in tensors:
-        new = new_values.get(id(rec))
+        new = placement.new_values.get(id(rec))
         if new is None:
             continue
         old = rec.tensor
@@ -271,25 +327,60 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
             else:  # an inner field: set it on the parent the module holds now
                 setattr(held.get(id(holder), holder), attr, value)
 
-    # ---- register the streamed tensors
+
+def _register(state: OffloadState, streamed: list[_Tensor], placement: _Placement, use_stand_ins: bool) -> None:
+    """Record every streamed tensor in the state and in the global registry the loads look up."""
     for rec in streamed:
-        host = replaced[id(rec.tensor)]
+        host = placement.replaced[id(rec.tensor)]
         r = OffloadedTensor(
             name=rec.fqns[0], fqns=tuple(rec.fqns), unit=rec.unit or "", shape=tuple(host.shape), dtype=host.dtype,
-            nbytes=rec.nbytes, host=host, location=locations.get(id(rec)) if config.storage == "disk" else None,
-            handle=held[id(rec.tensor)] if use_stand_ins else None,
+            nbytes=rec.nbytes, host=host,
+            location=placement.locations.get(id(rec)) if state.config.storage == "disk" else None,
+            handle=placement.held[id(rec.tensor)] if use_stand_ins else None,
         )
         r.runtime = state.runtime
         state.records.append(r)
         REGISTRY.add(r)
 
-    # ---- guards: an eager call (or another backend) fails loudly instead of reading stand-ins
+
+def _install_guards(model: nn.Module, state: OffloadState, streamed: list[_Tensor]) -> None:
+    """Hook every module holding a streamed tensor: an eager call (or another backend) fails loudly
+    instead of reading stand-ins."""
     guarded = dict.fromkeys(h for rec in streamed for h in rec.holders)
     modules = dict(model.named_modules(remove_duplicate=False))
     for name in guarded:
         state.hooks.append(modules[name].register_forward_pre_hook(_guard_hook(name or type(model).__name__)))
+
+
+def _attach(model: nn.Module, state: OffloadState) -> None:
+    """Tie the state's cleanup to its lifetime and attach it to the model."""
     state._finalizer = weakref.finalize(state, _release, state.runtime, list(state.records), list(state.files))
     object.__setattr__(model, "_graphpass_offload", state)
+
+
+def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: Any = None, **kwargs: Any) -> OffloadState:
+    """Move ``model``'s matched weights off the device as ``config`` says; returns the state.
+
+    ``checkpoint``: a safetensors file, a list of them, or a folder (with an ``*.index.json`` or
+    ``*.safetensors`` files); required when the model is on the ``meta`` device. Everything is
+    checked before any tensor of the model is replaced: on error the model is unchanged.
+    """
+    config, device = _check_arguments(model, config, kwargs)
+    tensors, plan, streamed = _plan(model, config)
+    _check_disk_inference_only(config, streamed)
+    locations = _check_checkpoint(tensors, checkpoint)  # before touching the model
+    disk_path = _prepare_disk_path(config, streamed, locations)
+
+    # ---- materialize (the model is changed from here on)
+    state = OffloadState(config, plan, device)
+    placement = _materialize(tensors, config, device, locations)
+    if placement.disk_tensors:
+        _write_disk_file(state, model, disk_path, tensors, placement)
+    use_stand_ins = device.type != "cpu" or _DEVICE_STAND_INS.get()
+    _swap_into_model(tensors, config, device, placement, use_stand_ins)
+    _register(state, streamed, placement, use_stand_ins)
+    _install_guards(model, state, streamed)
+    _attach(model, state)
     return state
 
 

@@ -14,16 +14,16 @@ from ..patterns import check_all_match
 from .config import OffloadConfig
 
 
-
-
 @dataclass
 class _Tensor:
     """One distinct tensor object of the model and every place it is held."""
 
     tensor: torch.Tensor
-    places: list  # [(module, attr name, kind)] kind: parameter | buffer | inner:<parent attr>
-    fqns: list
-    holders: list  # module FQNs holding it
+    # (holder, attr name, kind); kind: parameter | buffer | inner:<parent attr>, whose holder is
+    # the parent tensor rather than a module
+    places: list[tuple[nn.Module | torch.Tensor, str, str]]
+    fqns: list[str]
+    holders: list[str]  # module FQNs holding it
     streamed: bool = False
     unit: str | None = None
     resident: bool = False
