@@ -40,12 +40,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import sympy
 import torch
 
 from ..fx_utils import example_of, mentions_symbol, size_expr, source_frame, tensors_of
+
+if TYPE_CHECKING:
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.node import Target
 
 __all__ = ["PaddingViolation", "check_padding_safety", "padded_dims"]
 
@@ -260,7 +264,7 @@ def _source(node: torch.fx.Node) -> str:
     return str(frame) if frame is not None else ""
 
 
-def _namespace(target: Any) -> str | None:
+def _namespace(target: Target) -> str | None:
     if isinstance(target, torch._ops.OpOverload):
         return target.namespace
     if isinstance(target, torch._ops.OpOverloadPacket):
@@ -474,7 +478,7 @@ def _check_matmul(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     spec = MATMULS[name]
     if name == "einsum":
         return _check_einsum(node, ctx)
-    pairs: list[tuple[Any, int]] = []
+    pairs: list[tuple[torch.Tensor, int]] = []
     if spec is None:  # matmul: by rank
         a, b = example_of(_arg(node, 0, "input")), example_of(_arg(node, 1, "other"))
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
@@ -588,60 +592,73 @@ def _check_getitem(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None
         return None  # a tuple / list / torch.Size element
     pads = ctx.padded(t)
     if name in ("narrow", "select", "slice"):
-        d = _arg(node, 1, "dim", 0)
-        if not isinstance(d, int):
-            return (None, f"{name} along a dim that is not static") if pads else None
-        d = _norm_dim(d, t.dim())
-        if d not in pads:
-            return None
-        start = _arg(node, 2, "start" if name != "select" else "index", None)
-        why = _bad_start(start, ctx)
-        if name == "slice":
-            step = _static_int(_arg(node, 4, "step", 1))
-            if step is None or step < 1:
-                why = why or "steps backwards or by a non-static step"
-        return (d, f"{name} along the padded dim {why}") if why else None
+        return _check_narrow(node, name, t, pads, ctx)
     idx = node.args[1] if len(node.args) > 1 else None
     items = list(idx) if isinstance(idx, tuple) else [idx]
     if isinstance(idx, list):
         items = [idx]  # x[[0, 2]]: one advanced index on dim 0
-
-    def width(item: Any) -> int:
-        if item is None:
-            return 0
-        v = example_of(item)
-        if isinstance(v, torch.Tensor) and v.dtype == torch.bool:
-            return v.dim()
-        return 0 if item is Ellipsis else 1
-
-    used = sum(width(i) for i in items)
+    used = sum(_index_width(i) for i in items)
     d = 0
     for item in items:
         if item is Ellipsis:
             d += t.dim() - used
             continue
-        w = width(item)
+        w = _index_width(item)
         for dd in range(d, d + w):
             if dd not in pads:
                 continue
-            v = example_of(item)
-            if isinstance(item, slice):
-                why = _bad_start(item.start, ctx)
-                step = example_of(item.step)
-                if step is not None and not (isinstance(step, int) and step >= 1):
-                    why = why or "steps backwards or by a non-static step"
-            elif isinstance(v, torch.Tensor):
-                why = "is a boolean mask: rows chosen by tensor values" if v.dtype == torch.bool else \
-                    "is a tensor: rows chosen by tensor values"
-            elif isinstance(item, (list, tuple)):
-                why = "is a list: rows picked by position"
-            else:
-                why = _bad_start(item, ctx)
+            why = _bad_index(item, ctx)
             if why:
                 verb = "writes" if name == "setitem" else "indexes"
                 return dd, f"{verb} the padded dim with an index that {why}"
         d += w
     return None
+
+
+def _check_narrow(
+    node: torch.fx.Node, name: str, t: torch.Tensor, pads: tuple[int, ...], ctx: _Ctx
+) -> _Finding | None:
+    """``narrow`` / ``select`` / ``slice`` of ``t`` (whose padded dims are ``pads``)."""
+    d = _arg(node, 1, "dim", 0)
+    if not isinstance(d, int):
+        return (None, f"{name} along a dim that is not static") if pads else None
+    d = _norm_dim(d, t.dim())
+    if d not in pads:
+        return None
+    start = _arg(node, 2, "start" if name != "select" else "index", None)
+    why = _bad_start(start, ctx)
+    if name == "slice":
+        step = _static_int(_arg(node, 4, "step", 1))
+        if step is None or step < 1:
+            why = why or "steps backwards or by a non-static step"
+    return (d, f"{name} along the padded dim {why}") if why else None
+
+
+def _index_width(item: Any) -> int:
+    """How many dims of the indexed tensor one item of a subscript consumes."""
+    if item is None:
+        return 0
+    v = example_of(item)
+    if isinstance(v, torch.Tensor) and v.dtype == torch.bool:
+        return v.dim()
+    return 0 if item is Ellipsis else 1
+
+
+def _bad_index(item: Any, ctx: _Ctx) -> str | None:
+    """Why one item of a subscript, indexing a padded dim, is not row-preserving, or None."""
+    v = example_of(item)
+    if isinstance(item, slice):
+        why = _bad_start(item.start, ctx)
+        step = example_of(item.step)
+        if step is not None and not (isinstance(step, int) and step >= 1):
+            why = why or "steps backwards or by a non-static step"
+        return why
+    if isinstance(v, torch.Tensor):
+        return "is a boolean mask: rows chosen by tensor values" if v.dtype == torch.bool else \
+            "is a tensor: rows chosen by tensor values"
+    if isinstance(item, (list, tuple)):
+        return "is a list: rows picked by position"
+    return _bad_start(item, ctx)
 
 
 def _check_cat(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
@@ -716,14 +733,14 @@ def _check_embedding(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
     return None
 
 
-def _shape_env(t: torch.Tensor) -> Any:
+def _shape_env(t: torch.Tensor) -> ShapeEnv | None:
     for s in t.shape:
         if isinstance(s, torch.SymInt):
             return s.node.shape_env
     return None
 
 
-def _exact(expr: sympy.Expr, env: Any) -> sympy.Expr:
+def _exact(expr: sympy.Expr, env: ShapeEnv | None) -> sympy.Expr:
     """``expr`` with every ``a // b`` the shape env knows to be exact (``a % b == 0`` was
     guarded, e.g. by a view) replaced by ``a / b``, so that ``4 * (H // 4)`` cancels to ``H``."""
     from torch.utils._sympy.functions import FloorDiv
