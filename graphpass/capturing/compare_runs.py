@@ -358,8 +358,18 @@ def _chunk_indices(shape: tuple[int, ...], limit: int) -> Iterator[tuple]:
 
 
 def _open(path: Path, stack: Any) -> tuple[Any, str]:
+    """``safe_open`` (memory-mapped) on ``path``; safetensors takes only UTF-8 paths, so a path with
+    undecodable bytes is opened here and handed over as ``/proc/self/fd/N`` where that exists."""
     try:
-        return stack.enter_context(safe_open(str(path), framework="pt")), ""
+        name = str(path)
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            fd = os.open(path, os.O_RDONLY)
+            stack.callback(os.close, fd)
+            if os.path.exists(f"/proc/self/fd/{fd}"):
+                name = f"/proc/self/fd/{fd}"
+        return stack.enter_context(safe_open(name, framework="pt")), ""
     except Exception as exc:  # corrupt header, truncated file, permission denied, ...
         return None, f"{type(exc).__name__}: {exc}".strip()
 

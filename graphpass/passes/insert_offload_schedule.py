@@ -81,9 +81,10 @@ class _Group:
 
     key: str  # trap label, or "between:<n>"
     anchor: torch.fx.Node  # the load waits before this node (the trap's enter, else its first reader)
-    last: torch.fx.Node  # the last reader: the eviction follows it
+    last: torch.fx.Node  # the eviction follows this node: the last reader, through views included
     users: list[torch.fx.Node]  # the readers, in graph order
     phs: list[torch.fx.Node]  # the offloaded placeholders it reads, first read first
+    done: list[torch.fx.Node] = field(default_factory=list)  # the eviction's ordering dependency (the last reader)
 
 
 @dataclass
@@ -152,7 +153,7 @@ class InsertOffloadSchedule(GraphPass):
                 for user in group.users:
                     user.replace_input_with(ph, item)
             with graph.inserting_after(group.last):
-                ev = graph.call_function(EVICT, (list(items), list(group.phs), group.key, _last_reader(group.users, order)))
+                ev = graph.call_function(EVICT, (list(items), list(group.phs), group.key, group.done))
             done.evicts[k] = ev
             ev.meta["graphpass_offload"] = group.key
             if token is not None:
@@ -248,7 +249,11 @@ def _plan_groups(graph: torch.fx.Graph, records: dict, node_trap: dict[str, str]
             if order[e] < order[users[0]]:
                 anchor = e
         phs = sorted(g["phs"], key=lambda p: (g["phs"][p], order[p]))
-        plan.append(_Group(key, anchor, users[-1], users, phs))
+        done = _last_reader(users, order)
+        # A reader through a view can come after the last direct reader (an expert's slice of a
+        # stacked MoE weight, ``w[e]``, taken early and multiplied later): evict after both.
+        last = max([users[-1], *done], key=order.__getitem__)
+        plan.append(_Group(key, anchor, last, users, phs, done))
     plan.sort(key=lambda grp: order[grp.anchor])
     return plan
 
