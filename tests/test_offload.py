@@ -91,10 +91,28 @@ def test_errors_at_offload_leave_the_model_unchanged(tmp_path):
     assert torch.equal(model(*inputs), model(*inputs))  # still an ordinary model
 
 
-def test_disk_training_refused():
-    model, _ = build("mlp_stack")
-    with pytest.raises(graphpass.ConfigError, match="requires grad"):
-        graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path="/tmp"))
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "grad"])
+def test_disk_with_weights_that_require_grad(mode, tmp_path):
+    """Parameters that require grad (as from_pretrained leaves them) stream from disk in eval under
+    no_grad / inference_mode; only a graph that needs a disk-streamed weight's gradient is refused,
+    at compile time, naming the tensor."""
+    torch._dynamo.reset()
+    model, inputs = build("mlp_stack")
+    model.eval()
+    assert all(p.requires_grad for p in model.parameters())
+    ref = model(*inputs).detach()
+    state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=tmp_path))
+    assert all(p.requires_grad for p in model.parameters())
+    assert list(state.parameters()) == []  # nothing streamed from a file is offered to an optimizer
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    if mode == "grad":
+        with pytest.raises(graphpass.OffloadError, match=r"needs the gradient of 'layers.0.fc1.weight'.*storage='disk'"):
+            compiled(*inputs)
+        return
+    with (torch.no_grad() if mode == "no_grad" else torch.inference_mode()):
+        out = compiled(*inputs)
+    assert torch.equal(out, ref)
+    assert graphpass.memory_stats(model).groups_loaded > 0
 
 
 def test_offloading_twice_and_stats_of_plain_model_raise():

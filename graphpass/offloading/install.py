@@ -87,6 +87,8 @@ class OffloadState:
         parameters. Build optimizers from this after :func:`offload`."""
         seen: set[int] = set()
         for rec in self.records:
+            if rec.location is not None:
+                continue  # streamed from a file: nothing to train (a graph that would is refused)
             if isinstance(rec.host, nn.Parameter) and id(rec.host) not in seen:
                 seen.add(id(rec.host))
                 yield rec.host
@@ -186,15 +188,6 @@ def _plan(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], Offlo
             rec.resident = True
     streamed = [r for r in tensors if r.streamed and not r.resident]
     return tensors, plan, streamed
-
-
-def _check_disk_inference_only(config: OffloadConfig, streamed: list[_Tensor]) -> None:
-    """Refuse ``storage="disk"`` for a streamed tensor that requires grad."""
-    if config.storage == "disk":
-        grads = [r.fqns[0] for r in streamed if r.tensor.requires_grad]
-        if grads:
-            raise ConfigError("storage", "disk", f"{grads[0]!r} requires grad: training reads and writes weights, so "
-                              "storage='disk' serves inference only; call requires_grad_(False) or use storage='cpu'/'pinned'")
 
 
 def _check_checkpoint(tensors: list[_Tensor], checkpoint: Any) -> dict[int, TensorLocation]:
@@ -305,8 +298,10 @@ def _swap_into_model(tensors: list[_Tensor], config: OffloadConfig, device: torc
         old = rec.tensor
         streamed_here = rec.streamed and not rec.resident
         if isinstance(old, nn.Parameter):
-            on_disk = streamed_here and config.storage == "disk"
-            new_obj = nn.Parameter(new, requires_grad=False if on_disk else old.requires_grad)
+            # requires_grad is kept as the model had it (from_pretrained leaves it True), disk included:
+            # inference works; a graph that needs the gradient of a disk-streamed weight is refused
+            # when it is compiled (graphpass.passes.insert_offload_schedule), naming the tensor.
+            new_obj = nn.Parameter(new, requires_grad=old.requires_grad)
         else:
             new_obj = new
         _copy_plain_attributes(old, new_obj)
@@ -367,7 +362,6 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
     """
     config, device = _check_arguments(model, config, kwargs)
     tensors, plan, streamed = _plan(model, config)
-    _check_disk_inference_only(config, streamed)
     locations = _check_checkpoint(tensors, checkpoint)  # before touching the model
     disk_path = _prepare_disk_path(config, streamed, locations)
 

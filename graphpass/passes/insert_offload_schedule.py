@@ -32,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..errors import OffloadError
 from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, is_guard
 from ..offloading.runtime import OffloadedTensor, lookup
-from ..fx_utils import AliasIndex, find_write, is_graphpass_node, is_view, node_order
+from ..fx_utils import AliasIndex, example_of, find_write, is_graphpass_node, is_view, node_order, views_of
 from ..ops import is_enter, is_exit
 from .base import GraphPass, PassContext
 
@@ -115,6 +115,7 @@ class InsertOffloadSchedule(GraphPass):
         for node in guards:
             graph.erase_node(node)
         _refuse_writes(graph, records)
+        _refuse_disk_gradients(graph, records)
         runtimes = {id(r.runtime): r.runtime for r in records.values()}
         if len(runtimes) > 1:
             raise OffloadError("one graph reads tensors offloaded from two different models; offload and compile them separately")
@@ -216,6 +217,26 @@ def _refuse_writes(graph: torch.fx.Graph, records: dict) -> None:
                 f"the graph writes offloaded tensor {rec.name!r} in place ({hit[0].format_node()}): a write to a "
                 f"loaded copy would be lost at eviction. Keep it on the device with exclude_patterns"
             )
+
+
+def _refuse_disk_gradients(graph: torch.fx.Graph, records: dict) -> None:
+    """A weight streamed from a file has no host copy to take its gradient: a graph that computes
+    one (traced with grad enabled, the weight requiring grad) is refused. Under ``no_grad`` or
+    ``inference_mode`` nothing downstream requires grad, and the graph runs."""
+    for ph, rec in records.items():
+        if rec.location is None or not getattr(example_of(ph), "requires_grad", False):
+            continue
+        for alias in views_of(ph):
+            # a view of a weight that requires grad does too, even under no_grad: look at what reads it
+            needs = [u for u in alias.users if not is_graphpass_node(u) and not is_view(u)
+                     and getattr(example_of(u), "requires_grad", False)]
+            if needs:
+                raise OffloadError(
+                    f"the graph needs the gradient of {rec.name!r}, which graphpass.offload streams from a file "
+                    f"(storage='disk'), where no gradient can be kept ({needs[0].format_node()}). Run it under "
+                    f"torch.no_grad() or torch.inference_mode(), call requires_grad_(False) on the weights, or offload "
+                    f"with storage='cpu' or 'pinned' to train"
+                )
 
 
 def _plan_groups(graph: torch.fx.Graph, records: dict, node_trap: dict[str, str], order: dict) -> list[_Group]:
