@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-import graphpass
+
+from graphpass import atomic_files
 from graphpass import CaptureError, ModelCapture
 from graphpass.capturing import CaptureWriter, compare
 from graphpass.capturing import compare_runs
@@ -102,7 +103,7 @@ def _forced_names(monkeypatch):
         yield ".graphpass-planted.tmp"
         while True:
             yield f".graphpass-{os.urandom(6).hex()}.tmp"
-    monkeypatch.setattr(writer_mod, "_temp_names", names, raising=False)
+    monkeypatch.setattr(atomic_files, "temp_names", names)
 
 
 @pytest.mark.parametrize("where", ["meta", "tensor"])
@@ -204,12 +205,9 @@ def test_disk_full_raises_capture_error_and_leaves_nothing(tmp_path, monkeypatch
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(*args, **kwargs) if real_write is not None else real_save(*args, **kwargs)
 
-    real_write = getattr(writer_mod, "_write_all", None)
+    real_write = atomic_files.write_all
     real_save = st.save_file
-    if real_write is not None:
-        monkeypatch.setattr(writer_mod, "_write_all", full)
-    else:  # the code before the fix wrote through safetensors' save_file
-        monkeypatch.setattr(st, "save_file", full)
+    monkeypatch.setattr(atomic_files, "write_all", full)
     w = CaptureWriter(tmp_path)
     tensors = [("layers.0", torch.ones(3)), ("layers.1", torch.ones(3))]
     with pytest.raises(CaptureError, match="No space left") as info:

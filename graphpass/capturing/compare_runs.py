@@ -23,7 +23,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -33,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import _TYPES as _ST_DTYPES
 from tabulate import tabulate
 
+from ..atomic_files import write_bytes_atomic
 from ..errors import GraphpassError
 
 __all__ = ["CompareError", "CompareRow", "CompareReport", "compare"]
@@ -146,16 +146,7 @@ class CompareReport:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_bytes_atomic(target, text.encode("utf-8"))
         return target
 
 

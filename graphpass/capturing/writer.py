@@ -19,20 +19,19 @@ import json
 import numbers
 import os
 import re
-import secrets
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
+from ..atomic_files import create_temp, write_bytes_atomic
 from ..errors import CaptureError, ConfigError
 from ..patterns import compile_patterns
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]+")  # always fullmatch: `$` would accept a trailing newline
 _RANK_FILE = re.compile(r"rank([0-9]+)\.safetensors")
 NAME_MAX = 255  # bytes in one path component (Linux, macOS, Windows)
-_TMP_PREFIX, _TMP_SUFFIX = ".graphpass-", ".tmp"  # short: a long final name never makes the temp name too long
 
 
 def _check_component(value: Any, what: str) -> str:
@@ -115,7 +114,7 @@ class CaptureWriter:
     def _check_writable(self) -> None:
         try:
             self.capture_dir.mkdir(parents=True, exist_ok=True)
-            fd, probe = _create_temp(self.capture_dir)
+            fd, probe = create_temp(self.capture_dir)
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
@@ -271,48 +270,8 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _temp_names() -> Iterator[str]:
-    """Candidate temporary names (random; a test may replace this to force a collision)."""
-    while True:
-        yield f"{_TMP_PREFIX}{secrets.token_hex(8)}{_TMP_SUFFIX}"
-
-
-def _create_temp(folder: Path) -> tuple[int, Path]:
-    """Create a new file exclusively in ``folder``: never opens an existing file or follows a link."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-    for _, name in zip(range(100), _temp_names()):
-        path = folder / name
-        try:
-            return os.open(path, flags, 0o666), path
-        except FileExistsError:
-            continue
-    raise FileExistsError(errno.EEXIST, "no free temporary file name", str(folder))
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
 def _atomic(path: Path, data: bytes, created: list[Path] | None = None) -> None:
-    """Write ``data`` to a fresh temporary file next to ``path``, then rename it onto ``path``
-    (``os.replace`` replaces a link at ``path`` itself, never writes through it). The temporary file
-    is removed if anything fails; ``path`` is appended to ``created`` when it did not exist before."""
-    existed = os.path.lexists(path)
-    fd, tmp = _create_temp(path.parent)
-    try:
-        try:
-            _write_all(fd, data)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    if created is not None and not existed:
+    """Write ``data`` onto ``path`` (:func:`graphpass.atomic_files.write_bytes_atomic`); ``path`` is
+    appended to ``created`` when it did not exist before."""
+    if write_bytes_atomic(path, data) and created is not None:
         created.append(path)

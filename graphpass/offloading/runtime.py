@@ -104,11 +104,10 @@ class _Registry:
     def lookup(self, t: Any) -> OffloadedTensor | None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
             return None
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+        try:  # a tensor without a storage of its own (a DTensor, a sparse tensor) is never offloaded
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
             return None
-        ptr = storage.data_ptr()
         ref = self._by_ptr.get(ptr)
         rec = ref() if ref is not None else None
         if rec is None or rec.key.untyped_storage().data_ptr() != ptr or tuple(t.shape) != rec.shape \
@@ -117,6 +116,9 @@ class _Registry:
         return rec
 
 
+# Process-wide on purpose: a storage address names one tensor in the whole process, so one table
+# answers for every model (each record points at its own model's runtime); entries are weak and
+# removed with their model's state, and the table is locked.
 REGISTRY = _Registry()
 
 

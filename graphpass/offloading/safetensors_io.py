@@ -14,13 +14,13 @@ import ctypes
 import json
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
 
+from ..atomic_files import write_all, write_atomic
 from ..errors import OffloadError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -166,8 +166,9 @@ def read_into(fd: int, loc: TensorLocation, dst: torch.Tensor) -> None:
 def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
     """Write ``tensors`` as one safetensors file, streaming each tensor's bytes (no whole-file buffer).
 
-    The file appears under its name only once complete (written to a temporary file in the same
-    folder, flushed, then renamed), so a crash never leaves a half-written file behind.
+    The file appears under its name only once complete (:func:`graphpass.atomic_files.write_atomic`:
+    a temporary file created exclusively in the same folder, flushed, then renamed), so a crash never
+    leaves a half-written file under that name and a link planted in the folder is never followed.
     """
     path = os.fspath(path)
     header: dict = {}
@@ -184,22 +185,13 @@ def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], met
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".graphpass-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for _name, t in order:
-                cpu = t.detach().to("cpu").contiguous()
-                f.write(byte_view(cpu))
-                del cpu
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+
+    def write(fd: int) -> None:
+        write_all(fd, struct.pack("<Q", len(raw)))
+        write_all(fd, raw)
+        for _name, t in order:
+            cpu = t.detach().to("cpu").contiguous()
+            write_all(fd, byte_view(cpu))
+            del cpu
+
+    write_atomic(path, write, fsync=True)

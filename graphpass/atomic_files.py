@@ -1,0 +1,78 @@
+"""Writing files so that nothing half-written is ever read as data, and no planted link is followed.
+
+Every file graphpass writes (capture steps and their meta, offload weight files) goes through
+:func:`write_atomic`: the bytes go to a new temporary file created exclusively in the target
+folder (``O_CREAT | O_EXCL | O_NOFOLLOW``, a random name: an existing file or a link planted at that
+name is never opened), are flushed, and the file is renamed onto its final name (``os.replace``
+replaces a link at the final name itself, never writes through it). On any failure the temporary
+file is removed and the error propagates.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from pathlib import Path
+from typing import Callable, Iterator
+
+TMP_PREFIX, TMP_SUFFIX = ".graphpass-", ".tmp"  # short: a long final name never makes the temp name too long
+
+
+def temp_names() -> Iterator[str]:
+    """Candidate temporary names (random; a test may replace this to force a collision)."""
+    while True:
+        yield f"{TMP_PREFIX}{secrets.token_hex(8)}{TMP_SUFFIX}"
+
+
+def create_temp(folder: str | os.PathLike) -> tuple[int, Path]:
+    """Create a new file exclusively in ``folder``: never opens an existing file or follows a link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    for _, name in zip(range(100), temp_names()):
+        path = Path(folder) / name
+        try:
+            return os.open(path, flags, 0o666), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary file name", str(folder))
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write every byte of ``data`` to ``fd`` (``os.write`` may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[int], None], fsync: bool = False) -> bool:
+    """Create or replace ``path`` with what ``write(fd)`` writes, atomically. Returns whether
+    ``path`` is new (it did not exist before)."""
+    path = Path(path)
+    existed = os.path.lexists(path)
+    fd, tmp = create_temp(path.parent)
+    try:
+        try:
+            write(fd)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return not existed
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> bool:
+    """:func:`write_atomic` of a bytes object."""
+    return write_atomic(path, lambda fd: write_all(fd, data))
+
+
+def is_temp_name(name: str) -> bool:
+    """A name :func:`create_temp` makes (a leftover of an interrupted write when found later)."""
+    return name.startswith(TMP_PREFIX) and name.endswith(TMP_SUFFIX)
