@@ -12,7 +12,9 @@ $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "graphpass needs Python 3.11+"'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	# PIP_CONSTRAINT=/dev/null: a machine-wide pip constraints file (some images cap torch below the
+	# newest release) must not override constraints.txt, which is exactly what CI installs.
+	PIP_CONSTRAINT=/dev/null $(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	@touch $@
 
 demo: $(STAMP)
@@ -27,6 +29,9 @@ golden: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/compile_overhead.py
+
+conformance: $(STAMP)
+	$(PY) bench/conformance.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

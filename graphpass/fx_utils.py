@@ -303,6 +303,15 @@ def size_expr(size: Any) -> sympy.Expr:
     return sympy.sympify(size)
 
 
+def shape_env_hints(env: Any) -> dict:
+    """Symbol -> the value it had when traced (``backed_var_to_val``; older torch: ``var_to_val``,
+    a deprecated alias once the new name exists, so it is read only when the new one is missing)."""
+    hints = getattr(env, "backed_var_to_val", None)
+    if hints is None:
+        hints = getattr(env, "var_to_val", {})
+    return hints
+
+
 def is_symbolic(size: Any) -> bool:
     return isinstance(example_of(size), (torch.SymInt, torch.SymFloat, torch.SymBool))
 

@@ -15,7 +15,7 @@ from graphpass.golden import check_golden, render_code, render_ownership
 from graphpass.models.corpus import CORPUS, build
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-PINNED_TORCH = "2.13.0"
+PINNED_TORCH = "2.15.0"
 
 pytestmark = pytest.mark.skipif(
     not torch.__version__.startswith(PINNED_TORCH),

@@ -56,7 +56,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-from ..fx_utils import AliasIndex, example_of, size_expr as _expr, writes_into
+from ..fx_utils import AliasIndex, example_of, shape_env_hints, size_expr as _expr, writes_into
 from .base import GraphPass, PassContext
 
 BUFFER_PREFIX = "_graphpass_static_"
@@ -210,7 +210,7 @@ class _Bounder:
     def _hint(self, s: sympy.Symbol) -> int | None:
         if self.env is None:
             return None
-        hints = getattr(self.env, "backed_var_to_val", None) or self.env.var_to_val
+        hints = shape_env_hints(self.env)
         return _finite_int(hints.get(s))
 
     def range_of(self, expr: sympy.Expr) -> tuple[Any, Any]:

@@ -29,7 +29,7 @@ from tabulate import tabulate
 
 from ..errors import ConfigError
 from ..formatting import fmt_bytes
-from ..fx_utils import returns_alias, size_expr, source_frame, tensors_of
+from ..fx_utils import shape_env_hints, returns_alias, size_expr, source_frame, tensors_of
 
 if TYPE_CHECKING:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -484,7 +484,7 @@ class _Bounds:
     def __init__(self, env: ShapeEnv, user_rng: dict[sympy.Symbol, ValueRanges]) -> None:
         self.env = env
         self.user_rng = user_rng
-        self.hints = dict(getattr(env, "backed_var_to_val", None) or env.var_to_val)
+        self.hints = dict(shape_env_hints(env))
 
     def ranges_for(self, expr: sympy.Expr) -> dict[sympy.Symbol, ValueRanges]:
         """The range of every free symbol of ``expr``."""

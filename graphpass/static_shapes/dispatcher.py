@@ -28,6 +28,7 @@ import torch
 
 from graphpass.backends import Delegate
 
+from ..fx_utils import shape_env_hints
 from ..config import StaticShapesConfig
 from ..ops import CURRENT_BUCKET
 
@@ -107,7 +108,7 @@ def _floats_specialized(fakes: Sequence[Any]):
     shape_env = next((f.fake_mode.shape_env for f in fakes if isinstance(f, torch.Tensor) and hasattr(f, "fake_mode")), None)
     saved = set(TensorifyState.force_specializations)
     if shape_env is not None:
-        for sym in getattr(shape_env, "backed_var_to_val", getattr(shape_env, "var_to_val", {})):
+        for sym in shape_env_hints(shape_env):
             if symbol_is_type(sym, SymT.FLOAT):
                 TensorifyState.specialize(str(sym))
     try:
