@@ -1,4 +1,4 @@
-"""The ``graphpass`` command: ``demo``, ``explain``, ``audit``, ``compare``."""
+"""The ``graphpass`` command (also ``python -m graphpass``): ``demo``, ``explain``, ``audit``, ``compare``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import copy
 import importlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -134,6 +135,10 @@ def _demo(args: argparse.Namespace) -> int:
         print()
         print(memory_stats(compiled))
     del out
+    print()
+    print("next: docs/index.md (the map), `graphpass explain MODULE:FACTORY` for your model's traps and owners,\n"
+          "      `graphpass audit MODULE:FACTORY --dynamic NAME=DIM` for its variable-size allocations,\n"
+          "      docs/capture.md for `graphpass compare`, docs/offload.md for memory_stats")
     return 0 if ok else 1
 
 
@@ -149,29 +154,39 @@ def _compare(args: argparse.Namespace) -> int:
         written = report.write_json(target)
     except OSError as exc:
         raise CompareError(f"cannot write the JSON summary to {str(target)!r}: {exc}") from None
-    print(f"summary written to {written}")
+    print(f"summary written to {os.fsdecode(written).encode('utf-8', 'backslashreplace').decode('utf-8')}")
     return 0 if report.passed else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="graphpass", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"graphpass {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="compile the bundled transformer with graphpass and check it against eager")
+    def add(name: str, help: str, example: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {example}",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = add("demo", "compile the bundled transformer with graphpass and check it against eager",
+            "graphpass demo --offload disk --then aot_eager")
     p.add_argument("--then", default="inductor", help="delegate backend (default: inductor)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--offload", default="cpu", choices=("none", "cpu", "disk"),
                    help="stream the layer weights from host memory or disk (default: cpu; none: keep them)")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("explain", help="print the trap table of a model: graphpass explain module:factory")
+    p = add("explain", "print the trap table of a model: graphpass explain module:factory",
+            "graphpass explain graphpass.models.corpus:tiny_transformer --tensors")
     p.add_argument("factory", help="module:function returning (model, example_inputs)")
     p.add_argument("--traps", nargs="+", default=None, help="trap patterns (default: the repeated blocks)")
     p.add_argument("--tensors", action="store_true", help="also print every weight's owners")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_explain)
 
-    p = sub.add_parser("audit", help="list variable-size allocations and whether a fixed buffer fits: graphpass audit module:factory --dynamic x=0")
+    p = add("audit", "list variable-size allocations and whether a fixed buffer fits: graphpass audit module:factory --dynamic x=0",
+            "graphpass audit graphpass.models.audit_example:factory --dynamic x=0:2:512 --json")
     p.add_argument("factory", help="module:function returning (model_or_fn, example_inputs)")
     p.add_argument("--dynamic", action="append", required=True, metavar="NAME=DIM[:MIN:MAX]",
                    help="an input dim that varies, with an optional range (repeat for more dims)")
@@ -183,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_audit)
 
-    p = sub.add_parser("compare", help="compare two capture directories tensor by tensor: graphpass compare REF TEST")
+    p = add("compare", "compare two capture directories tensor by tensor: graphpass compare REF TEST",
+            "graphpass compare captures_cpu captures_gpu --rtol 1e-3 --atol 1e-5 --json summary.json")
     p.add_argument("ref", help="reference capture directory")
     p.add_argument("test", help="capture directory to check against REF")
     p.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default: 1e-3)")

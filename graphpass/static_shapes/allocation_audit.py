@@ -149,7 +149,7 @@ class AuditReport:
                 r.op.removeprefix("aten."),
                 r.shape,
                 _fmt_int(r.bound_elems),
-                "∞" if r.bound_bytes is None else fmt_bytes(r.bound_bytes),
+                "unbounded" if r.bound_bytes is None else fmt_bytes(r.bound_bytes),
                 r.verdict,
                 r.reason,
             ]
@@ -198,7 +198,7 @@ class AuditReport:
         }
 
 
-def _fmt_int(n: int | None, none: str = "∞") -> str:
+def _fmt_int(n: int | None, none: str = "unbounded") -> str:
     return none if n is None else f"{n:,}"
 
 
@@ -471,10 +471,17 @@ def _source(node: torch.fx.Node) -> tuple[str, str]:
     return (str(frame), frame.code) if frame is not None else ("-", "")
 
 
+# Dynamo gives sizes without a user maximum an upper end of sys.maxsize - 1 (not int_oo): any bound
+# at that scale means "no bound", and is reported as unbounded rather than as 9.2e18 elements.
+_NO_BOUND = 2**62
+
+
 def _is_int_bound(v: sympy.Basic) -> bool:
     from torch.utils._sympy.numbers import int_oo
 
-    return v not in (int_oo, -int_oo, sympy.oo, -sympy.oo) and getattr(v, "is_number", False)
+    if v in (int_oo, -int_oo, sympy.oo, -sympy.oo) or not getattr(v, "is_number", False):
+        return False
+    return abs(int(v)) < _NO_BOUND
 
 
 class _Bounds:
