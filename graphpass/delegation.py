@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Sequence
 
+import sympy
 import torch
 from torch.fx.passes.split_module import split_module
 
@@ -21,13 +22,16 @@ from .fx_utils import is_graphpass_node
 
 
 class _LazyPiece(torch.nn.Module):
-    """One piece of a split graph, compiled by the delegate with the real inputs of its first call."""
+    """One piece of a split graph, compiled by the delegate with the real inputs of its first call,
+    and again for every new input signature (shapes, dtypes, devices): a delegate without host code
+    compiles static shapes (TorchNeuron rejects dynamic ones), so a piece compiled for one size must
+    never run another."""
 
     def __init__(self, piece: torch.fx.GraphModule, delegate: Delegate) -> None:
         super().__init__()
         self.piece = piece
         self.delegate = delegate
-        self.compiled: Callable | None = None
+        self.compiled: dict[tuple, Callable] = {}
         out = next(n for n in piece.graph.nodes if n.op == "output")
         self.single = not isinstance(out.args[0], (tuple, list))
         if self.single:  # delegates expect a tuple of outputs
@@ -35,9 +39,11 @@ class _LazyPiece(torch.nn.Module):
             piece.recompile()
 
     def forward(self, *args: Any) -> Any:
-        if self.compiled is None:
-            self.compiled = self.delegate.compile(self.piece, list(args))
-        result = self.compiled(*args)
+        key = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
+        fn = self.compiled.get(key)
+        if fn is None:
+            fn = self.compiled[key] = self.delegate.compile(self.piece, list(args))
+        result = fn(*args)
         return result[0] if self.single else tuple(result)
 
 
@@ -57,6 +63,7 @@ def split_at_boundaries(gm: torch.fx.GraphModule, delegate: Delegate) -> tuple[t
             part[n] = part[n.args[0]]  # a graphpass op's list output is unpacked on the host
         else:
             part[n] = seg
+    _forget_undefined_symbols(gm)
     parent = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
     pieces = 0
     for name, sub in list(parent.named_children()):
@@ -67,6 +74,23 @@ def split_at_boundaries(gm: torch.fx.GraphModule, delegate: Delegate) -> tuple[t
         setattr(parent, name, _LazyPiece(sub, delegate))
         pieces += 1
     return parent, pieces
+
+
+def _forget_undefined_symbols(gm: torch.fx.GraphModule) -> None:
+    """Drop example values that mention a size symbol no node of ``gm`` defines any more (a
+    static-shape bucket bakes its size inputs in): ``split_module`` would look for the node that
+    defines the symbol. The pieces are compiled from real inputs, so nothing needs those values."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    defined = set()
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value")
+        if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
+            defined.add(v.node.expr)
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value")
+        if v is not None and not free_symbols(v) <= defined:
+            del n.meta["example_value"]
 
 
 def compile_with_delegate(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], delegate: Delegate) -> Callable:

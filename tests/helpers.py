@@ -24,15 +24,23 @@ class CountingBackend:
 
 
 class StrictAtenBackend:
-    """Stand-in for a compiler that cannot run host code: it accepts only graphs whose every
-    op is a plain aten/prims op (plus getitem on their tuple results), and refuses the rest."""
+    """Stand-in for AWS Neuron's compiler: it cannot run host code, so it accepts only graphs whose
+    every op is a plain aten/prims op (plus getitem on their tuple results), and, like TorchNeuron
+    (which rejects ``dynamic=True``), only static shapes: a symbolic size anywhere is refused."""
 
     __name__ = "strict_aten"
 
     def __init__(self):
         self.graphs = []
+        self.shapes = []  # the input shapes of every graph it compiled
 
     def __call__(self, gm, example_inputs, **kwargs):
+        for value in list(example_inputs) + [n.meta.get("val") for n in gm.graph.nodes]:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for v in values:
+                sizes = v.shape if isinstance(v, torch.Tensor) else [v]
+                if any(isinstance(s, torch.SymInt) for s in sizes):
+                    raise RuntimeError(f"strict backend: symbolic size {tuple(sizes)} refused (static shapes only)")
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "output"):
                 continue
@@ -44,6 +52,7 @@ class StrictAtenBackend:
             if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
                 raise RuntimeError(f"strict backend: non-aten op {target} ({node.name}) refused")
         self.graphs.append(gm)
+        self.shapes.append(tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)))
         return gm.forward
 
 

@@ -84,3 +84,51 @@ def test_then_neuronx_cc_uses_the_installed_package(monkeypatch):
     with torch.no_grad():
         assert torch.equal(compiled(*x), model(*x))
     assert strict.graphs
+
+
+def test_standin_refuses_dynamic_shapes():
+    """Like TorchNeuron, the stand-in refuses a graph with symbolic sizes (guards the next test)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    strict = StrictAtenBackend()
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=strict), dynamic=True)
+    with pytest.raises(Exception, match="strict backend: symbolic size"), torch.no_grad():
+        compiled(*inputs)
+
+
+def test_pieces_compile_again_for_a_new_size(strict_backend):
+    """A split piece compiled for one input size is never run with another: Neuron's graphs are static."""
+    delegate = NeuronDelegate(registered_name="strict_aten_standin", module=None)
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend=graphpass.backend(then=delegate), dynamic=True)
+    with torch.no_grad():
+        for rows in (3, 5, 3):
+            x = torch.randn(rows, *inputs[0].shape[1:])
+            assert torch.equal(compiled(x), model(x))
+    first_dims = {shapes[0][0] for shapes in strict_backend.shapes if shapes}
+    assert {3, 5} <= first_dims
+
+
+def test_variable_lengths_through_neuron_with_buckets(strict_backend):
+    """A variable-length workload through then=neuronx_cc (the strict static-shape stand-in): with
+    static-shape buckets every graph Neuron gets is static, at most len(buckets) + 1 shapes
+    (Dynamo's first exact-size graph and one per bucket), numerics equal eager."""
+    buckets = [8, 16, 32]
+    delegate = NeuronDelegate(registered_name="strict_aten_standin", module=None)
+    model, _ = build("tiny_transformer")
+    model.eval()
+    gp = graphpass.backend(then=delegate, static_shapes={"dims": {"ids": 1}, "buckets": buckets})
+    compiled = torch.compile(model, backend=gp)
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 9, 3, 17, 30, 12, 8, 25, 2, 31]
+    with torch.no_grad():
+        for n in lengths:
+            ids = torch.randint(0, 64, (2, n), generator=g)
+            out = compiled(ids)
+            torch.testing.assert_close(out, model(ids), rtol=1e-5, atol=1e-6)  # padded matmuls: fp32 rounding
+    seq_lens = {shape[1] for shapes in strict_backend.shapes for shape in shapes if len(shape) == 2 and shape[0] == 2}
+    assert seq_lens <= set(buckets) | {lengths[0]}, seq_lens
+    assert len(seq_lens) <= len(buckets) + 1
+    dynamo_graphs = len(gp.graphs)
+    assert dynamo_graphs <= 2  # the exact-size graph, then the bucketed one
