@@ -130,13 +130,16 @@ class GraphpassConfig:
                 hint = difflib.get_close_matches(key, known, n=1)
                 extra = f"; did you mean {hint[0]!r}?" if hint else ""
                 raise ConfigError(key, merged[key], f"unknown option (known: {', '.join(known)}){extra}")
+        then = _check_then(merged.get("then", "inductor"))
+        delegate_options = _check_mapping("delegate_options", merged.get("delegate_options", {}))
+        _check_delegate_options(then, delegate_options)
         return cls(
-            then=_check_then(merged.get("then", "inductor")),
+            then=then,
             traps=_check_traps(merged.get("traps", None)),
             boundaries=_check_bool("boundaries", merged.get("boundaries", True)),
             profile_ranges=_check_bool("profile_ranges", merged.get("profile_ranges", True)),
             mode=_check_mode(merged.get("mode", None)),
-            delegate_options=_check_mapping("delegate_options", merged.get("delegate_options", {})),
+            delegate_options=delegate_options,
             static_shapes=_check_static_shapes(merged.get("static_shapes", None)),
         )
 
@@ -166,6 +169,21 @@ def _check_traps(value: Any) -> tuple[ModulePattern, ...] | None:
     if value is None or value == "auto":
         return None
     return compile_patterns(value, "traps")
+
+
+def _check_delegate_options(then: Any, options: Mapping[str, Any]) -> None:
+    """For inductor, every key must be an inductor config key (``max_autotune``, ``triton.cudagraphs``):
+    checked now, not after the pipeline ran. Other delegates take their options as they are."""
+    if then != "inductor" or not options:
+        return
+    import torch._inductor.config as inductor_config
+
+    known = set(inductor_config.get_config_copy())
+    for key in options:
+        if key not in known:
+            hint = difflib.get_close_matches(str(key), known, n=1)
+            extra = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise ConfigError(f"delegate_options.{key}", options[key], f"not an inductor config key{extra}")
 
 
 def _check_then(value: Any) -> Any:

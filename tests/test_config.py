@@ -121,3 +121,11 @@ def test_error_hierarchy():
     for cls in (ConfigError, PatternError, PatternMatchError, graphpass.DelegateError, graphpass.DelegateUnavailableError,
                 graphpass.OwnershipError):
         assert issubclass(cls, GraphpassError)
+
+
+def test_unknown_inductor_delegate_option_is_refused_at_once():
+    """Used to be accepted by graphpass.backend() and fail later as BackendCompilerFailed."""
+    with pytest.raises(ConfigError, match=r"'delegate_options.max_autotun'.*did you mean 'max_autotune'"):
+        graphpass.backend(then="inductor", delegate_options={"max_autotun": True})
+    graphpass.backend(then="inductor", delegate_options={"max_autotune": False, "triton.cudagraphs": False})
+    graphpass.backend(then="aot_eager", delegate_options={"anything": 1})  # a registered backend's own options
