@@ -1,4 +1,4 @@
-"""The ``graphpass`` command (also ``python -m graphpass``): ``demo``, ``explain``, ``audit``, ``compare``."""
+"""The ``graphpass`` command (also ``python -m graphpass``): ``demo``, ``explain``, ``audit``, ``compare``, ``golden``."""
 
 from __future__ import annotations
 
@@ -154,8 +154,91 @@ def _compare(args: argparse.Namespace) -> int:
         written = report.write_json(target)
     except OSError as exc:
         raise CompareError(f"cannot write the JSON summary to {str(target)!r}: {exc}") from None
-    print(f"summary written to {os.fsdecode(written).encode('utf-8', 'backslashreplace').decode('utf-8')}")
+    print(f"summary written to {_shown(written)}")
+    _compare_pictures(report, args)
     return 0 if report.passed else 1
+
+
+def _shown(path: Any) -> str:
+    return os.fsdecode(path).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _compare_pictures(report: Any, args: argparse.Namespace) -> None:
+    """``--plot PATH`` / ``--html PATH``: the divergence plot and the self-contained page (graphpass[plot])."""
+    if not (args.plot or args.html):
+        return
+    from pathlib import Path
+
+    from .capturing import CompareError
+    from .capturing.plots import html_page, render_png
+
+    png = render_png(report)  # raises PlotUnavailableError (exit 2) without matplotlib
+    for target, data, what in ((args.plot, png, "plot"), (args.html, None, "page")):
+        if not target:
+            continue
+        if data is None:
+            data = html_page(report, png).encode("utf-8")
+        try:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            from .atomic_files import write_bytes_atomic
+
+            write_bytes_atomic(Path(target), data)
+        except OSError as exc:
+            raise CompareError(f"cannot write the {what} to {str(target)!r}: {exc}") from None
+        print(f"{what} written to {_shown(target)}")
+
+
+def _golden(args: argparse.Namespace) -> int:
+    from .golden import GoldenMismatch
+    from .testing import golden_check
+
+    model, inputs = load_factory(args.factory)
+    name = args.name or args.factory.rpartition(":")[2]
+    capture = args.capture or None
+    try:
+        result = golden_check(model, *inputs, name=name, directory=args.dir, accept=True if args.accept else None,
+                              then=args.then, capture=capture, hint="re-accept with `graphpass golden ... --accept`")
+    except GoldenMismatch as exc:
+        print(f"FAIL {name}: {exc}")
+        return 1
+    if result.accepted:
+        print(f"accepted {name}: wrote {_shown(result.text_path)}, {_shown(result.summary_path)} and the meta file")
+        return 0
+    print(f"ok {name}: structural summary matches {_shown(result.summary_path)}")
+    if result.exact_skipped:
+        print(f"skipped: {result.exact_skipped}")
+    else:
+        print(f"ok {name}: exact rendering matches {_shown(result.text_path)}")
+    return 0
+
+
+def _add_compare_and_golden(add: Any) -> None:
+    """The ``compare`` and ``golden`` subcommands (``add`` makes a subparser with an example)."""
+    p = add("compare", "compare two capture directories tensor by tensor: graphpass compare REF TEST",
+            "graphpass compare captures_cpu captures_gpu --rtol 1e-3 --atol 1e-5 --json summary.json")
+    p.add_argument("ref", help="reference capture directory")
+    p.add_argument("test", help="capture directory to check against REF")
+    p.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default: 1e-3)")
+    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default: 1e-5)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="where to write the JSON summary (default: TEST/compare_summary.json)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw each step's relative error per module, the tolerance and the first divergence "
+                        "(needs matplotlib: pip install 'graphpass[plot]')")
+    p.add_argument("--html", default=None, metavar="PATH",
+                   help="write one self-contained page: the plot, the table, both runs' meta (needs graphpass[plot])")
+    p.set_defaults(func=_compare)
+
+    p = add("golden", "check a model's graphs against its golden files: graphpass golden module:factory --dir DIR",
+            "graphpass golden graphpass.models.corpus:tiny_transformer --dir tests/golden --accept")
+    p.add_argument("factory", help="module:function returning (model, example_inputs)")
+    p.add_argument("--dir", required=True, help="folder of the golden files (NAME.txt, NAME.summary.json, NAME.meta.json)")
+    p.add_argument("--name", default=None, help="golden name (default: the factory's function name)")
+    p.add_argument("--accept", action="store_true", help="write the goldens instead of comparing (also GRAPHPASS_ACCEPT_GOLDEN=1)")
+    p.add_argument("--then", default="eager", help="delegate backend (default: eager)")
+    p.add_argument("--capture", nargs="+", default=None, metavar="PATTERN",
+                   help="attach a ModelCapture for these module patterns (the capture nodes become part of the golden)")
+    p.set_defaults(func=_golden)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -198,15 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_audit)
 
-    p = add("compare", "compare two capture directories tensor by tensor: graphpass compare REF TEST",
-            "graphpass compare captures_cpu captures_gpu --rtol 1e-3 --atol 1e-5 --json summary.json")
-    p.add_argument("ref", help="reference capture directory")
-    p.add_argument("test", help="capture directory to check against REF")
-    p.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default: 1e-3)")
-    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default: 1e-5)")
-    p.add_argument("--json", default=None, metavar="PATH",
-                   help="where to write the JSON summary (default: TEST/compare_summary.json)")
-    p.set_defaults(func=_compare)
+    _add_compare_and_golden(add)
 
     args = parser.parse_args(argv)
     try:

@@ -1,15 +1,27 @@
-"""Normalized text renderings of transformed graphs, for the golden files in ``golden/``.
+"""Normalized text renderings of transformed graphs, for the golden files in ``golden/`` and for
+golden-graph tests of users' own models (:mod:`graphpass.testing`, ``graphpass golden``).
 
 A rendering holds no file paths, line numbers, object ids or memory addresses, so it is stable
 across machines and runs for one torch version. ``make golden`` re-accepts every golden after a
 deliberate change (``GRAPHPASS_ACCEPT_GOLDEN=1``); read the diff before committing it.
+
+Two levels (docs/golden.md):
+
+* the exact rendering (``<name>.txt``), checked only on the torch release it was recorded with,
+  which its sidecar ``<name>.meta.json`` names (``{"torch": ..., "graphpass": ...}``);
+* the structural summary (``<name>.summary.json``, :func:`summarize`): each FQN's traps, loads,
+  evictions and capture nodes per trap, the schedule's load order, the number of graphs. It does
+  not depend on Dynamo's node names, so it is checked on every torch version.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
 import re
 from pathlib import Path
+from typing import Any, Iterable
 
 import torch
 
@@ -62,24 +74,198 @@ def render_ownership(record) -> str:
     return normalize("\n".join(lines))
 
 
-def check_golden(path: Path, actual: str) -> None:
-    """Compare ``actual`` to the golden file; with ``GRAPHPASS_ACCEPT_GOLDEN=1`` write it instead."""
+def render_schedule(record) -> list[str]:
+    """The offload schedule of one graph (peak, prefetch, per group: bytes, FQNs, anchors); [] without one."""
+    sched = record.analysis.offload
+    if sched is None:
+        return []
+    lines = [f"schedule peak {sched.peak_streamed_bytes}B, prefetch {sched.prefetch_distance}"]
+    for grp in sched.groups:
+        lines.append(f"  {grp.label}: {grp.nbytes}B {grp.fqns} start<{grp.start_before} wait<{grp.wait_before} "
+                     f"evict>{grp.evict_after}")
+    return lines
+
+
+def render_model(graphs: Iterable) -> str:
+    """The exact rendering of every graph of a model: ownership and traps, the offload schedule when
+    the model is offloaded, and the rewritten code (trap boundaries, loads, evictions, capture nodes)."""
+    parts = []
+    for g in graphs:
+        parts.append(f"=== graph {g.index} ===")
+        parts.append(render_ownership(g))
+        parts.extend(render_schedule(g))
+        parts.append(render_code(g.gm))
+    return normalize("\n".join(parts))
+
+
+# --- the structural summary ---------------------------------------------------------------------
+
+OUTSIDE = "(outside traps)"  # capture nodes, loads or evictions that sit in no trap region
+
+
+def _op(node) -> str:
+    """``trap_enter``, ``load_start``, ... for a graphpass op node; "" for anything else."""
+    if node.op != "call_function":
+        return ""
+    name = str(node.target)
+    return name.split(".")[1] if name.startswith("graphpass.") else ""
+
+
+def summarize(graphs: Iterable) -> dict[str, Any]:
+    """What must hold on every torch version: ``graphs`` (how many), ``schedule`` (trap labels in load
+    order), ``traps`` (per trap: ``loads``, ``evictions``, ``captures``) and ``fqn_traps`` (each
+    weight's FQN -> the traps that read it, in graph order)."""
+    graphs = list(graphs)
+    traps: dict[str, dict[str, int]] = {}
+    schedule: list[str] = []
+    fqn_traps: dict[str, list[str]] = {}
+
+    def count(label: str, what: str) -> None:
+        traps.setdefault(label, {"loads": 0, "evictions": 0, "captures": 0})[what] += 1
+
+    for g in graphs:
+        for label in g.analysis.traps:
+            traps.setdefault(label, {"loads": 0, "evictions": 0, "captures": 0})
+        for t in g.analysis.tensors.values():
+            if t.kind == "input":
+                continue
+            for fqn in t.fqns:
+                seen = fqn_traps.setdefault(fqn, [])
+                seen.extend(label for label in t.traps if label not in seen)
+        open_traps: list[str] = []
+        for node in g.gm.graph.nodes:
+            op = _op(node)
+            if op == "trap_enter":
+                open_traps.append(node.args[0])
+            elif op == "trap_exit" and open_traps:
+                open_traps.pop()
+            elif op == "load_start":
+                schedule.append(node.args[1])
+                count(node.args[1], "loads")
+            elif op == "evict":
+                count(node.args[2], "evictions")
+            elif op == "capture":
+                count(open_traps[-1] if open_traps else OUTSIDE, "captures")
+    return {"graphs": len(graphs), "schedule": schedule, "traps": traps,
+            "fqn_traps": {k: fqn_traps[k] for k in sorted(fqn_traps)}}
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """JSON with one line per top-level key, and per entry of a top-level object (a trap, an FQN),
+    so a diff shows exactly which trap or weight changed."""
+    lines = []
+    for i, (key, value) in enumerate(summary.items()):
+        comma = "," if i < len(summary) - 1 else ""
+        if isinstance(value, dict) and value:
+            inner = [f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items()]
+            lines.append(f"  {json.dumps(key)}: {{\n" + ",\n".join(inner) + f"\n  }}{comma}")
+        else:
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}{comma}")
+    return "{\n" + "\n".join(lines) + "\n}\n"
+
+
+# --- golden files: check or accept --------------------------------------------------------------
+
+ACCEPT_HINT = "re-accept with `--graphpass-accept-golden` (pytest), GRAPHPASS_ACCEPT_GOLDEN=1 or `graphpass golden ... --accept`"
+
+
+class GoldenMismatch(AssertionError):
+    """A rendering or summary differs from its golden file (the message holds a unified diff)."""
+
+
+def accept_from_env() -> bool:
+    return os.environ.get(ACCEPT_ENV) == "1"
+
+
+def meta_path(path: str | os.PathLike) -> Path:
+    """``dir/name.txt`` -> ``dir/name.meta.json``: the versions the exact rendering was recorded with."""
     path = Path(path)
-    if os.environ.get(ACCEPT_ENV) == "1":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(actual)
-        tmp.replace(path)
+    return path.with_name(f"{path.stem}.meta.json")
+
+
+def torch_release(version: str) -> str:
+    """``2.13.0+cpu`` -> ``2.13.0``: local build tags (cpu, cu128) do not change the graphs."""
+    return str(version).split("+", 1)[0]
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def diff_text(expected: str, actual: str, path: str | os.PathLike, limit: int = 8000) -> str:
+    diff = "".join(difflib.unified_diff(expected.splitlines(True), actual.splitlines(True),
+                                        fromfile=f"{path} (golden)", tofile="actual", n=2))
+    return diff if len(diff) <= limit else diff[:limit] + f"\n... ({len(diff) - limit} more characters of diff)\n"
+
+
+def _compare_text(path: Path, expected: str, actual: str, what: str, hint: str) -> None:
+    if expected != actual:
+        raise GoldenMismatch(f"{what} differs from golden {path} ({hint}):\n{diff_text(expected, actual, path)}")
+
+
+def record_meta(path: str | os.PathLike) -> dict[str, str]:
+    import graphpass
+
+    meta = {"torch": torch.__version__, "graphpass": graphpass.__version__}
+    _write(meta_path(path), json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def check_exact(path: str | os.PathLike, actual: str, *, accept: bool | None = None,
+                hint: str = ACCEPT_HINT) -> str | None:
+    """Check the exact rendering against ``path`` (with ``accept``, or ``GRAPHPASS_ACCEPT_GOLDEN=1``
+    when ``accept`` is None: write it and its meta sidecar instead). Returns None when it was checked
+    or written, or the reason it was skipped: the golden was recorded with another torch release.
+    Raises :class:`GoldenMismatch` with a unified diff on a difference."""
+    path = Path(path)
+    if accept_from_env() if accept is None else accept:
+        _write(path, actual)
+        record_meta(path)
+        return None
+    if not path.exists():
+        raise GoldenMismatch(f"golden file {path} is missing ({hint} to record it)")
+    meta_file = meta_path(path)
+    if meta_file.exists():
+        try:
+            recorded = json.loads(meta_file.read_text()).get("torch")
+        except (ValueError, AttributeError) as exc:
+            raise GoldenMismatch(f"unreadable golden meta file {meta_file} ({exc}): {hint}") from None
+        if recorded is not None and torch_release(recorded) != torch_release(torch.__version__):
+            return (f"exact golden {path.parent.name}/{path.name} was recorded with torch {recorded}, this is torch {torch.__version__}: "
+                    f"exact check skipped (Dynamo names nodes differently between releases; the structural "
+                    f"summary is still checked; {hint} on this version to record it here)")
+    _compare_text(path, path.read_text(), actual, "graph", hint)
+    return None
+
+
+def check_summary(path: str | os.PathLike, summary: dict[str, Any], *, accept: bool | None = None,
+                  hint: str = ACCEPT_HINT) -> None:
+    """Check the structural summary against ``path`` (JSON), on every torch version; accept like
+    :func:`check_exact`. Raises :class:`GoldenMismatch` with a unified diff of the JSON."""
+    path = Path(path)
+    actual = summary_text(summary)
+    if accept_from_env() if accept is None else accept:
+        _write(path, actual)
         return
     if not path.exists():
-        raise AssertionError(f"golden file {path} is missing; run `make golden` to record it")
-    expected = path.read_text()
-    if expected != actual:
-        import difflib
+        raise GoldenMismatch(f"golden summary {path} is missing ({hint} to record it)")
+    try:
+        expected = summary_text(json.loads(path.read_text()))  # compare the data, not its whitespace
+    except ValueError as exc:
+        raise GoldenMismatch(f"golden summary {path} is not valid JSON ({exc}): {hint}") from None
+    _compare_text(path, expected, actual, "structural summary", hint)
 
-        diff = "".join(
-            difflib.unified_diff(
-                expected.splitlines(True), actual.splitlines(True), fromfile=str(path), tofile="actual", n=2
-            )
-        )
-        raise AssertionError(f"graph differs from golden {path} (re-accept with `make golden`):\n{diff[:8000]}")
+
+def check_golden(path: Path, actual: str) -> None:
+    """Compare ``actual`` to the golden file; with ``GRAPHPASS_ACCEPT_GOLDEN=1`` write it instead.
+    (No version sidecar: :func:`check_exact` is the versioned check.)"""
+    path = Path(path)
+    if accept_from_env():
+        _write(path, actual)
+        return
+    if not path.exists():
+        raise GoldenMismatch(f"golden file {path} is missing; run `make golden` to record it")
+    _compare_text(path, path.read_text(), actual, "graph", "re-accept with `make golden`")

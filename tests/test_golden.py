@@ -3,24 +3,27 @@
 Two files per model: ``golden/ownership/<model>.txt`` (analysis passes: ownership, traps) and
 ``golden/trap_boundaries/<model>.txt`` (the rewritten graph's code); ``golden/capture_nodes/``
 holds graphs with a ModelCapture attached, ``golden/offload_schedule/`` offloaded models' graphs.
+
+The checks are the ones users get (``graphpass.testing.check_goldens``, the pytest plugin's
+functions): every exact file has a ``<name>.meta.json`` naming the torch release it was recorded
+with and is compared only on that release (skipped elsewhere); every configuration also has a
+``<name>.summary.json`` structural summary (``graphpass.golden.summarize``), compared on every
+torch version.
 """
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 import graphpass
-from graphpass.golden import check_golden, render_code, render_ownership
+from graphpass.golden import GoldenMismatch, check_golden, meta_path, render_code, render_ownership, render_schedule, summarize
 from graphpass.models.corpus import CORPUS, build
+from graphpass.testing import check_goldens
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-PINNED_TORCH = "2.15.0"
-
-pytestmark = pytest.mark.skipif(
-    not torch.__version__.startswith(PINNED_TORCH),
-    reason=f"goldens are recorded for torch {PINNED_TORCH} (CI's pin); other versions name nodes differently",
-)
+HINT = "re-accept with `make golden`"
 
 
 def tiny_llama():
@@ -55,8 +58,8 @@ def test_golden(name):
     graphs = transformed(name)
     ownership = "\n".join(render_ownership(g) for g in graphs)
     code = "\n".join(f"graph {g.index}\n{render_code(g.gm)}" for g in graphs)
-    check_golden(GOLDEN / "ownership" / f"{name}.txt", ownership)
-    check_golden(GOLDEN / "trap_boundaries" / f"{name}.txt", code)
+    check_goldens({GOLDEN / "ownership" / f"{name}.txt": ownership, GOLDEN / "trap_boundaries" / f"{name}.txt": code},
+                  {GOLDEN / "trap_boundaries" / f"{name}.summary.json": summarize(graphs)}, hint=HINT)
 
 
 CAPTURED = {
@@ -79,7 +82,10 @@ def test_golden_capture_nodes(name, tmp_path):
     del capture
     code = "\n".join(f"graph {g.index}\n{render_code(g.gm)}" for g in gp.graphs)
     assert "graphpass.capture" in code
-    check_golden(GOLDEN / "capture_nodes" / f"{name}.txt", code)
+    summary = summarize(gp.graphs)
+    assert sum(t["captures"] for t in summary["traps"].values()) == code.count("graphpass.capture.default(")
+    check_goldens({GOLDEN / "capture_nodes" / f"{name}.txt": code},
+                  {GOLDEN / "capture_nodes" / f"{name}.summary.json": summary}, hint=HINT)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -99,16 +105,15 @@ def test_golden_offload_schedule(name, tmp_path):
     assert torch.equal(out, ref)
     text = []
     for g in gp.graphs:
-        sched = g.analysis.offload
         text.append(f"graph {g.index}")
-        if sched is not None:
-            text.append(f"schedule peak {sched.peak_streamed_bytes}B, prefetch {sched.prefetch_distance}")
-            for grp in sched.groups:
-                text.append(f"  {grp.label}: {grp.nbytes}B {grp.fqns} start<{grp.start_before} wait<{grp.wait_before} evict>{grp.evict_after}")
+        text.extend(render_schedule(g))
         text.append(render_code(g.gm))
     code = "\n".join(text)
     assert "graphpass.load_start" in code
-    check_golden(GOLDEN / "offload_schedule" / f"{name}.txt", code)
+    summary = summarize(gp.graphs)
+    assert summary["schedule"] and all(summary["traps"][label]["loads"] >= 1 for label in summary["schedule"])
+    check_goldens({GOLDEN / "offload_schedule" / f"{name}.txt": code},
+                  {GOLDEN / "offload_schedule" / f"{name}.summary.json": summary}, hint=HINT)
 
 
 def test_golden_static_shapes(tmp_path):
@@ -126,7 +131,8 @@ def test_golden_static_shapes(tmp_path):
              f"size inputs: {sorted(plan.size_inputs)}", f"outputs: {[o is not None for o in plan.outputs]}",
              f"refused: {plan.refused}", *[line for line in g.log if "static" in line and "compiled bucket" not in line],
              render_code(g.gm)]
-    check_golden(GOLDEN / "static_shapes" / "seed_style.txt", "\n".join(lines) + "\n")
+    check_goldens({GOLDEN / "static_shapes" / "seed_style.txt": "\n".join(lines) + "\n"},
+                  {GOLDEN / "static_shapes" / "seed_style.summary.json": summarize(gp.graphs)}, hint=HINT)
 
 
 def test_golden_corpus_is_complete():
@@ -134,6 +140,14 @@ def test_golden_corpus_is_complete():
     for name in MODELS:
         for sub in ("ownership", "trap_boundaries", "offload_schedule"):
             assert (GOLDEN / sub / f"{name}.txt").exists(), f"run `make golden` to record {sub}/{name}"
+            assert meta_path(GOLDEN / sub / f"{name}.txt").exists(), f"run `make golden` to record {sub}/{name}.meta.json"
+        for sub in ("trap_boundaries", "offload_schedule"):
+            assert (GOLDEN / sub / f"{name}.summary.json").exists(), f"run `make golden` to record {sub}/{name}.summary.json"
+    for sub in ("capture_nodes", "static_shapes"):
+        for txt in (GOLDEN / sub).glob("*.txt"):
+            assert meta_path(txt).exists() and txt.with_name(f"{txt.stem}.summary.json").exists(), txt
+    for meta in GOLDEN.rglob("*.meta.json"):
+        assert set(json.loads(meta.read_text())) == {"torch", "graphpass"}, meta
 
 
 def test_golden_mismatch_fails(tmp_path, monkeypatch):
@@ -143,11 +157,14 @@ def test_golden_mismatch_fails(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="make golden"):
         check_golden(f, "b\n")
     check_golden(f, "a\n")
+    with pytest.raises(GoldenMismatch, match=r"(?s)make golden.*-a\n\+b"):
+        check_goldens({f: "b\n"}, {}, hint=HINT, accept=False)
 
 
 def test_renderings_hold_no_paths_ids_or_addresses():
     text = "\n".join((GOLDEN / sub / f).read_text() for sub in ("ownership", "trap_boundaries") for f in
                      sorted(p.name for p in (GOLDEN / sub).glob("*.txt")))
     text += "\n".join(p.read_text() for sub in ("capture_nodes", "static_shapes", "offload_schedule") for p in sorted((GOLDEN / sub).glob("*.txt")))
+    text += "\n".join(p.read_text() for p in sorted(GOLDEN.rglob("*.json")))
     for bad in ("/work/", "site-packages", ".py:", "0x7f", "File \""):
         assert bad not in text

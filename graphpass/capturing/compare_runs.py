@@ -149,6 +149,18 @@ class CompareReport:
         write_bytes_atomic(target, text.encode("utf-8"))
         return target
 
+    def plot(self, path: str | os.PathLike[str], **kwargs: Any) -> Path:
+        """The divergence plot as a PNG (``graphpass.capturing.plots.plot_report``; needs ``graphpass[plot]``)."""
+        from .plots import plot_report
+
+        return plot_report(self, path, **kwargs)
+
+    def to_html(self, path: str | os.PathLike[str], **kwargs: Any) -> Path:
+        """One self-contained HTML page: table, plot, meta of both runs (``graphpass.capturing.plots.write_html``)."""
+        from .plots import write_html
+
+        return write_html(self, path, **kwargs)
+
 
 def compare(ref_dir: str | os.PathLike[str], test_dir: str | os.PathLike[str],
             rtol: float = 1e-3, atol: float = 1e-5) -> CompareReport:
