@@ -115,9 +115,16 @@ class TensorOwnership:
     holders: list[str]  # modules that hold it as an attribute (from its FQNs)
     consumers: list[str]  # modules whose ops read it (from nn_module_stack), in graph order
     traps: list[str] = field(default_factory=list)  # traps whose ops read it, in graph order
-    shape: tuple = ()
+    shape: tuple = ()  # of the graph input on this rank (a DTensor's local shard)
     dtype: str = ""
-    nbytes: int = 0
+    nbytes: int = 0  # bytes of the graph input on this rank (a DTensor's local shard)
+    # Under torch.distributed (None / equal to the above otherwise):
+    placement: str | None = None  # "Shard(0)", "Replicate()", "dp=Shard(0), tp=Shard(0)" on a named 2-D mesh
+    mesh: str | None = None  # the device mesh (or DDP process group) as "cpu[0, 1]", "cpu[[0, 1], [2, 3]] (dp, tp)"
+    sharded_by: str | None = None  # "dtensor", "fsdp2" (sharded at rest, gathered before the graph), "ddp"
+    global_shape: tuple = ()  # the whole tensor's shape across the mesh
+    global_nbytes: int = 0  # the whole tensor's bytes across the mesh
+    local_nbytes: int = 0  # bytes this rank holds at rest (an FSDP2 shard; else nbytes)
 
     @property
     def fqn(self) -> str:
@@ -143,6 +150,7 @@ class Trap:
     nodes: list[str] = field(default_factory=list)  # op nodes in the region, in graph order
     tensors: list[str] = field(default_factory=list)  # placeholder names of weights it reads
     nbytes: int = 0
+    collectives: list[str] = field(default_factory=list)  # collective / redistribution nodes in the region
 
     @property
     def first_node(self) -> str | None:
@@ -165,6 +173,7 @@ class GraphAnalysis:
     consumer_nodes: dict[str, list[str]] = field(default_factory=dict)  # placeholder -> op nodes reading it
     trap_container: str | None = None  # auto traps: the module list they were found in
     module_names: list[str] = field(default_factory=list)  # every module FQN known for the model
+    collectives: dict[str, str | None] = field(default_factory=dict)  # collective node -> its trap (None: outside)
     bucket_plan: BucketPlan | None = None  # when static_shapes is on
     offload: OffloadSchedule | None = None  # when weights are offloaded
 
@@ -183,3 +192,55 @@ class GraphAnalysis:
     @property
     def total_weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.weights())
+
+    @property
+    def distributed(self) -> bool:
+        """Whether any tensor input is sharded or replicated by torch.distributed (DTensor, FSDP2, DDP)."""
+        return any(t.placement is not None for t in self.tensors.values())
+
+
+# --------------------------------------------------------------------------------------------
+# torch.distributed: collectives, placements and meshes as text
+# --------------------------------------------------------------------------------------------
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor")
+_COLLECTIVE_METHODS = {"redistribute"}
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    """A communication node: a functional collective or its wait (``_c10d_functional.all_reduce``,
+    ``wait_tensor``, ...) or a DTensor redistribution (``x.redistribute(...)`` at Dynamo level)."""
+    if node.op == "call_method":
+        return node.target in _COLLECTIVE_METHODS
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target).split(".")[0] in _COLLECTIVE_NAMESPACES
+    module = getattr(target, "__module__", "") or ""
+    return module.startswith("torch.distributed._functional_collectives") or getattr(target, "__name__", "") in (
+        "redistribute", "prim_redistribute")
+
+
+def placement_text(placements, mesh) -> str:
+    """``(Shard(dim=0),)`` -> ``Shard(0)``; on a mesh with named dims, ``dp=Shard(0), tp=Replicate()``."""
+    parts = []
+    for p in placements:
+        name = type(p).__name__
+        if hasattr(p, "dim") and "Shard" in name:
+            parts.append(f"{name}({p.dim})")
+        elif hasattr(p, "reduce_op"):
+            parts.append(f"{name}({p.reduce_op})")
+        else:
+            parts.append(f"{name}()")
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names and len(names) == len(parts):
+        parts = [f"{n}={p}" for n, p in zip(names, parts)]
+    return ", ".join(parts)
+
+
+def mesh_text(mesh) -> str:
+    """A DeviceMesh as ``cpu[0, 1]`` or ``cpu[[0, 1], [2, 3]] (dp, tp)``."""
+    ranks = mesh.mesh.tolist()
+    names = getattr(mesh, "mesh_dim_names", None)
+    return f"{mesh.device_type}{ranks}" + (f" ({', '.join(names)})" if names else "")

@@ -79,8 +79,14 @@ class ExplainReport:
         return [t for g in self.graphs for t in g.analysis.tensors.values()]
 
     @property
+    def distributed(self) -> bool:
+        """Whether any graph reads tensors sharded or replicated by torch.distributed."""
+        return any(g.analysis.distributed for g in self.graphs)
+
+    @property
     def total_weight_bytes(self) -> int:
-        """Every weight counted once, also when tied or read by several graphs."""
+        """Every weight counted once, also when tied or read by several graphs (under
+        torch.distributed: the bytes the graphs read on this rank)."""
         seen: dict[str, int] = {}
         for t in self.tensors():
             if t.is_weight:
@@ -89,7 +95,7 @@ class ExplainReport:
 
     def to_dict(self) -> dict:
         """Plain data (JSON-ready): traps per graph and every weight's names and owners."""
-        return {
+        out = {
             "graphs": len(self.graphs),
             "total_weight_bytes": self.total_weight_bytes,
             "traps": [r.__dict__ for r in self.trap_rows()],
@@ -105,12 +111,17 @@ class ExplainReport:
                     "shape": list(t.shape),
                     "dtype": t.dtype,
                     "nbytes": t.nbytes,
+                    **_distributed_fields(t),
                 }
                 for g in self.graphs
                 for t in g.analysis.tensors.values()
                 if t.is_weight
             ],
         }
+        if self.distributed:  # keys only under torch.distributed: other reports stay as they were
+            out["collectives"] = [{"graph": g.index, "node": n, "trap": label}
+                                  for g in self.graphs for n, label in g.analysis.collectives.items()]
+        return out
 
     def table(self) -> str:
         rows = [
@@ -138,6 +149,35 @@ class ExplainReport:
                 )
         return tabulate(rows, headers=["graph", "FQN(s)", "kind", "consumed in", "trap(s)", "bytes"])
 
+    def sharding_table(self) -> str:
+        """Under torch.distributed: every weight's placement, mesh, bytes on this rank and in all."""
+        rows = []
+        for g in self.graphs:
+            for t in g.analysis.tensors.values():
+                if not t.is_weight:
+                    continue
+                rows.append([g.index, ", ".join(t.fqns), t.placement or "(not distributed)", t.mesh or "-",
+                             t.sharded_by or "-", list(t.shape), fmt_bytes(t.local_nbytes), fmt_bytes(t.global_nbytes),
+                             ", ".join(t.traps) or "-"])
+        return tabulate(rows, headers=["graph", "FQN(s)", "placement", "mesh", "by", "shape here",
+                                       "bytes/rank", "global bytes", "trap(s)"])
+
+    def _distributed_lines(self) -> list[str]:
+        rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+        global_bytes: dict[str, int] = {}
+        for t in self.tensors():
+            if t.is_weight:
+                global_bytes.setdefault(t.fqn, t.global_nbytes)
+        lines = ["", f"rank {rank}: weights sharded or replicated by torch.distributed "
+                 f"({fmt_bytes(sum(global_bytes.values()))} global)", self.sharding_table()]
+        served = [(g.index, n, label) for g in self.graphs for n, label in g.analysis.collectives.items()]
+        if served:
+            per_trap: dict[str, int] = {}
+            for _, _, label in served:
+                per_trap[label or "(outside any trap)"] = per_trap.get(label or "(outside any trap)", 0) + 1
+            lines += ["", "collectives: " + ", ".join(f"{label} {n}" for label, n in per_trap.items())]
+        return lines
+
     def __str__(self) -> str:
         lines = [
             f"graphpass explain: {len(self.graphs)} graph(s), {len(self.traps)} trap(s), "
@@ -148,10 +188,20 @@ class ExplainReport:
         untrapped = [t for t in self.tensors() if t.is_weight and not t.traps]
         if untrapped:
             lines += ["", f"outside any trap: {_compact([t.fqn for t in untrapped], 12)}"]
+        if self.distributed:
+            lines += self._distributed_lines()
         if self.offload is not None:
             lines += ["", self.offload_table()]
         lines += self.notes
         return "\n".join(lines)
+
+
+def _distributed_fields(t) -> dict:
+    """The torch.distributed fields of a tensor's JSON record (none for a tensor that is not distributed)."""
+    if t.placement is None:
+        return {}
+    return {"placement": t.placement, "mesh": t.mesh, "sharded_by": t.sharded_by, "global_shape": list(t.global_shape),
+            "local_nbytes": t.local_nbytes, "global_nbytes": t.global_nbytes}
 
 
 def _compact(names: list[str], limit: int = 6) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from dataclasses import dataclass, field
 from typing import Iterator, List
 
@@ -162,6 +163,29 @@ class offload_block(contextlib.ContextDecorator):
 # dispatcher), so a capture step is named after the bucket its tensors have. Shared runtime
 # context between two features, so it lives here rather than in either.
 CURRENT_BUCKET: contextvars.ContextVar[int | None] = contextvars.ContextVar("graphpass_bucket", default=None)
+
+
+def _local_boundary(op_call, args, kwargs):
+    """DTensor handler for the boundary ops: they read no data, so they take the local shards
+    (no sharding strategy, no redistribution, so no collective a boundary could add)."""
+    label, deps, *rest = args
+    local = [getattr(d, "_local_tensor", d) for d in deps]
+    return op_call(label, local, *rest, **kwargs)
+
+
+def let_dtensors_through() -> None:
+    """Register :func:`_local_boundary` with DTensor's dispatcher once DTensor is in use (imported).
+
+    Uses ``DTensor._op_dispatcher._custom_op_handlers``, the private table torch's own
+    ``loss_parallel`` uses; without it a boundary op with DTensor deps has no sharding strategy.
+    Idempotent; the table is DTensor's (process-wide by nature), keyed by our own ops.
+    """
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    dispatcher = getattr(getattr(dtensor_module, "DTensor", None), "_op_dispatcher", None)
+    handlers = getattr(dispatcher, "_custom_op_handlers", None)
+    if isinstance(handlers, dict):
+        for op in BOUNDARY_OPS:
+            handlers.setdefault(op, _local_boundary)
 
 
 def register_all() -> None:

@@ -8,17 +8,23 @@ through view-like nodes that carry no stack, into custom ops too) and its size. 
 one input with several FQNs and owners; its other names come from the module Dynamo reached it
 through, compared by identity.
 
+Under ``torch.distributed`` it also records each tensor's placement and mesh: a DTensor input's own
+(the real example input, else the placeholder's example value), bytes of its local shard on this
+rank and of the whole tensor; an FSDP2 parameter (gathered before the graph runs) its at-rest shard;
+a DDP model's parameters are replicated over its process group.
+
 Assumes a Dynamo-level graph (placeholders carry ``grapharg``); a graph without sources (for
 example one handed over by another backend) still gets consumers and sizes, named by placeholder.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
-from ..analysis import TensorOwnership, module_paths, parse_source_name
+from ..analysis import TensorOwnership, mesh_text, module_paths, parse_source_name, placement_text
 from ..fx_utils import example_of, inner_tensor_fields, is_graphpass_node, is_graphpass_op, node_order
 from .base import GraphPass, PassContext
 
@@ -37,6 +43,99 @@ def _nbytes(t: torch.Tensor) -> int:
         return int(t.numel()) * t.element_size()
     except Exception:  # symbolic size without a hint
         return 0
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(int(s) if isinstance(s, int) else str(s) for s in t.shape)
+
+
+def _dtensor_class() -> type | None:
+    """DTensor, when torch.distributed.tensor is in use (imported); None otherwise."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard on this rank; any other tensor itself."""
+    cls = _dtensor_class()
+    if cls is not None and isinstance(t, cls):
+        return t._local_tensor
+    return t
+
+
+class _Distributed:
+    """Placement, mesh and at-rest bytes of tensors sharded or replicated by torch.distributed."""
+
+    def __init__(self, roots) -> None:
+        self._fsdp: dict[str, Any] | None = None  # FQN -> FSDP2's sharded (at rest) parameter
+        self._ddp: dict[str, str] | None = None  # FQN -> DDP process group, as text
+        self.roots = roots
+
+    def annotate(self, t: TensorOwnership, value: torch.Tensor) -> None:
+        cls = _dtensor_class()
+        dist = torch.distributed
+        if cls is None and not (dist.is_available() and dist.is_initialized()):
+            return  # nothing distributed in this process
+        if cls is not None and isinstance(value, cls):
+            t.placement = placement_text(value.placements, value.device_mesh)
+            t.mesh = mesh_text(value.device_mesh)
+            t.sharded_by = "dtensor"
+        sharded = next((self.fsdp()[f] for f in t.fqns if f in self.fsdp()), None)
+        if sharded is not None:  # at rest an FSDP2 shard; the graph reads the gathered tensor
+            t.placement = placement_text(sharded.placements, sharded.device_mesh)
+            t.mesh = mesh_text(sharded.device_mesh)
+            t.sharded_by = "fsdp2"
+            t.global_shape = _shape(sharded)
+            t.global_nbytes = _nbytes(sharded)
+            t.local_nbytes = _nbytes(sharded._local_tensor)
+            return
+        group = next((self.ddp()[f] for f in t.fqns if f in self.ddp()), None)
+        if group is not None and t.placement is None:
+            t.placement, t.mesh, t.sharded_by = "Replicate()", group, "ddp"
+
+    def fsdp(self) -> dict[str, Any]:
+        if self._fsdp is None:
+            self._fsdp = {}
+            for model in self.roots.whole_models():
+                try:
+                    self._fsdp.update(_fsdp_params(model))
+                except Exception:  # FSDP2 internals of another torch release: no at-rest info
+                    pass
+        return self._fsdp
+
+    def ddp(self) -> dict[str, str]:
+        if self._ddp is None:
+            self._ddp = {}
+            ddp_class = getattr(sys.modules.get("torch.nn.parallel"), "DistributedDataParallel", None)
+            for model in self.roots.whole_models():
+                if ddp_class is None or not isinstance(model, ddp_class):
+                    continue
+                try:
+                    ranks = torch.distributed.get_process_group_ranks(model.process_group)
+                except Exception:
+                    ranks = list(range(torch.distributed.get_world_size()))
+                group = f"process group {ranks}"
+                for name, _ in model.named_parameters(remove_duplicate=False):
+                    self._ddp[name] = group
+        return self._ddp
+
+
+def _fsdp_params(model: torch.nn.Module) -> dict[str, Any]:
+    """FQN -> the sharded parameter FSDP2 (``fully_shard``) keeps at rest, for every module it manages."""
+    out: dict[str, Any] = {}
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        group = getattr(get_state(), "_fsdp_param_group", None)
+        for fp in getattr(group, "fsdp_params", None) or []:
+            info = fp._module_info
+            pairs = [(info.module, info.param_name)] + list(zip(info.shared_modules, info.shared_param_names))
+            for holder, param_name in pairs:
+                prefix = names.get(id(holder))
+                if prefix is not None:
+                    out[f"{prefix}.{param_name}" if prefix else param_name] = fp.sharded_param
+    return out
 
 
 def _alias_table(root: Any) -> dict[int, list[str]]:
@@ -74,6 +173,7 @@ class AnalyzeOwnership(GraphPass):
         analysis.node_modules.update(_node_modules(ctx))
         order = node_order(ctx.gm.graph)
         names = _Names(ctx.roots)
+        dist_info = _Distributed(ctx.roots)
         placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
         for index, ph in enumerate(placeholders):
             real = ctx.example_inputs[index] if index < len(ctx.example_inputs) else None
@@ -88,6 +188,8 @@ class AnalyzeOwnership(GraphPass):
                 holders = list(dict.fromkeys(".".join(f.split(".")[:-drop]) for f in fqns))
                 module_names.update((h, None) for h in holders if h)
             consumers, consumer_nodes = self._consumers(ph, order, analysis.node_modules)
+            local = _local(value)
+            nbytes = _nbytes(local) if kind != "input" else 0
             analysis.tensors[ph.name] = TensorOwnership(
                 node=ph.name,
                 index=index,
@@ -97,10 +199,15 @@ class AnalyzeOwnership(GraphPass):
                 parent=parent,
                 holders=holders,
                 consumers=consumers,
-                shape=tuple(int(s) if isinstance(s, int) else str(s) for s in value.shape),
+                shape=_shape(local),
                 dtype=str(value.dtype).replace("torch.", ""),
-                nbytes=_nbytes(value) if kind != "input" else 0,
+                nbytes=nbytes,
+                global_shape=_shape(value),
+                global_nbytes=_nbytes(value) if kind != "input" else 0,
+                local_nbytes=nbytes,
             )
+            if kind != "input":
+                dist_info.annotate(analysis.tensors[ph.name], value)
             analysis.consumer_nodes[ph.name] = consumer_nodes
         for paths in analysis.node_modules.values():
             module_names.update((path, None) for path in paths)

@@ -12,12 +12,18 @@ Three sources of traps, in priority order:
    graph is chosen, and each child that runs ops here is a trap.
 
 A weight belongs to the traps whose ops read it (a tied weight can belong to several).
+
+Collectives (functional collectives and their waits, DTensor redistributions) belong to the trap
+whose ops they serve: their own module's trap when their ``nn_module_stack`` places them in one
+(TP's input/output redistributions run inside the parallelized Linear's hooks); otherwise the
+trap of the first op reading their result, else of the op producing their input. Recorded in
+``analysis.collectives`` and ``Trap.collectives``.
 Assumes :mod:`analyze_ownership` ran first.
 """
 
 from __future__ import annotations
 
-from ..analysis import Trap
+from ..analysis import Trap, is_collective
 from ..fx_utils import is_graphpass_op, repeated_blocks
 from ..ops import is_enter, is_exit
 from ..patterns import check_all_match, first_match
@@ -44,8 +50,11 @@ class AssignTraps(GraphPass):
         analysis = ctx.analysis
         manual = _manual_regions(ctx)  # 1. boundary nodes already in the graph
         by_module = _module_traps(ctx, manual)  # 2./3. patterns, or the repeated blocks
+        collectives = _collective_traps(ctx, manual, by_module)
         for node in ctx.gm.graph.nodes:
-            label = manual.get(node.name) or by_module.get(node.name)
+            label = manual.get(node.name) or by_module.get(node.name) or collectives.get(node.name)
+            if node.name in collectives:
+                analysis.collectives[node.name] = label
             if label is None:
                 continue
             analysis.node_trap[node.name] = label
@@ -57,6 +66,8 @@ class AssignTraps(GraphPass):
             inner = paths[-1] if paths else None
             if inner is not None and inner not in trap.modules:
                 trap.modules.append(inner)
+            if node.name in collectives:
+                trap.collectives.append(node.name)
         _assign_weights(analysis)
         ctx.log.append(
             f"{self.name}: {len(analysis.traps)} traps"
@@ -109,6 +120,35 @@ def _module_traps(ctx: PassContext, manual: dict[str, str]) -> dict[str, str]:
                 by_module[node.name] = path
                 break
     return by_module
+
+
+def _collective_traps(ctx: PassContext, manual: dict[str, str], by_module: dict[str, str]) -> dict[str, str | None]:
+    """Collective node -> the trap whose ops it serves (None when no trapped op is near it)."""
+    out: dict[str, str | None] = {}
+    for node in ctx.gm.graph.nodes:
+        if not is_collective(node):
+            continue
+        own = manual.get(node.name) or by_module.get(node.name)
+        out[node.name] = own or _nearest_trap(node, manual, by_module, "users") or _nearest_trap(
+            node, manual, by_module, "all_input_nodes")
+    return out
+
+
+def _nearest_trap(node, manual: dict[str, str], by_module: dict[str, str], direction: str) -> str | None:
+    """The trap of the first op reached from ``node`` along ``direction`` (users or inputs), through
+    untrapped nodes (waits, views, other collectives)."""
+    frontier = list(getattr(node, direction))
+    seen = {node}
+    while frontier:
+        n = frontier.pop(0)
+        if n in seen or n.op in ("placeholder", "output"):
+            continue
+        seen.add(n)
+        label = manual.get(n.name) or by_module.get(n.name)
+        if label is not None:
+            return label
+        frontier.extend(getattr(n, direction))
+    return None
 
 
 def _assign_weights(analysis) -> None:

@@ -18,6 +18,10 @@ A trap with no anchor on either side falls back to its plain inputs / outputs. W
 deps, so boundaries do not pin them. Traps that already have boundary nodes (manual
 ``offload_block`` traps, or a graph another graphpass instance rewrote) are left as they are, so
 the pass is idempotent. Assumes :mod:`assign_traps` ran first.
+
+Under ``torch.distributed`` the deps may be DTensors (tensor parallel, FSDP2): the boundary ops read
+no data, so DTensor is told to hand them the local shards as they are (no sharding strategy, no
+redistribution, hence no collective a boundary could add).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fx_utils import is_graphpass_op, is_tensor_node, node_order
-from ..ops import TRAP_ENTER, TRAP_EXIT, is_boundary
+from ..ops import TRAP_ENTER, TRAP_EXIT, is_boundary, let_dtensors_through
 from .base import GraphPass, PassContext
 
 _ANCHOR_FUNCTIONS = {
@@ -89,6 +93,7 @@ class InsertTrapBoundaries(GraphPass):
     def run(self, ctx: PassContext) -> bool:
         graph = ctx.gm.graph
         analysis = ctx.analysis
+        let_dtensors_through()  # boundary deps may be DTensors (tensor parallel, FSDP2)
         nodes = {n.name: n for n in graph.nodes}
         order = node_order(graph)
         present = {n.args[0] for n in graph.nodes if is_boundary(n)}
