@@ -189,10 +189,10 @@ def torch_release(version: str) -> str:
 
 
 def _write(path: Path, text: str) -> None:
+    from .atomic_files import write_bytes_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def diff_text(expected: str, actual: str, path: str | os.PathLike, limit: int = 8000) -> str:

@@ -4,9 +4,13 @@ In training, AOTAutograd's partitioner re-runs each trap's ``load_start``/``load
 backward graph (they are tagged ``MUST_RECOMPUTE``) right before the first backward op that reads
 the loaded tensors. A ``load_start`` there has no input computed in the backward, so a scheduler
 that reorders nodes (inductor) may hoist every re-load to the top of the backward and hold all
-traps' weights at once. This pass adds, to each such ``load_start``, a dependency on the nearest
-tensor-producing compute node before it, so a re-load cannot start before the backward reaches
-its trap and device residency in the backward stays one trap at a time.
+traps' weights at once. This pass places each re-load ``prefetch_distance`` traps ahead in backward
+order (the distance the forward used, read off the recomputed waits): the ``load_start`` of trap
+``k`` goes where the backward reaches trap ``k - prefetch_distance`` and takes, as a data
+dependency, the nearest tensor-producing compute node before that point, so it cannot start
+earlier; the ``load_wait`` of trap ``k`` stays right before its first consumer and lists the start
+issued there (the next prefetch), as in the forward. Device residency in the backward is then the
+forward's window: ``prefetch_distance + 1`` traps at a time.
 
 Applies to graphs that hold ``load_wait`` nodes but no ``evict`` node (the backward graphs); the
 forward graph's loads already carry their order in data. Declared in
@@ -15,6 +19,8 @@ as inductor's ``post_grad_custom_post_pass`` for a graph that holds offload load
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -34,11 +40,22 @@ def _descendants(node: torch.fx.Node) -> set:
     return seen
 
 
-def pin_backward_loads(graph: torch.fx.Graph) -> int:
+@dataclass
+class _BackwardLoad:
+    """One re-load in the backward graph, and where the backward reaches its trap."""
+
+    start: torch.fx.Node
+    wait: torch.fx.Node
+    items: list[torch.fx.Node]  # the getitems of the loaded tensors
+    first: torch.fx.Node  # the first backward op reading them
+    anchor: torch.fx.Node | None  # the nearest compute node before ``first`` (None: nothing to pin to)
+
+
+def _backward_loads(graph: torch.fx.Graph) -> list[_BackwardLoad]:
+    """The graph's re-loads in backward order (of their first consumer)."""
+    order = node_order(graph)
     nodes = list(graph.nodes)
-    if not any(n.target is LOAD_WAIT for n in nodes) or any(n.target is EVICT for n in nodes):
-        return 0
-    pinned = 0
+    found = []
     for start in [n for n in nodes if n.target is LOAD_START]:
         wait = next((u for u in start.users if u.target is LOAD_WAIT and u.args[0] is start), None)
         if wait is None:
@@ -47,30 +64,60 @@ def pin_backward_loads(graph: torch.fx.Graph) -> int:
         consumers = [c for it in items for c in it.users if not (c.op == "call_function" and is_graphpass_op(c.target))]
         if not consumers:
             continue
-        order = node_order(graph)
         first = min(consumers, key=order.__getitem__)
         below = _descendants(wait)
         anchor = None
-        for prev in reversed(list(graph.nodes)[: order[first]]):
-            if prev in below or prev is start or prev is wait or prev.op != "call_function" or is_graphpass_op(prev.target):
+        for prev in reversed(nodes[: order[first]]):
+            if prev in below or prev.op != "call_function" or is_graphpass_op(prev.target):
                 continue
             if isinstance(prev.meta.get("val"), torch.Tensor):
                 anchor = prev
                 break
-        if anchor is None:
-            continue
-        start.args = (*start.args[:3], [anchor])
-        wait.args = (*wait.args[:4], [])  # no prefetch in the backward
-        # inductor lowers custom ops against the fake values recorded for their inputs
-        for n, last in ((start, [anchor.meta["val"]]), (wait, [])):
-            vals = n.meta.get("eager_input_vals")
-            if vals is not None:
-                args, kwargs = vals
-                n.meta["eager_input_vals"] = ((*args[: len(n.args) - 1], last), kwargs)
-        for n in (start, wait, *items):
-            first.prepend(n)
-        pinned += 1
-    return pinned
+        found.append(_BackwardLoad(start, wait, items, first, anchor))
+    return sorted(found, key=lambda load: order[load.first])
+
+
+def _prefetch_distance(loads: list[_BackwardLoad]) -> int:
+    """The forward's prefetch distance, read off the re-loaded waits: a wait lists the start it
+    issued ``prefetch_distance`` traps ahead (AOTAutograd recomputes it with the same arguments)."""
+    index = {load.start.args[1]: i for i, load in enumerate(loads)}
+    for i, load in enumerate(loads):
+        ahead = [n for n in load.wait.args[4] if isinstance(n, torch.fx.Node) and n.target is LOAD_START]
+        if ahead and ahead[0].args[1] in index:
+            return abs(index[ahead[0].args[1]] - i)
+    return 0
+
+
+def _set_last_arg(node: torch.fx.Node, nodes: list[torch.fx.Node]) -> None:
+    """Replace the node's last (list) argument; inductor lowers custom ops against the fake values
+    recorded for their inputs, so those follow."""
+    node.args = (*node.args[:-1], list(nodes))
+    vals = node.meta.get("eager_input_vals")
+    if vals is not None:
+        args, kwargs = vals
+        node.meta["eager_input_vals"] = ((*args[: len(node.args) - 1], [n.meta["val"] for n in nodes]), kwargs)
+
+
+def pin_backward_loads(graph: torch.fx.Graph) -> int:
+    """Place every backward re-load ``prefetch_distance`` traps ahead in backward order, each start
+    pinned after the compute where the backward reaches the trap it is issued at. Returns how many."""
+    nodes = list(graph.nodes)
+    if not any(n.target is LOAD_WAIT for n in nodes) or any(n.target is EVICT for n in nodes):
+        return 0
+    loads = _backward_loads(graph)
+    if not loads:
+        return 0
+    d = _prefetch_distance(loads)
+    for i, load in enumerate(loads):
+        issued_at = loads[max(i - d, 0)]  # the first d loads start together, at the first trap
+        _set_last_arg(load.start, [issued_at.anchor] if issued_at.anchor is not None else [])
+        ahead = loads[i + d].start if d and i + d < len(loads) else None
+        _set_last_arg(load.wait, [ahead] if ahead is not None else [])
+    for j, here in enumerate(loads):
+        issued = [load for i, load in enumerate(loads) if max(i - d, 0) == j]
+        for n in [load.start for load in issued] + [here.wait, *here.items]:
+            here.first.prepend(n)
+    return len(loads)
 
 
 class PinBackwardLoads(CustomGraphPass):
