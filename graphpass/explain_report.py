@@ -15,6 +15,7 @@ from tabulate import tabulate
 from .dynamo_backend import CompiledGraph, GraphpassBackend
 from .config import GraphpassConfig
 from .errors import GraphpassError, surface
+from . import dynamo_records
 from .formatting import fmt_bytes
 
 
@@ -227,8 +228,10 @@ def explain(model: Any, *inputs: Any, dynamic: bool | None = None, **options: An
 
     recorder.__name__ = "graphpass_explain"
     compiled = torch.compile(model, backend=recorder, dynamic=dynamic)
+    before = dynamo_records.snapshot()
     with torch.no_grad():
         compiled(*inputs)
     from .offloading import offload_state
 
-    return ExplainReport(graphs=gp.graphs, config=gp.config, offload=offload_state(model))
+    notes = [] if gp.graphs else ["", dynamo_records.skipped_frame_message(dynamo_records.new_reasons(before))]
+    return ExplainReport(graphs=gp.graphs, config=gp.config, notes=notes, offload=offload_state(model))

@@ -129,3 +129,25 @@ def test_pyproject_declares_what_the_issue_lists():
     first = readme[: readme.index("make test") + 20]
     assert "make demo" in first
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_explain_says_when_dynamo_skipped_the_frame():
+    """A graph break inside the layer loop makes Dynamo skip the frame: explain used to print
+    "0 graph(s)" and nothing else; it now says what happened, in Dynamo's words, and what to do."""
+
+    class Chatty(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+                torch._dynamo.graph_break()  # a break inside the loop
+            return x
+
+    report = graphpass.explain(Chatty(), torch.randn(2, 8))
+    text = str(report)
+    assert "0 graph(s)" in text
+    assert "Dynamo compiled no graph for this call" in text and "skipped the whole frame" in text
+    assert "What to do" in text and "layer loop" in text

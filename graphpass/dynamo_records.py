@@ -1,0 +1,49 @@
+"""What Dynamo itself recorded about a call: graph breaks, and frames it skipped (so compiled nothing).
+
+A graph break inside a ``for`` loop over layers makes Dynamo skip the whole frame: the backend is
+never called, so graphpass sees no graph. Dynamo says so in its counters
+(``torch._dynamo.utils.counters["unimplemented"]`` / ``["graph_break"]``, process-wide and
+cumulative); :func:`snapshot` and :func:`new_reasons` take the difference around one call.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+_KINDS = ("unimplemented", "graph_break")
+_SKIP_MARKERS = ("frame skipped", "Skipping the frame", "skipping frame", "Skipping frame")
+
+
+def snapshot() -> dict[str, Counter]:
+    """Dynamo's break records now (copies)."""
+    from torch._dynamo.utils import counters
+
+    return {k: Counter(counters.get(k, {})) for k in _KINDS}
+
+
+def new_reasons(before: dict[str, Counter]) -> list[str]:
+    """The break reasons Dynamo recorded since ``before``, most informative first."""
+    after = snapshot()
+    out: list[str] = []
+    for k in _KINDS:
+        for reason, n in after[k].items():
+            if n > before.get(k, Counter()).get(reason, 0) and reason not in out:
+                out.append(reason)
+    return sorted(out, key=lambda r: not any(m in r for m in _SKIP_MARKERS))
+
+
+def skipped_frame_message(reasons: list[str]) -> str:
+    """Why Dynamo compiled nothing, in its own words, and what to do."""
+    skip = next((r for r in reasons if any(m in r for m in _SKIP_MARKERS)), None)
+    first = reasons[-1] if reasons else None  # the break that started it (a skip wraps it)
+    lines = ["Dynamo compiled no graph for this call, so graphpass saw nothing to rewrite."]
+    if skip is not None:
+        lines.append("Dynamo skipped the whole frame: a graph break inside a loop (torch.compile cannot "
+                     "resume inside a for/while loop, so it runs the frame eagerly).")
+    if first is not None:
+        summary = "\n    ".join(line.strip() for line in first.strip().splitlines()[:4] if line.strip())
+        lines.append(f"Dynamo's record of the break:\n    {summary}")
+    lines.append("What to do: remove the graph break (print, .item(), data-dependent Python control flow, "
+                 "an untraceable call) or move it out of the layer loop; TORCH_LOGS=graph_breaks shows each "
+                 "break where it happens.")
+    return "\n".join(lines)
