@@ -384,3 +384,207 @@ def test_compare_memory_is_a_small_multiple_of_a_chunk(tmp_path):
     grew = int(out.stdout.strip().splitlines()[-1])
     # the two memory-mapped files (128 MiB) may count as resident; whole-tensor float64 is > 1 GiB
     assert grew < 400 * 1024 * 1024, f"compare grew peak RSS by {grew / 2**20:.0f} MiB"
+
+
+# --- 8. one compiled graph shared by two instances of a class ---------------------------------------
+# With inline_inbuilt_nn_modules the parameters are graph inputs and no guard pins the module's
+# identity, so Dynamo runs the graph traced for one instance for every other instance of its class.
+
+def _load_steps(root: Path) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for meta_path in sorted(Path(root).rglob("*_meta.json")):
+        step = meta_path.parent
+        meta = json.loads(meta_path.read_text())
+        out[step.relative_to(root).as_posix()] = {m: load_file(str(step / m / "rank0.safetensors"))
+                                                  for m in meta["modules"]}
+    return out
+
+
+def _eager_layers(model, x, names):
+    """Eager outputs of ``model``'s modules ``names`` (forward hooks) for input ``x``."""
+    got = {}
+    mods = dict(model.named_modules())
+    hooks = [mods[n].register_forward_hook(lambda m, a, out, n=n: got.setdefault(n, out.detach().clone()))
+             for n in names]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
+
+
+def _pair():
+    first, x1 = build("mlp_stack", seed=1)
+    second, x2 = build("mlp_stack", seed=2)
+    opts = {"then": "eager"}
+    return (first, x1, torch.compile(first, backend="graphpass", options=opts)), \
+        (second, x2, torch.compile(second, backend="graphpass", options=opts))
+
+
+def test_second_instance_capture_made_before_its_first_call_captures_its_own_values(tmp_path):
+    from torch._dynamo.utils import counters
+
+    (first, x1, c1), (second, x2, c2) = _pair()
+    counters.clear()
+    cap = ModelCapture(c2, modules=["layers.0-1"], capture_dir=tmp_path)  # before any call
+    cap.enable()
+    c1(*x1)  # the first instance compiles the graph both run; it has no ModelCapture of its own
+    with cap.step(is_prefill=False, req_ids=["a", "b", "c", "d"]):
+        c2(*x2)
+    assert counters["stats"]["unique_graphs"] == 1  # the second model ran the first one's graph
+    (step,) = _load_steps(tmp_path).values()
+    want = _eager_layers(second, x2[0], ["layers.0", "layers.1"])
+    assert sorted(step) == ["layers.0", "layers.1"]
+    for name in want:
+        assert list(step[name]) == ["0"]
+        torch.testing.assert_close(step[name]["0"], want[name], rtol=0, atol=0)
+
+
+def test_second_instance_capture_made_after_another_instance_compiled_is_refused(tmp_path):
+    (first, x1, c1), (second, x2, c2) = _pair()
+    c1(*x1)
+    with pytest.raises(CaptureError) as info:
+        ModelCapture(c2, modules=["layers.0"], capture_dir=tmp_path)
+    msg = str(info.value)
+    assert "another MLPStack instance" in msg and "before the first call" in msg and "torch._dynamo.reset()" in msg
+    torch._dynamo.reset()  # the advice works: the next call recompiles with capture nodes
+    cap = ModelCapture(c2, modules=["layers.0"], capture_dir=tmp_path)
+    cap.enable()
+    with cap.step(is_prefill=False, req_ids=["a", "b", "c", "d"]):
+        c2(*x2)
+    (step,) = _load_steps(tmp_path).values()
+    torch.testing.assert_close(step["layers.0"]["0"], _eager_layers(second, x2[0], ["layers.0"])["layers.0"])
+
+
+def test_empty_step_of_an_instance_running_another_instances_graph_is_an_error(tmp_path, monkeypatch):
+    """If a shared graph without this capture's nodes runs anyway (here: the pending-capture lookup
+    is switched off, as for a graph compiled before the ModelCapture existed), the step refuses."""
+    from graphpass.capturing import model_capture
+
+    monkeypatch.setattr(model_capture, "_pending_by_class", lambda: {}, raising=False)
+    (first, x1, c1), (second, x2, c2) = _pair()
+    cap = ModelCapture(c2, modules=["layers.0"], capture_dir=tmp_path)
+    cap.enable()
+    c1(*x1)
+    with pytest.raises(CaptureError) as info:
+        with cap.step(is_prefill=False, req_ids=["a", "b", "c", "d"]):
+            c2(*x2)
+    msg = str(info.value)
+    assert "nothing was captured" in msg and "another MLPStack instance" in msg and "torch._dynamo.reset()" in msg
+    assert files_under(tmp_path) == []
+
+
+def test_two_instances_with_different_modules_each_get_their_own(tmp_path):
+    (first, x1, c1), (second, x2, c2) = _pair()
+    cap1 = ModelCapture(c1, modules=["layers.0"], capture_dir=tmp_path / "one")
+    cap2 = ModelCapture(c2, modules=["layers.1", "head"], capture_dir=tmp_path / "two")
+    for cap, compiled, x in ((cap1, c1, x1), (cap2, c2, x2), (cap1, c1, x1)):
+        cap.enable()
+        with cap.step(is_prefill=False, req_ids=["a", "b", "c", "d"]):
+            compiled(*x)
+    one, two = _load_steps(tmp_path / "one"), _load_steps(tmp_path / "two")
+    assert sorted(one) == ["dp0/decode_b4_0", "dp0/decode_b4_1"] and sorted(two) == ["dp0/decode_b4_0"]
+    want1 = _eager_layers(first, x1[0], ["layers.0"])
+    want2 = _eager_layers(second, x2[0], ["layers.1", "head"])
+    for step in one.values():
+        assert sorted(step) == ["layers.0"] and list(step["layers.0"]) == ["0"]
+        torch.testing.assert_close(step["layers.0"]["0"], want1["layers.0"], rtol=0, atol=0)
+    (step,) = two.values()
+    assert sorted(step) == ["head", "layers.1"]
+    for name, t in want2.items():
+        assert list(step[name]) == ["0"]
+        torch.testing.assert_close(step[name]["0"], t, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("draft_captured", [False, True])
+def test_same_class_draft_inside_the_targets_step_does_not_leak_in(tmp_path, draft_captured):
+    (target, xt, ct), (draft, xd, cd) = _pair()
+    cap = ModelCapture(ct, modules=["layers.0-2", "head"], capture_dir=tmp_path)
+    dcap = ModelCapture(cd, modules=["layers.0"], capture_dir=tmp_path, subdirectory="draft") if draft_captured else None
+    cap.enable()
+    if dcap is not None:
+        dcap.enable()
+    for _ in range(2):
+        with cap.step(is_prefill=False, req_ids=["a", "b", "c", "d"]):
+            ct(*xt)  # target
+            if dcap is not None:
+                with dcap.step(is_prefill=False, req_ids=["a", "b", "c", "d"]):
+                    cd(*xd)  # speculative draft, same architecture
+            else:
+                cd(*xd)
+            ct(*xt)  # target again (verification)
+    steps = _load_steps(tmp_path)
+    target_steps = {k: v for k, v in steps.items() if not k.startswith("draft/")}
+    assert sorted(target_steps) == ["dp0/decode_b4_0", "dp0/decode_b4_1"]
+    want = _eager_layers(target, xt[0], ["layers.0", "layers.1", "layers.2", "head"])
+    for step in target_steps.values():
+        assert sorted(step) == sorted(want)
+        for name, t in want.items():
+            assert list(step[name]) == ["0", "1"]  # the target's two forwards, nothing of the draft's
+            for v in step[name].values():
+                torch.testing.assert_close(v, t, rtol=0, atol=0)
+    draft_steps = {k: v for k, v in steps.items() if k.startswith("draft/")}
+    if dcap is None:
+        assert draft_steps == {}
+    else:
+        assert sorted(draft_steps) == ["draft/dp0/decode_b4_0", "draft/dp0/decode_b4_1"]
+        dwant = _eager_layers(draft, xd[0], ["layers.0"])["layers.0"]
+        for step in draft_steps.values():
+            assert sorted(step) == ["layers.0"] and list(step["layers.0"]) == ["0"]
+            torch.testing.assert_close(step["layers.0"]["0"], dwant, rtol=0, atol=0)
+
+
+class TwoStacks(nn.Module):
+    """Runs two MLPStack blocks eagerly; each block is compiled on its own (``Module.compile``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(build("mlp_stack", seed=s)[0] for s in (1, 2))
+
+    def forward(self, x):
+        return torch.cat([block(x) for block in self.blocks], dim=-1)
+
+
+def test_block_running_another_blocks_graph_is_named_after_itself(tmp_path):
+    """blocks.1 runs the graph traced from blocks.0's frame, whose capture nodes were traced for
+    ``blocks.0.*``: its values are named after blocks.1, never filed under blocks.0."""
+    from torch._dynamo.utils import counters
+
+    model = TwoStacks()
+    x = build("mlp_stack")[1][0]
+    for block in model.blocks:
+        block.compile(backend="graphpass", options={"then": "eager"})
+    names = ["blocks.0.layers.0", "blocks.1.layers.0", "blocks.1.head"]
+    cap = ModelCapture(model, modules=names, capture_dir=tmp_path)
+    cap.enable()
+    counters.clear()
+    with cap.step(is_prefill=False, req_ids=["a", "b", "c", "d"]):
+        model(x)
+    assert counters["stats"]["unique_graphs"] == 1  # one graph, both blocks
+    (step,) = _load_steps(tmp_path).values()
+    want = _eager_layers(model, x, names)
+    assert sorted(step) == sorted(names)
+    for name, t in want.items():
+        assert list(step[name]) == ["0"], name
+        torch.testing.assert_close(step[name]["0"], t, rtol=0, atol=0)
+
+
+# --- 9. compare: leftovers of an interrupted capture are a note, not data ----------------------------
+
+def test_compare_notes_and_ignores_leftover_temporary_files(tmp_path):
+    ref, test = tmp_path / "ref", tmp_path / "test"
+    for root in (ref, test):
+        write_meta_step(root, "prefill_s4_0", {"layers.0": torch.ones(3)})
+    step = test / "dp0" / "prefill_s4_0"
+    (step / ".graphpass-0123456789abcdef.tmp").write_bytes(b"half a meta file")
+    (step / "layers.0" / ".graphpass-fedcba9876543210.tmp").write_bytes(b"half a tensor")
+    report = compare(ref, test)
+    assert report.passed and [(r.module, r.status) for r in report.rows] == [("layers.0", "pass")]
+    (note,) = [n for n in report.notes if "temporary" in n]
+    assert "test" in note and "interrupted" in note and "2 " in note
+    assert "dp0/prefill_s4_0/layers.0/.graphpass-fedcba9876543210.tmp" in note
+    assert main(["compare", str(ref), str(test)]) == 0

@@ -11,7 +11,9 @@ every tensor of every rank file in float64 (in chunks of at most ``CHUNK_ELEMS``
 memory-mapped files, so memory stays a small multiple of one chunk) and returns a :class:`CompareReport` whose
 ``first_failure`` is the first diverging module. Missing, corrupt or mismatched files never raise:
 each becomes a ``FAIL`` row with a note, and so does a module folder or file in a step that the
-step's meta file does not list (left over from another run). Only bad arguments raise :class:`CompareError`.
+step's meta file does not list (left over from another run). Temporary files an interrupted capture
+left behind (``.graphpass-*.tmp``, :func:`graphpass.atomic_files.is_temp_name`) are never read: a
+note lists them. Only bad arguments raise :class:`CompareError`.
 Notes that name two values give the ref value first: ``shape mismatch [ref] vs [test]``,
 ``dtype <ref> vs <test>``.
 """
@@ -32,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import _TYPES as _ST_DTYPES
 from tabulate import tabulate
 
-from ..atomic_files import write_bytes_atomic
+from ..atomic_files import is_temp_name, write_bytes_atomic
 from ..errors import GraphpassError
 
 __all__ = ["CompareError", "CompareRow", "CompareReport", "compare"]
@@ -172,6 +174,8 @@ def compare(ref_dir: str | os.PathLike[str], test_dir: str | os.PathLike[str],
     ref, test = _check_dir("ref_dir", ref_dir), _check_dir("test_dir", test_dir)
     rtol, atol = _check_tol("rtol", rtol), _check_tol("atol", atol)
     report = CompareReport(ref_dir=str(ref), test_dir=str(test), rtol=rtol, atol=atol)
+    for side, root in (("ref", ref), ("test", test)):
+        _note_temp_files(report, side, root)
     ref_steps, test_steps = _find_steps(ref), _find_steps(test)
     for rel in sorted(set(ref_steps) | set(test_steps), key=_step_sort_key):
         if rel not in test_steps:
@@ -213,6 +217,19 @@ def printable(text: str) -> str:
     except UnicodeEncodeError:
         raw = text.encode("utf-8", "backslashreplace")
     return raw.decode("utf-8", "backslashreplace")
+
+
+def _note_temp_files(report: CompareReport, side: str, root: Path, shown: int = 5) -> None:
+    """A note naming the temporary files an interrupted capture left under ``root`` (never compared)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        found += [(Path(dirpath) / f).relative_to(root).as_posix() for f in filenames if is_temp_name(f)]
+    if found:
+        found.sort(key=_natural)
+        more = f" and {len(found) - shown} more" if len(found) > shown else ""
+        report.notes.append(
+            f"{side}: ignored {len(found)} temporary file(s) left by an interrupted capture (not data): "
+            + ", ".join(printable(f) for f in found[:shown]) + more)
 
 
 def _find_steps(root: Path) -> set[str]:

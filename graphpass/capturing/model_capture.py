@@ -54,11 +54,30 @@ _SPECS: "weakref.WeakKeyDictionary[torch.nn.Module, list[weakref.ref]]" = weakre
 # models graphpass has already traced (a ModelCapture made after that would capture nothing); written
 # only through note_traced. Weak keys: an entry lives as long as its model, and two models never share one.
 TRACED: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+# class -> how many distinct instances of it graphpass has traced (dead ones included): Dynamo runs a
+# graph traced for one instance for any other instance of the class whose guards pass.
+TRACED_CLASSES: "weakref.WeakKeyDictionary[type, int]" = weakref.WeakKeyDictionary()
 
 
 def note_traced(model: torch.nn.Module) -> None:
     """Record that graphpass traced ``model`` (the backend calls this for every model a graph reads)."""
+    if model not in TRACED:
+        TRACED_CLASSES[type(model)] = TRACED_CLASSES.get(type(model), 0) + 1
     TRACED[model] = TRACED.get(model, 0) + 1
+
+
+def _traced_other_instance(model: torch.nn.Module) -> bool:
+    """Has graphpass traced another instance of ``model``'s class (alive or not)?"""
+    return TRACED_CLASSES.get(type(model), 0) > (1 if model in TRACED else 0)
+
+
+def _shared_graph_advice(model: torch.nn.Module) -> str:
+    cls = type(model).__name__
+    return (f"Dynamo runs a graph compiled for one {cls} instance for every other {cls} instance whose guards "
+            "pass (parameters are graph inputs, nothing pins the instance), so this model may run a graph "
+            "compiled for another instance, without capture nodes for the modules this ModelCapture selects. "
+            f"Create a ModelCapture for every {cls} instance you want to capture before the first call of any "
+            "of them, or call torch._dynamo.reset() first so the next call recompiles once")
 
 
 # This context's open capture steps, innermost last: (ModelCapture, its registry for this step).
@@ -68,13 +87,30 @@ _FRAMES: contextvars.ContextVar[tuple] = contextvars.ContextVar("graphpass_captu
 
 
 def specs_for(model: torch.nn.Module) -> list[CaptureSpec]:
-    """The capture specs attached to ``model`` or any of its submodules, prefixed with their FQN."""
+    """The capture specs attached to ``model`` or any of its submodules, prefixed with their FQN,
+    and those of ModelCaptures waiting for their first call on another instance of the same class
+    as ``model`` or one of its submodules: Dynamo will run the graph compiled now for that
+    instance too, so it needs their capture nodes (the op sends each value to the model that ran)."""
     out = []
+    pending = _pending_by_class()
     for fqn, mod in model.named_modules():
-        for ref in _SPECS.get(mod, []):
+        refs = list(_SPECS.get(mod, []))
+        refs += [ref for ref in pending.get(type(mod), []) if ref() is not None and ref().model is not mod]
+        for ref in refs:
             mc = ref()
             if mc is not None:
-                out.append(CaptureSpec(mc.patterns, prefix=fqn))
+                spec = CaptureSpec(mc.patterns, prefix=fqn)
+                if spec not in out:
+                    out.append(spec)
+    return out
+
+
+def _pending_by_class() -> dict[type, list[weakref.ref]]:
+    """class -> live ModelCaptures whose model graphpass has not traced yet."""
+    out: dict[type, list[weakref.ref]] = {}
+    for mod, refs in list(_SPECS.items()):
+        if mod not in TRACED:
+            out.setdefault(type(mod), []).extend(refs)
     return out
 
 
@@ -114,9 +150,14 @@ class ModelCapture:
                 "capture nodes: create ModelCapture right after torch.compile and before the first call "
                 "(or call torch._dynamo.reset() first to recompile)"
             )
+        if _traced_other_instance(self.model) and _has_compiled_code(self.model):
+            raise CaptureError(
+                f"ModelCapture was created after graphpass already compiled another {type(self.model).__name__} "
+                f"instance. {_shared_graph_advice(self.model)}"
+            )
         self.writer = CaptureWriter(capture_dir, subdirectory, dp_rank, tp_rank, capture_filter)
         self._switch = Switch(False)  # enable()/disable() apply to every thread's registry
-        self._registry = TensorRegistry(patterns=self.patterns, switch=self._switch)  # outside any step
+        self._registry = TensorRegistry(patterns=self.patterns, switch=self._switch, model=self.model)  # outside any step
         _SPECS.setdefault(self.model, []).append(weakref.ref(self))
 
     # -- seed API ------------------------------------------------------------------------------
@@ -147,7 +188,7 @@ class ModelCapture:
 
     def setup_tensor_capture(self) -> None:
         """Make a fresh registry of this capture the active one in the current context (thread / task)."""
-        reg = TensorRegistry(patterns=self.patterns, switch=self._switch)
+        reg = TensorRegistry(patterns=self.patterns, switch=self._switch, model=self.model)
         ACTIVE_CAPTURES.set(ACTIVE_CAPTURES.get() + (reg,))
         _FRAMES.set(_FRAMES.get() + ((self, reg),))
 
@@ -169,6 +210,7 @@ class ModelCapture:
         try:
             if not reg.enabled:
                 return []
+            self._check_step(reg)
             tensors = reg.get_all_tensors()
             bucket = reg.bucket
             size = bucket if (bucket is not None and is_prefill) else _step_size(positions, is_prefill, req_ids, tensors)
@@ -185,6 +227,23 @@ class ModelCapture:
         finally:
             reg.clear()
             self._restore()
+
+    def _check_step(self, reg: TensorRegistry) -> None:
+        """Refuse, with the reason, a step whose captures cannot be trusted: values this model
+        produced that could not be named, or none at all where a graph compiled for another
+        instance of the class may have run without capture nodes."""
+        if reg.problems:
+            raise CaptureError(
+                f"capture step not written: {reg.problems[0]}"
+                + (f" (and {len(reg.problems) - 1} more)" if len(reg.problems) > 1 else "")
+                + f". {_shared_graph_advice(self.model)}")
+        if reg.module_tensor_count == 0 and _traced_other_instance(self.model) and _has_compiled_code(self.model):
+            raise CaptureError(
+                f"capture step not written: nothing was captured for the modules this ModelCapture selects "
+                f"({', '.join(p.text for p in self.patterns)}), and graphpass compiled another "
+                f"{type(self.model).__name__} instance. {_shared_graph_advice(self.model)}. (If this model did not "
+                "run in the step, close the step without saving it: use setup_tensor_capture / a step only "
+                "around calls of this model.)")
 
     @contextlib.contextmanager
     def step(self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None) -> Iterator["ModelCapture"]:

@@ -1,8 +1,13 @@
-"""``TensorRegistry``: the tensors one forward captured, in registration order (what ``graphpass::capture`` fills)."""
+"""``TensorRegistry``: the tensors one forward captured, in registration order (what ``graphpass::capture`` fills).
+
+A registry made for a ``ModelCapture`` knows that capture's module (``model``): the capture op
+asks it (:meth:`TensorRegistry.resolve`) whether the weights a capture node passes as its owner
+are that model's, and under which module name. See :mod:`graphpass.capturing.ops`.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 
@@ -26,14 +31,75 @@ class TensorRegistry:
     """
 
     def __init__(self, enabled: bool = True, patterns: Sequence[ModulePattern] = (), *,
-                 switch: Switch | None = None) -> None:
+                 switch: Switch | None = None, model: torch.nn.Module | None = None) -> None:
         self._switch = switch if switch is not None else Switch(enabled)
         self.patterns = tuple(patterns)  # module captures this registry accepts (empty: all)
         self.bucket: int | None = None  # static-shape bucket the captured tensors were padded to
         self._entries: list[tuple[str, torch.Tensor, bool]] = []
+        # The module whose weights identify this registry's captures (None: accept by name only).
+        self.model = model
+        self._owned: dict[Hashable, list[str]] | None = None  # tensor key -> its FQNs in ``model``
+        self._not_owned: set[Hashable] = set()  # keys looked up again after a rebuild, still not owned
+        self.problems: list[str] = []  # captures this registry's model ran but that could not be named
 
     def accepts(self, name: str) -> bool:
         return not self.patterns or any(p.matches(name) for p in self.patterns)
+
+    # -- owner routing ---------------------------------------------------------------------------
+    def owner_fqns(self, t: torch.Tensor) -> list[str] | None:
+        """The FQNs under which ``model`` holds ``t`` (a parameter or buffer, or an inner tensor of
+        one), or None when ``model`` does not hold it. The table is built on first use in a step
+        (the weights a step runs with) and rebuilt once for a tensor it does not know, in case the
+        model's tensors were replaced since (e.g. parameters swapped in by a wrapper's pre-forward)."""
+        keys = tensor_keys(t)
+        if self._owned is None:
+            self._owned = owned_tensors(self.model)
+        for k in keys:
+            if k in self._owned:
+                return self._owned[k]
+        if keys[0] in self._not_owned:
+            return None
+        self._owned = owned_tensors(self.model)
+        for k in keys:
+            if k in self._owned:
+                return self._owned[k]
+        self._not_owned.add(keys[0])
+        return None
+
+    def resolve(self, name: str, owner: Sequence[torch.Tensor], owner_fqn: str) -> str | None:
+        """The name, relative to ``model``, of a module capture whose graph passed ``owner`` (weights
+        of the instance that ran) and was traced with ``owner[0]`` at ``owner_fqn`` and the module at
+        ``name``; None when ``model`` does not hold every owner tensor (another model's value)."""
+        if self.model is None:
+            return name
+        fqns = self.owner_fqns(owner[0])
+        if fqns is None or any(self.owner_fqns(o) is None for o in owner[1:]):
+            return None
+        if not owner_fqn or owner_fqn in fqns:
+            return name
+        # The graph was traced for another instance or another place: the module sits where
+        # the owner weight sits now, relative to the module both have in common.
+        n_parts, w_parts = name.split("."), owner_fqn.split(".")
+        k = 0
+        while k < min(len(n_parts), len(w_parts) - 1) and n_parts[k] == w_parts[k]:
+            k += 1
+        tail = ".".join(w_parts[k:])
+        found = []
+        for f in fqns:
+            if f == tail:
+                base = ""
+            elif f.endswith("." + tail):
+                base = f[: -len(tail) - 1]
+            else:
+                continue
+            found.append(".".join(p for p in (base, *n_parts[k:]) if p))
+        found = list(dict.fromkeys(found))
+        if len(found) == 1 and found[0]:
+            return found[0]
+        self.problems.append(
+            f"a value of module {name!r} (traced with its weight {owner_fqn!r}) ran with a weight this model "
+            f"holds as {', '.join(map(repr, fqns))}: cannot tell which module produced it")
+        return None
 
     @property
     def enabled(self) -> bool:
@@ -61,6 +127,58 @@ class TensorRegistry:
     def clear(self) -> None:
         self._entries = []
         self.bucket = None
+        self._owned = None
+        self._not_owned = set()
+        self.problems = []
+
+    @property
+    def module_tensor_count(self) -> int:
+        """How many module (not inline ``capture_tensor``) values were captured."""
+        return sum(1 for _, _, manual in self._entries if not manual)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def tensor_keys(t: Any) -> list[Hashable]:
+    """Keys that identify the tensor object ``t`` and the memory it views (data pointer, shape,
+    dtype, device): the same parameter reaches a compiled graph as itself or as another tensor
+    object over the same memory (AOTAutograd, a delegate)."""
+    keys: list[Hashable] = [("id", id(t))]
+    try:
+        if t.device.type != "meta" and not isinstance(t, torch._subclasses.FakeTensor):
+            ptr = t.data_ptr()
+            if ptr:
+                keys.insert(0, ("ptr", ptr, tuple(t.shape), t.dtype, t.device))
+    except Exception:  # a wrapper subclass without storage of its own: its identity only
+        pass
+    return keys
+
+
+def owned_tensors(model: torch.nn.Module) -> dict[Hashable, list[str]]:
+    """key -> FQNs for every parameter and buffer of ``model`` (tied ones under each name) and the
+    inner tensors of tensor subclasses (a DTensor's local shard)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    out: dict[Hashable, list[str]] = {}
+
+    def add(t: Any, fqn: str, depth: int = 0) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        for k in tensor_keys(t):
+            names = out.setdefault(k, [])
+            if fqn not in names:
+                names.append(fqn)
+        if depth < 4 and is_traceable_wrapper_subclass(t):
+            try:
+                attrs, _ = t.__tensor_flatten__()
+            except Exception:
+                return
+            for a in attrs:
+                add(getattr(t, a, None), fqn, depth + 1)
+
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        add(p, fqn)
+    for fqn, b in model.named_buffers(remove_duplicate=False):
+        add(b, fqn)
+    return out

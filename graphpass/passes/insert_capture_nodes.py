@@ -1,4 +1,4 @@
-"""Capture nodes: inserts ``graphpass::capture(name, value)`` after every output
+"""Capture nodes: inserts ``graphpass::capture(name, value, owner, owner_fqn)`` after every output
 tensor of every module a :class:`graphpass.ModelCapture` selected.
 
 A module's outputs are the tensors computed inside it (``nn_module_stack``) that are read
@@ -7,15 +7,35 @@ has already flattened them, so every tensor is captured, in execution order. The
 the value into the capture registry at run time only while capture is active and enabled, so
 toggling needs no recompilation. A module whose own forward Dynamo split at a graph break is
 not captured as a whole (its pieces' outputs are not its outputs): capture its children or use
-``capture_tensor`` there; values route by name to the innermost active registry that
-asked for the module (one compiled graph may serve several instances of a model class). Assumes :mod:`analyze_ownership` ran (module paths per node).
+``capture_tensor`` there.
+
+Which model a value belongs to is not baked into the graph: Dynamo runs one compiled graph for
+every instance of a model class whose guards pass (a same-class draft model; layer 2 running the
+graph traced from layer 0's frame). So each node gets ``owner``: a weight placeholder of the graph
+held by the captured module (else by its nearest ancestor, else any weight of the graph), plus,
+when there is one, a second weight held outside the captured module (so a module shared by two
+models, e.g. a tied ``lm_head``, still tells them apart), and ``owner_fqn``: the FQN the first
+one had when the graph was traced. At run time the op hands the value to the active registry
+whose model holds those tensors and names it after where that model holds the first one
+(:mod:`graphpass.capturing.ops`). ``name`` is the module's FQN in the model the graph was traced
+from; each registry re-derives it relative to its own ``ModelCapture``'s module. A graph with no
+usable weight (or none inside a ``ModelCapture``'s module) gets owner-less nodes named relative to
+that ``ModelCapture``'s module, routed by name as before. Assumes :mod:`analyze_ownership` ran
+(module paths per node, weight placeholders and their FQNs).
 """
 
 from __future__ import annotations
 
+import torch
+
 from ..fx_utils import is_graphpass_node, is_tensor_node
 from ..capturing.ops import CAPTURE
 from .base import GraphPass, PassContext
+
+
+def _within(fqn: str, module: str) -> bool:
+    """``fqn`` is ``module`` itself or inside it (every FQN is inside the root, ``""``)."""
+    return not module or fqn == module or fqn.startswith(module + ".")
 
 
 class InsertCaptureNodes(GraphPass):
@@ -30,30 +50,103 @@ class InsertCaptureNodes(GraphPass):
         analysis = ctx.analysis
         modules = list(dict.fromkeys(p for paths in analysis.node_modules.values() for p in paths))
         nodes = [n for n in graph.nodes if n.name in analysis.node_modules]
+        weights = self._weights(ctx)
         inserted = 0
-        for spec in ctx.captures:
-            for fqn in modules:
-                if spec.prefix and not (fqn == spec.prefix or fqn.startswith(spec.prefix + ".")):
-                    continue
-                rel = fqn[len(spec.prefix) + 1 :] if spec.prefix else fqn
-                if not rel or not any(p.matches(rel) for p in spec.patterns):
-                    continue
-                if fqn == ctx.roots.frame_module:
-                    # This graph is a piece of that module's own frame (cut by a graph break): its
-                    # outputs are whatever crosses the break, not the module's outputs.
-                    ctx.log.append(f"{self.name}: {rel} skipped (its forward is split by a graph break)")
-                    continue
-                region = [n for n in nodes if fqn in analysis.node_modules[n.name]]
-                members = set(region)
-                for n in region:
-                    if not is_tensor_node(n):
+        twins = self._twins(ctx)
+        for fqn in modules:
+            specs = []  # (spec, name relative to its module) of every ModelCapture selecting fqn
+            shared = False  # selected only where another instance of the frame's class runs this graph
+            for spec in ctx.captures:
+                for i, where in enumerate([fqn] + [t + fqn[len(ctx.roots.frame_module):] for t in twins
+                                                   if _within(fqn, ctx.roots.frame_module)]):
+                    if not _within(where, spec.prefix):
                         continue
-                    if not any(u not in members and not is_graphpass_node(u)
-                               for u in n.users):
-                        continue
+                    rel = where[len(spec.prefix) + 1 :] if spec.prefix else where
+                    if rel and any(p.matches(rel) for p in spec.patterns):
+                        if i == 0:
+                            specs.append((spec, rel))
+                        else:
+                            shared = True
+                        break
+            if not specs and not shared:
+                continue
+            if fqn == ctx.roots.frame_module:
+                # This graph is a piece of that module's own frame (cut by a graph break): its
+                # outputs are whatever crosses the break, not the module's outputs.
+                ctx.log.append(f"{self.name}: {fqn} skipped (its forward is split by a graph break)")
+                continue
+            owner, owner_fqn = self._owner(fqn, specs, weights)
+            if not specs and not owner:
+                continue  # another instance's module, and no weight to name it by at run time
+            calls = [(fqn, owner, owner_fqn)] if owner else []
+            for spec, rel in specs:  # a ModelCapture whose module holds no owner: routed by name, as before
+                if (not owner or not _within(owner_fqn, spec.prefix)) and (rel, [], "") not in calls:
+                    calls.append((rel, [], ""))
+            region = [n for n in nodes if fqn in analysis.node_modules[n.name]]
+            members = set(region)
+            for n in region:
+                if not is_tensor_node(n):
+                    continue
+                if not any(u not in members and not is_graphpass_node(u) for u in n.users):
+                    continue
+                for name, own, own_fqn in reversed(calls):
                     with graph.inserting_after(n):
-                        node = graph.call_function(CAPTURE, (rel, n))
-                    node.meta["graphpass_capture"] = rel
+                        node = graph.call_function(CAPTURE, (name, n, list(own), own_fqn))
+                    node.meta["graphpass_capture"] = name
                     inserted += 1
+        if inserted:
+            ctx.log.append(f"{self.name}: {inserted} capture nodes")
         return inserted > 0
-        ctx.log.append(f"{self.name}: {inserted} capture nodes")
+
+    @staticmethod
+    def _twins(ctx: PassContext) -> list[str]:
+        """FQNs of the other instances of the class of the module whose own frame this graph was
+        traced from (``layers.0`` -> ``layers.1``, ``layers.2``, ...): Dynamo runs this graph for
+        them too, so their selected modules need capture nodes here (named at run time)."""
+        frame = ctx.roots.frame_module
+        key = ("self", ())
+        obj = ctx.roots.modules.get(key)
+        model = ctx.roots.models.get(key)
+        if not frame or obj is None or model is None or model is obj:
+            return []
+        return [name for name, mod in model.named_modules() if type(mod) is type(obj) and name != frame]
+
+    @staticmethod
+    def _weights(ctx: PassContext) -> list[tuple[torch.fx.Node, list[str], bool]]:
+        """(placeholder, FQNs, is a parameter) of every parameter / buffer input, in graph order."""
+        placeholders = {n.name: n for n in ctx.gm.graph.nodes if n.op == "placeholder"}
+        out = []
+        for t in ctx.analysis.tensors.values():
+            node = placeholders.get(t.node)
+            if t.kind in ("parameter", "buffer") and t.fqns and node is not None and is_tensor_node(node):
+                out.append((node, list(t.fqns), t.kind == "parameter"))
+        out.sort(key=lambda w: list(placeholders).index(w[0].name))
+        return out
+
+    @staticmethod
+    def _owner(fqn: str, specs, weights) -> tuple[list[torch.fx.Node], str]:
+        """The owner placeholders of module ``fqn``'s capture nodes and the first one's FQN."""
+        if not weights:
+            return [], ""
+        first = None
+        scope = fqn
+        while first is None:
+            held = [(node, f, param) for node, fqns, param in weights for f in fqns if _within(f, scope)]
+            if held:
+                node, f, _ = next((h for h in held if h[2]), held[0])  # parameters before buffers
+                first = (node, f)
+            elif not scope:
+                return [], ""
+            else:
+                scope = scope.rpartition(".")[0]
+        owner, owner_fqn = [first[0]], first[1]
+        # A second weight, held outside the captured module but inside every ModelCapture's module
+        # that gets this node: tells apart two models that share the captured module itself.
+        inner = max((spec.prefix for spec, _ in specs if _within(owner_fqn, spec.prefix)), key=len, default="")
+        others = [(node, param) for node, fqns, param in weights
+                  if node is not first[0] and not any(_within(f, fqn) for f in fqns)
+                  and any(_within(f, inner) for f in fqns)]
+        if others:
+            params = [o for o in others if o[1]] or others
+            owner.append(params[-1][0])
+        return owner, owner_fqn
