@@ -34,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import _TYPES as _ST_DTYPES
 from tabulate import tabulate
 
+from .. import progress
 from ..atomic_files import is_temp_name, write_bytes_atomic
 from ..errors import GraphpassError
 
@@ -177,13 +178,16 @@ def compare(ref_dir: str | os.PathLike[str], test_dir: str | os.PathLike[str],
     for side, root in (("ref", ref), ("test", test)):
         _note_temp_files(report, side, root)
     ref_steps, test_steps = _find_steps(ref), _find_steps(test)
-    for rel in sorted(set(ref_steps) | set(test_steps), key=_step_sort_key):
-        if rel not in test_steps:
-            report.rows.append(CompareRow(rel, "", None, None, FAIL, note="step missing in test"))
-        elif rel not in ref_steps:
-            report.rows.append(CompareRow(rel, "", None, None, FAIL, note="step missing in ref"))
-        else:
-            _compare_step(report, rel, ref / rel, test / rel)
+    steps = sorted(set(ref_steps) | set(test_steps), key=_step_sort_key)
+    with progress.bar(len(steps), "graphpass compare", unit="step") as shown:
+        for rel in steps:
+            if rel not in test_steps:
+                report.rows.append(CompareRow(rel, "", None, None, FAIL, note="step missing in test"))
+            elif rel not in ref_steps:
+                report.rows.append(CompareRow(rel, "", None, None, FAIL, note="step missing in ref"))
+            else:
+                _compare_step(report, rel, ref / rel, test / rel)
+            shown.update(1)
     return report
 
 
