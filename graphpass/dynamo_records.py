@@ -32,6 +32,12 @@ def new_reasons(before: dict[str, Counter]) -> list[str]:
     return sorted(out, key=lambda r: not any(m in r for m in _SKIP_MARKERS))
 
 
+def skipped_frames() -> list[str]:
+    """Every break record in this process in which Dynamo says it skipped a frame (no "before":
+    for an error raised when a skipped frame already ran eagerly)."""
+    return [r for r in new_reasons({}) if any(m in r for m in _SKIP_MARKERS)]
+
+
 def skipped_frame_message(reasons: list[str]) -> str:
     """Why Dynamo compiled nothing, in its own words, and what to do."""
     skip = next((r for r in reasons if any(m in r for m in _SKIP_MARKERS)), None)
@@ -47,3 +53,15 @@ def skipped_frame_message(reasons: list[str]) -> str:
                  "an untraceable call) or move it out of the layer loop; TORCH_LOGS=graph_breaks shows each "
                  "break where it happens.")
     return "\n".join(lines)
+
+
+def has_compiled_code(model, unknown: bool) -> bool:
+    """Does Dynamo hold compiled code for ``type(model).forward`` (for any instance of the class;
+    ``torch._dynamo.reset()`` drops it)? ``unknown`` is the answer when torch's private API to ask
+    has moved: each caller picks the safe side for what it guards."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return bool(_debug_get_cache_entry_list(type(model).forward))
+    except Exception:  # noqa: BLE001 - private API moved
+        return unknown

@@ -151,3 +151,32 @@ def test_explain_says_when_dynamo_skipped_the_frame():
     assert "0 graph(s)" in text
     assert "Dynamo compiled no graph for this call" in text and "skipped the whole frame" in text
     assert "What to do" in text and "layer loop" in text
+
+
+def test_offloaded_model_whose_frame_dynamo_skipped():
+    """Dynamo skips the frame with the layer loop and compiles each layer's call on its own: the
+    hooks' graph (the offload guard alone) and the layer's forward (its loads) are two graphs. The
+    model still streams and matches eager; a guard that does run eagerly says what Dynamo skipped."""
+
+    class Chatty(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+                torch._dynamo.graph_break()
+            return x
+
+    torch.manual_seed(0)
+    model = Chatty().eval().requires_grad_(False)
+    x = torch.randn(2, 8)
+    ref = model(x)
+    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
+    compiled = torch.compile(model, backend=graphpass.backend(then="eager"))
+    with torch.no_grad():
+        assert torch.equal(compiled(x), ref)
+    assert graphpass.memory_stats(model).groups_loaded == 2
+    with pytest.raises(graphpass.OffloadError, match=r"(?s)ran outside a graph.*Dynamo skipped the whole frame.*What to do"):
+        torch.ops.graphpass.offload_guard("layers.0")  # as when a hook runs eagerly

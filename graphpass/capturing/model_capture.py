@@ -26,6 +26,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from ..dynamo_records import has_compiled_code
 from ..errors import CaptureError, ConfigError
 from .ops import ACTIVE_CAPTURES, capture_tensor
 from .registry import Switch, TensorRegistry
@@ -114,14 +115,8 @@ def _pending_by_class() -> dict[type, list[weakref.ref]]:
     return out
 
 
-def _has_compiled_code(model: torch.nn.Module) -> bool:
-    """Does Dynamo still hold compiled code for ``model``'s forward (``torch._dynamo.reset()`` drops it)?"""
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        return bool(_debug_get_cache_entry_list(type(model).forward))
-    except Exception:  # pragma: no cover - private API moved: assume compiled, the safe answer
-        return True
+def _has_compiled_code(model) -> bool:
+    return has_compiled_code(model, unknown=True)  # cannot tell: assume compiled, the safe answer
 
 
 class ModelCapture:

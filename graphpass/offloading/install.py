@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-import uuid
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,7 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..dynamo_records import has_compiled_code
 from ..errors import ConfigError, OffloadError
+from . import files
 from .config import OffloadConfig
 from .planning import OffloadPlan, _Tensor, plan_budget, plan_units
 from .runtime import REGISTRY, MemoryStats, OffloadedTensor, OffloadRuntime
@@ -106,20 +107,38 @@ class OffloadState:
     def memory_stats(self) -> MemoryStats:
         return self.runtime.stats()
 
+    def __deepcopy__(self, memo):
+        raise OffloadError(
+            "copy.deepcopy of a model offloaded with graphpass.offload() is not supported (the copy would share or "
+            "lose the offload runtime, its files and its streamed weights: model._graphpass_offload): deepcopy the "
+            "model before offload() and offload the copy, or build a second instance and offload it"
+        )
+
+    def __reduce_ex__(self, protocol):
+        raise OffloadError(
+            "a model offloaded with graphpass.offload() cannot be pickled (model._graphpass_offload holds the offload "
+            "runtime): save model.state_dict() (it returns the real weights) or save before offload()"
+        )
+
     def __repr__(self) -> str:
         return (f"OffloadState(storage={self.config.storage!r}, device={str(self.device)!r}, streamed={len(self.records)} tensors "
                 f"/ {self.streamed_bytes:,} bytes, resident={self.plan.resident_bytes:,} bytes)")
 
 
-def _release(runtime: OffloadRuntime, records: list, files: list) -> None:
+def _release(runtime: OffloadRuntime, records: list, paths: list) -> None:
     runtime.close()
     for rec in records:
         REGISTRY.remove(rec)
-    for f in files:
+    for f in paths:
+        files.untrack(f)
         try:
             os.unlink(f)
         except OSError:
             pass
+
+
+def _has_compiled_code(model) -> bool:
+    return has_compiled_code(model, unknown=False)  # cannot tell: do not block offload
 
 
 def _copy_plain_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -170,6 +189,12 @@ def _check_arguments(model: nn.Module, config: OffloadConfig | None, kwargs: dic
         raise ConfigError("model", type(model).__name__, "graphpass.offload takes an nn.Module")
     if getattr(model, "_graphpass_offload", None) is not None:
         raise OffloadError("this model is already offloaded (graphpass.offload was called on it before)")
+    if _has_compiled_code(model):
+        raise OffloadError(
+            f"{type(model).__name__}.forward was already compiled by torch.compile, and Dynamo would keep running "
+            f"that code (which has no loads) after offload(): call torch._dynamo.reset() before graphpass.offload(), "
+            f"or offload the model before compiling it"
+        )
     device = config._device
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", config.device, "CUDA is not available on this machine")
@@ -190,11 +215,17 @@ def _plan(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], Offlo
     return tensors, plan, streamed
 
 
-def _check_checkpoint(tensors: list[_Tensor], checkpoint: Any) -> dict[int, TensorLocation]:
-    """Resolve every tensor in ``checkpoint`` and check it against the model; return their locations."""
+def _check_checkpoint(tensors: list[_Tensor], checkpoint: Any, idents: dict[str, tuple]) -> dict[int, TensorLocation]:
+    """Resolve every tensor in ``checkpoint`` and check it against the model; return their locations.
+    ``idents`` receives each file's identity (size, inode, mtime, device) as it was resolved."""
     locations: dict[int, TensorLocation] = {}
     if checkpoint is not None:
         index = index_checkpoint(checkpoint)
+        for path in dict.fromkeys(loc.path for loc in index.values()):
+            try:
+                idents[path] = files.identity(os.stat(path))
+            except OSError as exc:
+                raise OffloadError(f"checkpoint file {path}: {exc}") from None
         for rec in tensors:
             name = next((f for f in rec.fqns if f in index), None)
             if name is None:
@@ -230,15 +261,19 @@ def _prepare_disk_path(config: OffloadConfig, streamed: list[_Tensor], locations
                 raise ConfigError("disk_path", str(disk_path), f"cannot create the folder: {exc}") from None
             if not os.access(disk_path, os.W_OK):
                 raise ConfigError("disk_path", str(disk_path), "the folder is not writable")
+            files.remove_stale(disk_path)  # files of writers killed before they could remove them
     return disk_path
 
 
-def _load_value(rec: _Tensor, loc: TensorLocation | None, target: torch.device, pin: bool = False) -> torch.Tensor:
+def _load_value(rec: _Tensor, loc: TensorLocation | None, target: torch.device, pin: bool = False,
+                idents: dict | None = None) -> torch.Tensor:
     """A fresh copy of ``rec``'s data on ``target``, read from ``loc`` when the checkpoint holds it."""
     src = rec.tensor
     if loc is not None:
         host = torch.empty(loc.shape, dtype=loc.dtype, pin_memory=pin)
         with open(loc.path, "rb") as f:
+            if idents and files.identity(os.fstat(f.fileno())) != idents.get(loc.path):
+                raise OffloadError(f"tensor {rec.fqns[0]!r}: checkpoint file {loc.path} changed while offload() read it")
             read_into(f.fileno(), loc, host)
         return host if target.type == "cpu" else host.to(target)
     if target.type == "cpu":
@@ -249,7 +284,7 @@ def _load_value(rec: _Tensor, loc: TensorLocation | None, target: torch.device, 
 
 
 def _materialize(tensors: list[_Tensor], config: OffloadConfig, device: torch.device,
-                 locations: dict[int, TensorLocation]) -> _Placement:
+                 locations: dict[int, TensorLocation], idents: dict) -> _Placement:
     """Build the new value of every tensor that moves, and collect what graphpass writes to disk."""
     placement = _Placement(locations)
     for rec in tensors:
@@ -261,18 +296,20 @@ def _materialize(tensors: list[_Tensor], config: OffloadConfig, device: torch.de
                 placement.new_values[id(rec)] = torch.empty(rec.tensor.shape, dtype=rec.tensor.dtype)
             else:
                 placement.new_values[id(rec)] = _load_value(rec, locations.get(id(rec)), torch.device("cpu"),
-                                                            pin=config.storage == "pinned")
+                                                            pin=config.storage == "pinned", idents=idents)
         elif rec.tensor.device != device or id(rec) in locations:
-            placement.new_values[id(rec)] = _load_value(rec, locations.get(id(rec)), device)
+            placement.new_values[id(rec)] = _load_value(rec, locations.get(id(rec)), device, idents=idents)
     return placement
 
 
 def _write_disk_file(state: OffloadState, model: nn.Module, disk_path: Path, tensors: list[_Tensor],
                      placement: _Placement) -> None:
     """Write ``placement.disk_tensors`` to a safetensors file of the state and record their locations."""
-    fname = str(disk_path / f"graphpass-offload-{type(model).__name__}-{uuid.uuid4().hex[:8]}.safetensors")
-    write_file(fname, placement.disk_tensors, metadata={"format": "pt", "writer": "graphpass.offload"})
+    fname = str(disk_path / files.file_name(type(model).__name__))
+    files.track(fname)  # before the write: a SIGTERM from here on removes it
     state.files.append(fname)
+    write_file(fname, placement.disk_tensors, metadata={"format": "pt", "writer": "graphpass.offload"})
+    state.runtime.track_file(fname)  # opened now: identity recorded, and a later rename over it is harmless
     written = read_header(fname)
     for rec in tensors:
         if rec.fqns[0] in placement.disk_tensors:
@@ -324,7 +361,7 @@ def _swap_into_model(tensors: list[_Tensor], config: OffloadConfig, device: torc
 
 
 def _register(state: OffloadState, streamed: list[_Tensor], placement: _Placement, use_stand_ins: bool) -> None:
-    """Record every streamed tensor in the state and in the global registry the loads look up."""
+    """Record every streamed tensor in the state (in ``streamed``'s order) and in the global registry the loads look up."""
     for rec in streamed:
         host = placement.replaced[id(rec.tensor)]
         r = OffloadedTensor(
@@ -347,6 +384,77 @@ def _install_guards(model: nn.Module, state: OffloadState, streamed: list[_Tenso
         state.hooks.append(modules[name].register_forward_pre_hook(_guard_hook(name or type(model).__name__)))
 
 
+def _real_value(rec: OffloadedTensor) -> torch.Tensor | None:
+    """What ``state_dict()`` returns for a streamed tensor the model still holds: the host copy behind
+    a stand-in, or the bytes read from its file; None when the model holds the real tensor itself."""
+    if rec.location is not None:
+        value = rec.runtime.read_copy(rec)
+        return nn.Parameter(value, requires_grad=False) if isinstance(rec.host, nn.Parameter) else value
+    return rec.host if rec.handle is not None else None
+
+
+def _held(module: nn.Module, attr: str, kind: str) -> Any:
+    return (module._parameters if kind == "parameter" else module._buffers).get(attr)
+
+
+def _state_dict_hook(entries: list):
+    """Post-hook of ``state_dict()`` on a module holding streamed tensors: put the real weights where
+    the module holds a stand-in (a tensor replaced since offload() is the model's own, kept)."""
+    def hook(module, state_dict, prefix, local_metadata):
+        for attr, kind, rec in entries:
+            key = prefix + attr
+            if key in state_dict and _held(module, attr, kind) is rec.key:
+                value = _real_value(rec)
+                if value is not None:
+                    keep_vars = isinstance(state_dict[key], nn.Parameter)
+                    state_dict[key] = value if keep_vars else value.detach()
+
+    return hook
+
+
+def _load_hook(entries: list):
+    """Pre-hook of ``load_state_dict()``: refuse to load into a streamed tensor the module holds as a
+    stand-in (disk, or device stand-ins): the copy would land in the stand-in, never in what the
+    loads read. With host copies the model holds (storage='cpu'/'pinned' on a host device) the
+    in-place copy is what the loads read, and it is let through."""
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for suffix, holder, attr, kind, rec in entries:
+            key = prefix + suffix
+            if key in state_dict and _held(holder, attr, kind) is rec.key and _real_value_is_elsewhere(rec):
+                where = (f"its bytes live in {rec.location.path}" if rec.location is not None
+                         else "the model holds a device stand-in; its bytes live in a host copy")
+                raise OffloadError(
+                    f"load_state_dict: {key!r} was offloaded by graphpass.offload() ({where}), so the loaded value "
+                    f"would never reach the loads. Load the state dict before offload(), or offload a fresh model "
+                    f"(checkpoint= reads safetensors files directly)"
+                )
+
+    return hook
+
+
+def _real_value_is_elsewhere(rec: OffloadedTensor) -> bool:
+    return rec.location is not None or rec.handle is not None
+
+
+def _install_state_dict_hooks(model: nn.Module, state: OffloadState, streamed: list[_Tensor]) -> None:
+    """``state_dict()`` returns the real weights and ``load_state_dict()`` is refused where it would
+    be lost: hooks on every module holding a streamed tensor as a parameter or buffer."""
+    by_module: dict[int, tuple[nn.Module, list]] = {}
+    names: dict[int, list[str]] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(mod), []).append(name)
+    everything = []  # the root's hook checks the whole state dict first, so a refusal changes nothing
+    for trec, rec in zip(streamed, state.records):
+        for holder, attr, kind in trec.places:
+            if kind in ("parameter", "buffer") and isinstance(holder, nn.Module):
+                by_module.setdefault(id(holder), (holder, []))[1].append((attr, kind, rec))
+                everything += [(f"{n}.{attr}" if n else attr, holder, attr, kind, rec) for n in names.get(id(holder), [])]
+    for module, entries in by_module.values():
+        state.hooks.append(module.register_state_dict_post_hook(_state_dict_hook(entries)))
+        state.hooks.append(module.register_load_state_dict_pre_hook(_load_hook([(a, module, a, k, r) for a, k, r in entries])))
+    state.hooks.append(model.register_load_state_dict_pre_hook(_load_hook(everything)))
+
+
 def _attach(model: nn.Module, state: OffloadState) -> None:
     """Tie the state's cleanup to its lifetime and attach it to the model."""
     state._finalizer = weakref.finalize(state, _release, state.runtime, list(state.records), list(state.files))
@@ -362,19 +470,29 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
     """
     config, device = _check_arguments(model, config, kwargs)
     tensors, plan, streamed = _plan(model, config)
-    locations = _check_checkpoint(tensors, checkpoint)  # before touching the model
+    idents: dict[str, tuple] = {}
+    locations = _check_checkpoint(tensors, checkpoint, idents)  # before touching the model
     disk_path = _prepare_disk_path(config, streamed, locations)
 
-    # ---- materialize (the model is changed from here on)
     state = OffloadState(config, plan, device)
-    placement = _materialize(tensors, config, device, locations)
-    if placement.disk_tensors:
-        _write_disk_file(state, model, disk_path, tensors, placement)
-    use_stand_ins = device.type != "cpu" or _DEVICE_STAND_INS.get()
-    _swap_into_model(tensors, config, device, placement, use_stand_ins)
-    _register(state, streamed, placement, use_stand_ins)
-    _install_guards(model, state, streamed)
-    _attach(model, state)
+    try:
+        if config.storage == "disk":  # open the streamed files now, checked unchanged since resolved
+            for rec in streamed:
+                if id(rec) in locations:
+                    state.runtime.track_file(locations[id(rec)].path, idents[locations[id(rec)].path], rec.fqns[0])
+        # ---- materialize (the model is changed from here on)
+        placement = _materialize(tensors, config, device, locations, idents)
+        if placement.disk_tensors:
+            _write_disk_file(state, model, disk_path, tensors, placement)
+        use_stand_ins = device.type != "cpu" or _DEVICE_STAND_INS.get()
+        _swap_into_model(tensors, config, device, placement, use_stand_ins)
+        _register(state, streamed, placement, use_stand_ins)
+        _install_guards(model, state, streamed)
+        _install_state_dict_hooks(model, state, streamed)
+        _attach(model, state)
+    except BaseException:
+        _release(state.runtime, state.records, state.files)  # open files closed, a written file removed
+        raise
     return state
 
 

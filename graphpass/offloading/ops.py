@@ -10,6 +10,7 @@ from typing import List
 
 import torch
 
+from .. import dynamo_records
 from ..errors import OffloadError
 from ..ops import record_event
 from .runtime import lookup
@@ -45,8 +46,10 @@ def _load_start(srcs: List[torch.Tensor], group: str, device: torch.device, afte
     ticket = runtime.start(recs, group)
     record_event("load", group)
     out = torch.tensor(ticket, dtype=torch.int64)
-    # a call that raises between the start and the wait drops its ticket: the load goes with it
-    weakref.finalize(out, runtime.abandon, ticket)
+    # a call that raises between the start and the wait drops its ticket: the load goes with it.
+    # The finalizer is a bare deque append (no Python frame an interrupt could split); the runtime
+    # drops the load at its next start or stats read (OffloadRuntime.abandon).
+    weakref.finalize(out, runtime._abandoned.append, ticket)
     return out
 
 
@@ -86,11 +89,15 @@ def _nothing(*args, **kwargs) -> None:
 
 
 def _guard(module: str) -> None:
-    raise OffloadError(
+    msg = (
         f"module {module!r} holds weights that graphpass.offload() moved off the device, and it ran outside a "
         f"graph graphpass scheduled (an eager call, or torch.compile with another backend). Run it as "
         f"torch.compile(model, backend='graphpass') (any then= delegate) so the loads are in the graph."
     )
+    skipped = dynamo_records.skipped_frames()
+    if skipped:  # compiled with graphpass, but Dynamo ran the frame eagerly
+        msg += "\n" + dynamo_records.skipped_frame_message(skipped)
+    raise OffloadError(msg)
 
 
 _LIB.impl("load_start", _load_start, "CompositeExplicitAutograd")

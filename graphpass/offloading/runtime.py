@@ -38,6 +38,7 @@ Dynamo may run one compiled graph for several instances of a model class.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import itertools
@@ -54,6 +55,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import OffloadError
+from .files import identity
 from .safetensors_io import TensorLocation, read_into
 
 # --------------------------------------------------------------------------------------------
@@ -184,6 +186,7 @@ class _Pending:
     future: Optional[Future] = None
     event: Any = None  # torch.cuda.Event the compute stream waits on
     owner: tuple = ()
+    mapped: tuple = ()  # the records whose file regions are mapped: their files are checked again at the wait
 
 
 class _StagingPool:
@@ -263,39 +266,63 @@ class OffloadRuntime:
         self._executor: ThreadPoolExecutor | None = None
         self._stream = None
         self._fds: dict[str, int] = {}
+        self._ids: dict[str, tuple] = {}  # path -> identity() when offload() resolved it
         self._staging = _StagingPool()
         self._pool: dict[int, list] = {}  # nbytes -> storages of reused load buffers (host devices)
         self._retired: list = []  # evicted tensors the worker releases at its next job
-        self._stats = dict(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0, streamed_bytes_now=0,
-                           peak_streamed_bytes=0, wait_seconds=0.0, buffer_pool_bytes=0)
+        # Counters that must survive interruptions (KeyboardInterrupt lands between any two lines):
+        # what is alive is not counted up and down by finalizers but read off weak references to
+        # the loaded tensors when asked (``_live``), and the cumulative counters are replaced in
+        # one assignment, so an interrupted update is all or nothing.
+        self._live: list[tuple[weakref.ref, int]] = []
+        self._abandoned: collections.deque = collections.deque()  # tickets whose tensor died (appended by a finalizer)
+        self._stats = dict(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0,
+                           peak_streamed_bytes=0, wait_seconds=0.0)
         self.resident_bytes = resident_bytes
         self._closed = False
 
     # ---------------------------------------------------------------- counters
     def stats(self) -> MemoryStats:
+        self._drain_abandoned()
         with self._lock:
-            return MemoryStats(resident_bytes=self.resident_bytes, **self._stats)
+            now = self._streamed_now()
+            pool = sum(s.nbytes() for storages in self._pool.values() for s in storages)
+            return MemoryStats(resident_bytes=self.resident_bytes, streamed_bytes_now=now, buffer_pool_bytes=pool,
+                               **self._stats)
 
     def reset_stats(self) -> None:
+        self._drain_abandoned()
         with self._lock:
-            now = self._stats["streamed_bytes_now"]
-            self._stats.update(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0,
-                               peak_streamed_bytes=now, wait_seconds=0.0)  # the pool keeps its size
+            self._stats = dict(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0,
+                               peak_streamed_bytes=self._streamed_now(), wait_seconds=0.0)  # the pool keeps its size
 
-    def _freed(self, nbytes: int) -> None:
-        with self._lock:
-            self._stats["streamed_bytes_now"] -= nbytes
+    def _streamed_now(self) -> int:
+        """Bytes of loaded tensors alive now (the truth, whatever was interrupted); prunes the dead."""
+        live = [(ref, n) for ref, n in self._live if ref() is not None]
+        self._live = live
+        return sum(n for _, n in live)
 
     def _allocated(self, dsts: list, nbytes: int) -> None:
+        refs = [(weakref.ref(d), d.numel() * d.element_size()) for d in dsts]
         with self._lock:
+            self._live = self._live + refs
+            now = self._streamed_now()
             s = self._stats
-            s["streamed_bytes_now"] += nbytes
-            s["peak_streamed_bytes"] = max(s["peak_streamed_bytes"], s["streamed_bytes_now"])
-            s["bytes_loaded"] += nbytes
-            s["loads_issued"] += len(dsts)
-            s["groups_loaded"] += 1
-        for d in dsts:
-            weakref.finalize(d, self._freed, d.numel() * d.element_size())
+            self._stats = {**s, "peak_streamed_bytes": max(s["peak_streamed_bytes"], now), "bytes_loaded": s["bytes_loaded"] + nbytes,
+                           "loads_issued": s["loads_issued"] + len(dsts), "groups_loaded": s["groups_loaded"] + 1}
+
+    def _count(self, key: str, amount) -> None:
+        with self._lock:
+            self._stats = {**self._stats, key: self._stats[key] + amount}
+
+    def _drain_abandoned(self) -> None:
+        """Drop the loads of tickets that died without a wait (a call that raised between the two)."""
+        while True:
+            try:
+                ticket = self._abandoned.popleft()
+            except IndexError:
+                return
+            self._take(ticket)
 
     # ---------------------------------------------------------------- resources
     def _worker(self) -> ThreadPoolExecutor:
@@ -312,6 +339,15 @@ class OffloadRuntime:
                     self._stream = torch.cuda.Stream(device=self.device)
         return self._stream
 
+    def track_file(self, path: str, expected: tuple | None = None, tensor: str = "") -> None:
+        """Open ``path`` now and record its identity (size, inode, mtime, device); with ``expected``
+        (the identity when offload() resolved it) refuse a file that changed since."""
+        fd = self._fd(path)
+        now = identity(os.fstat(fd))
+        if expected is not None and now != expected:
+            raise OffloadError(_changed(tensor, path, expected, now, "since offload() read its header"))
+        self._ids.setdefault(path, expected if expected is not None else now)
+
     def _fd(self, path: str) -> int:
         fd = self._fds.get(path)
         if fd is None:
@@ -323,6 +359,7 @@ class OffloadRuntime:
                     except OSError as exc:
                         raise OffloadError(f"cannot open offload file {path}: {exc}") from None
                     self._fds[path] = fd
+                    self._ids.setdefault(path, identity(os.fstat(fd)))
         return fd
 
     def close(self) -> None:
@@ -340,15 +377,28 @@ class OffloadRuntime:
 
     # ---------------------------------------------------------------- the transfers
     def _checked_fd(self, rec: OffloadedTensor) -> int:
-        """The open file of ``rec``'s bytes, checked to still hold them (truncated since offload?)."""
+        """The open file of ``rec``'s bytes, checked to be the file offload() resolved, unchanged
+        (same size, inode, mtime, device) and still covering the tensor: a file truncated or
+        rewritten in place would be read as other bytes, or kill the process with SIGBUS when a
+        mapping of it is touched past its new end."""
         loc = rec.location
         fd = self._fd(loc.path)
-        size = os.fstat(fd).st_size
-        if loc.offset + loc.nbytes > size:
+        now = identity(os.fstat(fd))
+        expected = self._ids.get(loc.path, now)
+        if loc.offset + loc.nbytes > now[0]:
             raise OffloadError(
-                f"tensor {rec.name!r}: {loc.path} is truncated ({size} bytes, its bytes end at {loc.offset + loc.nbytes})"
+                f"tensor {rec.name!r}: {loc.path} is truncated ({now[0]} bytes, its bytes end at {loc.offset + loc.nbytes}); "
+                f"it changed while the model serves from it: restore the file and offload the model again"
             )
+        if now != expected:
+            raise OffloadError(_changed(rec.name, loc.path, expected, now, "since graphpass.offload() resolved it"))
         return fd
+
+    def read_copy(self, rec: OffloadedTensor) -> torch.Tensor:
+        """A fresh host tensor with ``rec``'s bytes read from its file (``state_dict()`` of a disk model)."""
+        out = torch.empty(rec.shape, dtype=rec.dtype)
+        read_into(self._checked_fd(rec), rec.location, out)
+        return out
 
     def _read(self, rec: OffloadedTensor, dst: torch.Tensor) -> None:
         read_into(self._checked_fd(rec), rec.location, dst)
@@ -441,13 +491,13 @@ class OffloadRuntime:
                     break
             else:
                 storage = torch.empty(rec.nbytes, dtype=torch.uint8, device=device).untyped_storage()
-                self._pool[rec.nbytes].append(storage)
-                self._stats["buffer_pool_bytes"] += rec.nbytes
+                self._pool[rec.nbytes].append(storage)  # buffer_pool_bytes is read off the pool
             return torch.empty(0, dtype=rec.dtype, device=device).set_(storage, 0, rec.shape, stride)
 
     def start(self, recs: list, group: str) -> int:
         if self._closed:
             raise OffloadError("this model's offload runtime was closed (graphpass.offload state released)")
+        self._drain_abandoned()
         device = self.device
         nbytes = sum(r.nbytes for r in recs)
         owner = (threading.get_ident(), group)
@@ -474,7 +524,7 @@ class OffloadRuntime:
                 pending = _Pending(dsts, None, event)
         elif all(r.location is not None for r in recs) and _MAP_FLAGS is not None:
             # disk -> host device: map the file region (the worker maps it), no copy at all
-            pending = _Pending(None, self._worker().submit(self._map_job, recs))
+            pending = _Pending(None, self._worker().submit(self._map_job, recs), mapped=tuple(recs))
         else:
             dsts = [self._host_buffer(r) for r in recs]
             self._allocated(dsts, nbytes)
@@ -505,23 +555,25 @@ class OffloadRuntime:
             mapped = pending.future.result()  # re-raises the worker's OffloadError naming the tensor
             if pending.dsts is None:
                 pending.dsts = mapped
+        for path, rec in {r.location.path: r for r in pending.mapped}.items():
+            self._checked_fd(rec)  # the compute reads the mapping next: the file must still cover it
         if pending.event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(pending.event)
             for d in pending.dsts:
                 d.record_stream(current)
-        waited = time.perf_counter() - t0
-        with self._lock:
-            self._stats["wait_seconds"] += waited
+        self._count("wait_seconds", time.perf_counter() - t0)
         return pending.dsts
 
     def abandon(self, ticket: int) -> None:
-        """Drop a load whose ticket died without a wait (no-op once waited)."""
-        self._take(ticket)  # released outside the lock
+        """Drop a load whose ticket died without a wait (no-op once waited). The ticket's finalizer
+        only appends to ``_abandoned`` (a C call no interrupt can split); the drop happens at the
+        next load or stats read, outside any finalizer."""
+        self._abandoned.append(ticket)
 
     def evicted(self, group: str, loaded: list | None = None) -> None:
         with self._lock:
-            self._stats["evictions"] += 1
+            self._stats = {**self._stats, "evictions": self._stats["evictions"] + 1}
             if self.device.type == "cuda":
                 event = torch.cuda.Event(blocking=True)
                 event.record(torch.cuda.current_stream(self.device))
@@ -537,3 +589,18 @@ class OffloadRuntime:
         with self._lock:
             retired, self._retired = self._retired, []
         retired.clear()
+
+
+def _changed(tensor: str, path: str, expected: tuple, now: tuple, when: str) -> str:
+    what = []
+    if now[0] != expected[0]:
+        what.append(f"size {expected[0]} -> {now[0]} bytes" + (" (truncated)" if now[0] < expected[0] else ""))
+    if now[1:2] != expected[1:2] or now[3:] != expected[3:]:
+        what.append("another file (inode/device)")
+    if now[2] != expected[2]:
+        what.append("modified (mtime)")
+    name = f"tensor {tensor!r}: " if tensor else ""
+    return (f"{name}{path} changed {when} ({', '.join(what) or 'identity differs'}): graphpass reads the bytes "
+            f"there at every load and refuses a file rewritten, truncated or replaced in place. Restore it, or "
+            f"offload a fresh model from the new file; to update a checkpoint in use, write the new file "
+            f"under another name and rename it over the old one")

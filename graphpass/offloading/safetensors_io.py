@@ -20,7 +20,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from ..atomic_files import write_all, write_atomic
+from .. import atomic_files
 from ..errors import OffloadError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -112,6 +112,11 @@ def checkpoint_files(checkpoint: str | os.PathLike | Iterable[str | os.PathLike]
                     weight_map = json.loads(indexes[0].read_text())["weight_map"]
                 except (OSError, ValueError, KeyError, TypeError):
                     raise OffloadError(f"{indexes[0]}: not a safetensors index (no 'weight_map')") from None
+                if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                    raise OffloadError(
+                        f"{indexes[0]}: not a safetensors index: its 'weight_map' must map tensor names to file "
+                        f"names, found {type(weight_map).__name__}; fix or remove the index file"
+                    )
                 files = [str(p / f) for f in dict.fromkeys(weight_map.values())]
             else:
                 files = [str(f) for f in sorted(p.glob("*.safetensors"))]
@@ -187,11 +192,17 @@ def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], met
     raw += b" " * (-len(raw) % 8)
 
     def write(fd: int) -> None:
-        write_all(fd, struct.pack("<Q", len(raw)))
-        write_all(fd, raw)
+        atomic_files.write_all(fd, struct.pack("<Q", len(raw)))
+        atomic_files.write_all(fd, raw)
         for _name, t in order:
             cpu = t.detach().to("cpu").contiguous()
-            write_all(fd, byte_view(cpu))
+            atomic_files.write_all(fd, byte_view(cpu))
             del cpu
 
-    write_atomic(path, write, fsync=True)
+    try:
+        atomic_files.write_atomic(path, write, fsync=True)  # on failure the temporary file is removed: nothing partial is left
+    except OSError as exc:
+        raise OffloadError(
+            f"cannot write the offload weights file {path}: {exc.strerror or exc}; free space there or choose "
+            f"another disk_path (no partial file was left)"
+        ) from exc

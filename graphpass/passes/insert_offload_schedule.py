@@ -104,14 +104,17 @@ class InsertOffloadSchedule(GraphPass):
         guards = [n for n in graph.nodes if is_guard(n)]
         records = _offloaded_inputs(ctx)
         if not records:
-            if guards:
+            replaced = _replaced_weights(ctx, guards)
+            if replaced:
                 raise OffloadError(
-                    f"module {guards[0].args[0]!r} was offloaded with graphpass.offload(), but this graph reads none of its "
-                    f"offloaded tensors: they were replaced after offload() (.half(), .to(), load_state_dict() into a "
-                    f"stand-in, or a new parameter assigned). Change the model before offloading it, or offload it again "
-                    f"on a fresh instance"
+                    f"module {guards[0].args[0]!r} was offloaded with graphpass.offload(), but this graph reads "
+                    f"{replaced[0]!r}, a tensor it holds that offload() does not manage: the tensors were replaced after "
+                    f"offload() (.half(), .to(), or a new parameter assigned). Change the model before offloading it, or "
+                    f"offload it again on a fresh instance"
                 )
-            return False
+            for node in guards:  # a graph of the module's hooks alone (its forward is another graph)
+                graph.erase_node(node)
+            return bool(guards)
         for node in guards:
             graph.erase_node(node)
         _refuse_writes(graph, records)
@@ -205,6 +208,17 @@ def _offloaded_inputs(ctx: PassContext) -> dict[torch.fx.Node, OffloadedTensor]:
         if rec is not None:
             records[ph] = rec
     return records
+
+
+def _replaced_weights(ctx: PassContext, guards: list[torch.fx.Node]) -> list[str]:
+    """FQNs of weights this graph reads that a guarded (offloaded) module holds, when none of the
+    graph's inputs is an offloaded tensor: they were replaced after offload()."""
+    guarded = {g.args[0] for g in guards}
+    out = []
+    for t in ctx.analysis.weights():
+        if any(h == m or h.startswith(m + ".") for m in guarded for h in t.holders):
+            out.append(t.fqn)
+    return out
 
 
 def _refuse_writes(graph: torch.fx.Graph, records: dict) -> None:
