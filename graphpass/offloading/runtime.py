@@ -49,6 +49,7 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -57,6 +58,9 @@ import torch
 from ..errors import OffloadError
 from .files import identity
 from .safetensors_io import TensorLocation, read_into
+
+# A load the worker has not finished after this long is an error, not a hang (a hung mount, a bug).
+LOAD_TIMEOUT_S = 600
 
 # --------------------------------------------------------------------------------------------
 # Records: one per offloaded tensor, found from the tensor itself
@@ -552,7 +556,13 @@ class OffloadRuntime:
             raise OffloadError(f"trap {group!r}: load ticket {ticket} is unknown (its load was never started)")
         t0 = time.perf_counter()
         if pending.future is not None:
-            mapped = pending.future.result()  # re-raises the worker's OffloadError naming the tensor
+            try:  # re-raises the worker's OffloadError naming the tensor
+                mapped = pending.future.result(timeout=LOAD_TIMEOUT_S)
+            except FutureTimeout:
+                raise OffloadError(
+                    f"trap {group!r}: its load did not finish in {LOAD_TIMEOUT_S} s (the offload worker is stuck: "
+                    f"a file on a hung mount, or a bug); nothing was computed with partial weights"
+                ) from None
             if pending.dsts is None:
                 pending.dsts = mapped
         for path, rec in {r.location.path: r for r in pending.mapped}.items():
