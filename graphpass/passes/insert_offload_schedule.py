@@ -236,7 +236,10 @@ def _refuse_writes(graph: torch.fx.Graph, records: dict) -> None:
 def _refuse_disk_gradients(graph: torch.fx.Graph, records: dict) -> None:
     """A weight streamed from a file has no host copy to take its gradient: a graph that computes
     one (traced with grad enabled, the weight requiring grad) is refused. Under ``no_grad`` or
-    ``inference_mode`` nothing downstream requires grad, and the graph runs."""
+    ``inference_mode`` (Dynamo compiles in the caller's grad mode, and guards on it) the graph runs:
+    an op that may return its input (``w.to(w.dtype)``) still "requires grad" there, and is no use."""
+    if not torch.is_grad_enabled():
+        return
     for ph, rec in records.items():
         if rec.location is None or not getattr(example_of(ph), "requires_grad", False):
             continue
