@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graphpass-installed
 
-.PHONY: demo test golden bench clean venv
+.PHONY: demo test golden bench conformance clean venv
 
 venv: $(STAMP)
 
