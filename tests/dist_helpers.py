@@ -183,6 +183,18 @@ def _trap_labels(gp) -> list[list[str]]:
 # ------------------------------------------------------------------ cases
 
 
+def _train_step(ref, model, wrapped, ids, labels, mine: slice, then) -> dict:
+    """Compile ``wrapped`` (the sharded ``model``, or its DDP wrapper), run this rank's batch shard
+    ``mine`` forward and backward; the forward's and the gradients' differences from eager."""
+    compiled, gp = _compile(wrapped, then)
+    out = compiled(ids[mine])
+    out_diff = (logits(out).detach() - logits(ref(ids[mine])).detach()).abs().max().item()
+    loss_of(out, labels[mine]).backward()
+    grad_diff, n = _grad_diffs(ref, model)
+    return {"out_diff": out_diff, "grad_diff": grad_diff, "params": n, "graphs": len(gp.graphs),
+            "traps": _trap_labels(gp), "boundaries": _count_boundaries(gp), "summary": _graph_summary(gp)}
+
+
 def case_tp(rank, world, model_name, then="aot_eager"):
     """Tensor parallel on a 1-D mesh of every rank: forward logits vs eager."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -212,13 +224,7 @@ def case_fsdp2(rank, world, model_name, then="aot_eager"):
         fully_shard(block)
     fully_shard(model)
     mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    compiled, gp = _compile(model, then)
-    out = compiled(ids[mine])
-    out_diff = (logits(out).detach() - logits(ref(ids[mine])).detach()).abs().max().item()
-    loss_of(out, labels[mine]).backward()
-    grad_diff, n = _grad_diffs(ref, model)
-    return {"out_diff": out_diff, "grad_diff": grad_diff, "params": n, "graphs": len(gp.graphs),
-            "traps": _trap_labels(gp), "boundaries": _count_boundaries(gp), "summary": _graph_summary(gp)}
+    return _train_step(ref, model, model, ids, labels, mine, then)
 
 
 def case_ddp(rank, world, model_name, then="aot_eager"):
@@ -233,13 +239,7 @@ def case_ddp(rank, world, model_name, then="aot_eager"):
     dist._DEFAULT_FIRST_BUCKET_BYTES = 16 * 1024
     ddp = DDP(model, bucket_cap_mb=0.02)
     mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    compiled, gp = _compile(ddp, then)
-    out = compiled(ids[mine])
-    out_diff = (logits(out).detach() - logits(ref(ids[mine])).detach()).abs().max().item()
-    loss_of(out, labels[mine]).backward()
-    grad_diff, n = _grad_diffs(ref, model)
-    return {"out_diff": out_diff, "grad_diff": grad_diff, "params": n, "graphs": len(gp.graphs),
-            "traps": _trap_labels(gp), "boundaries": _count_boundaries(gp), "summary": _graph_summary(gp)}
+    return _train_step(ref, model, ddp, ids, labels, mine, then)
 
 
 def case_tp_fsdp2(rank, world, model_name, then="aot_eager"):
@@ -259,13 +259,7 @@ def case_tp_fsdp2(rank, world, model_name, then="aot_eager"):
     fully_shard(model, mesh=mesh["dp"])
     dp_rank = mesh["dp"].get_local_rank()
     mine = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
-    compiled, gp = _compile(model, then)
-    out = compiled(ids[mine])
-    out_diff = (logits(out).detach() - logits(ref(ids[mine])).detach()).abs().max().item()
-    loss_of(out, labels[mine]).backward()
-    grad_diff, n = _grad_diffs(ref, model)
-    return {"out_diff": out_diff, "grad_diff": grad_diff, "params": n, "graphs": len(gp.graphs),
-            "traps": _trap_labels(gp), "boundaries": _count_boundaries(gp), "summary": _graph_summary(gp)}
+    return _train_step(ref, model, model, ids, labels, mine, then)
 
 
 def case_explain_tp(rank, world, model_name):
