@@ -19,9 +19,10 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass  # pin_backward_loads imports it already
 
 from .config import GraphpassConfig
 from .errors import GraphpassError, PassError
@@ -37,8 +38,6 @@ from .passes.plan_static_shapes import PlanStaticShapes
 from .passes.slice_static_buffers import SliceStaticBuffers
 from .roots import Roots
 
-if TYPE_CHECKING:
-    from torch._inductor.custom_graph_pass import CustomGraphPass
 
 PIPELINE: tuple[GraphPass, ...] = (
     AnalyzeOwnership(),  # inputs -> FQNs -> holding and consuming modules, bytes
@@ -156,25 +155,18 @@ def inductor_post_grad_pass(gm: torch.fx.GraphModule) -> CustomGraphPass | None:
     return passes[0] if len(passes) == 1 else _Chain(passes)
 
 
-def _chain_type():
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+class _Chain(CustomGraphPass):
+    """Several post-grad passes as the one ``post_grad_custom_post_pass`` inductor takes."""
 
-    class Chain(CustomGraphPass):
-        def __init__(self, passes):
-            self.passes = list(passes)
+    def __init__(self, passes) -> None:
+        self.passes = list(passes)
 
-        def __call__(self, graph: torch.fx.Graph) -> None:
-            for p in self.passes:
-                p(graph)
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
 
-        def uuid(self) -> bytes:
-            return b"".join(p.uuid() for p in self.passes)
-
-    return Chain
-
-
-def _Chain(passes):  # noqa: N802 - builds the CustomGraphPass subclass lazily (inductor imports are heavy)
-    return _chain_type()(passes)
+    def uuid(self) -> bytes:
+        return b"".join(p.uuid() for p in self.passes)
 
 
 def _readable(gm: torch.fx.GraphModule) -> str:
