@@ -131,22 +131,25 @@ def test_pyproject_declares_what_the_issue_lists():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
+class _Chatty(torch.nn.Module):
+    """A graph break inside the layer loop: Dynamo skips the frame with the loop."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+            torch._dynamo.graph_break()  # a break inside the loop
+        return x
+
+
 def test_explain_says_when_dynamo_skipped_the_frame():
     """A graph break inside the layer loop makes Dynamo skip the frame: explain used to print
     "0 graph(s)" and nothing else; it now says what happened, in Dynamo's words, and what to do."""
 
-    class Chatty(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-                torch._dynamo.graph_break()  # a break inside the loop
-            return x
-
-    report = graphpass.explain(Chatty(), torch.randn(2, 8))
+    report = graphpass.explain(_Chatty(3), torch.randn(2, 8))
     text = str(report)
     assert "0 graph(s)" in text
     assert "Dynamo compiled no graph for this call" in text and "skipped the whole frame" in text
@@ -158,19 +161,8 @@ def test_offloaded_model_whose_frame_dynamo_skipped():
     hooks' graph (the offload guard alone) and the layer's forward (its loads) are two graphs. The
     model still streams and matches eager; a guard that does run eagerly says what Dynamo skipped."""
 
-    class Chatty(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-                torch._dynamo.graph_break()
-            return x
-
     torch.manual_seed(0)
-    model = Chatty().eval().requires_grad_(False)
+    model = _Chatty(2).eval().requires_grad_(False)
     x = torch.randn(2, 8)
     ref = model(x)
     graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
