@@ -57,6 +57,7 @@ import torch
 
 from ..errors import OffloadError
 from .files import identity
+from .leases import FileLeases, handler_installed
 from .safetensors_io import TensorLocation, read_into
 
 # A load the worker has not finished after this long is an error, not a hang (a hung mount, a bug).
@@ -272,6 +273,7 @@ class OffloadRuntime:
         self._fds: dict[str, int] = {}
         self._ids: dict[str, tuple] = {}  # path -> identity() when offload() resolved it
         self._staging = _StagingPool()
+        self._leases = FileLeases(_LIBC)  # read leases on mapped files (a writer waits, see leases.py)
         self._pool: dict[int, list] = {}  # nbytes -> storages of reused load buffers (host devices)
         self._retired: list = []  # evicted tensors the worker releases at its next job
         # Counters that must survive interruptions (KeyboardInterrupt lands between any two lines):
@@ -351,6 +353,8 @@ class OffloadRuntime:
         if expected is not None and now != expected:
             raise OffloadError(_changed(tensor, path, expected, now, "since offload() read its header"))
         self._ids.setdefault(path, expected if expected is not None else now)
+        if self.storage == "disk" and self.device.type != "cuda" and _MAP_FLAGS is not None:
+            handler_installed()  # offload() runs in the main thread as a rule: the SIGIO handler goes in now
 
     def _fd(self, path: str) -> int:
         fd = self._fds.get(path)
@@ -373,6 +377,7 @@ class OffloadRuntime:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         for fd in self._fds.values():
+            self._leases.release(fd)
             try:
                 os.close(fd)
             except OSError:
@@ -412,30 +417,37 @@ class OffloadRuntime:
 
         The pages are the page cache's own (no copy). The mapping is released when the last
         tensor over it is freed, so the process's resident memory holds the traps in flight, not
-        the model. The schedule pass refuses graphs that write an offloaded tensor."""
+        the model. The schedule pass refuses graphs that write an offloaded tensor. A region is
+        mapped only under a read lease of its file (``leases.py``: a writer then waits while the
+        live regions are copied, instead of the compute faulting on a truncated file); without
+        one, or for a region misaligned for its dtype, the bytes are read into a fresh tensor."""
         loc = rec.location
-        fd = self._checked_fd(rec)
         if loc.nbytes == 0:
+            self._checked_fd(rec)
             return torch.empty(rec.shape, dtype=rec.dtype)
         start = loc.offset - loc.offset % mmap.ALLOCATIONGRANULARITY
         delta = loc.offset - start
-        if delta % rec.dtype.itemsize:
-            dst = torch.empty(rec.shape, dtype=rec.dtype)  # misaligned for its dtype: read a copy
-            read_into(fd, loc, dst)
-            return dst
-        length = delta + loc.nbytes
-        if hasattr(os, "posix_fadvise"):  # a cold page cache starts reading now, in the background
-            os.posix_fadvise(fd, loc.offset, loc.nbytes, os.POSIX_FADV_WILLNEED)
-        populate = _spare_core()
-        # Writable and private (copy-on-write) unless populating (that would copy every page):
-        # a write the schedule pass did not see lands in a private copy, never in the file.
-        prot = mmap.PROT_READ if populate else mmap.PROT_READ | mmap.PROT_WRITE
-        flags = _MAP_FLAGS | (_MAP_POPULATE if populate else 0)
-        addr = _LIBC.mmap(None, length, prot, flags, fd, start)  # ctypes: the GIL is released
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OffloadError(f"tensor {rec.name!r}: cannot map {loc.path}: {os.strerror(ctypes.get_errno())}")
+        leases = self._leases
+        with leases.lock:  # a lease break waits until the region is registered
+            if delta % rec.dtype.itemsize or not leases.lease(self._fd(loc.path)):
+                dst = torch.empty(rec.shape, dtype=rec.dtype)
+                read_into(self._checked_fd(rec), loc, dst)
+                return dst
+            fd = self._checked_fd(rec)  # under the lease: the file cannot change until it is released
+            length = delta + loc.nbytes
+            if hasattr(os, "posix_fadvise"):  # a cold page cache starts reading now, in the background
+                os.posix_fadvise(fd, loc.offset, loc.nbytes, os.POSIX_FADV_WILLNEED)
+            populate = _spare_core()
+            # Writable and private (copy-on-write) unless populating (that would copy every page):
+            # a write the schedule pass did not see lands in a private copy, never in the file.
+            prot = mmap.PROT_READ if populate else mmap.PROT_READ | mmap.PROT_WRITE
+            flags = _MAP_FLAGS | (_MAP_POPULATE if populate else 0)
+            addr = _LIBC.mmap(None, length, prot, flags, fd, start)  # ctypes: the GIL is released
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OffloadError(f"tensor {rec.name!r}: cannot map {loc.path}: {os.strerror(ctypes.get_errno())}")
+            leases.register(addr, length, fd, loc.offset + loc.nbytes)
         region = (ctypes.c_char * length).from_address(addr)
-        weakref.finalize(region, _LIBC.munmap, ctypes.c_void_p(addr), ctypes.c_size_t(length))
+        weakref.finalize(region, leases.unmap, addr, length)
         with warnings.catch_warnings():  # torch warns for read-only buffers (the populated mapping)
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(region, dtype=torch.uint8, count=loc.nbytes, offset=delta)
