@@ -39,6 +39,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -644,7 +645,8 @@ def _run_one_subprocess(model_type, args, log_dir):
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", model_type, "--json-out", str(out),
            "--delegate", args.delegate]
-    env = dict(os.environ, GP_CONF_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
+    env = dict(os.environ, GP_CONF_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads),
+               GRAPHPASS_PROGRESS="0")  # its output is a log file: no bars in it
     t0 = time.perf_counter()
     timed_out = False
     with open(log, "w") as fh:
@@ -670,6 +672,41 @@ def _run_one_subprocess(model_type, args, log_dir):
                 res["cells"][col] = f"FAIL: {why} (log: {log.relative_to(ROOT)})" if first else f"FAIL: not run ({why})"
                 first = False
     return res
+
+
+def _echo(line: str) -> None:
+    """Print ``line`` on stdout; with a live bar (graphpass.progress), above it (tqdm.write redraws the bar)."""
+    from graphpass import progress
+
+    if progress.enabled():
+        from tqdm.auto import tqdm
+
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
+    else:
+        print(line, flush=True)
+
+
+def run_all(archs, run_one, columns, jobs=1):
+    """``run_one(arch)`` for every architecture on ``jobs`` threads; returns ``{arch: result}``. Prints a
+    line per architecture as it finishes and, on a terminal (or ``GRAPHPASS_PROGRESS=1``), a bar over
+    the architectures on stderr (:func:`graphpass.progress.bar`)."""
+    from graphpass import progress
+
+    results = {}
+    lock = threading.Lock()
+    with progress.bar(len(archs), "graphpass conformance", unit="arch") as shown:
+        def job(a):
+            r = run_one(a)
+            bad = [f"{c}: {r['cells'].get(c)}" for c in columns if r["cells"].get(c, "").startswith(("FAIL", "n/a"))]
+            with lock:
+                results[a] = r
+                _echo(f"[{len(results):3d}/{len(archs)}] {a:28s} {r['wall_s']:6.1f}s  {'ok' if not bad else bad[0][:110]}")
+                shown.update(1)
+
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            list(pool.map(job, archs))
+    return results
 
 
 def totals(results, columns):
@@ -723,16 +760,7 @@ def main(argv=None):
     log_dir = OUT / f"conformance_logs{suffix}"
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = {}
-
-    def job(a):
-        r = _run_one_subprocess(a, args, log_dir)
-        results[a] = r
-        bad = [f"{c}: {r['cells'].get(c)}" for c in ["eager"] + args.columns if r["cells"].get(c, "").startswith(("FAIL", "n/a"))]
-        print(f"[{len(results):3d}/{len(archs)}] {a:28s} {r['wall_s']:6.1f}s  {'ok' if not bad else bad[0][:110]}", flush=True)
-
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        list(pool.map(job, archs))
+    results = run_all(archs, lambda a: _run_one_subprocess(a, args, log_dir), ["eager"] + args.columns, args.jobs)
     ordered = [results[a] for a in archs]
     columns = ["eager"] + args.columns
     headers = ["arch"] + columns

@@ -35,6 +35,11 @@ def enabled() -> bool:
     return bool(getattr(stream, "isatty", None) and stream.isatty())
 
 
+def silent() -> _Silent:
+    """A stand-in bar that shows nothing (for work with nothing to count)."""
+    return _Silent()
+
+
 def bar(total: float | None, desc: str, unit: str = "it", unit_scale: bool = False):
     """A tqdm bar on stderr when progress is on, else a silent stand-in with the same methods."""
     if not enabled():

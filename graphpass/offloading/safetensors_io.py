@@ -20,7 +20,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .. import atomic_files
+from .. import atomic_files, progress
 from ..errors import OffloadError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -168,8 +168,11 @@ def read_into(fd: int, loc: TensorLocation, dst: torch.Tensor) -> None:
         done += got
 
 
-def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
+def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
+               progress_desc: str | None = None) -> None:
     """Write ``tensors`` as one safetensors file, streaming each tensor's bytes (no whole-file buffer).
+    With ``progress_desc``, a bar of the tensor bytes written (:func:`graphpass.progress.bar`: on a
+    terminal only), advanced per tensor.
 
     The file appears under its name only once complete (:func:`graphpass.atomic_files.write_atomic`:
     a temporary file created exclusively in the same folder, flushed, then renamed), so a crash never
@@ -194,10 +197,12 @@ def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], met
     def write(fd: int) -> None:
         atomic_files.write_all(fd, struct.pack("<Q", len(raw)))
         atomic_files.write_all(fd, raw)
-        for _name, t in order:
-            cpu = t.detach().to("cpu").contiguous()
-            atomic_files.write_all(fd, byte_view(cpu))
-            del cpu
+        with progress.bar(offset, progress_desc, unit="B", unit_scale=True) if progress_desc else progress.silent() as shown:
+            for _name, t in order:
+                cpu = t.detach().to("cpu").contiguous()
+                atomic_files.write_all(fd, byte_view(cpu))
+                shown.update(cpu.numel() * cpu.element_size())
+                del cpu
 
     try:
         atomic_files.write_atomic(path, write, fsync=True)  # on failure the temporary file is removed: nothing partial is left
