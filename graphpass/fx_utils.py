@@ -376,3 +376,21 @@ def inner_tensor_fields(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     if not hasattr(t, "__dict__"):
         return []
     return [(k, v) for k, v in vars(t).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]
+
+
+def is_dtensor(t: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (tested without importing torch.distributed)."""
+    return isinstance(t, torch.Tensor) and hasattr(t, "_local_tensor") and hasattr(t, "_spec")
+
+
+def local_tensor(t: Any) -> Any:
+    """This rank's shard of a DTensor (its ``_local_tensor``); any other value unchanged."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def with_spec_of(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor with ``like``'s mesh, placements, global shape and stride (no
+    collective, no check: ``local`` must be this rank's shard of such a tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=local.requires_grad)

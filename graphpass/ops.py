@@ -173,19 +173,26 @@ def _local_boundary(op_call, args, kwargs):
     return op_call(label, local, *rest, **kwargs)
 
 
-def let_dtensors_through() -> None:
-    """Register :func:`_local_boundary` with DTensor's dispatcher once DTensor is in use (imported).
+def register_dtensor_handlers(handlers: dict) -> None:
+    """Register ``op -> handler(op_call, args, kwargs)`` with DTensor's dispatcher once DTensor is
+    in use (imported): graphpass ops with DTensor arguments have no sharding strategy, so each
+    feature says how its ops take the local shards.
 
     Uses ``DTensor._op_dispatcher._custom_op_handlers``, the private table torch's own
-    ``loss_parallel`` uses; without it a boundary op with DTensor deps has no sharding strategy.
-    Idempotent; the table is DTensor's (process-wide by nature), keyed by our own ops.
+    ``loss_parallel`` uses. Idempotent; the table is DTensor's (process-wide by nature), keyed by
+    our own ops.
     """
     dtensor_module = sys.modules.get("torch.distributed.tensor")
     dispatcher = getattr(getattr(dtensor_module, "DTensor", None), "_op_dispatcher", None)
-    handlers = getattr(dispatcher, "_custom_op_handlers", None)
-    if isinstance(handlers, dict):
-        for op in BOUNDARY_OPS:
-            handlers.setdefault(op, _local_boundary)
+    table = getattr(dispatcher, "_custom_op_handlers", None)
+    if isinstance(table, dict):
+        for op, handler in handlers.items():
+            table.setdefault(op, handler)
+
+
+def let_dtensors_through() -> None:
+    """The boundary ops take DTensor deps as their local shards (:func:`_local_boundary`)."""
+    register_dtensor_handlers({op: _local_boundary for op in BOUNDARY_OPS})
 
 
 def register_all() -> None:

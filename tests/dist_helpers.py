@@ -297,3 +297,74 @@ CASES: dict[str, Callable] = {
     "tp_fsdp2": case_tp_fsdp2,
     "explain_tp": case_explain_tp,
 }
+
+
+# ------------------------------------------------------------------ offload per rank
+
+
+def _tp_model(model_name: str, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = build(model_name)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in blocks(model):
+        parallelize_module(block, mesh, tp_plan(model_name))
+    return model
+
+
+def _schedule_ops(gp) -> list[str]:
+    """The graph's offload ops and collectives in graph order (what must be the same on every rank)."""
+    keep = ("load_start", "load_wait", "evict", "_c10d_functional", "redistribute")
+    return [str(n.target).split(".")[-2] if "graphpass" in str(n.target) else str(n.target)
+            for g in gp.graphs for n in g.gm.graph.nodes if any(k in str(n.target) for k in keep)]
+
+
+def case_tp_offload(rank, world, model_name, storage, then="aot_eager", train=False):
+    """graphpass.offload of a TP model: each rank streams its local shards. Against the same TP
+    model compiled without offload (exact: offload only moves data) and single-process eager."""
+    import graphpass
+
+    ids, labels = inputs()
+    ref = build(model_name)
+    plain, model = _tp_model(model_name, world), _tp_model(model_name, world)
+    if not train:
+        for m in (ref, plain, model):
+            m.eval().requires_grad_(False)
+    local_bytes = sum(getattr(p, "_local_tensor", p).nbytes for p in blocks(model).parameters())
+    global_bytes = sum(p.nbytes for p in blocks(ref).parameters())
+    folder = tempfile.mkdtemp() if storage == "disk" else None
+    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage=storage, disk_path=folder,
+                                                     include_patterns=[r"(model\.)?layers\.\d+"]))
+    compiled, gp = _compile(model, then)
+    compiled_plain, _ = _compile(plain, then)
+    with torch.set_grad_enabled(train):
+        out, out_plain, expected = (logits(f(ids)) for f in (compiled, compiled_plain, ref))
+    res = {"out_diff": (out - expected).abs().max().item(), "plain_diff": (out - out_plain).abs().max().item(),
+           "local_bytes": local_bytes, "global_bytes": global_bytes, "ops": _schedule_ops(gp),
+           "stats": graphpass.memory_stats(compiled), "state_dict_diff": 0.0}
+    if train:
+        loss_of(out, labels).backward()
+        loss_of(expected, labels).backward()
+        res["grad_diff"], res["params"] = _grad_diffs(ref, model)
+    sd = model.state_dict()
+    res["state_dict_diff"] = max((_full(sd[k]) - v).abs().max().item() for k, v in ref.state_dict().items())
+    return res
+
+
+def case_fsdp2_offload(rank, world, model_name):
+    """graphpass.offload of an FSDP2 model is refused naming FSDP2 and its own offload policy."""
+    import graphpass
+    from torch.distributed.fsdp import fully_shard
+
+    model = build(model_name)
+    for block in blocks(model):
+        fully_shard(block)
+    try:
+        graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
+    except graphpass.OffloadError as exc:
+        return {"refused": str(exc)}
+    return {"refused": ""}
+
+
+CASES.update(tp_offload=case_tp_offload, fsdp2_offload=case_fsdp2_offload)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,8 +38,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import progress
 from ..dynamo_records import has_compiled_code
 from ..errors import ConfigError, OffloadError
+from ..fx_utils import is_dtensor, local_tensor, with_spec_of
 from . import files
 from .config import OffloadConfig
 from .planning import OffloadPlan, _Tensor, plan_budget, plan_units
@@ -189,6 +192,7 @@ def _check_arguments(model: nn.Module, config: OffloadConfig | None, kwargs: dic
         raise ConfigError("model", type(model).__name__, "graphpass.offload takes an nn.Module")
     if getattr(model, "_graphpass_offload", None) is not None:
         raise OffloadError("this model is already offloaded (graphpass.offload was called on it before)")
+    _refuse_fsdp2(model)
     if _has_compiled_code(model):
         raise OffloadError(
             f"{type(model).__name__}.forward was already compiled by torch.compile, and Dynamo would keep running "
@@ -201,6 +205,25 @@ def _check_arguments(model: nn.Module, config: OffloadConfig | None, kwargs: dic
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # "cuda" and "cuda:0" are one device
     return config, device
+
+
+def _refuse_fsdp2(model: nn.Module) -> None:
+    """FSDP2 (``fully_shard``) owns its parameters' storage and all-gathers them in hooks that run
+    outside the compiled graphs, where graphpass has no point to load them; it has its own host
+    offload (``offload_policy=CPUOffloadPolicy()``). Refused, naming the module and both ways."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kind = getattr(fsdp, "FSDPModule", None)
+    if kind is None:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, kind):
+            raise OffloadError(
+                f"module {name or type(model).__name__!r} is sharded by FSDP2 (fully_shard): FSDP2 manages its sharded "
+                f"parameters itself and all-gathers them in hooks outside the compiled graph, so graphpass.offload() "
+                f"cannot stream them. Use fully_shard(..., offload_policy=CPUOffloadPolicy()) to keep FSDP2's shards "
+                f"on the host, or tensor parallelism (parallelize_module), whose shards graphpass.offload() streams "
+                f"per rank"
+            )
 
 
 def _plan(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], OffloadPlan, list[_Tensor]]:
@@ -220,6 +243,13 @@ def _check_checkpoint(tensors: list[_Tensor], checkpoint: Any, idents: dict[str,
     ``idents`` receives each file's identity (size, inode, mtime, device) as it was resolved."""
     locations: dict[int, TensorLocation] = {}
     if checkpoint is not None:
+        sharded = next((r.fqns[0] for r in tensors if is_dtensor(r.tensor)), None)
+        if sharded is not None:
+            raise OffloadError(
+                f"tensor {sharded!r} is a DTensor (tensor parallel): checkpoint= holds whole tensors, and reading each "
+                f"rank's shard out of them is not supported. Load the checkpoint, parallelize the model, then offload "
+                f"it without checkpoint= (storage='disk' writes each rank's own shards to disk_path)"
+            )
         index = index_checkpoint(checkpoint)
         for path in dict.fromkeys(loc.path for loc in index.values()):
             try:
@@ -267,8 +297,9 @@ def _prepare_disk_path(config: OffloadConfig, streamed: list[_Tensor], locations
 
 def _load_value(rec: _Tensor, loc: TensorLocation | None, target: torch.device, pin: bool = False,
                 idents: dict | None = None) -> torch.Tensor:
-    """A fresh copy of ``rec``'s data on ``target``, read from ``loc`` when the checkpoint holds it."""
-    src = rec.tensor
+    """A fresh copy of ``rec``'s data on ``target``, read from ``loc`` when the checkpoint holds it
+    (a DTensor's: its local shard)."""
+    src = local_tensor(rec.tensor)
     if loc is not None:
         host = torch.empty(loc.shape, dtype=loc.dtype, pin_memory=pin)
         with open(loc.path, "rb") as f:
@@ -283,17 +314,34 @@ def _load_value(rec: _Tensor, loc: TensorLocation | None, target: torch.device, 
     return src.detach().to(target, copy=True).contiguous()
 
 
+def _reading_checkpoint(tensors: list[_Tensor], config: OffloadConfig,
+                        locations: dict[int, TensorLocation]) -> Iterator[_Tensor]:
+    """``tensors`` one by one, with a bar of the checkpoint bytes :func:`_materialize` reads (on a
+    terminal only: :mod:`graphpass.progress`), advanced as each tensor is done. Every tensor the
+    checkpoint holds is read, except the streamed ones of ``storage="disk"`` (read per trap)."""
+    reads = {id(r): locations[id(r)].nbytes for r in tensors
+             if id(r) in locations and not (config.storage == "disk" and r.streamed and not r.resident)}
+    if not reads:
+        yield from tensors
+        return
+    with progress.bar(sum(reads.values()), "graphpass offload: reading checkpoint", unit="B", unit_scale=True) as shown:
+        for rec in tensors:
+            yield rec
+            shown.update(reads.get(id(rec), 0))
+
+
 def _materialize(tensors: list[_Tensor], config: OffloadConfig, device: torch.device,
                  locations: dict[int, TensorLocation], idents: dict) -> _Placement:
     """Build the new value of every tensor that moves, and collect what graphpass writes to disk."""
     placement = _Placement(locations)
-    for rec in tensors:
+    for rec in _reading_checkpoint(tensors, config, locations):
         if rec.streamed and not rec.resident:
             if config.storage == "disk":
+                local = local_tensor(rec.tensor)  # a DTensor: this rank's shard goes to this rank's file
                 if id(rec) not in locations:
-                    placement.disk_tensors[rec.fqns[0]] = rec.tensor.detach()
+                    placement.disk_tensors[rec.fqns[0]] = local.detach()
                 # an untouched stand-in: right shape, dtype and a storage of its own, pages never written
-                placement.new_values[id(rec)] = torch.empty(rec.tensor.shape, dtype=rec.tensor.dtype)
+                placement.new_values[id(rec)] = torch.empty(local.shape, dtype=local.dtype)
             else:
                 placement.new_values[id(rec)] = _load_value(rec, locations.get(id(rec)), torch.device("cpu"),
                                                             pin=config.storage == "pinned", idents=idents)
@@ -308,7 +356,8 @@ def _write_disk_file(state: OffloadState, model: nn.Module, disk_path: Path, ten
     fname = str(disk_path / files.file_name(type(model).__name__))
     files.track(fname)  # before the write: a SIGTERM from here on removes it
     state.files.append(fname)
-    write_file(fname, placement.disk_tensors, metadata={"format": "pt", "writer": "graphpass.offload"})
+    write_file(fname, placement.disk_tensors, metadata={"format": "pt", "writer": "graphpass.offload"},
+               progress_desc=f"graphpass offload: writing {os.path.basename(fname)}")
     state.runtime.track_file(fname)  # opened now: identity recorded, and a later rename over it is harmless
     written = read_header(fname)
     for rec in tensors:
@@ -334,6 +383,8 @@ def _swap_into_model(tensors: list[_Tensor], config: OffloadConfig, device: torc
             continue
         old = rec.tensor
         streamed_here = rec.streamed and not rec.resident
+        local = new  # a DTensor's new value is its local shard, wrapped again with the same spec
+        new = with_spec_of(local, old) if is_dtensor(old) else local
         if isinstance(old, nn.Parameter):
             # requires_grad is kept as the model had it (from_pretrained leaves it True), disk included:
             # inference works; a graph that needs the gradient of a disk-streamed weight is refused
@@ -344,7 +395,8 @@ def _swap_into_model(tensors: list[_Tensor], config: OffloadConfig, device: torc
         _copy_plain_attributes(old, new_obj)
         replaced[id(old)] = held[id(old)] = new_obj
         if streamed_here and use_stand_ins:
-            stand_in = torch.empty(1, dtype=new.dtype, device=device).expand(new.shape)
+            stand_in = torch.empty(1, dtype=new.dtype, device=device).expand(local.shape)
+            stand_in = with_spec_of(stand_in, old) if is_dtensor(old) else stand_in
             if isinstance(new_obj, nn.Parameter):
                 stand_in = nn.Parameter(stand_in, requires_grad=new_obj.requires_grad)
                 _copy_plain_attributes(old, stand_in)
@@ -363,12 +415,12 @@ def _swap_into_model(tensors: list[_Tensor], config: OffloadConfig, device: torc
 def _register(state: OffloadState, streamed: list[_Tensor], placement: _Placement, use_stand_ins: bool) -> None:
     """Record every streamed tensor in the state (in ``streamed``'s order) and in the global registry the loads look up."""
     for rec in streamed:
-        host = placement.replaced[id(rec.tensor)]
+        host = local_tensor(placement.replaced[id(rec.tensor)])  # what the loads read: a DTensor's local shard
         r = OffloadedTensor(
             name=rec.fqns[0], fqns=tuple(rec.fqns), unit=rec.unit or "", shape=tuple(host.shape), dtype=host.dtype,
             nbytes=rec.nbytes, host=host,
             location=placement.locations.get(id(rec)) if state.config.storage == "disk" else None,
-            handle=placement.held[id(rec.tensor)] if use_stand_ins else None,
+            handle=local_tensor(placement.held[id(rec.tensor)]) if use_stand_ins else None,
         )
         r.runtime = state.runtime
         state.records.append(r)
@@ -403,9 +455,11 @@ def _state_dict_hook(entries: list):
     def hook(module, state_dict, prefix, local_metadata):
         for attr, kind, rec in entries:
             key = prefix + attr
-            if key in state_dict and _held(module, attr, kind) is rec.key:
+            held = _held(module, attr, kind)
+            if key in state_dict and local_tensor(held) is rec.key:
                 value = _real_value(rec)
                 if value is not None:
+                    value = with_spec_of(local_tensor(value), held) if is_dtensor(held) else value
                     keep_vars = isinstance(state_dict[key], nn.Parameter)
                     state_dict[key] = value if keep_vars else value.detach()
 
@@ -420,7 +474,7 @@ def _load_hook(entries: list):
     def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         for suffix, holder, attr, kind, rec in entries:
             key = prefix + suffix
-            if key in state_dict and _held(holder, attr, kind) is rec.key and _real_value_is_elsewhere(rec):
+            if key in state_dict and local_tensor(_held(holder, attr, kind)) is rec.key and _real_value_is_elsewhere(rec):
                 where = (f"its bytes live in {rec.location.path}" if rec.location is not None
                          else "the model holds a device stand-in; its bytes live in a host copy")
                 raise OffloadError(

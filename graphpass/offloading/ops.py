@@ -12,7 +12,8 @@ import torch
 
 from .. import dynamo_records
 from ..errors import OffloadError
-from ..ops import record_event
+from ..fx_utils import is_dtensor, local_tensor, with_spec_of
+from ..ops import record_event, register_dtensor_handlers
 from .runtime import lookup
 
 # --------------------------------------------------------------------------------------------
@@ -157,6 +158,41 @@ torch.fx.node.has_side_effect(torch.ops.graphpass.accumulate_grad.default)
 
 
 torch.library.register_autograd("graphpass::load_wait", _wait_backward, setup_context=_wait_setup, lib=_LIB)
+
+# --------------------------------------------------------------------------------------------
+# Tensor parallel: DTensor arguments
+# --------------------------------------------------------------------------------------------
+# A DTensor weight (tensor parallel) is offloaded as its local shard: each rank streams its own
+# bytes, and the ops run on the local shards; what a load returns is rewrapped with the spec
+# (mesh, placements, global shape) of the tensor it stands for. No collective is added.
+
+
+def _locals(ts) -> list:
+    return [local_tensor(t) for t in ts]
+
+
+def _dtensor_load_start(op_call, args, kwargs):
+    srcs, group, device, *rest = args
+    return op_call(_locals(srcs), group, device, *[_locals(r) for r in rest], **kwargs)
+
+
+def _dtensor_load_wait(op_call, args, kwargs):
+    ticket, srcs, group, device, *rest = args
+    out = op_call(local_tensor(ticket), _locals(srcs), group, device, *[_locals(r) for r in rest], **kwargs)
+    return [with_spec_of(o, s) if is_dtensor(s) else o for o, s in zip(out, srcs)]
+
+
+def _dtensor_evict(op_call, args, kwargs):
+    loaded, srcs, group, *rest = args
+    return op_call(_locals(loaded), _locals(srcs), group, *[_locals(r) for r in rest], **kwargs)
+
+
+def let_dtensors_through() -> None:
+    """Register the DTensor handlers of the load ops (once DTensor is in use)."""
+    register_dtensor_handlers({torch.ops.graphpass.load_start.default: _dtensor_load_start,
+                               torch.ops.graphpass.load_wait.default: _dtensor_load_wait,
+                               torch.ops.graphpass.evict.default: _dtensor_evict})
+
 
 LOAD_START = torch.ops.graphpass.load_start.default
 LOAD_WAIT = torch.ops.graphpass.load_wait.default

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..fx_utils import inner_tensor_fields, repeated_blocks
+from ..fx_utils import inner_tensor_fields, local_tensor, repeated_blocks
 from ..patterns import check_all_match
 from .config import OffloadConfig
 
@@ -30,7 +30,8 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        t = local_tensor(self.tensor)  # a DTensor streams its local shard: this rank's bytes
+        return t.numel() * t.element_size()
 
 
 @dataclass

@@ -56,6 +56,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import OffloadError
+from ..fx_utils import local_tensor
 from .files import identity
 from .leases import FileLeases, handler_installed
 from .safetensors_io import TensorLocation, read_into
@@ -109,9 +110,10 @@ class _Registry:
                 del self._by_ptr[ptr]
 
     def lookup(self, t: Any) -> OffloadedTensor | None:
+        t = local_tensor(t)  # a DTensor's record is its local shard's (tensor parallel: each rank streams its own)
         if not isinstance(t, torch.Tensor) or t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
             return None
-        try:  # a tensor without a storage of its own (a DTensor, a sparse tensor) is never offloaded
+        try:  # a tensor without a storage of its own (a sparse tensor) is never offloaded
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError, TypeError):
             return None

@@ -30,9 +30,9 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..errors import OffloadError
-from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, is_guard
+from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, is_guard, let_dtensors_through
 from ..offloading.runtime import OffloadedTensor, lookup
-from ..fx_utils import AliasIndex, example_of, find_write, is_graphpass_node, is_view, node_order, views_of
+from ..fx_utils import AliasIndex, example_of, find_write, is_dtensor, is_graphpass_node, is_view, node_order, views_of
 from ..ops import is_enter, is_exit
 from .base import GraphPass, PassContext
 
@@ -123,6 +123,7 @@ class InsertOffloadSchedule(GraphPass):
         if len(runtimes) > 1:
             raise OffloadError("one graph reads tensors offloaded from two different models; offload and compile them separately")
         runtime = next(iter(runtimes.values()))
+        let_dtensors_through()  # tensor-parallel weights: the load ops take their local shards
         order = node_order(graph)
         plan = _plan_groups(graph, records, ctx.analysis.node_trap, order)
         if not plan:
@@ -307,13 +308,20 @@ def _insert_start(graph, plan: list[_Group], done: _Inserted, j: int, before: to
         done.starts[j] = graph.call_function(LOAD_START, (list(plan[j].phs), plan[j].key, device, after))
 
 
+def _loaded_like(value: torch.Tensor, device) -> torch.Tensor:
+    """What a load of ``value`` returns: a fresh tensor on ``device`` (a DTensor keeps its spec)."""
+    if is_dtensor(value):
+        return torch.empty_like(value)
+    return torch.empty(value.shape, dtype=value.dtype, device=device)
+
+
 def _fake_values(fake_mode, start, wait, items, phs, device):
     """Example values for the inserted nodes (fake tensors on ``device``); the eviction token, or None."""
     if fake_mode is None:
         return None
     with fake_mode:
         start.meta["example_value"] = torch.empty((), dtype=torch.int64)
-        vals = [torch.empty(p.meta["example_value"].shape, dtype=p.meta["example_value"].dtype, device=device) for p in phs]
+        vals = [_loaded_like(p.meta["example_value"], device) for p in phs]
         token = torch.empty((), dtype=torch.int64)
     wait.meta["example_value"] = vals
     for item, v in zip(items, vals):
