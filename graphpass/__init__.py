@@ -30,6 +30,7 @@ from .ops import offload_block, trace_traps
 from .patterns import ModulePattern, compile_pattern
 from .pipeline import PIPELINE
 from .static_shapes import AuditReport, audit
+from .tracing import TraceReport, trace
 
 ops.register_all()  # every graphpass:: custom op, whatever was imported first
 
@@ -53,6 +54,8 @@ __all__ = [
     "CaptureWriter",
     "CaptureError",
     "trace_traps",
+    "trace",
+    "TraceReport",
     "ModulePattern",
     "compile_pattern",
     "PIPELINE",

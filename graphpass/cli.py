@@ -1,4 +1,4 @@
-"""The ``graphpass`` command (also ``python -m graphpass``): ``demo``, ``explain``, ``audit``, ``compare``, ``golden``."""
+"""The ``graphpass`` command (also ``python -m graphpass``): ``demo``, ``explain``, ``audit``, ``compare``, ``golden``, ``trace``."""
 
 from __future__ import annotations
 
@@ -241,6 +241,71 @@ def _add_compare_and_golden(add: Any) -> None:
     p.set_defaults(func=_golden)
 
 
+def parse_size(spec: str) -> tuple[int, int]:
+    """``"1200x360"`` -> ``(1200, 360)`` (pixels)."""
+    width, x, height = spec.lower().partition("x")
+    try:
+        if not x:
+            raise ValueError
+        return int(width), int(height)
+    except ValueError:
+        raise ConfigError("plot-size", spec, "expected WIDTHxHEIGHT in pixels, e.g. 1200x360") from None
+
+
+def _trace(args: argparse.Namespace) -> int:
+    import contextlib
+
+    import torch
+
+    from .dynamo_backend import GraphpassBackend
+    from .tracing import trace
+
+    size = parse_size(args.plot_size)
+    model, inputs = load_factory(args.factory)
+    with contextlib.ExitStack() as stack:
+        if args.offload != "none":
+            from .offloading import OffloadConfig, offload
+
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="graphpass-trace-")) \
+                if args.offload == "disk" else None
+            model.requires_grad_(False)
+            offload(model, OffloadConfig(device="cpu", storage=args.offload, disk_path=folder,
+                                         prefetch_distance=args.prefetch))
+        compiled = torch.compile(model, backend=GraphpassBackend({"then": args.then}))
+        with torch.no_grad():
+            report = trace(compiled, *inputs, path=args.out, plot=args.plot, plot_size=size, calls=args.calls,
+                           warmup=args.warmup, title=args.title or "")
+        del compiled, model  # the offload file goes with the model, before its folder
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report)
+        if report.plot is not None:
+            print(f"plot written to {_shown(report.plot)}")
+    return 0
+
+
+def _add_trace(add: Any) -> None:
+    """The ``trace`` subcommand: the offload schedule as a Chrome / Perfetto timeline (docs/trace.md)."""
+    p = add("trace", "run a model under torch.profiler and write a Chrome / Perfetto trace with every trap, "
+                     "load and eviction as a range: graphpass trace module:factory",
+            "graphpass trace graphpass.models.trace_example:compute_bound --prefetch 1 --out trace.json --plot trace.png")
+    p.add_argument("factory", help="module:function returning (model, example_inputs)")
+    p.add_argument("--out", default="trace.json", metavar="PATH", help="the trace file to write (default: trace.json)")
+    p.add_argument("--offload", default="cpu", choices=("none", "cpu", "disk"),
+                   help="stream the repeated blocks' weights from host memory or disk (default: cpu; none: keep them)")
+    p.add_argument("--prefetch", type=int, default=1, metavar="N", help="prefetch_distance: traps ahead (default: 1)")
+    p.add_argument("--then", default="aot_eager", help="delegate backend (default: aot_eager)")
+    p.add_argument("--calls", type=int, default=1, help="calls traced, after the warm-up (default: 1)")
+    p.add_argument("--warmup", type=int, default=1, help="calls before tracing; the first compiles (default: 1)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw the timeline (needs matplotlib: pip install 'graphpass[plot]')")
+    p.add_argument("--plot-size", default="1200x360", metavar="WxH", help="the plot's size in pixels (default: 1200x360)")
+    p.add_argument("--title", default=None, help="a title for the plot")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON (schema in docs/cli.md)")
+    p.set_defaults(func=_trace)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from . import __version__
 
@@ -282,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(func=_audit)
 
     _add_compare_and_golden(add)
+    _add_trace(add)
 
     args = parser.parse_args(argv)
     try:

@@ -18,7 +18,7 @@ import contextlib
 import contextvars
 import sys
 from dataclasses import dataclass, field
-from typing import Iterator, List
+from typing import Any, Iterator, List
 
 import torch
 
@@ -119,15 +119,18 @@ def is_boundary(node: torch.fx.Node) -> bool:
 
 
 @contextlib.contextmanager
-def trace_traps() -> Iterator[list]:
+def trace_traps(recorder: Any = None) -> Iterator[Any]:
     """Record ``("enter"|"exit", label)`` for every trap boundary that runs in this context, and
     ``("load"|"wait"|"evict", label)`` for every offload step.
 
     >>> with graphpass.trace_traps() as events:
     ...     compiled(x)
+
+    ``recorder``: any object with ``append((kind, label))`` to report to instead of a new list
+    (``graphpass.trace`` passes one that timestamps the events).
     """
     st = _state()
-    events: list = []
+    events: Any = [] if recorder is None else recorder
     st.recorders = st.recorders + (events,)
     try:
         yield events

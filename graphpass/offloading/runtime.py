@@ -57,6 +57,7 @@ import torch
 
 from ..errors import OffloadError
 from ..fx_utils import local_tensor
+from ..tracing import EVICT, WAIT, active_sink, record_span
 from .files import identity
 from .leases import FileLeases, handler_installed
 from .safetensors_io import TensorLocation, read_into
@@ -333,6 +334,13 @@ class OffloadRuntime:
             self._take(ticket)
 
     # ---------------------------------------------------------------- resources
+    def _submit(self, group: str, job: Any, recs: list, *args: Any) -> Future:
+        """Run ``job(recs, *args)`` on the worker; while graphpass.trace() records, as a load range there."""
+        sink = active_sink()  # read here, on the compute thread: the worker does not share its context
+        if sink is not None:
+            job = sink.worker_job(group, job, tensors=len(recs), nbytes=sum(r.nbytes for r in recs))
+        return self._worker().submit(job, recs, *args)
+
     def _worker(self) -> ThreadPoolExecutor:
         if self._executor is None:
             with self._lock:
@@ -533,7 +541,7 @@ class OffloadRuntime:
             self._allocated(dsts, nbytes)
             event = torch.cuda.Event(blocking=True)
             if any(r.location is not None for r in recs):
-                pending = _Pending(dsts, self._worker().submit(self._disk_to_cuda_job, recs, dsts, event), event)
+                pending = _Pending(dsts, self._submit(group, self._disk_to_cuda_job, recs, dsts, event), event)
             else:
                 with torch.cuda.stream(stream):
                     for rec, dst in zip(recs, dsts):
@@ -542,11 +550,11 @@ class OffloadRuntime:
                 pending = _Pending(dsts, None, event)
         elif all(r.location is not None for r in recs) and _MAP_FLAGS is not None:
             # disk -> host device: map the file region (the worker maps it), no copy at all
-            pending = _Pending(None, self._worker().submit(self._map_job, recs), mapped=tuple(recs))
+            pending = _Pending(None, self._submit(group, self._map_job, recs), mapped=tuple(recs))
         else:
             dsts = [self._host_buffer(r) for r in recs]
             self._allocated(dsts, nbytes)
-            pending = _Pending(dsts, self._worker().submit(self._host_job, recs, dsts))
+            pending = _Pending(dsts, self._submit(group, self._host_job, recs, dsts))
         pending.owner = owner
         with self._lock:
             ticket = next(self._tickets)
@@ -587,6 +595,7 @@ class OffloadRuntime:
             for d in pending.dsts:
                 d.record_stream(current)
         self._count("wait_seconds", time.perf_counter() - t0)
+        record_span(WAIT, group, t0)  # graphpass.trace: the compute waited from t0 to now
         return pending.dsts
 
     def abandon(self, ticket: int) -> None:
@@ -596,6 +605,13 @@ class OffloadRuntime:
         self._abandoned.append(ticket)
 
     def evicted(self, group: str, loaded: list | None = None) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._evicted(group, loaded)
+        finally:
+            record_span(EVICT, group, t0)  # graphpass.trace: the eviction as a range
+
+    def _evicted(self, group: str, loaded: list | None) -> None:
         with self._lock:
             self._stats = {**self._stats, "evictions": self._stats["evictions"] + 1}
             if self.device.type == "cuda":
