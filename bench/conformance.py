@@ -12,7 +12,7 @@ checked against eager (fp32, ``model.eval()``, ``torch.no_grad()``, ``use_cache=
 | offload_cpu | ``graphpass.offload(model, OffloadConfig(device="cpu", storage="cpu"))``, compiled: logits equal eager's on two inputs, ``memory_stats`` counted loads |
 | offload_disk | the same with ``storage="disk"`` (files under a temporary ``disk_path``) |
 | capture | ``ModelCapture(compiled, modules=[block 0, block 1])``, one step: the step folder holds both modules' safetensors files and their tensors equal the eager blocks' outputs (forward hooks) |
-| static | ``static_shapes={"dims": {"input_ids": 1}, "buckets": [8, 16]}`` over lengths 5, 7, 12, 14, 6: logits equal eager's (padded BLAS may round differently: rtol 1e-5), and the delegate compiled at most (buckets + 1) x the graphs of the first call. graphpass refusing to pad (padding not proven safe) with a reason is a pass: the cell says ``pass (refused)`` and the JSON holds the reason |
+| static | ``static_shapes={"dims": {"input_ids": 1}, "buckets": [8, 16]}`` over lengths 5, 7, 12, 14, 6: logits equal eager's (padded BLAS may round differently: rtol 1e-5), and the delegate compiled at most (buckets + 1) x the graphs of the first call. graphpass refusing to pad (padding not proven safe) with a reason is a pass: the cell says ``pass (refused)`` and the JSON holds the reason; so is graphpass warning that Dynamo skipped the frame taking ``input_ids`` (a graph break in the layer loop: nothing to bucket) |
 | generate | (popular subset only) greedy ``generate(max_new_tokens=8)`` with ``model.forward`` compiled: tokens equal eager's |
 
 A row is ``n/a`` only when eager or plain ``torch.compile(backend="aot_eager")`` itself fails on that
@@ -528,10 +528,14 @@ def col_static(ctx, info):
     limit = max(first or 1, 1) * (len(BUCKETS) + 1)
     if len(calls) > limit:
         raise AssertionError(f"{len(calls)} delegate compilations > {limit} ((buckets + 1) x {first} graphs)")
+    skipped = [str(w.message) for w in caught if "static_shapes" in str(w.message) and "skipped a frame" in str(w.message)]
     if active:
         info["state"] = "padded"
     elif refused:
         info["state"] = "refused"
+    elif skipped:  # Dynamo ran the frame taking input_ids eagerly (a break in the layer loop); graphpass said so
+        info["state"] = "refused"
+        info["refused"] = [skipped[0][:300]]
     else:
         info["state"] = "no plan"
         raise AssertionError("no bucket plan: the sequence dim was never bucketed (and no refusal)")

@@ -9,6 +9,7 @@ module it reaches and that module's FQN in the whole model, by object identity: 
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ class Roots:
     prefixes: dict[RootKey, str] = field(default_factory=dict)  # root -> its FQN in the enclosing model
     models: dict[RootKey, torch.nn.Module] = field(default_factory=dict)  # root -> the enclosing model
     frame_name: str = ""  # name of the code object Dynamo traced ("forward", "torch_dynamo_resume_in_...")
+    inside_model: bool = False  # a frame without a module ``self`` that runs inside a module's forward
 
     def split(self, parsed: ParsedSource) -> tuple[RootKey | None, tuple[str, ...]]:
         """(root key, path below the module) for a parsed source; key None when no module is known."""
@@ -73,7 +75,7 @@ class Roots:
     def is_entry_frame(self) -> bool:
         """The graph starts where the user's compiled call starts (not a resume after a graph
         break, not a submodule's own frame): its inputs are the call's arguments."""
-        return not self.frame_name.startswith("torch_dynamo_resume_in") and not self.frame_module
+        return not self.frame_name.startswith("torch_dynamo_resume_in") and not self.frame_module and not self.inside_model
 
     @property
     def frame_module(self) -> str:
@@ -98,8 +100,6 @@ def dynamo_roots(gm: torch.fx.GraphModule) -> Roots:
     """Roots of ``gm``'s sources, resolved against the frame Dynamo is compiling (if any)."""
     roots = Roots()
     parsed = [p for p in (parse_source_name(n) for n in source_names(gm)) if p is not None and p.path]
-    if not parsed:
-        return roots
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -109,6 +109,11 @@ def dynamo_roots(gm: torch.fx.GraphModule) -> Roots:
     if tx is None:
         return roots
     roots.frame_name = getattr(getattr(tx, "f_code", None), "co_name", "")
+    # The frame's own module, even when no input is read through it (a graph of activations only,
+    # after a break inside a layer): where it sits in the model says whether this is the call's entry.
+    own = tx.f_locals.get("self")
+    if isinstance(own, torch.nn.Module) and not isinstance(own, torch._dynamo.eval_frame.OptimizedModule):
+        roots.modules.setdefault(("self", ()), own)
     for p in parsed:
         scope = tx.f_globals if p.is_global else tx.f_locals
         if p.root not in scope:
@@ -127,6 +132,9 @@ def dynamo_roots(gm: torch.fx.GraphModule) -> Roots:
     return roots
 
 
+_MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")  # Module.__call__'s frames: not a forward
+
+
 def _find_enclosing_models(roots: Roots) -> None:
     """For root modules that are submodules of a model running further up the Python stack, record
     that model and the root's FQN in it. The outermost such model wins."""
@@ -135,12 +143,15 @@ def _find_enclosing_models(roots: Roots) -> None:
     seen: set[int] = set()
     while frame is not None:
         owner = frame.f_locals.get("self")
+        in_call_machinery = frame.f_code.co_filename.endswith(_MODULE_PY)
         frame = frame.f_back
-        if not isinstance(owner, torch.nn.Module) or id(owner) in seen:
+        if not isinstance(owner, torch.nn.Module) or isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
+            continue
+        if ("self", ()) not in targets and not in_call_machinery:
+            roots.inside_model = True  # a free function's frame, called from a module's own code
+        if id(owner) in seen:
             continue
         seen.add(id(owner))
-        if isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
-            continue
         wanted = {id(obj): key for key, obj in targets.items() if obj is not owner}
         if not wanted:
             continue

@@ -227,3 +227,81 @@ def test_cudagraphs_delegate_records_each_bucket_once():
             ids = torch.randint(0, 64, (1, n))
             torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-6)
     assert len(calls) == len(BUCKETS) + 1  # + the one oversize length (65), compiled at its size
+
+
+class _BreakingAct(nn.Module):
+    """No parameters, a graph break inside: Dynamo compiles its forward as a frame of its own whose
+    only inputs are activations (no source rooted at ``self``)."""
+
+    def forward(self, x):
+        x = F.gelu(x)
+        torch._dynamo.graph_break()
+        return x * 2
+
+
+class _LayerCallingHelper(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(d, 2 * d), _BreakingAct(), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + _mixed(self.down(self.act(self.up(x))))
+
+
+def _mixed(h):  # a free function with a break: its own frames, no module ``self``
+    h = h.softmax(-1)
+    torch._dynamo.graph_break()
+    return h * h.sum(-1, keepdim=True)
+
+
+class _BreakingModel(nn.Module):
+    def __init__(self, vocab=32, d=16, loop=True):
+        super().__init__()
+        self.loop = loop
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(_LayerCallingHelper(d) for _ in range(2))
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        if self.loop:  # a break inside the loop: Dynamo skips this whole frame
+            for layer in self.layers:
+                h = layer(h)
+            return h
+        return self.layers[1](self.layers[0](h))  # unrolled: the frame splits at each call
+
+
+def _run_breaking(loop):
+    torch.manual_seed(0)
+    model = _BreakingModel(loop=loop).eval()
+    gp = graphpass.backend(then="eager", static_shapes={"dims": {"input_ids": 1}, "buckets": [8, 16]})
+    compiled = torch.compile(model, backend=gp)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (5, 7, 12):
+            ids = torch.randint(0, 32, (1, n))
+            torch.testing.assert_close(compiled(input_ids=ids), model(ids), rtol=1e-5, atol=1e-6)
+    roots = [g.analysis.roots for g in gp.graphs]
+    entry = [g for g, r in zip(gp.graphs, roots) if r is not None and r.is_entry_frame]
+    inner = {r.frame_name for r in roots if r is not None and not r.is_entry_frame}
+    return entry, inner, [str(w.message) for w in caught]
+
+
+def test_graphs_of_frames_inside_the_model_are_not_taken_for_the_entry_frame():
+    """Before: a graph compiled from a submodule's or a free function's own frame that reads no
+    weight (a graph break inside ``_BreakingAct.forward`` / ``_mixed``) was taken for the entry
+    frame, so ``static_shapes.dims={"input_ids": 1}`` raised "no input of the compiled function has
+    this name (inputs: x)". The entry frame's graph is bucketed; the others run as they are."""
+    entry, inner, _ = _run_breaking(loop=False)
+    # the entry frame compiles twice (the first length static, then dynamic) and is bucketed
+    assert entry and all(g.analysis.roots.frame_name == "forward" for g in entry)
+    assert any(g.runner is not None and g.runner.plan.active for g in entry)
+    assert {"forward", "_mixed"} <= inner, inner  # _BreakingAct.forward and the free function's first graphs
+
+
+def test_a_skipped_entry_frame_is_a_warning_naming_the_input_not_a_config_error():
+    """With the break inside the layer loop Dynamo runs the entry frame eagerly: no graph takes
+    ``input_ids``. graphpass says so (and why, from Dynamo's records) instead of raising or staying silent."""
+    torch._dynamo.reset()
+    entry, inner, warned = _run_breaking(loop=True)
+    assert not entry and {"forward", "_mixed"} <= inner
+    assert any("input_ids" in w and "skipped" in w and "loop" in w for w in warned), warned

@@ -17,12 +17,14 @@ Assumes :mod:`analyze_ownership` ran (input names).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
 import torch
 
+from .. import dynamo_records
 from ..analysis import TensorOwnership
 from ..errors import ConfigError
 from ..fx_utils import example_of, is_symbolic, size_expr
@@ -80,6 +82,8 @@ class PlanStaticShapes(GraphPass):
         plan = BucketPlan(symbols=symbols, pad={}, pad_values={}, size_inputs={}, outputs=[])
         syms = set(symbols)
         _plan_inputs(plan, placeholders, syms, inputs.pad_values(cfg.pad_value))
+        if not ctx.roots.is_entry_frame:
+            _refuse_unrelated_sizes(plan, placeholders, syms, ctx.roots.frame_name)
         _plan_outputs(plan, ctx.gm, syms)
         unmasked = syms - masked_syms
         if unmasked and not plan.refused:
@@ -128,10 +132,25 @@ class PlanStaticShapes(GraphPass):
                 known = ", ".join(sorted(inputs.by_name)) or "none"
                 raise ConfigError("static_shapes.dims", missing[0], f"no input of the compiled function has this name (inputs: {known})")
             ctx.log.append(f"{self.name}: inputs {missing} not in this graph (a graph after a break): not bucketed")
+            _warn_if_entry_skipped(missing, ctx.roots)
             return None
         if missing:
             ctx.log.append(f"{self.name}: inputs {missing} not in this graph; bucketing the others")
         return symbols, masked_syms
+
+
+def _warn_if_entry_skipped(missing: list[str], roots) -> None:
+    """A graph from inside the model does not take the bucketed inputs; when Dynamo reports that it
+    skipped a frame (ran it eagerly), the graph that would take them may never come: say so."""
+    skipped = dynamo_records.skipped_frames()
+    if not skipped:
+        return
+    where = f"{roots.frame_name!r}" + (f" of {roots.frame_module!r}" if roots.frame_module else "")
+    warnings.warn(
+        f"graphpass static_shapes: the dims name {missing}, which this graph (frame {where}, inside the model) does not "
+        f"take, and Dynamo skipped a frame: the frame that takes {missing[0]!r} may run eagerly, unbucketed.\n"
+        + dynamo_records.skipped_frame_message(skipped),
+        UserWarning, stacklevel=2)
 
 
 class _Inputs:
@@ -176,6 +195,29 @@ def _plan_inputs(plan: BucketPlan, placeholders: list[torch.fx.Node], syms: set,
         if dims:
             plan.pad[i] = tuple(dims)
             plan.pad_values[i] = float(pad_by_name.get(ph.name, 0))
+
+
+def _refuse_unrelated_sizes(plan: BucketPlan, placeholders: list[torch.fx.Node], syms: set, frame: str) -> None:
+    """A graph that starts inside the model (after a graph break, or a submodule's own frame) gets
+    values computed before the break as inputs of their own, and Dynamo gives their sizes fresh
+    symbols: a mask or a length equal to the padded dim at run time is not known to be equal here.
+    Padding the named input and not them would feed the graph mismatched sizes, so such a graph
+    is refused (it runs with dynamic shapes) whenever another input has a size symbol of its own."""
+    for ph in placeholders:
+        val = example_of(ph)
+        if isinstance(val, torch.SymInt):
+            free = val.node.expr.free_symbols
+        elif isinstance(val, torch.Tensor):
+            free = set().union(*[e.free_symbols for e in map(_expr, val.shape) if e is not None])
+        else:
+            continue
+        other = sorted(str(f) for f in free - syms)
+        if other and not (free & syms):
+            plan.refused.append(
+                f"input {ph.name} has size symbol(s) {', '.join(other)} of its own in a graph that starts inside the "
+                f"model (frame {frame!r}, after a graph break): it may equal the padded dim at run time without "
+                f"this graph knowing, so padding only the named inputs is unsafe")
+            return
 
 
 def _plan_outputs(plan: BucketPlan, gm: torch.fx.GraphModule, syms: set) -> None:
