@@ -402,6 +402,35 @@ def test_a_file_that_cannot_be_leased_is_read_not_mapped(tmp_path):
     assert seen and max(seen) > 0  # leased now: mapped again
 
 
+_THREAD_CHILD = textwrap.dedent("""
+    import sys, threading, torch, graphpass
+    from graphpass.models.corpus import build
+    out = {}
+    def run():
+        model, inputs = build("mlp_stack"); model.eval().requires_grad_(False)
+        ref = model(*inputs)
+        state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=sys.argv[1]))
+        compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+        seen = []
+        wait = state.runtime.wait
+        state.runtime.wait = lambda t, g: (seen.append(state.runtime._leases.live_regions()), wait(t, g))[1]
+        with torch.no_grad():
+            out["equal"] = torch.equal(compiled(*inputs), ref)
+        out["mapped"] = max(seen)
+    t = threading.Thread(target=run); t.start(); t.join()
+    print("result", out["equal"], out["mapped"])
+""")
+
+
+def test_offload_from_a_thread_before_any_lease_reads_instead_of_mapping(tmp_path):
+    """The SIGIO handler can only be installed from the main thread: a process whose first disk
+    offload runs in another thread maps nothing (reads copies), with the same results."""
+    out = subprocess.run([sys.executable, "-c", _THREAD_CHILD, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["True", "0"], out.stdout
+
+
 # ------------------------------------------------------------------ 5. files left behind
 
 _WRITER_CHILD = textwrap.dedent("""
