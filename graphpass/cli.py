@@ -147,9 +147,9 @@ def _compare(args: argparse.Namespace) -> int:
 
     from .capturing import CompareError, compare
 
-    report = compare(args.ref, args.test, rtol=args.rtol, atol=args.atol)
+    report = compare(args.ref, list(args.test), rtol=args.rtol, atol=args.atol)
     print(report)
-    target = Path(args.json) if args.json else Path(args.test) / "compare_summary.json"
+    target = Path(args.json) if args.json else Path(args.test[0]) / "compare_summary.json"
     try:
         written = report.write_json(target)
     except OSError as exc:
@@ -214,14 +214,16 @@ def _golden(args: argparse.Namespace) -> int:
 
 def _add_compare_and_golden(add: Any) -> None:
     """The ``compare`` and ``golden`` subcommands (``add`` makes a subparser with an example)."""
-    p = add("compare", "compare two capture directories tensor by tensor: graphpass compare REF TEST",
-            "graphpass compare captures_cpu captures_gpu --rtol 1e-3 --atol 1e-5 --json summary.json")
+    p = add("compare", "compare two capture directories tensor by tensor: graphpass compare REF TEST [TEST ...]",
+            "graphpass compare captures_cpu captures_gpu --rtol 1e-3 --atol 1e-5 --json summary.json\n"
+            "  graphpass compare captures_tp1 hostA/captures hostB/captures   # one TP run written on two hosts")
     p.add_argument("ref", help="reference capture directory")
-    p.add_argument("test", help="capture directory to check against REF")
+    p.add_argument("test", nargs="+", help="capture directory to check against REF; several: the roots of one run "
+                                           "whose ranks wrote on several hosts, read as one")
     p.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default: 1e-3)")
     p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default: 1e-5)")
     p.add_argument("--json", default=None, metavar="PATH",
-                   help="where to write the JSON summary (default: TEST/compare_summary.json)")
+                   help="where to write the JSON summary (default: TEST/compare_summary.json, the first TEST)")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="draw each step's relative error per module, the tolerance and the first divergence "
                         "(needs matplotlib: pip install 'graphpass[plot]')")

@@ -56,12 +56,12 @@ def test_module_outputs_captured_and_written(tmp_path, then):
     assert meta["modules"] == ["layers.0", "layers.1", "lm_head"]
     assert meta["req_ids"] == ["r0", "r1"] and meta["torch_version"] == torch.__version__
     assert meta["graphpass_version"] == graphpass.__version__
-    torch.testing.assert_close(tensors["lm_head"]["0"], out, rtol=0, atol=0)
+    torch.testing.assert_close(tensors["lm_head"]["output"], out, rtol=0, atol=0)
     # the layer output equals what eager computes
     with torch.no_grad():
         h = model.embed(ids)
         h0 = model.layers[0](h)
-    torch.testing.assert_close(tensors["layers.0"]["0"], h0, rtol=0, atol=0)
+    torch.testing.assert_close(tensors["layers.0"]["output"], h0, rtol=0, atol=0)
     assert not list(tmp_path.rglob("*.tmp*"))  # atomic writes leave no temporaries
 
 
@@ -290,8 +290,8 @@ def test_three_models_two_threads_isolated(tmp_path):
     _, t0 = load_step(tmp_path / "dp0" / "decode_b4_0")
     _, d0 = load_step(tmp_path / "draft" / "dp0" / "decode_b4_0")
     with torch.no_grad():
-        torch.testing.assert_close(t0["layers.0"]["0"], target.layers[0](target.proj_in(t_in[0])))
-        torch.testing.assert_close(d0["layers.0"]["0"], draft.layers[0](draft.proj_in(d_in[0])))
+        torch.testing.assert_close(t0["layers.0"]["output"], target.layers[0](target.proj_in(t_in[0])))
+        torch.testing.assert_close(d0["layers.0"]["output"], draft.layers[0](draft.proj_in(d_in[0])))
     assert len(t0["layers.0"]) == 1 and len(d0["layers.0"]) == 1  # no tensor of another model leaked in
 
 
@@ -331,8 +331,8 @@ def test_captured_values_are_the_compiled_runs(tmp_path):
     _, tensors = load_step(step_dirs(tmp_path)[0])
     with torch.no_grad():
         h = model.layers[1](model.layers[0](model.embed(ids)))
-    torch.testing.assert_close(tensors["layers.1"]["0"], h, rtol=1e-4, atol=1e-5)  # inductor's values
-    torch.testing.assert_close(model.lm_head(tensors["norm"]["0"]), out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(tensors["layers.1"]["output"], h, rtol=1e-4, atol=1e-5)  # inductor's values
+    torch.testing.assert_close(model.lm_head(tensors["norm"]["output"]), out, rtol=1e-4, atol=1e-5)
 
 
 def test_strict_delegate_captures_same_files(strict_backend, tmp_path):
@@ -385,4 +385,4 @@ def test_step_named_after_the_bucket_with_static_shapes(tmp_path):
     (step,) = step_dirs(tmp_path)
     assert step.name == "prefill_s8_0"
     meta, tensors = load_step(step)
-    assert meta["bucket"] == 8 and tensors["layers.1"]["0"].shape == (2, 8, 32)  # the padded bucket's values
+    assert meta["bucket"] == 8 and tensors["layers.1"]["output"].shape == (2, 8, 32)  # the padded bucket's values

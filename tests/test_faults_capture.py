@@ -76,7 +76,8 @@ def test_tensor_parallel_ranks_share_a_step_and_a_retry_is_not_an_earlier_run(tm
     w0.write([("m", t)], is_prefill=True, size=2, meta={})
     w1.write([("m", t)], is_prefill=True, size=2, meta={})  # other ranks' files are this run's
     assert files_under(tmp_path) == ["dp0/prefill_s2_0/m/rank0.safetensors", "dp0/prefill_s2_0/m/rank1.safetensors",
-                                      "dp0/prefill_s2_0/prefill_s2_0_meta.json"]
+                                      "dp0/prefill_s2_0/prefill_s2_0_meta.json",
+                                      "dp0/prefill_s2_0/prefill_s2_0_meta.rank1.json"]  # one meta per rank
     with pytest.raises(CaptureError, match="earlier run"):
         CaptureWriter(tmp_path, tp_rank=0).write([("m", t)], is_prefill=True, size=2, meta={})
 
@@ -285,8 +286,8 @@ def test_one_capture_two_threads(tmp_path):
         meta = json.loads((step_dir / f"{step_dir.name}_meta.json").read_text())
         assert meta["req_ids"] == [f"t{i}"]
         got = load_file(str(step_dir / "layers.0" / "rank0.safetensors"))
-        assert list(got) == ["0"]  # one tensor: the other thread's did not leak in
-        torch.testing.assert_close(got["0"], expected[i])
+        assert list(got) == ["output"]  # one tensor: the other thread's did not leak in
+        torch.testing.assert_close(got["output"], expected[i])
 
 
 # --- 7. compare in chunks: same numbers, bounded memory --------------------------------------------
@@ -440,8 +441,8 @@ def test_second_instance_capture_made_before_its_first_call_captures_its_own_val
     want = _eager_layers(second, x2[0], ["layers.0", "layers.1"])
     assert sorted(step) == ["layers.0", "layers.1"]
     for name in want:
-        assert list(step[name]) == ["0"]
-        torch.testing.assert_close(step[name]["0"], want[name], rtol=0, atol=0)
+        assert list(step[name]) == ["output"]
+        torch.testing.assert_close(step[name]["output"], want[name], rtol=0, atol=0)
 
 
 def test_second_instance_capture_made_after_another_instance_compiled_is_refused(tmp_path):
@@ -457,7 +458,7 @@ def test_second_instance_capture_made_after_another_instance_compiled_is_refused
     with cap.step(is_prefill=False, req_ids=["a", "b", "c", "d"]):
         c2(*x2)
     (step,) = _load_steps(tmp_path).values()
-    torch.testing.assert_close(step["layers.0"]["0"], _eager_layers(second, x2[0], ["layers.0"])["layers.0"])
+    torch.testing.assert_close(step["layers.0"]["output"], _eager_layers(second, x2[0], ["layers.0"])["layers.0"])
 
 
 def test_empty_step_of_an_instance_running_another_instances_graph_is_an_error(tmp_path, monkeypatch):
@@ -491,13 +492,13 @@ def test_two_instances_with_different_modules_each_get_their_own(tmp_path):
     want1 = _eager_layers(first, x1[0], ["layers.0"])
     want2 = _eager_layers(second, x2[0], ["layers.1", "head"])
     for step in one.values():
-        assert sorted(step) == ["layers.0"] and list(step["layers.0"]) == ["0"]
-        torch.testing.assert_close(step["layers.0"]["0"], want1["layers.0"], rtol=0, atol=0)
+        assert sorted(step) == ["layers.0"] and list(step["layers.0"]) == ["output"]
+        torch.testing.assert_close(step["layers.0"]["output"], want1["layers.0"], rtol=0, atol=0)
     (step,) = two.values()
     assert sorted(step) == ["head", "layers.1"]
     for name, t in want2.items():
-        assert list(step[name]) == ["0"]
-        torch.testing.assert_close(step[name]["0"], t, rtol=0, atol=0)
+        assert list(step[name]) == ["output"]
+        torch.testing.assert_close(step[name]["output"], t, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("draft_captured", [False, True])
@@ -524,7 +525,7 @@ def test_same_class_draft_inside_the_targets_step_does_not_leak_in(tmp_path, dra
     for step in target_steps.values():
         assert sorted(step) == sorted(want)
         for name, t in want.items():
-            assert list(step[name]) == ["0", "1"]  # the target's two forwards, nothing of the draft's
+            assert list(step[name]) == ["output", "output#1"]  # the target's two forwards, nothing of the draft's
             for v in step[name].values():
                 torch.testing.assert_close(v, t, rtol=0, atol=0)
     draft_steps = {k: v for k, v in steps.items() if k.startswith("draft/")}
@@ -534,8 +535,8 @@ def test_same_class_draft_inside_the_targets_step_does_not_leak_in(tmp_path, dra
         assert sorted(draft_steps) == ["draft/dp0/decode_b4_0", "draft/dp0/decode_b4_1"]
         dwant = _eager_layers(draft, xd[0], ["layers.0"])["layers.0"]
         for step in draft_steps.values():
-            assert sorted(step) == ["layers.0"] and list(step["layers.0"]) == ["0"]
-            torch.testing.assert_close(step["layers.0"]["0"], dwant, rtol=0, atol=0)
+            assert sorted(step) == ["layers.0"] and list(step["layers.0"]) == ["output"]
+            torch.testing.assert_close(step["layers.0"]["output"], dwant, rtol=0, atol=0)
 
 
 class TwoStacks(nn.Module):
@@ -569,8 +570,8 @@ def test_block_running_another_blocks_graph_is_named_after_itself(tmp_path):
     want = _eager_layers(model, x, names)
     assert sorted(step) == sorted(names)
     for name, t in want.items():
-        assert list(step[name]) == ["0"], name
-        torch.testing.assert_close(step[name]["0"], t, rtol=0, atol=0)
+        assert list(step[name]) == ["output"], name
+        torch.testing.assert_close(step[name]["output"], t, rtol=0, atol=0)
 
 
 # --- 9. compare: leftovers of an interrupted capture are a note, not data ----------------------------

@@ -3,7 +3,8 @@
 
 Modules: ``ops`` (the ``graphpass::capture`` op and :func:`capture_tensor`), ``registry``
 (:class:`TensorRegistry`), ``writer`` (:class:`CaptureWriter`), ``model_capture``
-(:class:`ModelCapture` and the specs the capture pass reads), ``compare_runs`` (:func:`compare`).
+(:class:`ModelCapture` and the specs the capture pass reads), ``compare_runs`` (:func:`compare`),
+``shards`` (compare across shardings: assembling tensor-parallel pieces, several roots).
 The graph pass that inserts the op is :mod:`graphpass.passes.insert_capture_nodes`.
 """
 

@@ -14,12 +14,17 @@ each becomes a ``FAIL`` row with a note, and so does a module folder or file in 
 step's meta file does not list (left over from another run). Temporary files an interrupted capture
 left behind (``.graphpass-*.tmp``, :func:`graphpass.atomic_files.is_temp_name`) are never read: a
 note lists them. Only bad arguments raise :class:`CompareError`.
+Tensors are taken in output order (the meta's key order). A module the two runs hold in different
+pieces (other tensor-parallel ranks or shards, per each rank's meta file) is compared against the
+reference's assembled global tensor, rank by rank (:mod:`graphpass.capturing.shards`); either side
+may be several roots (one run's ranks written on several hosts).
 Notes that name two values give the ref value first: ``shape mismatch [ref] vs [test]``,
 ``dtype <ref> vs <test>``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -37,6 +42,7 @@ from tabulate import tabulate
 from .. import progress
 from ..atomic_files import is_temp_name, write_bytes_atomic
 from ..errors import GraphpassError
+from .writer import meta_file_rank, read_step_meta
 
 __all__ = ["CompareError", "CompareRow", "CompareReport", "compare"]
 
@@ -165,18 +171,47 @@ class CompareReport:
         return write_html(self, path, **kwargs)
 
 
-def compare(ref_dir: str | os.PathLike[str], test_dir: str | os.PathLike[str],
+def compare(ref_dir: "str | os.PathLike[str] | list", test_dir: "str | os.PathLike[str] | list",
             rtol: float = 1e-3, atol: float = 1e-5) -> CompareReport:
     """Compare every captured tensor under ``test_dir`` with the same one under ``ref_dir``.
 
     A tensor passes iff the shapes match and ``torch.allclose(test, ref, rtol, atol, equal_nan=True)``
-    holds in float64. Raises :class:`CompareError` only for bad arguments.
+    holds in float64. Either side may be a list of roots: the captures one run's ranks wrote on
+    several hosts, read as one tree (``ref_dir`` / ``test_dir`` of the report join them with
+    ``os.pathsep``). A module the two runs hold in different pieces (other ranks, other shards) is
+    compared against the reference's assembled global tensor (:mod:`graphpass.capturing.shards`).
+    Raises :class:`CompareError` only for bad arguments.
     """
-    ref, test = _check_dir("ref_dir", ref_dir), _check_dir("test_dir", test_dir)
     rtol, atol = _check_tol("rtol", rtol), _check_tol("atol", atol)
-    report = CompareReport(ref_dir=str(ref), test_dir=str(test), rtol=rtol, atol=atol)
-    for side, root in (("ref", ref), ("test", test)):
-        _note_temp_files(report, side, root)
+    with contextlib.ExitStack() as stack:
+        (ref, ref_name), (test, test_name) = (_root(name, value, stack) for name, value in
+                                              (("ref_dir", ref_dir), ("test_dir", test_dir)))
+        report = CompareReport(ref_dir=ref_name, test_dir=test_name, rtol=rtol, atol=atol)
+        for side, roots in (("ref", ref_dir), ("test", test_dir)):
+            for root in (roots if isinstance(roots, (list, tuple)) else [roots]):
+                _note_temp_files(report, side, Path(root))
+        _compare_trees(report, ref, test)
+    return report
+
+
+def _root(name: str, value: Any, stack: contextlib.ExitStack) -> tuple[Path, str]:
+    """A capture root and its name for the report; several roots merged into one temporary tree."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise CompareError(f"{name} is an empty list: give at least one capture directory")
+        if len(value) > 1:
+            from .shards import merge_roots
+
+            paths = [_check_dir(name, v) for v in value]
+            merged, tmp = merge_roots(paths, name)
+            stack.callback(tmp.cleanup)
+            return merged, os.pathsep.join(map(str, paths))
+        value = value[0]
+    path = _check_dir(name, value)
+    return path, str(path)
+
+
+def _compare_trees(report: CompareReport, ref: Path, test: Path) -> None:
     ref_steps, test_steps = _find_steps(ref), _find_steps(test)
     steps = sorted(set(ref_steps) | set(test_steps), key=_step_sort_key)
     with progress.bar(len(steps), "graphpass compare", unit="step") as shown:
@@ -188,7 +223,6 @@ def compare(ref_dir: str | os.PathLike[str], test_dir: str | os.PathLike[str],
             else:
                 _compare_step(report, rel, ref / rel, test / rel)
             shown.update(1)
-    return report
 
 
 # --- arguments and discovery -------------------------------------------------------------------
@@ -265,13 +299,11 @@ def _module_order(step_dir: Path, report: CompareReport, rel: str,
     """(order, present, listed): order from the meta's ``modules`` then unlisted dirs sorted;
     present = dirs; listed = the meta's modules, None without a readable meta file."""
     present = {d.name for d in step_dir.iterdir() if d.is_dir() and not d.name.startswith(".")}
-    meta_path = step_dir / f"{step_dir.name}_meta.json"
     listed: list[str] = []
     ok = False
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        modules = meta.get("modules") if isinstance(meta, dict) else None
-        if not (isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
+        modules = read_step_meta(step_dir)["modules"]
+        if not all(isinstance(m, str) for m in modules):
             raise ValueError("no 'modules' list")
         listed = list(dict.fromkeys(modules))
         ok = True
@@ -289,10 +321,9 @@ def _unlisted(report: CompareReport, rel: str, step_dir: Path, listed: list[str]
     if listed is None:
         return set()
     extra: set[str] = set()
-    meta_name = f"{step_dir.name}_meta.json"
     for entry in sorted(step_dir.iterdir(), key=lambda p: _natural(p.name)):
         name = entry.name
-        if name.startswith(".") or name == meta_name or name in listed:
+        if name.startswith(".") or meta_file_rank(step_dir.name, name) is not None or name in listed:
             continue
         what = "module folder" if entry.is_dir() else "file"
         if entry.is_dir():
@@ -321,7 +352,59 @@ def _compare_step(report: CompareReport, rel: str, ref_step: Path, test_step: Pa
         elif not in_ref:
             report.rows.append(CompareRow(rel, module, None, None, FAIL, note="missing in ref"))
         else:
-            _compare_module(report, rel, module, ref_step / module, test_step / module)
+            order = _key_order(ref_step, module) + _key_order(test_step, module)
+            layouts = (_layouts(ref_step, module), _layouts(test_step, module))
+            _compare_module(report, rel, module, ref_step / module, test_step / module, order, layouts)
+
+
+def _layouts(step_dir: Path, module: str) -> dict[int, dict[str, dict]]:
+    """rank -> key -> the meta entry of ``module``'s tensors in each rank's meta file ({} if none)."""
+    try:
+        per_rank = read_step_meta(step_dir)["rank_tensors"]
+        return {int(r): {str(e["key"]): e for e in docs.get(module, []) if isinstance(e, dict)}
+                for r, docs in per_rank.items() if isinstance(docs, dict)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _key_order(step_dir: Path, module: str) -> list[str]:
+    """The keys of ``module``'s files in the order the step's meta lists them (output order), or []."""
+    try:
+        return [str(e["key"]) for e in read_step_meta(step_dir)["tensors"][module]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _ordered_keys(keys: set[str], order: list[str]) -> list[str]:
+    """``keys`` in ``order`` (the meta's output order), then any others in natural order."""
+    rank = {k: i for i, k in reversed(list(enumerate(order)))}
+    return sorted(keys, key=lambda k: (0, rank[k], ()) if k in rank else (1, 0, _natural(k)))
+
+
+def _note_old_keys(report: CompareReport, rel: str, module: str, ref_keys: set[str], test_keys: set[str]) -> None:
+    """A note when one side's keys are the numbers ``0``, ``1``, ... of a capture written before
+    graphpass named tensors by their output key path, and the other side's are not."""
+    old = [side for side, keys in (("ref", ref_keys), ("test", test_keys)) if keys and all(k.isdigit() for k in keys)]
+    note = (f"{rel}/{module}: {old[0] if old else ''} names its tensors 0, 1, ... (captured by a graphpass from before tensors were "
+            "named by their key path in the module's output, e.g. [0], .last_hidden_state): capture both runs "
+            "with the same graphpass version")
+    if len(old) == 1 and not (ref_keys & test_keys) and note not in report.notes:
+        report.notes.append(note)
+
+
+def _resharded(ref_ranks: dict, test_ranks: dict, ref_layout: dict, test_layout: dict) -> bool:
+    """Do the two runs hold ``module`` in different pieces (other ranks, other shards)? Then the
+    pieces are compared against the reference's assembled global tensor, not rank against rank."""
+    if not (set(ref_ranks) <= set(ref_layout) and set(test_ranks) <= set(test_layout)):
+        return False  # rank files no meta file of theirs vouches for (older captures): rank against rank
+    if set(ref_ranks) != set(test_ranks):
+        return True
+
+    def pieces(layout: dict) -> dict:
+        return {r: {k: (e["global_shape"], e.get("global_offset")) for k, e in keys.items() if e.get("global_shape")}
+                for r, keys in layout.items()}
+
+    return pieces(ref_layout) != pieces(test_layout)
 
 
 def _rank_files(module_dir: Path) -> dict[int, Path]:
@@ -398,12 +481,18 @@ def _open(path: Path, stack: Any) -> tuple[Any, str]:
         return None, f"{type(exc).__name__}: {exc}".strip()
 
 
-def _compare_module(report: CompareReport, rel: str, module: str, ref_mod: Path, test_mod: Path) -> None:
+def _compare_module(report: CompareReport, rel: str, module: str, ref_mod: Path, test_mod: Path,
+                    key_order: list[str] = (), layouts: tuple = ({}, {})) -> None:
     import contextlib
 
     ref_ranks, test_ranks = _rank_files(ref_mod), _rank_files(test_mod)
     if not ref_ranks and not test_ranks:
         report.rows.append(CompareRow(rel, module, None, None, FAIL, note="no rank*.safetensors files"))
+        return
+    if ref_ranks and test_ranks and _resharded(ref_ranks, test_ranks, *layouts):
+        from .shards import compare_resharded
+
+        compare_resharded(report, rel, module, (ref_ranks, test_ranks), layouts, list(key_order))
         return
     for rank in sorted(set(ref_ranks) | set(test_ranks)):
         if rank not in test_ranks or rank not in ref_ranks:
@@ -418,7 +507,8 @@ def _compare_module(report: CompareReport, rel: str, module: str, ref_mod: Path,
                 report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="; ".join(notes)))
                 continue
             ref_keys, test_keys = set(ref_f.keys()), set(test_f.keys())
-            keys = sorted(ref_keys | test_keys, key=_natural)
+            keys = _ordered_keys(ref_keys | test_keys, list(key_order))
+            _note_old_keys(report, rel, module, ref_keys, test_keys)
             if not keys:
                 report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="rank files hold no tensors"))
             for key in keys:

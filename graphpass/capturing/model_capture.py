@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import os
 import weakref
 from dataclasses import dataclass
@@ -28,12 +29,15 @@ import torch
 
 from ..dynamo_records import has_compiled_code
 from ..errors import CaptureError, ConfigError
-from .ops import ACTIVE_CAPTURES, capture_tensor
+from .ops import ACTIVE_CAPTURES, capture_tensor, mark_output_keys
 from .registry import Switch, TensorRegistry
 from .writer import CaptureWriter, _check_component
 from ..patterns import ModulePattern, check_all_match, compile_patterns
 
 __all__ = ["TensorRegistry", "CaptureWriter", "ModelCapture", "CaptureSpec", "capture_tensor"]
+
+AUTO = "auto"  # dp_rank / tp_rank default: from the mesh / process group (resolve_ranks)
+
 
 @dataclass(frozen=True)
 class CaptureSpec:
@@ -129,16 +133,19 @@ class ModelCapture:
         capture_dir: str | os.PathLike = "captures",
         capture_filter: Sequence[str] | None = None,
         subdirectory: str | None = None,
-        dp_rank: int = 0,
-        tp_rank: int = 0,
+        dp_rank: Any = AUTO,
+        tp_rank: Any = AUTO,
+        mesh: Any = None,
+        dp_dim: str = "dp",
+        tp_dim: str = "tp",
     ) -> None:
         self.model = _unwrap(model)
         self.patterns = compile_patterns(modules, "modules")
         names = [n for n, _ in self.model.named_modules() if n]
         check_all_match(self.patterns, names, "modules")
-        for name in names:  # the folder names capture will use: fail now, not mid-run
-            if any(p.matches(name) for p in self.patterns):
-                _check_component(name, "module name")
+        selected = [n for n in names if any(p.matches(n) for p in self.patterns)]
+        for name in selected:  # the folder names capture will use: fail now, not mid-run
+            _check_component(name, "module name")
         if self.model in TRACED and _has_compiled_code(self.model):
             raise CaptureError(
                 "ModelCapture was created after graphpass already compiled this model, so its graphs hold no "
@@ -150,10 +157,12 @@ class ModelCapture:
                 f"ModelCapture was created after graphpass already compiled another {type(self.model).__name__} "
                 f"instance. {_shared_graph_advice(self.model)}"
             )
+        dp_rank, tp_rank = resolve_ranks(self.model, dp_rank, tp_rank, mesh, dp_dim, tp_dim)
         self.writer = CaptureWriter(capture_dir, subdirectory, dp_rank, tp_rank, capture_filter)
         self._switch = Switch(False)  # enable()/disable() apply to every thread's registry
         self._registry = TensorRegistry(patterns=self.patterns, switch=self._switch, model=self.model)  # outside any step
         _SPECS.setdefault(self.model, []).append(weakref.ref(self))
+        _mark_classes(self, [type(self.model.get_submodule(n)) for n in selected])
 
     # -- seed API ------------------------------------------------------------------------------
     @property
@@ -206,7 +215,7 @@ class ModelCapture:
             if not reg.enabled:
                 return []
             self._check_step(reg)
-            tensors = reg.get_all_tensors()
+            tensors = reg.get_all_entries()
             bucket = reg.bucket
             size = bucket if (bucket is not None and is_prefill) else _step_size(positions, is_prefill, req_ids, tensors)
             import graphpass
@@ -232,6 +241,12 @@ class ModelCapture:
                 f"capture step not written: {reg.problems[0]}"
                 + (f" (and {len(reg.problems) - 1} more)" if len(reg.problems) > 1 else "")
                 + f". {_shared_graph_advice(self.model)}")
+        if reg.module_tensor_count == 0 and _model_mesh(self.model) is not None and self.model in TRACED:
+            raise CaptureError(
+                "capture step not written: nothing was captured for the modules this ModelCapture selects "
+                f"({', '.join(p.text for p in self.patterns)}) of a model with DTensor weights. Under an "
+                "AOTAutograd delegate (then='aot_eager', 'inductor') the capture nodes of a DTensor graph are "
+                "lost: capture a tensor-parallel run with then='eager' (docs/distributed.md)")
         if reg.module_tensor_count == 0 and _traced_other_instance(self.model) and _has_compiled_code(self.model):
             raise CaptureError(
                 f"capture step not written: nothing was captured for the modules this ModelCapture selects "
@@ -252,6 +267,88 @@ class ModelCapture:
             self._restore()
             raise
         self.save_tensor_captures(positions=positions, is_prefill=is_prefill, req_ids=req_ids)
+
+
+def _model_mesh(model: torch.nn.Module) -> Any:
+    """The DeviceMesh of the first DTensor parameter or buffer of ``model``, or None."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        mesh = getattr(t, "device_mesh", None)
+        if mesh is not None:
+            return mesh
+    return None
+
+
+def _mesh_rank(mesh: Any, dim: str) -> int:
+    return int(mesh.get_local_rank(dim))
+
+
+def resolve_ranks(model: torch.nn.Module, dp_rank: Any, tp_rank: Any, mesh: Any = None,
+                  dp_dim: str = "dp", tp_dim: str = "tp") -> tuple[Any, Any]:
+    """``(dp_rank, tp_rank)`` for a ModelCapture. An int is used as given; a ProcessGroup gives this
+    process's rank in it. ``AUTO`` (the default) reads the DeviceMesh (``mesh``, else that of the
+    model's first DTensor weight): its ``dp_dim`` / ``tp_dim`` dimensions, a 1-D mesh named neither
+    being the tensor-parallel one; a dimension it lacks gives 0. Without a mesh under an
+    initialized process group of several ranks, each process is its own data-parallel rank
+    (``dp_rank`` = global rank, ``tp_rank`` 0), so ranks never write each other's files."""
+    import torch.distributed as dist
+
+    unset = object()
+
+    def given(value: Any) -> Any:
+        if isinstance(value, str) and value == AUTO:
+            return unset
+        if dist.is_available() and isinstance(value, dist.ProcessGroup):
+            return dist.get_rank(value)
+        return value  # an int, or a bad value CaptureWriter refuses with ConfigError
+
+    dp, tp = given(dp_rank), given(tp_rank)
+    if dp is not unset and tp is not unset:
+        return dp, tp
+    mesh = mesh if mesh is not None else _model_mesh(model)
+    if mesh is not None:
+        names = tuple(mesh.mesh_dim_names or ())
+        if tp is unset:
+            one_d = mesh.ndim == 1 and tp_dim not in names and dp_dim not in names
+            tp = _mesh_rank(mesh, 0) if one_d else (_mesh_rank(mesh, tp_dim) if tp_dim in names else 0)
+        if dp is unset:
+            dp = _mesh_rank(mesh, dp_dim) if dp_dim in names else 0
+        return dp, tp
+    spread = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return (dist.get_rank() if spread else 0) if dp is unset else dp, 0 if tp is unset else tp
+
+
+# Classes whose instances' outputs get ``output_key`` markers (the capture pass names captured
+# values by them) -> how many live ModelCaptures selected a module of that class. One global
+# forward hook, not hooks on the selected modules: every instance of a class then traces to the
+# same graph (a hook on one instance only would make Dynamo run a graph traced without it for
+# another), which the capture isolation relies on. The hook exists only while a ModelCapture does.
+_MARKED_CLASSES: dict[type, int] = {}
+_GLOBAL_HOOK: list = []
+
+
+def _marking_hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+    if type(module) in _MARKED_CLASSES:
+        mark_output_keys(module, args, out)
+
+
+def _mark_classes(capture: "ModelCapture", classes: list[type]) -> None:
+    classes = list(dict.fromkeys(classes))
+    for cls in classes:
+        _MARKED_CLASSES[cls] = _MARKED_CLASSES.get(cls, 0) + 1
+    if not _GLOBAL_HOOK:
+        _GLOBAL_HOOK.append(torch.nn.modules.module.register_module_forward_hook(_marking_hook))
+    weakref.finalize(capture, _unmark_classes, classes)
+
+
+def _unmark_classes(classes: list[type]) -> None:
+    for cls in classes:
+        left = _MARKED_CLASSES.get(cls, 1) - 1
+        if left > 0:
+            _MARKED_CLASSES[cls] = left
+        else:
+            _MARKED_CLASSES.pop(cls, None)
+    if not _MARKED_CLASSES and _GLOBAL_HOOK:
+        _GLOBAL_HOOK.pop().remove()
 
 
 def _step_size(positions: Any, is_prefill: bool, req_ids: Sequence[str] | None, tensors) -> int:

@@ -18,14 +18,21 @@ running). A value no active registry's model holds goes nowhere. ``owner == []``
 from __future__ import annotations
 
 import contextvars
-from typing import List
+import dataclasses
+import json
+from typing import Any, List, Sequence
 
 import torch
 
 from ..ops import CURRENT_BUCKET
 
 _LIB = torch.library.Library("graphpass", "FRAGMENT")
-_LIB.define("capture(str name, Tensor t, Tensor[] owner, str owner_fqn='', bool manual=False) -> ()")
+_LIB.define("capture(str name, Tensor t, Tensor[] owner, str owner_fqn='', bool manual=False, str key='', "
+            "str layout='') -> ()")
+# Traced from the forward hook a ModelCapture puts on each module it selects: ``t`` is the output
+# leaf at pytree key path ``key`` of that module's return value. The capture pass reads these
+# markers (which module, which key, in output order) and removes them; run as an op, it does nothing.
+_LIB.define("output_key(str key, Tensor t) -> ()")
 
 
 def _nothing(*args, **kwargs) -> None:
@@ -37,7 +44,7 @@ ACTIVE_CAPTURES: contextvars.ContextVar[tuple] = contextvars.ContextVar("graphpa
 
 
 def capture(name: str, t: torch.Tensor, owner: List[torch.Tensor], owner_fqn: str = "",
-            manual: bool = False) -> None:
+            manual: bool = False, key: str = "", layout: str = "") -> None:
     active = ACTIVE_CAPTURES.get()
     if not active:
         return
@@ -63,21 +70,112 @@ def capture(name: str, t: torch.Tensor, owner: List[torch.Tensor], owner_fqn: st
     if bucket is not None:
         registry.bucket = bucket
     if manual:
-        registry.register_manual_tensor(name, value)
+        registry.register_manual_tensor(name, value, layout=layout)
     else:
-        registry.register_module_tensor(name, value)
+        registry.register_module_tensor(name, value, key, layout=layout)
 
 
 _LIB.impl("capture", capture, "CompositeExplicitAutograd")
 torch.library.register_fake("graphpass::capture", _nothing, lib=_LIB)
+_LIB.impl("output_key", _nothing, "CompositeExplicitAutograd")
+torch.library.register_fake("graphpass::output_key", _nothing, lib=_LIB)
+OUTPUT_KEY = torch.ops.graphpass.output_key.default
+torch.fx.node.has_side_effect(OUTPUT_KEY)  # kept until the capture pass reads and removes it
 
 CAPTURE = torch.ops.graphpass.capture.default
 torch.fx.node.has_side_effect(CAPTURE)
 _CAPTURE_TARGETS = (CAPTURE, torch.ops.graphpass.capture)
 
 
+# --- DTensor: the ops see the local shard, and the capture op the DTensor's layout -------------
+
+_CAPTURE_ARGS = ("name", "t", "owner", "owner_fqn", "manual", "key", "layout")
+
+
+def dtensor_layout(t: Any) -> str:
+    """JSON: how the DTensor ``t``'s local shard sits in the global tensor (placements, mesh shape
+    and dim names, global shape, this rank's mesh coordinate and the shard's global offset)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = t.device_mesh
+    _, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+    return json.dumps({
+        "placements": [placement_name(p) for p in t.placements], "mesh_shape": [int(n) for n in mesh.shape],
+        "mesh_dim_names": list(mesh.mesh_dim_names or ()), "global_shape": [int(n) for n in t.shape],
+        "global_offset": [int(n) for n in offset], "coordinate": [int(c) for c in (mesh.get_coordinate() or [])]})
+
+
+def placement_name(p: Any) -> str:
+    """``Shard(0)``, ``Replicate()``, ``Partial(sum)``: how compare reads a placement back."""
+    if p.is_shard():
+        return f"Shard({p.dim})"
+    if p.is_replicate():
+        return "Replicate()"
+    return f"Partial({getattr(p, 'reduce_op', 'sum')})"
+
+
+def _dtensor_capture(op_call: Any, args: tuple, kwargs: dict) -> None:
+    """DTensor's handler for the capture op: call it on the local shards, with the value's layout."""
+    from torch.distributed.tensor import DTensor
+
+    given = dict(zip(_CAPTURE_ARGS, ("", None, [], "", False, "", "")))
+    given.update(zip(_CAPTURE_ARGS, args), **kwargs)
+    t = given["t"]
+    if isinstance(t, DTensor):
+        given["layout"], given["t"] = dtensor_layout(t), t._local_tensor
+    given["owner"] = [o._local_tensor if isinstance(o, DTensor) else o for o in given.get("owner", [])]
+    return op_call(*(given[k] for k in _CAPTURE_ARGS))
+
+
+def _dtensor_output_key(op_call: Any, args: tuple, kwargs: dict) -> None:
+    return None  # a marker: only its place in the traced graph matters
+
+
+def _register_dtensor_handlers() -> None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # torch built without distributed
+        return
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers[CAPTURE] = _dtensor_capture
+    handlers[OUTPUT_KEY] = _dtensor_output_key
+
+
+_register_dtensor_handlers()
+
+
 def is_capture(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in _CAPTURE_TARGETS
+
+
+def is_output_key(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (OUTPUT_KEY, torch.ops.graphpass.output_key)
+
+
+def output_key_path(out: Any, path: Sequence[Any]) -> str:
+    """``torch.utils._pytree.keystr`` of ``path`` into ``out``, except that a field of a dataclass
+    flattened as a mapping (transformers' ``ModelOutput``) reads ``.field`` (``GetAttrKey``), not
+    ``['field']``; the empty path (the output is one tensor) is ``"output"``."""
+    from torch.utils._pytree import GetAttrKey, MappingKey, keystr
+
+    keys, parents = [], [out]
+    for k in path[:-1]:  # containers only: no tensor is bound to a local (Dynamo names nodes after locals)
+        parents.append(k.get(parents[-1]))
+    for k, parent in zip(path, parents):
+        if isinstance(k, MappingKey) and isinstance(k.key, str) and dataclasses.is_dataclass(parent):
+            keys.append(GetAttrKey(k.key))
+        else:
+            keys.append(k)
+    return keystr(keys) if keys else "output"
+
+
+def mark_output_keys(module: torch.nn.Module, args: Any, out: Any) -> None:
+    """A forward hook: an ``output_key`` marker for every tensor leaf of ``out`` (output order)."""
+    from torch.utils._pytree import tree_flatten_with_path
+
+    for pair in tree_flatten_with_path(out)[0]:
+        if isinstance(pair[1], torch.Tensor):
+            torch.ops.graphpass.output_key(output_key_path(out, pair[0]), pair[1])
 
 
 def capture_tensor(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ class TensorRegistry:
         self._switch = switch if switch is not None else Switch(enabled)
         self.patterns = tuple(patterns)  # module captures this registry accepts (empty: all)
         self.bucket: int | None = None  # static-shape bucket the captured tensors were padded to
-        self._entries: list[tuple[str, torch.Tensor, bool]] = []
+        self._entries: list[tuple[str, torch.Tensor, bool, str, str]] = []  # (name, value, manual, key, layout)
         # The module whose weights identify this registry's captures (None: accept by name only).
         self.model = model
         self._owned: dict[Hashable, list[str]] | None = None  # tensor key -> its FQNs in ``model``
@@ -112,17 +112,27 @@ class TensorRegistry:
     def configure(self, enabled: bool = True) -> None:
         self.enabled = bool(enabled)
 
-    def register_module_tensor(self, name: str, tensor: torch.Tensor) -> None:
+    def register_module_tensor(self, name: str, tensor: torch.Tensor, key: str = "", layout: str = "") -> None:
+        """``key``: the tensor's key path in the module's output (``[0]``, ``.last_hidden_state``,
+        ``output``); ``""`` for a value computed in the module and read outside it but not returned.
+        ``layout``: for a DTensor's local shard, its placement as JSON (:func:`ops.dtensor_layout`)."""
         if self.enabled:
-            self._entries.append((name, tensor, False))
+            self._entries.append((name, tensor, False, key, layout))
 
-    def register_manual_tensor(self, name: str, tensor: torch.Tensor) -> None:
+    def register_manual_tensor(self, name: str, tensor: torch.Tensor, layout: str = "") -> None:
         if self.enabled:
-            self._entries.append((name, tensor, True))
+            self._entries.append((name, tensor, True, "", layout))
 
     def get_all_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """``[(name, tensor), ...]`` in the order they were registered."""
-        return [(n, t) for n, t, _ in self._entries]
+        return [(n, t) for n, t, _, _, _ in self._entries]
+
+    def get_all_entries(self) -> list[tuple[str, torch.Tensor, str | None, str]]:
+        """``[(name, tensor, key, layout), ...]`` in registration order; ``key`` is the output key
+        path of a module value (``""``: computed in the module, read outside, not returned), None
+        for an inline ``capture_tensor`` value; ``layout`` a DTensor shard's placement JSON or ``""``.
+        What :meth:`CaptureWriter.write` takes."""
+        return [(n, t, None if manual else key, layout) for n, t, manual, key, layout in self._entries]
 
     def clear(self) -> None:
         self._entries = []
@@ -134,7 +144,7 @@ class TensorRegistry:
     @property
     def module_tensor_count(self) -> int:
         """How many module (not inline ``capture_tensor``) values were captured."""
-        return sum(1 for _, _, manual in self._entries if not manual)
+        return sum(1 for _, _, manual, _, _ in self._entries if not manual)
 
     def __len__(self) -> int:
         return len(self._entries)

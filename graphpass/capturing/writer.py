@@ -31,6 +31,7 @@ from ..patterns import compile_patterns
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]+")  # always fullmatch: `$` would accept a trailing newline
 _RANK_FILE = re.compile(r"rank([0-9]+)\.safetensors")
+_RANK_META = re.compile(r"(.+)_meta\.rank([0-9]+)\.json")
 NAME_MAX = 255  # bytes in one path component (Linux, macOS, Windows)
 
 
@@ -132,24 +133,27 @@ class CaptureWriter:
         k = self._counts.get(phase, 0)
         return f"prefill_s{size}_{k}" if is_prefill else f"decode_b{size}_{k}"
 
-    def write(self, tensors: Sequence[tuple[str, torch.Tensor]], *, is_prefill: bool, size: int, meta: dict) -> list[Path]:
-        """Write ``tensors`` (name, tensor pairs in execution order) as one step. Returns the step dirs.
+    def write(self, tensors: Sequence[tuple], *, is_prefill: bool, size: int, meta: dict) -> list[Path]:
+        """Write ``tensors`` as one step: ``(name, tensor)`` pairs or ``(name, tensor, key)`` triples
+        (:meth:`TensorRegistry.get_all_entries`) in execution order; :func:`file_keys` names them in
+        each module's file. Returns the step dirs.
 
         Raises ``CaptureError`` (naming the path) when a step folder holds an earlier run's files or a
         write fails; then nothing of this step is left behind."""
         with self._lock:
             return self._write(tensors, is_prefill=is_prefill, size=size, meta=meta)
 
-    def _write(self, tensors: Sequence[tuple[str, torch.Tensor]], *, is_prefill: bool, size: int, meta: dict) -> list[Path]:
+    def _write(self, tensors: Sequence[tuple], *, is_prefill: bool, size: int, meta: dict) -> list[Path]:
         from safetensors.torch import save as encode
 
         step = self.step_name(is_prefill, size)
-        grouped: dict[str, list[torch.Tensor]] = {}
-        for name, t in tensors:
+        grouped: dict[str, list[tuple[torch.Tensor, str | None, str]]] = {}
+        for entry in tensors:
+            name, t, key, layout = (*entry, None, "")[:4] if len(entry) == 2 else (*entry, "")[:4]
             _check_component(name, "capture name")
             if self.filter is not None and not any(p.matches(name) for p in self.filter):
                 continue
-            grouped.setdefault(name, []).append(t)
+            grouped.setdefault(name, []).append(_local(t, key, layout))
         root = self.capture_dir.resolve()
         by_base: dict[Path, list[str]] = {}
         for name in grouped:
@@ -171,14 +175,15 @@ class CaptureWriter:
                     if not mod_dir.resolve().is_relative_to(root):
                         raise CaptureError(f"capture name {name!r} would leave capture_dir")
                     _make_dirs(self.capture_dir, mod_dir, new_dirs)
-                    payload = {str(i): t.detach().to("cpu").contiguous() for i, t in enumerate(grouped[name])}
+                    entries = grouped[name]
+                    keyed = file_keys([(t, key) for t, key, _ in entries])
+                    payload = {k: entries[i][0].detach().to("cpu").contiguous() for k, i in keyed}
                     where = mod_dir / f"rank{self.tp_rank}.safetensors"
                     _atomic(where, encode(payload), new_files)
-                    info[name] = [{"key": k, "dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
-                                  for k, v in payload.items()]
+                    info[name] = [_tensor_info(k, payload[k], entries[i][2]) for k, i in keyed]
                 doc = dict(meta, step=step, phase="prefill" if is_prefill else "decode", size=size, modules=names,
                            tensors=info, dp_rank=self.dp_rank, tp_rank=self.tp_rank)
-                where = step_dir / f"{step}_meta.json"
+                where = step_dir / meta_file_name(step, self.tp_rank)
                 _atomic(where, json.dumps(doc, indent=2, default=_jsonable).encode("utf-8"), new_files)
                 written.append(step_dir)
         except BaseException as exc:
@@ -207,15 +212,103 @@ class CaptureWriter:
         self._own_steps.add(key)
 
 
+def _local(t: torch.Tensor, key: str | None, layout: str) -> tuple[torch.Tensor, str | None, str]:
+    """A DTensor value (captured outside the op, e.g. registered by hand) as its local shard + layout."""
+    from .ops import dtensor_layout
+
+    if type(t).__name__ == "DTensor" and hasattr(t, "to_local"):
+        return t.to_local(), key, dtensor_layout(t)
+    return t, key, layout
+
+
+def _tensor_info(key: str, value: torch.Tensor, layout: str) -> dict:
+    """One tensor's entry in the step meta: key, dtype, (local) shape and, for a DTensor shard, its
+    placements, mesh shape and dim names, global shape, offset and this rank's mesh coordinate."""
+    info = {"key": key, "dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape)}
+    if layout:
+        info.update(json.loads(layout))
+    return info
+
+
+def meta_file_name(step: str, tp_rank: int) -> str:
+    """Each tensor-parallel rank writes its own meta file (no rank overwrites another's):
+    ``{step}_meta.json`` for rank 0, ``{step}_meta.rank{t}.json`` for the others."""
+    return f"{step}_meta.json" if tp_rank == 0 else f"{step}_meta.rank{tp_rank}.json"
+
+
+def meta_file_rank(step: str, name: str) -> int | None:
+    """The tensor-parallel rank whose meta file ``name`` is in step folder ``step``, or None."""
+    if name == f"{step}_meta.json":
+        return 0
+    m = _RANK_META.fullmatch(name)
+    return int(m.group(2)) if m is not None and m.group(1) == step else None
+
+
+def read_step_meta(step_dir: str | os.PathLike) -> dict:
+    """The step's meta, merged from every rank's meta file: the lowest rank's fields, ``ranks``
+    (every tensor-parallel rank that wrote, sorted), ``modules`` (all ranks', in order of first
+    appearance), ``tensors`` (per module, the lowest rank's entries) and ``rank_tensors``
+    (rank -> that rank's ``tensors``). Raises FileNotFoundError without any meta file, OSError /
+    ValueError for an unreadable one (naming it)."""
+    step_dir = Path(step_dir)
+    docs: dict[int, dict] = {}
+    for name in sorted(os.listdir(step_dir)):
+        rank = meta_file_rank(step_dir.name, name)
+        if rank is None:
+            continue
+        try:
+            doc = json.loads((step_dir / name).read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("modules"), list):
+            raise ValueError(f"{name}: no 'modules' list")
+        docs[rank] = doc
+    if not docs:
+        raise FileNotFoundError(f"no meta file in {step_dir}")
+    merged = dict(docs[min(docs)])
+    merged["ranks"] = sorted(docs)
+    merged["modules"] = list(dict.fromkeys(m for r in sorted(docs) for m in docs[r]["modules"]))
+    merged["rank_tensors"] = {r: docs[r].get("tensors") or {} for r in sorted(docs)}
+    tensors: dict = {}
+    for r in sorted(docs, reverse=True):
+        tensors.update(docs[r].get("tensors") or {})
+    merged["tensors"] = tensors
+    return merged
+
+
+def file_keys(entries: Sequence[tuple[torch.Tensor, str | None]]) -> list[tuple[str, int]]:
+    """The keys one module's values get in its file, in file order, with each value's index in
+    ``entries``.
+
+    ``(value, key)`` in registration order, ``key`` as :meth:`TensorRegistry.get_all_entries` gives
+    it: output leaves keep their key path (``[0]``, ``.last_hidden_state``, ``output``) in output
+    order, a later call's repeat of a key gets ``#1``, ``#2``, ...; then the values computed in the
+    module and read outside it without being returned, ``other[0]``, ``other[1]``, ...; inline
+    ``capture_tensor`` values (key None) are ``0``, ``1``, ... as they always were."""
+    named: list[tuple[str, int]] = []
+    seen: dict[str, int] = {}
+    other: list[int] = []
+    manual: list[int] = []
+    for index, (_, key) in enumerate(entries):
+        if key is None:
+            manual.append(index)
+        elif not key:
+            other.append(index)
+        else:
+            n = seen.get(key, 0)
+            seen[key] = n + 1
+            named.append((key if n == 0 else f"{key}#{n}", index))
+    return (named + [(f"other[{i}]", index) for i, index in enumerate(other)]
+            + [(str(i), index) for i, index in enumerate(manual)])
+
+
 def _earlier_run_file(step_dir: Path, tp_rank: int) -> Path | None:
     """The first file under ``step_dir`` an earlier run left, or None. Not counted: hidden names
-    (temporary files), the step's meta file (shared by tensor-parallel ranks) and other ranks'
-    ``rank{r}.safetensors`` files in module folders."""
+    (temporary files), other tensor-parallel ranks' meta files and ``rank{r}.safetensors`` files."""
     if not os.path.lexists(step_dir):
         return None
     if os.path.islink(step_dir) or not step_dir.is_dir():
         return step_dir
-    meta_name = f"{step_dir.name}_meta.json"
     for dirpath, dirnames, filenames in os.walk(step_dir):  # never follows links
         here = Path(dirpath)
         depth = len(here.relative_to(step_dir).parts)
@@ -224,8 +317,9 @@ def _earlier_run_file(step_dir: Path, tp_rank: int) -> Path | None:
         for name in filenames + links:
             if name.startswith("."):
                 continue
-            if depth == 0 and name == meta_name:
-                continue
+            meta_rank = meta_file_rank(step_dir.name, name) if depth == 0 else None
+            if meta_rank is not None and meta_rank != tp_rank:
+                continue  # another rank's meta file
             m = _RANK_FILE.fullmatch(name)
             if depth == 1 and m is not None and int(m.group(1)) != tp_rank:
                 continue

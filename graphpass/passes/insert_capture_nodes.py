@@ -9,6 +9,14 @@ toggling needs no recompilation. A module whose own forward Dynamo split at a gr
 not captured as a whole (its pieces' outputs are not its outputs): capture its children or use
 ``capture_tensor`` there.
 
+Names: each captured value gets its key path in the module's return value (``[0]``,
+``.last_hidden_state``, ``output``), read from the ``graphpass::output_key`` markers that the
+global forward hook of :mod:`graphpass.capturing.model_capture` traces after every module of a
+selected class; the markers are removed here. Output leaves are captured in output order right
+after the call's last leaf computed inside the module (inside its trap); values the module
+computed that are read outside it without being returned (a KV cache updated in place) get key
+``""`` (written as ``other[i]``).
+
 Which model a value belongs to is not baked into the graph: Dynamo runs one compiled graph for
 every instance of a model class whose guards pass (a same-class draft model; layer 2 running the
 graph traced from layer 0's frame). So each node gets ``owner``: a weight placeholder of the graph
@@ -28,9 +36,71 @@ from __future__ import annotations
 
 import torch
 
+from ..analysis import module_paths
 from ..fx_utils import is_graphpass_node, is_tensor_node
-from ..capturing.ops import CAPTURE
+from ..capturing.ops import CAPTURE, is_output_key
 from .base import GraphPass, PassContext
+
+
+def _insert_captures(graph: torch.fx.Graph, after: torch.fx.Node, value: torch.fx.Node, key: str, calls) -> torch.fx.Node:
+    """Capture nodes for ``value`` after ``after``, one per (name, owner, owner_fqn) of ``calls``,
+    in ``calls`` order. ``key``: its output key path (``""``: not returned). Returns the last one."""
+    for name, own, own_fqn in calls:
+        with graph.inserting_after(after):
+            after = graph.call_function(CAPTURE, (name, value, list(own), own_fqn, False, key))
+        after.meta["graphpass_capture"] = name
+    return after
+
+
+def _capture_module(graph: torch.fx.Graph, region: list, marked: list, calls, order: dict) -> int:
+    """Capture nodes for one module: its output leaves (``marked``) call by call in output order,
+    right after the call's last leaf computed inside it (so inside its trap), then the values it
+    computed that are read outside it without being returned. Returns how many were inserted."""
+    members = set(region)
+    escaping = [n for n in region if is_tensor_node(n)
+                and any(u not in members and not is_graphpass_node(u) for u in n.users)]
+    marked = [(m, _leaving(t, members, escaping), key) for m, t, key in marked]
+    inserted = 0
+    for call in _calls(marked):
+        inside = [t for _, t, _ in call if t in members]
+        anchor = max(inside, key=order.get) if inside else call[-1][0]
+        for _, t, key in call:
+            anchor = _insert_captures(graph, anchor, t, key, calls)
+        inserted += len(call) * len(calls)
+    returned = {t for _, t, _ in marked}
+    for n in escaping:
+        if n not in returned:
+            _insert_captures(graph, n, n, "", calls)
+            inserted += len(calls)
+    return inserted
+
+
+def _leaving(t: torch.fx.Node, members: set, escaping: list) -> torch.fx.Node:
+    """The value that leaves the module for output leaf ``t``: ``t`` itself, or, when ``t`` is only
+    read inside the module and exactly one leaving value derives from it, that one (a module forward
+    hook, e.g. a tensor-parallel output layout, ran after the marker's global hook)."""
+    if t not in members or t in escaping:
+        return t
+    seen, todo, found = {t}, [t], []
+    while todo:
+        for u in todo.pop().users:
+            if u in members and u not in seen:
+                seen.add(u)
+                todo.append(u)
+                if u in escaping:
+                    found.append(u)
+    return found[0] if len(found) == 1 else t
+
+
+def _calls(marked: list) -> list[list]:
+    """A module's markers split into its calls: the hook traces one call's markers back to back."""
+    out: list[list] = []
+    for entry in marked:
+        if out and out[-1][-1][0].next is entry[0]:
+            out[-1].append(entry)
+        else:
+            out.append([entry])
+    return out
 
 
 def _within(fqn: str, module: str) -> bool:
@@ -43,17 +113,19 @@ class InsertCaptureNodes(GraphPass):
     requires = ("analyze_ownership",)
 
     def should_run(self, ctx: PassContext) -> bool:
-        return bool(ctx.captures)
+        return bool(ctx.captures) or any(is_output_key(n) for n in ctx.gm.graph.nodes)
 
     def run(self, ctx: PassContext) -> bool:
         graph = ctx.gm.graph
         analysis = ctx.analysis
-        modules = list(dict.fromkeys(p for paths in analysis.node_modules.values() for p in paths))
+        markers = self._output_markers(ctx)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        modules = list(dict.fromkeys([p for paths in analysis.node_modules.values() for p in paths] + list(markers)))
         nodes = [n for n in graph.nodes if n.name in analysis.node_modules]
         weights = self._weights(ctx)
         inserted = 0
-        twins = self._twins(ctx)
-        for fqn in modules:
+        twins = self._twins(ctx) if ctx.captures else []
+        for fqn in modules if ctx.captures else ():
             specs = []  # (spec, name relative to its module) of every ModelCapture selecting fqn
             shared = False  # selected only where another instance of the frame's class runs this graph
             for spec in ctx.captures:
@@ -83,20 +155,33 @@ class InsertCaptureNodes(GraphPass):
                 if (not owner or not _within(owner_fqn, spec.prefix)) and (rel, [], "") not in calls:
                     calls.append((rel, [], ""))
             region = [n for n in nodes if fqn in analysis.node_modules[n.name]]
-            members = set(region)
-            for n in region:
-                if not is_tensor_node(n):
-                    continue
-                if not any(u not in members and not is_graphpass_node(u) for u in n.users):
-                    continue
-                for name, own, own_fqn in reversed(calls):
-                    with graph.inserting_after(n):
-                        node = graph.call_function(CAPTURE, (name, n, list(own), own_fqn))
-                    node.meta["graphpass_capture"] = name
-                    inserted += 1
+            inserted += _capture_module(graph, region, markers.get(fqn, []), calls, order)
+        for fqn_markers in markers.values():
+            for marker, _, _ in fqn_markers:
+                graph.erase_node(marker)
         if inserted:
             ctx.log.append(f"{self.name}: {inserted} capture nodes")
-        return inserted > 0
+        return inserted > 0 or bool(markers)
+
+    @staticmethod
+    def _output_markers(ctx: PassContext) -> dict[str, list[tuple[torch.fx.Node, torch.fx.Node, str]]]:
+        """module FQN -> its ``output_key`` markers (marker, output tensor node, key path), graph
+        order; one marker per (tensor, key) (a repeat is removed at once). Markers of no module
+        (the hook on the graph's root) are listed under ``""`` (removed, never captured)."""
+        out: dict[str, list[tuple[torch.fx.Node, torch.fx.Node, str]]] = {}
+        seen: dict[str, set] = {}
+        for node in list(ctx.gm.graph.nodes):
+            if not is_output_key(node):
+                continue
+            paths = module_paths(node, ctx.roots)
+            fqn = paths[-1] if paths else ctx.roots.frame_module
+            key, t = node.args[0], node.args[1]
+            if (t, key) in seen.setdefault(fqn, set()):
+                ctx.gm.graph.erase_node(node)  # a second hook on the module: the same leaf again
+                continue
+            seen[fqn].add((t, key))
+            out.setdefault(fqn, []).append((node, t, key))
+        return out
 
     @staticmethod
     def _twins(ctx: PassContext) -> list[str]:
