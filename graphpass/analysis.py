@@ -51,6 +51,7 @@ def parse_source_name(name: str) -> ParsedSource | None:
     kind = "attribute"
     parent: tuple[str, ...] | None = None
     pending: str | None = None
+    via_dict = False  # the previous token was ``.__dict__``: its key is an attribute or a container
     while pos < len(name):
         t = _TOKEN.match(name, pos)
         if not t:
@@ -58,8 +59,15 @@ def parse_source_name(name: str) -> ParsedSource | None:
         pos = t.end()
         attr = t.group(1)
         key = next((g for g in t.groups()[1:] if g is not None), None)
-        if attr is not None and attr in _CONTAINERS and pending is None:
-            pending = _CONTAINERS[attr]
+        if attr == "__dict__" and pending is None:
+            # ``self.__dict__['_modules']['blocks']``: Dynamo's source when a class defines
+            # ``__getattr__`` (diffusers' ModelMixin); the same module as ``self._modules['blocks']``
+            via_dict = True
+            continue
+        container = attr if attr is not None else (key if via_dict else None)
+        via_dict = False
+        if container is not None and container in _CONTAINERS and pending is None:
+            pending = _CONTAINERS[container]
             continue
         part = attr if attr is not None else key
         if pending in ("parameter", "buffer"):
@@ -125,6 +133,14 @@ class TensorOwnership:
     global_shape: tuple = ()  # the whole tensor's shape across the mesh
     global_nbytes: int = 0  # the whole tensor's bytes across the mesh
     local_nbytes: int = 0  # bytes this rank holds at rest (an FSDP2 shard; else nbytes)
+    # a tensor subclass wrapping plain tensors (torchao's Int8Tensor): their names below it
+    # ("qdata", "scale"); nbytes is theirs, summed. Empty for a plain tensor.
+    inner: list[str] = field(default_factory=list)
+
+    @property
+    def inner_fqns(self) -> list[str]:
+        """``layers.0.up.weight.qdata``, ...: the wrapped tensors by FQN (empty for a plain tensor)."""
+        return [f"{self.fqn}.{name}" for name in self.inner]
 
     @property
     def fqn(self) -> str:

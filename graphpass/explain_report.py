@@ -63,7 +63,8 @@ class ExplainReport:
         for g in self.graphs:
             a = g.analysis
             for trap in a.traps.values():
-                fqns = [a.tensors[t].fqn for t in trap.tensors]
+                # a tensor subclass input is listed with the tensors it wraps (weight, weight.qdata, ...)
+                fqns = [f for t in trap.tensors for f in [a.tensors[t].fqn, *a.tensors[t].inner_fqns]]
                 rows.append(
                     TrapRow(g.index, trap.label, trap.manual, len(trap.tensors), trap.nbytes, trap.first_node, trap.last_node, fqns)
                 )

@@ -378,6 +378,23 @@ def inner_tensor_fields(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return [(k, v) for k, v in vars(t).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]
 
 
+def wrapper_inner_tensors(t: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """The plain tensors a traceable wrapper subclass holds (torchao's ``Int8Tensor``: ``qdata``,
+    ``scale``, ``zero_point``), from ``__tensor_flatten__``, nested wrappers flattened as ``a.b``;
+    ``[]`` for a plain tensor or a DTensor (a DTensor is its local shard, read by :func:`local_tensor`)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not isinstance(t, torch.Tensor) or is_dtensor(t) or not is_traceable_wrapper_subclass(t):
+        return []
+    out: list[tuple[str, torch.Tensor]] = []
+    for name in t.__tensor_flatten__()[0]:
+        value = getattr(t, name)
+        if not isinstance(value, torch.Tensor):
+            continue  # an optional inner tensor left None
+        out.extend(wrapper_inner_tensors(value, f"{prefix}{name}.") or [(prefix + name, value)])
+    return out
+
+
 def is_dtensor(t: Any) -> bool:
     """A ``torch.distributed.tensor.DTensor`` (tested without importing torch.distributed)."""
     return isinstance(t, torch.Tensor) and hasattr(t, "_local_tensor") and hasattr(t, "_spec")

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..errors import ConfigError
-from ..fx_utils import inner_tensor_fields, local_tensor, repeated_blocks
+from ..errors import ConfigError, OffloadError
+from ..fx_utils import inner_tensor_fields, is_dtensor, local_tensor, repeated_blocks
 from ..patterns import check_all_match
 from .config import OffloadConfig
 
@@ -153,6 +154,7 @@ def plan_units(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], 
                 unit_names.append(next((a for a in chain if a in children), matched[0]))
         if excluded or not unit_names:
             continue
+        _refuse_wrapper_subclass(rec)
         rec.streamed = True
         unit_names = list(dict.fromkeys(unit_names))
         rec.unit = unit_names[0]
@@ -164,6 +166,20 @@ def plan_units(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], 
     if not units:
         raise ConfigError("include_patterns", config.include_patterns, "the matched modules hold no tensors to offload")
     return tensors, list(units.values())
+
+
+def _refuse_wrapper_subclass(rec: _Tensor) -> None:
+    """A tensor subclass that wraps inner tensors (torchao's ``Int8Tensor``: ``qdata``, ``scale``,
+    ...) cannot be streamed: the loads copy plain tensors, and the graph reads the wrapper (Dynamo
+    flattens it only below graphpass). Refused by name before the model changes (DTensor, a
+    wrapper too, streams its local shard)."""
+    t = rec.tensor
+    if is_dtensor(t) or not is_traceable_wrapper_subclass(t):
+        return
+    names, _ = t.__tensor_flatten__()
+    raise OffloadError(
+        f"{rec.fqns[0]!r} is a tensor subclass, {type(t).__name__} (inner tensors {', '.join(names)}): offload cannot "
+        f"stream tensor subclasses; keep it on the device with exclude_patterns=[{rec.holders[0]!r}]")
 
 
 def plan_budget(units: list[OffloadUnit], config: OffloadConfig) -> OffloadPlan:

@@ -2,7 +2,9 @@
 
 For every tensor input of the graph it records the fully qualified name(s) read off the
 placeholder's Dynamo source (``L['self']._modules['layers']._modules['3']._parameters['w']`` ->
-``layers.3.w``; ``...['weight'].scale`` -> the inner field ``weight.scale`` owned with its parent),
+``layers.3.w``; ``...['weight'].scale`` -> the inner field ``weight.scale`` owned with its parent;
+a tensor subclass wrapping inner tensors, such as torchao's ``Int8Tensor``, is one input whose
+``inner`` lists them, ``weight.qdata``, and whose bytes are theirs),
 the modules that hold it, the modules whose ops consume it (their ``nn_module_stack``, followed
 through view-like nodes that carry no stack, into custom ops too) and its size. A tied weight is
 one input with several FQNs and owners; its other names come from the module Dynamo reached it
@@ -25,7 +27,8 @@ from typing import Any
 import torch
 
 from ..analysis import TensorOwnership, mesh_text, module_paths, parse_source_name, placement_text
-from ..fx_utils import example_of, inner_tensor_fields, is_graphpass_node, is_graphpass_op, node_order
+from ..fx_utils import (example_of, inner_tensor_fields, is_graphpass_node, is_graphpass_op, node_order,
+                        wrapper_inner_tensors)
 from .base import GraphPass, PassContext
 
 
@@ -189,7 +192,8 @@ class AnalyzeOwnership(GraphPass):
                 module_names.update((h, None) for h in holders if h)
             consumers, consumer_nodes = self._consumers(ph, order, analysis.node_modules)
             local = _local(value)
-            nbytes = _nbytes(local) if kind != "input" else 0
+            inner = wrapper_inner_tensors(local) if kind != "input" else []
+            nbytes = (sum(_nbytes(v) for _, v in inner) if inner else _nbytes(local)) if kind != "input" else 0
             analysis.tensors[ph.name] = TensorOwnership(
                 node=ph.name,
                 index=index,
@@ -203,8 +207,9 @@ class AnalyzeOwnership(GraphPass):
                 dtype=str(value.dtype).replace("torch.", ""),
                 nbytes=nbytes,
                 global_shape=_shape(value),
-                global_nbytes=_nbytes(value) if kind != "input" else 0,
+                global_nbytes=(nbytes if inner else _nbytes(value)) if kind != "input" else 0,
                 local_nbytes=nbytes,
+                inner=[name for name, _ in inner],
             )
             if kind != "input":
                 dist_info.annotate(analysis.tensors[ph.name], value)

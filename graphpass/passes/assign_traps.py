@@ -104,7 +104,10 @@ def _module_traps(ctx: PassContext, manual: dict[str, str]) -> dict[str, str]:
         return {}
     patterns = ctx.config.traps
     if patterns is not None:
-        check_all_match(patterns, analysis.module_names, "traps")
+        # A graph with no module at all (a helper function's frame after a graph break, such as
+        # transformers' get_vision_position_ids) has nothing the patterns could name: no check.
+        if analysis.module_names:
+            check_all_match(patterns, analysis.module_names, "traps")
         chosen = lambda path: first_match(patterns, path)  # noqa: E731
     else:
         container, children = find_repeated_container(ctx)
