@@ -199,3 +199,29 @@ def test_gpt2_block_hidden_state_comes_first(tmp_path):
     assert [e["key"] for e in meta["tensors"]["h.0"]] == ["output", "other[0]", "other[1]"]
     assert meta["tensors"]["h.0"][1]["shape"] == [1, 2, 5, 8]  # (batch, heads, seq, head dim): a cache entry
     torch.testing.assert_close(_file(step, "h.0")["output"], seen[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_capture_dying_inside_another_compile_leaves_the_hook_until_a_safe_point(tmp_path):
+    """The marking hook was removed by the last ModelCapture's finalizer, whenever the collector ran
+    it: inside another model's compile, Dynamo then failed building guards on the global hook dict
+    (KeyError). Now it stays through the compile and goes at the next safe point."""
+    import gc
+
+    from graphpass.capturing import model_capture
+    from graphpass.models.corpus import build
+
+    holder = [ModelCapture(Net(), modules=["pair"], capture_dir=tmp_path / "a")]
+    seen = {}
+
+    def delegate(gm, example_inputs):
+        holder.clear()
+        gc.collect()  # the last ModelCapture dies here, inside the compile
+        seen["hooks"], seen["marked"] = len(model_capture._GLOBAL_HOOK), dict(model_capture._MARKED_CLASSES)
+        return gm.forward
+
+    model, inputs = build("tiny_transformer")
+    out = torch.compile(model, backend=graphpass.backend(then=delegate))(*inputs)
+    assert torch.equal(out, model(*inputs))
+    assert seen == {"hooks": 1, "marked": {}}  # unmarked, but the hook is not pulled from under Dynamo
+    model_capture.sweep_marking_hook()  # what the next ModelCapture or step does
+    assert not model_capture._GLOBAL_HOOK

@@ -259,6 +259,7 @@ class ModelCapture:
     def step(self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None) -> Iterator["ModelCapture"]:
         """``with capture.step(...): out = compiled(x)``: set up, run, save. If the body raises,
         nothing is written and the previously active registry is restored."""
+        sweep_marking_hook()
         self.setup_tensor_capture()
         try:
             yield self
@@ -333,6 +334,7 @@ def _marking_hook(module: torch.nn.Module, args: Any, out: Any) -> None:
 
 def _mark_classes(capture: "ModelCapture", classes: list[type]) -> None:
     classes = list(dict.fromkeys(classes))
+    sweep_marking_hook()
     for cls in classes:
         _MARKED_CLASSES[cls] = _MARKED_CLASSES.get(cls, 0) + 1
     if not _GLOBAL_HOOK:
@@ -347,8 +349,34 @@ def _unmark_classes(classes: list[type]) -> None:
             _MARKED_CLASSES[cls] = left
         else:
             _MARKED_CLASSES.pop(cls, None)
-    if not _MARKED_CLASSES and _GLOBAL_HOOK:
-        _GLOBAL_HOOK.pop().remove()
+    # This runs as a finalizer, whenever the garbage collector gets to the last ModelCapture: that
+    # may be in the middle of a Dynamo compile building guards on the global hook dict (removing
+    # the hook then is a KeyError inside Dynamo). Then the hook stays (it acts on marked classes
+    # only, so an idle one is harmless) until the next safe point sweeps it.
+    sweep_marking_hook()
+
+
+def _compiling() -> bool:
+    """Is this thread inside a Dynamo compile (tracing, the backend, or building guards)?"""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+    except Exception:  # noqa: BLE001 - private API moved: assume the worst, sweep later
+        return True
+    if torch._guards.TracingContext.try_get() is not None:
+        return True
+    try:
+        return InstructionTranslator.current_tx() is not None
+    except AttributeError:  # no translator was ever set in this thread
+        return False
+
+
+def sweep_marking_hook() -> None:
+    """Remove the marking hook when no ModelCapture selects anything any more, unless this thread
+    is compiling. Called when the last ModelCapture dies and again where user code runs outside
+    any compile (a ModelCapture being made, a step starting)."""
+    if _MARKED_CLASSES or not _GLOBAL_HOOK or _compiling():
+        return
+    _GLOBAL_HOOK.pop().remove()
 
 
 def _step_size(positions: Any, is_prefill: bool, req_ids: Sequence[str] | None, tensors) -> int:
