@@ -138,6 +138,7 @@ def _demo(args: argparse.Namespace) -> int:
     print()
     print("next: docs/index.md (the map), `graphpass explain MODULE:FACTORY` for your model's traps and owners,\n"
           "      `graphpass audit MODULE:FACTORY --dynamic NAME=DIM` for its variable-size allocations,\n"
+          "      `graphpass trace MODULE:FACTORY --plot trace.png` to see whether loads overlap compute (docs/trace.md),\n"
           "      docs/capture.md for `graphpass compare`, docs/offload.md for memory_stats")
     return 0 if ok else 1
 

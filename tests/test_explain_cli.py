@@ -72,6 +72,8 @@ def test_cli_demo_with_eager_delegate(capsys):
     assert main(["demo", "--then", "aot_eager"]) == 0
     out = capsys.readouterr().out
     assert "layers.3" in out and "OK" in out
+    # where to look next: the docs, explain, trace
+    assert all(w in out for w in ("docs/index.md", "graphpass explain", "graphpass trace", "docs/trace.md"))
 
 
 def _clean_env():
