@@ -23,7 +23,7 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Hashable, Iterable
 
 import sympy
 import torch
@@ -411,3 +411,47 @@ def with_spec_of(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, like._spec, requires_grad=local.requires_grad)
+
+
+def tensor_keys(t: Any) -> list[Hashable]:
+    """Keys that identify the tensor object ``t`` and the memory it views (data pointer, shape,
+    dtype, device): the same parameter reaches a compiled graph as itself or as another tensor
+    object over the same memory (AOTAutograd, a delegate)."""
+    keys: list[Hashable] = [("id", id(t))]
+    try:
+        if t.device.type != "meta" and not isinstance(t, torch._subclasses.FakeTensor):
+            ptr = t.data_ptr()
+            if ptr:
+                keys.insert(0, ("ptr", ptr, tuple(t.shape), t.dtype, t.device))
+    except Exception:  # a wrapper subclass without storage of its own: its identity only
+        pass
+    return keys
+
+
+def owned_tensors(model: torch.nn.Module) -> dict[Hashable, list[str]]:
+    """key -> FQNs for every parameter and buffer of ``model`` (tied ones under each name) and the
+    inner tensors of tensor subclasses (a DTensor's local shard)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    out: dict[Hashable, list[str]] = {}
+
+    def add(t: Any, fqn: str, depth: int = 0) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        for k in tensor_keys(t):
+            names = out.setdefault(k, [])
+            if fqn not in names:
+                names.append(fqn)
+        if depth < 4 and is_traceable_wrapper_subclass(t):
+            try:
+                attrs, _ = t.__tensor_flatten__()
+            except Exception:
+                return
+            for a in attrs:
+                add(getattr(t, a, None), fqn, depth + 1)
+
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        add(p, fqn)
+    for fqn, b in model.named_buffers(remove_duplicate=False):
+        add(b, fqn)
+    return out

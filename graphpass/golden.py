@@ -28,6 +28,7 @@ import torch
 ACCEPT_ENV = "GRAPHPASS_ACCEPT_GOLDEN"
 
 _ADDR = re.compile(r"0x[0-9a-fA-F]{6,}")
+_MODEL_KEY = re.compile(r"model = \d+")
 _FILE = re.compile(r"(File \"?)[^\"\n,]+")
 _LINENO = re.compile(r"line \d+")
 
@@ -40,6 +41,7 @@ def normalize(text: str) -> str:
         if stripped.startswith("#"):
             continue
         line = _ADDR.sub("0x?", line)
+        line = _MODEL_KEY.sub("model = ?", line)  # a trap boundary's key of its model (an id)
         line = _FILE.sub(r"\1<file>", line)
         line = _LINENO.sub("line ?", line)
         out.append(line.rstrip())

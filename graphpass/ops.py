@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Optional
 
 import torch
 
@@ -58,12 +59,75 @@ def _profiler_on() -> bool:
 # and need no autograd formula, and a direct CompositeExplicitAutograd kernel costs ~4 us a call
 # against ~18 us through custom_op's wrapper (measured here; it matters for small models).
 _LIB = torch.library.Library("graphpass", "FRAGMENT")
-_LIB.define("trap_enter(str label, Tensor[] deps, bool profile=True) -> ()")
-_LIB.define("trap_exit(str label, Tensor[] deps, bool profile=True) -> ()")
+_LIB.define("trap_enter(str label, Tensor[] deps, bool profile=True, Tensor[]? owner=None, str owner_fqn='', "
+            "int model=0) -> ()")
+_LIB.define("trap_exit(str label, Tensor[] deps, bool profile=True, Tensor[]? owner=None, str owner_fqn='', "
+            "int model=0) -> ()")
 
 
-def trap_enter(label: str, deps: List[torch.Tensor], profile: bool = True) -> None:
+# --------------------------------------------------------------------------------------------
+# Labels of a graph Dynamo shares between instances
+# --------------------------------------------------------------------------------------------
+# A graph traced from one block's own frame (after a graph break inside the block) is run by
+# Dynamo for every other block of the class whose guards pass: its boundaries carry the label of
+# the block it was traced from. Such boundaries also carry ``owner`` (a weight of the trap, as the
+# block that runs holds it), ``owner_fqn`` (where that weight sat when traced) and ``model`` (a key
+# of the enclosing model): the label is then resolved to where the owner weight sits now.
+# Process-wide on purpose, as the ops can carry no object: keys are ``id``s of live models (each
+# entry dies with its model) and the owned-tensor tables are per model.
+_TRAP_MODELS: dict[int, weakref.ref] = {}
+_OWNED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_RESOLVED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def trap_model_key(model: torch.nn.Module) -> int:
+    """The key a boundary carries for ``model`` (the enclosing model of a shared graph)."""
+    key = id(model)
+    if key not in _TRAP_MODELS or _TRAP_MODELS[key]() is not model:
+        _TRAP_MODELS[key] = weakref.ref(model, lambda _, k=key: _TRAP_MODELS.pop(k, None))
+    return key
+
+
+def _resolved_label(label: str, owner: List[torch.Tensor], owner_fqn: str, model_key: int) -> str:
+    ref = _TRAP_MODELS.get(model_key) if owner else None
+    model = ref() if ref is not None else None
+    if model is None:
+        return label
+    from .fx_utils import owned_tensors, tensor_keys
+
+    keys = tensor_keys(owner[0])
+    cache = _RESOLVED.setdefault(model, {})
+    hit = cache.get((label, keys[0]))
+    if hit is not None:
+        return hit
+    owned = _OWNED.get(model)
+    if owned is None or not any(k in owned for k in keys):
+        owned = _OWNED[model] = owned_tensors(model)  # built once, rebuilt for a tensor it does not know
+    fqns = next((owned[k] for k in keys if k in owned), [])
+    cache[(label, keys[0])] = out = _relabel(label, owner_fqn, fqns)
+    return out
+
+
+def _relabel(label: str, owner_fqn: str, fqns: list[str]) -> str:
+    """``label`` moved to where the owner weight sits now (``fqns``), relative to the module the
+    label and ``owner_fqn`` have in common; unchanged when the weight did not move or is ambiguous."""
+    if not fqns or owner_fqn in fqns:
+        return label
+    l_parts, w_parts = label.split("."), owner_fqn.split(".")
+    k = 0
+    while k < min(len(l_parts), len(w_parts) - 1) and l_parts[k] == w_parts[k]:
+        k += 1
+    tail = ".".join(w_parts[k:])
+    found = {f[: -len(tail) - 1] for f in fqns if f.endswith("." + tail)}
+    if len(found) != 1:
+        return label
+    return ".".join(p for p in (found.pop(), *l_parts[k:]) if p)
+
+
+def trap_enter(label: str, deps: List[torch.Tensor], profile: bool = True, owner: Optional[List[torch.Tensor]] = None,
+               owner_fqn: str = "", model: int = 0) -> None:
     st = _state()
+    label = _resolved_label(label, owner, owner_fqn, model) if owner else label
     handle = None
     if profile and _profiler_on():
         handle = torch.ops.profiler._record_function_enter_new(PROFILE_PREFIX + label, None)
@@ -71,8 +135,10 @@ def trap_enter(label: str, deps: List[torch.Tensor], profile: bool = True) -> No
     record_event("enter", label)
 
 
-def trap_exit(label: str, deps: List[torch.Tensor], profile: bool = True) -> None:
+def trap_exit(label: str, deps: List[torch.Tensor], profile: bool = True, owner: Optional[List[torch.Tensor]] = None,
+              owner_fqn: str = "", model: int = 0) -> None:
     st = _state()
+    label = _resolved_label(label, owner, owner_fqn, model) if owner else label
     # Close the innermost open range with this label (and any left open inside it by an
     # exception or a graph break); an exit without an enter closes nothing.
     for i in range(len(st.open_ranges) - 1, -1, -1):
@@ -173,6 +239,10 @@ def _local_boundary(op_call, args, kwargs):
     (no sharding strategy, no redistribution, so no collective a boundary could add)."""
     label, deps, *rest = args
     local = [getattr(d, "_local_tensor", d) for d in deps]
+    if "owner" in kwargs:
+        kwargs = {**kwargs, "owner": [getattr(o, "_local_tensor", o) for o in kwargs["owner"]]}
+    if len(rest) > 1:
+        rest[1] = [getattr(o, "_local_tensor", o) for o in rest[1]]
     return op_call(label, local, *rest, **kwargs)
 
 

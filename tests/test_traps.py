@@ -184,3 +184,45 @@ def test_profiler_ranges_can_be_turned_off():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         torch.compile(model, backend=graphpass.backend(then="aot_eager"))(*inputs)
     assert any(e.name == "graphpass.trap/layers.2" for e in prof.events())
+
+
+class _BreakingBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.fc1(x).relu()
+        torch._dynamo.graph_break()
+        return self.fc2(x) + x
+
+
+class _BreakingBlocks(torch.nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_BreakingBlock() for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_graph_dynamo_shares_between_blocks_names_the_block_that_runs():
+    """A break inside the block makes Dynamo trace the block's own frame and run that graph for the
+    next blocks of the class. Before: their boundaries carried the traced block's label (the run
+    entered blocks.0, blocks.0, blocks.1, blocks.0, blocks.1, blocks.0). Now each boundary names
+    the block whose weight it was given at run time."""
+    torch._dynamo.reset()
+    model = _BreakingBlocks()
+    gp = graphpass.backend(then="eager")
+    compiled = torch.compile(model, backend=gp)
+    x = torch.randn(2, 8)
+    with graphpass.trace_traps() as events:
+        out = compiled(x)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    traced = {label for g in gp.graphs for label in g.analysis.traps}
+    assert traced != {"blocks.0", "blocks.1", "blocks.2"}  # Dynamo did share a graph between blocks
+    entered = [label for kind, label in events if kind == "enter"]
+    exited = [label for kind, label in events if kind == "exit"]
+    assert entered == exited == ["blocks.0", "blocks.0", "blocks.1", "blocks.1", "blocks.2", "blocks.2"]

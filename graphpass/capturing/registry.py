@@ -7,10 +7,11 @@ are that model's, and under which module name. See :mod:`graphpass.capturing.ops
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from typing import Hashable, Sequence
 
 import torch
 
+from ..fx_utils import owned_tensors, tensor_keys  # noqa: F401 - shared with the trap ops
 from ..patterns import ModulePattern
 
 
@@ -148,47 +149,3 @@ class TensorRegistry:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-
-def tensor_keys(t: Any) -> list[Hashable]:
-    """Keys that identify the tensor object ``t`` and the memory it views (data pointer, shape,
-    dtype, device): the same parameter reaches a compiled graph as itself or as another tensor
-    object over the same memory (AOTAutograd, a delegate)."""
-    keys: list[Hashable] = [("id", id(t))]
-    try:
-        if t.device.type != "meta" and not isinstance(t, torch._subclasses.FakeTensor):
-            ptr = t.data_ptr()
-            if ptr:
-                keys.insert(0, ("ptr", ptr, tuple(t.shape), t.dtype, t.device))
-    except Exception:  # a wrapper subclass without storage of its own: its identity only
-        pass
-    return keys
-
-
-def owned_tensors(model: torch.nn.Module) -> dict[Hashable, list[str]]:
-    """key -> FQNs for every parameter and buffer of ``model`` (tied ones under each name) and the
-    inner tensors of tensor subclasses (a DTensor's local shard)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    out: dict[Hashable, list[str]] = {}
-
-    def add(t: Any, fqn: str, depth: int = 0) -> None:
-        if not isinstance(t, torch.Tensor):
-            return
-        for k in tensor_keys(t):
-            names = out.setdefault(k, [])
-            if fqn not in names:
-                names.append(fqn)
-        if depth < 4 and is_traceable_wrapper_subclass(t):
-            try:
-                attrs, _ = t.__tensor_flatten__()
-            except Exception:
-                return
-            for a in attrs:
-                add(getattr(t, a, None), fqn, depth + 1)
-
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        add(p, fqn)
-    for fqn, b in model.named_buffers(remove_duplicate=False):
-        add(b, fqn)
-    return out

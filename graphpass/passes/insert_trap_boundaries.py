@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fx_utils import is_graphpass_op, is_tensor_node, node_order
-from ..ops import TRAP_ENTER, TRAP_EXIT, is_boundary, let_dtensors_through
+from ..ops import TRAP_ENTER, TRAP_EXIT, is_boundary, let_dtensors_through, trap_model_key
 from .base import GraphPass, PassContext
 
 _ANCHOR_FUNCTIONS = {
@@ -44,6 +44,21 @@ _ANCHOR_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"}
 _ANCHOR_ATEN = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution", "einsum",
                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                 "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+
+
+def _owner_kwargs(ctx: PassContext, trap, nodes: dict) -> dict:
+    """For a graph traced from a submodule's own frame (Dynamo runs it for every instance of the
+    class whose guards pass): a weight of the trap, where it sat when traced and the enclosing
+    model, so the boundary names the block that runs (:func:`graphpass.ops.trap_enter`)."""
+    roots = ctx.roots
+    model = roots.models.get(("self", ())) if roots is not None and roots.frame_module else None
+    if model is None:
+        return {}
+    for name in trap.tensors:
+        t = ctx.analysis.tensors.get(name)
+        if t is not None and t.kind in ("parameter", "buffer") and t.fqns and name in nodes:
+            return {"owner": [nodes[name]], "owner_fqn": t.fqns[0], "model": trap_model_key(model)}
+    return {}
 
 
 def is_anchor(node: torch.fx.Node) -> bool:
@@ -127,11 +142,11 @@ class InsertTrapBoundaries(GraphPass):
                 # lowering all slow down), so the deps are kept to one per trap.
                 enter_deps = []
             previous_exit = last
-            profile = ctx.config.profile_ranges
+            kwargs = {"profile": ctx.config.profile_ranges, **_owner_kwargs(ctx, trap, nodes)}
             with graph.inserting_before(first):
-                enter = graph.call_function(TRAP_ENTER, (label, enter_deps), {"profile": profile})
+                enter = graph.call_function(TRAP_ENTER, (label, enter_deps), kwargs)
             with graph.inserting_after(last):
-                exit_ = graph.call_function(TRAP_EXIT, (label, exit_deps), {"profile": profile})
+                exit_ = graph.call_function(TRAP_EXIT, (label, exit_deps), dict(kwargs))
             enter.meta["graphpass_trap"] = label
             exit_.meta["graphpass_trap"] = label
             inserted += 1
