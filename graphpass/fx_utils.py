@@ -455,3 +455,24 @@ def owned_tensors(model: torch.nn.Module) -> dict[Hashable, list[str]]:
     for fqn, b in model.named_buffers(remove_duplicate=False):
         add(b, fqn)
     return out
+
+
+def relocated(name: str, owner_fqn: str, fqns: list[str]) -> list[str]:
+    """Where module ``name`` sits now, when the weight traced at ``owner_fqn`` sits at ``fqns``:
+    the same path relative to the module the two names have in common (a graph Dynamo traced for
+    one block and runs for another). Every distinct candidate, in order; one is the answer."""
+    n_parts, w_parts = name.split("."), owner_fqn.split(".")
+    k = 0
+    while k < min(len(n_parts), len(w_parts) - 1) and n_parts[k] == w_parts[k]:
+        k += 1
+    tail = ".".join(w_parts[k:])
+    found = []
+    for f in fqns:
+        if f == tail:
+            base = ""
+        elif f.endswith("." + tail):
+            base = f[: -len(tail) - 1]
+        else:
+            continue
+        found.append(".".join(p for p in (base, *n_parts[k:]) if p))
+    return list(dict.fromkeys(found))

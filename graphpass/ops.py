@@ -23,6 +23,8 @@ from typing import Any, Iterator, List, Optional
 
 import torch
 
+from .fx_utils import owned_tensors, relocated, tensor_keys
+
 PROFILE_PREFIX = "graphpass.trap/"
 
 
@@ -93,8 +95,6 @@ def _resolved_label(label: str, owner: List[torch.Tensor], owner_fqn: str, model
     model = ref() if ref is not None else None
     if model is None:
         return label
-    from .fx_utils import owned_tensors, tensor_keys
-
     keys = tensor_keys(owner[0])
     cache = _RESOLVED.setdefault(model, {})
     hit = cache.get((label, keys[0]))
@@ -109,19 +109,12 @@ def _resolved_label(label: str, owner: List[torch.Tensor], owner_fqn: str, model
 
 
 def _relabel(label: str, owner_fqn: str, fqns: list[str]) -> str:
-    """``label`` moved to where the owner weight sits now (``fqns``), relative to the module the
-    label and ``owner_fqn`` have in common; unchanged when the weight did not move or is ambiguous."""
+    """``label`` moved to where the owner weight sits now (``fqns``); unchanged when the weight did
+    not move, or when where it sits does not name one module (the capture registry's rule)."""
     if not fqns or owner_fqn in fqns:
         return label
-    l_parts, w_parts = label.split("."), owner_fqn.split(".")
-    k = 0
-    while k < min(len(l_parts), len(w_parts) - 1) and l_parts[k] == w_parts[k]:
-        k += 1
-    tail = ".".join(w_parts[k:])
-    found = {f[: -len(tail) - 1] for f in fqns if f.endswith("." + tail)}
-    if len(found) != 1:
-        return label
-    return ".".join(p for p in (found.pop(), *l_parts[k:]) if p)
+    found = relocated(label, owner_fqn, fqns)
+    return found[0] if len(found) == 1 and found[0] else label
 
 
 def trap_enter(label: str, deps: List[torch.Tensor], profile: bool = True, owner: Optional[List[torch.Tensor]] = None,

@@ -11,7 +11,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from ..fx_utils import owned_tensors, tensor_keys  # noqa: F401 - shared with the trap ops
+from ..fx_utils import owned_tensors, relocated, tensor_keys
 from ..patterns import ModulePattern
 
 
@@ -80,21 +80,7 @@ class TensorRegistry:
             return name
         # The graph was traced for another instance or another place: the module sits where
         # the owner weight sits now, relative to the module both have in common.
-        n_parts, w_parts = name.split("."), owner_fqn.split(".")
-        k = 0
-        while k < min(len(n_parts), len(w_parts) - 1) and n_parts[k] == w_parts[k]:
-            k += 1
-        tail = ".".join(w_parts[k:])
-        found = []
-        for f in fqns:
-            if f == tail:
-                base = ""
-            elif f.endswith("." + tail):
-                base = f[: -len(tail) - 1]
-            else:
-                continue
-            found.append(".".join(p for p in (base, *n_parts[k:]) if p))
-        found = list(dict.fromkeys(found))
+        found = relocated(name, owner_fqn, fqns)
         if len(found) == 1 and found[0]:
             return found[0]
         self.problems.append(
