@@ -20,7 +20,6 @@ from typing import Any
 from .atomic_files import write_bytes_atomic
 from .tracing import CALL, EVICT, LOAD, TRAP, WAIT, TraceError, TraceReport
 
-EXTRA_HINT = "pip install 'graphpass[plot]'"
 DPI = 100
 TRAP_COLORS = ("#4c78a8", "#72b7b2")
 COLORS = {LOAD: "#54a24b", WAIT: "#e45756", EVICT: "#b279a2", CALL: "#dddddd"}
@@ -28,17 +27,9 @@ COLORS = {LOAD: "#54a24b", WAIT: "#e45756", EVICT: "#b279a2", CALL: "#dddddd"}
 
 def load_pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend, or PlotUnavailableError naming the extra to install."""
-    try:
-        import matplotlib
+    from .capturing.plots import load_pyplot as load
 
-        matplotlib.use("Agg", force=True)
-        from matplotlib import pyplot
-    except ImportError as exc:
-        from .capturing.plots import PlotUnavailableError
-
-        raise PlotUnavailableError(f"drawing the trace timeline (plot=... / --plot) needs matplotlib, which is not "
-                                   f"installed ({exc}): {EXTRA_HINT}") from None
-    return pyplot
+    return load("the trace timeline (plot=... / --plot)")
 
 
 def _tracks(report: TraceReport) -> list[tuple[str, list]]:

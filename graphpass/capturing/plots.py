@@ -37,14 +37,16 @@ class PlotUnavailableError(GraphpassError, ImportError):
     """matplotlib, needed for ``--plot`` / ``--html``, is not installed."""
 
 
-def _pyplot():
+def load_pyplot(what: str = "the divergence plot") -> Any:
+    """matplotlib's pyplot on the Agg backend, or PlotUnavailableError saying that drawing ``what``
+    needs it and naming the extra to install (the divergence plot, the trace timeline)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg", force=True)
         from matplotlib import pyplot
     except ImportError as exc:
-        raise PlotUnavailableError(f"drawing the divergence plot needs matplotlib, which is not installed ({exc}): "
+        raise PlotUnavailableError(f"drawing {what} needs matplotlib, which is not installed ({exc}): "
                                    f"{EXTRA_HINT}") from None
     return pyplot
 
@@ -118,7 +120,7 @@ def _draw_step(ax: Any, step: str, series: list[dict[str, Any]], rtol: float, is
 
 def render_png(report: CompareReport, dpi: int = DPI, max_steps: int = 24) -> bytes:
     """The divergence plot as PNG bytes; see :func:`plot_report`."""
-    plt = _pyplot()
+    plt = load_pyplot()
     all_steps = step_series(report)
     names = list(all_steps)
     if len(names) > max_steps:  # keep every failing step first, then the earliest passing ones
