@@ -46,7 +46,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str
             torch._dynamo.reset()
             t0 = time.perf_counter()
             try:
-                res = CASES[fn_name](rank, world, **kwargs)
+                res = _case(fn_name)(rank, world, **kwargs)
             except Exception:  # reported to the parent, which fails the test naming it
                 res = {"error": traceback.format_exc()}
             res["seconds"] = time.perf_counter() - t0
@@ -57,8 +57,27 @@ def _entry(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str
         dist.destroy_process_group()
 
 
+def _case(fn_name: str) -> Callable:
+    """A case of :data:`CASES`, or ``"module:function"`` of another test module (imported in the rank)."""
+    if ":" in fn_name:
+        import importlib
+
+        module, _, function = fn_name.partition(":")
+        return getattr(importlib.import_module(module), function)
+    return CASES[fn_name]
+
+
+def ok(results: list[dict], name: str) -> list[dict]:
+    """Case ``name``'s result on every rank; fails naming the rank whose case raised (its traceback)."""
+    per_rank = [r[name] for r in results]
+    for rank, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {rank}, {name}:\n{res['error']}"
+    return per_rank
+
+
 def run_ranks(world: int, cases: list[tuple[str, str, dict]], timeout: float = 180.0) -> list[dict]:
-    """Run ``cases`` (name, case function name, kwargs) on ``world`` gloo ranks; per-rank result dicts.
+    """Run ``cases`` (name, case function name or ``"module:function"``, kwargs) on ``world`` gloo ranks;
+    per-rank result dicts.
 
     Hard timeout: after ``timeout`` seconds every child is killed and TimeoutError is raised, so a
     hang (a collective one rank never joins) fails instead of blocking CI.

@@ -81,3 +81,17 @@ def register_temp_backend(monkeypatch, name, fn):
     monkeypatch.setitem(registry._COMPILER_FNS, name, fn)
     fn._tags = ()
     return fn
+
+
+def no_matplotlib(monkeypatch) -> None:
+    """Make ``import matplotlib`` (and its submodules) fail, as on a machine without the plot extra."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)

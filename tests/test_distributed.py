@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from dist_helpers import run_ranks
+from dist_helpers import ok, run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -41,13 +41,6 @@ def four_ranks():
     return run_ranks(4, FOUR_RANK_CASES, timeout=240)
 
 
-def _ok(results, name) -> list[dict]:
-    per_rank = [r[name] for r in results]
-    for rank, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {rank}, {name}:\n{res['error']}"
-    return per_rank
-
-
 def _check(per_rank, grads: bool) -> None:
     for rank, res in enumerate(per_rank):
         assert res["out_diff"] <= FWD_ATOL, (rank, res["out_diff"])
@@ -61,14 +54,14 @@ def _check(per_rank, grads: bool) -> None:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_tensor_parallel_matches_eager(two_ranks, model):
-    per_rank = _ok(two_ranks, f"tp:{model}")
+    per_rank = ok(two_ranks, f"tp:{model}")
     _check(per_rank, grads=False)
     assert per_rank[0]["graphs"] == 1  # DTensor traces whole: no graph break
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_fsdp2_forward_and_gradients_match_eager(two_ranks, model):
-    per_rank = _ok(two_ranks, f"fsdp2:{model}")
+    per_rank = ok(two_ranks, f"fsdp2:{model}")
     _check(per_rank, grads=True)
     # FSDP2's hooks break the graph around each block; the block's graph gets its trap and knows
     # its parameters are FSDP2 shards at rest.
@@ -79,14 +72,14 @@ def test_fsdp2_forward_and_gradients_match_eager(two_ranks, model):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_ddp_bucket_graphs_and_gradients_match_eager(two_ranks, model):
-    per_rank = _ok(two_ranks, f"ddp:{model}")
+    per_rank = ok(two_ranks, f"ddp:{model}")
     _check(per_rank, grads=True)
     assert per_rank[0]["graphs"] > 2  # DDPOptimizer split the graph at its buckets
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_tp_x_fsdp2_on_a_2d_mesh_matches_eager(four_ranks, model):
-    per_rank = _ok(four_ranks, f"tp_fsdp2:{model}")
+    per_rank = ok(four_ranks, f"tp_fsdp2:{model}")
     _check(per_rank, grads=True)
     block = next(g for g in per_rank[0]["summary"] if g["traps"])
     placements = {w[2] for w in block["weights"]}
@@ -95,7 +88,7 @@ def test_tp_x_fsdp2_on_a_2d_mesh_matches_eager(four_ranks, model):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_explain_shows_placement_mesh_and_bytes_same_traps_on_every_rank(two_ranks, model):
-    per_rank = _ok(two_ranks, f"explain_tp:{model}")
+    per_rank = ok(two_ranks, f"explain_tp:{model}")
     traps = [[(t["label"], t["first_node"], t["last_node"], t["fqns"]) for t in r["dict"]["traps"]] for r in per_rank]
     assert traps[0] and all(t == traps[0] for t in traps)
     weights = {w["fqns"][0]: w for w in per_rank[0]["dict"]["tensors"]}
@@ -119,6 +112,6 @@ def test_explain_shows_placement_mesh_and_bytes_same_traps_on_every_rank(two_ran
 def test_tensor_parallel_with_inductor_matches_eager():
     pytest.importorskip("transformers")
     results = run_ranks(2, [("tp:llama", "tp", {"model_name": "llama", "then": "inductor"})], timeout=300)
-    per_rank = _ok(results, "tp:llama")
+    per_rank = ok(results, "tp:llama")
     for res in per_rank:
         assert res["out_diff"] <= 1e-4, res["out_diff"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -60,65 +59,43 @@ def _tp_model(world):
     return parallelize_module(model, mesh, plan), x
 
 
-def _rank_main(rank: int, world: int, port: int, root: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def case_tp_captures(rank: int, world: int, root: str) -> dict:
+    """What each rank runs (``dist_helpers.run_ranks``): the eager reference (rank 0), a TP=2
+    capture, one with rank 1's shard perturbed, and a refused AOT-delegate capture."""
+    from graphpass.models.corpus import build
+
     result: dict = {}
-    try:
-        from graphpass.models.corpus import build
-
-        if rank == 0:  # the single-process eager reference (explicit ranks: this process is one of two)
-            model, (x,) = build("mlp_stack")
-            _capture(model, x, Path(root) / "ref", dp_rank=0, tp_rank=0)
-        dist.barrier()
-        model, x = _tp_model(world)
-        result["ranks"] = _capture(model, x, Path(root) / f"host{rank}")  # ranks from the DTensor mesh
-        model, x = _tp_model(world)
-        if rank == 1:
-            with torch.no_grad():
-                model.layers[1].fc1.weight.to_local().add_(1e-2)  # rank 1's shard of one layer's weight
-        _capture(model, x, Path(root) / "bad")
-        model, x = _tp_model(world)
-        try:  # an AOTAutograd delegate loses a DTensor graph's capture nodes: refused, never an empty step
-            torch._dynamo.reset()
-            compiled = torch.compile(model, backend="graphpass", options={"then": "aot_eager"})
-            cap = graphpass.ModelCapture(compiled, modules=MODULES, capture_dir=Path(root) / f"aot{rank}")
-            cap.enable()
-            with cap.step(is_prefill=False, req_ids=["a"]), torch.no_grad():
-                compiled(x)
-        except graphpass.CaptureError as exc:
-            result["aot"] = str(exc)
-    except Exception:
-        import traceback
-
-        result["error"] = traceback.format_exc()
-    finally:
-        torch.save(result, os.path.join(root, f"result{rank}.pt"))
-        dist.destroy_process_group()
+    if rank == 0:  # the single-process eager reference (explicit ranks: this process is one of two)
+        model, (x,) = build("mlp_stack")
+        _capture(model, x, Path(root) / "ref", dp_rank=0, tp_rank=0)
+    dist.barrier()
+    model, x = _tp_model(world)
+    result["ranks"] = _capture(model, x, Path(root) / f"host{rank}")  # ranks from the DTensor mesh
+    model, x = _tp_model(world)
+    if rank == 1:
+        with torch.no_grad():
+            model.layers[1].fc1.weight.to_local().add_(1e-2)  # rank 1's shard of one layer's weight
+    _capture(model, x, Path(root) / "bad")
+    model, x = _tp_model(world)
+    try:  # an AOTAutograd delegate loses a DTensor graph's capture nodes: refused, never an empty step
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="graphpass", options={"then": "aot_eager"})
+        cap = graphpass.ModelCapture(compiled, modules=MODULES, capture_dir=Path(root) / f"aot{rank}")
+        cap.enable()
+        with cap.step(is_prefill=False, req_ids=["a"]), torch.no_grad():
+            compiled(x)
+    except graphpass.CaptureError as exc:
+        result["aot"] = str(exc)
+    return result
 
 
 @pytest.fixture(scope="module")
 def tp_captures(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    from dist_helpers import free_port
+    from dist_helpers import ok, run_ranks
 
     root = tmp_path_factory.mktemp("tp_captures")
-    ctx = mp.start_processes(_rank_main, args=(2, free_port(), str(root)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 240
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError("2 ranks did not finish the capture cases in 240 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    for rank in (0, 1):
-        res = torch.load(root / f"result{rank}.pt", weights_only=False)
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+    results = run_ranks(2, [("captures", "test_distributed_capture:case_tp_captures", {"root": str(root)})], timeout=240)
+    for rank, res in enumerate(ok(results, "captures")):
         assert res["ranks"] == (0, rank)  # (dp, tp) from the mesh's "tp" dimension
         assert "then='eager'" in res.get("aot", ""), res.get("aot")
         assert not list((root / f"aot{rank}").rglob("*.safetensors"))

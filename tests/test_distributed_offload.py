@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from dist_helpers import run_ranks
+from dist_helpers import ok, run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -30,17 +30,10 @@ def two_ranks():
     return run_ranks(2, CASES, timeout=400)
 
 
-def _ok(results, name) -> list[dict]:
-    per_rank = [r[name] for r in results]
-    for rank, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {rank}, {name}:\n{res['error']}"
-    return per_rank
-
-
 @pytest.mark.parametrize("storage", ["cpu", "disk"])
 @pytest.mark.parametrize("model", ["tiny", "llama"])
 def test_tensor_parallel_offload_streams_local_shards_and_matches(two_ranks, model, storage):
-    per_rank = _ok(two_ranks, f"tp_offload:{model}:{storage}")
+    per_rank = ok(two_ranks, f"tp_offload:{model}:{storage}")
     for rank, res in enumerate(per_rank):
         assert res["plain_diff"] == 0.0, (rank, res["plain_diff"])  # aot_eager: the same ops on the same bytes
         assert res["out_diff"] <= FWD_ATOL, (rank, res["out_diff"])
@@ -55,19 +48,19 @@ def test_tensor_parallel_offload_streams_local_shards_and_matches(two_ranks, mod
 
 
 def test_tensor_parallel_offload_training_step_gradients_match(two_ranks):
-    per_rank = _ok(two_ranks, "tp_offload:tiny:cpu:train")
+    per_rank = ok(two_ranks, "tp_offload:tiny:cpu:train")
     for rank, res in enumerate(per_rank):
         assert res["out_diff"] <= FWD_ATOL and res["plain_diff"] == 0.0, (rank, res)
         assert res["grad_diff"] <= FWD_ATOL and res["params"] > 0, (rank, res["grad_diff"])
 
 
 def test_fsdp2_offload_is_refused_naming_fsdp2_and_its_offload_policy(two_ranks):
-    for res in _ok(two_ranks, "fsdp2_offload"):
+    for res in ok(two_ranks, "fsdp2_offload"):
         assert "FSDP2" in res["refused"] and "CPUOffloadPolicy" in res["refused"], res
 
 
 def test_tensor_parallel_offload_under_inductor_matches(two_ranks):
     """Inductor may fuse differently around the load ops: atol 1e-5 against the plain TP run."""
-    for rank, res in enumerate(_ok(two_ranks, "tp_offload:tiny:disk:inductor")):
+    for rank, res in enumerate(ok(two_ranks, "tp_offload:tiny:disk:inductor")):
         assert res["plain_diff"] <= FWD_ATOL and res["out_diff"] <= 1e-4, (rank, res["plain_diff"], res["out_diff"])
         assert res["stats"].bytes_loaded == res["local_bytes"], (rank, res["stats"])

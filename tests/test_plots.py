@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import builtins
 import io
 import re
 import struct
@@ -15,6 +14,7 @@ from graphpass.capturing import compare
 from graphpass.capturing.plots import (PlotUnavailableError, figure_pixels, html_page, plot_report, step_series,
                                        write_html)
 from graphpass.cli import main
+from helpers import no_matplotlib
 from test_compare import clone, model_step, write_step
 
 pytest.importorskip("matplotlib")
@@ -118,21 +118,10 @@ def test_cli_plot_and_html(tmp_path, capsys):
     assert "layers.2" in text and not URL.search(text)
 
 
-def _no_matplotlib(monkeypatch):
-    real_import = builtins.__import__
-
-    def fake_import(name, *args, **kwargs):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", fake_import)
-
-
 def test_missing_matplotlib_is_a_clear_graphpass_error(tmp_path, monkeypatch, capsys):
     ref, test = two_runs(tmp_path)
     report = compare(ref, test)
-    _no_matplotlib(monkeypatch)
+    no_matplotlib(monkeypatch)
     with pytest.raises(PlotUnavailableError, match=re.escape("pip install 'graphpass[plot]'")):
         report.plot(tmp_path / "x.png")
     with pytest.raises(PlotUnavailableError):

@@ -3,7 +3,6 @@ the overlap it shows, the timeline PNG and its errors (docs/trace.md)."""
 
 from __future__ import annotations
 
-import builtins
 import io
 import json
 import re
@@ -17,6 +16,7 @@ import graphpass
 from graphpass.cli import main
 from graphpass.models.corpus import MLPStack
 from graphpass.tracing import TraceError
+from helpers import no_matplotlib
 
 DEPTH, DIM, ROWS = 3, 512, 256  # ~0.5 GFLOP per block: its compute outlasts loading its 4 MiB of weights
 LABELS = [f"layers.{i}" for i in range(DEPTH)]
@@ -168,21 +168,10 @@ def test_the_plot_is_a_png_of_the_requested_size(tmp_path, capsys):
     assert f"plot written to {tmp_path / 'c.png'}" in capsys.readouterr().out
 
 
-def _no_matplotlib(monkeypatch):
-    real_import = builtins.__import__
-
-    def fake_import(name, *args, **kwargs):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", fake_import)
-
-
 def test_missing_matplotlib_names_the_extra_before_running(tmp_path, monkeypatch, capsys):
     from graphpass.capturing.plots import PlotUnavailableError
 
-    _no_matplotlib(monkeypatch)
+    no_matplotlib(monkeypatch)
     calls = []
     with pytest.raises(PlotUnavailableError, match=re.escape("pip install 'graphpass[plot]'")) as info:
         graphpass.trace(lambda x: calls.append(x), torch.ones(1), path=tmp_path / "t.json", plot=tmp_path / "t.png")
