@@ -23,12 +23,13 @@ import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from ..dynamo_records import has_compiled_code
 from ..errors import CaptureError, ConfigError
+from .auto_steps import AutoSteps, StepInfo
 from .ops import ACTIVE_CAPTURES, capture_tensor, mark_output_keys
 from .registry import Switch, TensorRegistry
 from .writer import CaptureWriter, _check_component
@@ -140,6 +141,8 @@ class ModelCapture:
         tp_dim: str = "tp",
     ) -> None:
         self.model = _unwrap(model)
+        # what the user calls: the torch.compile wrapper if given one (auto_steps hooks it, outside the graph)
+        self._called = model if isinstance(model, torch.nn.Module) else self.model
         self.patterns = compile_patterns(modules, "modules")
         names = [n for n, _ in self.model.named_modules() if n]
         check_all_match(self.patterns, names, "modules")
@@ -210,6 +213,11 @@ class ModelCapture:
         self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None
     ) -> list[Path]:
         """Write what was captured since ``setup_tensor_capture`` and restore the previous registry."""
+        return self._save_step(positions, is_prefill, req_ids)
+
+    def _save_step(self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None,
+                   size: int | None = None) -> list[Path]:
+        """``save_tensor_captures``; ``size``: the step's N / B when the caller knows it (auto steps)."""
         reg = self._current()
         try:
             if not reg.enabled:
@@ -217,7 +225,10 @@ class ModelCapture:
             self._check_step(reg)
             tensors = reg.get_all_entries()
             bucket = reg.bucket
-            size = bucket if (bucket is not None and is_prefill) else _step_size(positions, is_prefill, req_ids, tensors)
+            if bucket is not None and is_prefill:
+                size = bucket
+            elif size is None:
+                size = _step_size(positions, is_prefill, req_ids, tensors)
             import graphpass
 
             meta = {
@@ -268,6 +279,17 @@ class ModelCapture:
             self._restore()
             raise
         self.save_tensor_captures(positions=positions, is_prefill=is_prefill, req_ids=req_ids)
+
+    def auto_steps(self, module: torch.nn.Module | None = None,
+                   step_info: Callable[[tuple, dict], StepInfo | None] | None = None) -> AutoSteps:
+        """Make every forward of ``module`` one step, named from its input: ``prefill_s{N}_{k}`` for
+        ``N > 1`` tokens per sequence, ``decode_b{B}_{k}`` for one token per sequence of a batch of
+        ``B`` (``with capture.auto_steps(): model.generate(...)``). ``module``: the module whose calls
+        are steps; default the one given to ``ModelCapture`` (its ``torch.compile`` wrapper if it was
+        given one). ``step_info(args, kwargs)``: name the step yourself (a :class:`StepInfo`, or None
+        to leave that call uncaptured). Returns an :class:`AutoSteps`: use it in ``with``, or
+        ``remove()`` it."""
+        return AutoSteps(self, self._called if module is None else module, step_info)
 
 
 def _model_mesh(model: torch.nn.Module) -> Any:
