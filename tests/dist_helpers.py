@@ -371,14 +371,66 @@ def case_tp_offload(rank, world, model_name, storage, then="aot_eager", train=Fa
     return res
 
 
-def case_fsdp2_offload(rank, world, model_name):
-    """graphpass.offload of an FSDP2 model is refused naming FSDP2 and its own offload policy."""
-    import graphpass
+def _fsdp2_model(model_name: str, **kwargs):
     from torch.distributed.fsdp import fully_shard
 
     model = build(model_name)
     for block in blocks(model):
-        fully_shard(block)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _fsdp2_offload_run(model_name, storage, train, then):
+    """The eager reference, the plain FSDP2 model compiled and the offloaded one compiled (same weights)."""
+    import graphpass
+
+    ref, plain, model = build(model_name), _fsdp2_model(model_name), _fsdp2_model(model_name)
+    if not train:
+        for m in (ref, plain, model):
+            m.eval().requires_grad_(False)
+    local = [sum(p._local_tensor.nbytes for p in b.parameters()) for b in blocks(model)]
+    folder = tempfile.mkdtemp() if storage == "disk" else None
+    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage=storage, disk_path=folder,
+                                                     include_patterns=[r"(model\.)?layers\.\d+"]))
+    compiled, gp = _compile(model, then)
+    compiled_plain, _ = _compile(plain, then)
+    return ref, model, compiled, compiled_plain, local, gp
+
+
+def case_fsdp2_offload(rank, world, model_name, storage, train=False, then="aot_eager"):
+    """graphpass.offload of an FSDP2 model (fully_shard per block and at the root): each rank
+    streams its own shards into FSDP2's all-gathers. Forward on this rank's batch shard against the
+    plain FSDP2 model compiled without offload (exact) and eager; a training step's gradients."""
+    import graphpass
+
+    ids, labels = inputs()
+    mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    ref, model, compiled, compiled_plain, local, gp = _fsdp2_offload_run(model_name, storage, train, then)
+    with torch.set_grad_enabled(train):
+        out, out_plain, expected = (logits(f(ids[mine])) for f in (compiled, compiled_plain, ref))
+    res = {"out_diff": (out - expected).abs().max().item(), "plain_diff": (out - out_plain).abs().max().item(),
+           "block_bytes": local, "global_bytes": sum(p.nbytes for p in blocks(ref).parameters()),
+           "stats": graphpass.memory_stats(compiled, reset=True), "graphs": len(gp.graphs)}
+    if train:
+        loss_of(out, labels[mine]).backward()
+        loss_of(ref(ids), labels).backward()  # FSDP2 averages the ranks' gradients: eager on the whole batch
+        res["grad_diff"], res["params"] = _grad_diffs(ref, model)
+        res["backward_stats"] = graphpass.memory_stats(compiled)
+        for m in (model, ref):  # the step updates the host copies in place: the next forward loads them
+            torch.optim.SGD(m.parameters(), lr=0.5).step()
+        res["step_diff"] = (logits(compiled(ids[mine])) - logits(ref(ids[mine]))).abs().max().item()
+    sd = model.state_dict()
+    res["state_dict_diff"] = max((_full(sd[k]) - v).abs().max().item() for k, v in ref.state_dict().items())
+    return res
+
+
+def case_fsdp2_own_offload(rank, world, model_name):
+    """graphpass.offload of an FSDP2 model with its own CPUOffloadPolicy is refused naming both."""
+    import graphpass
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model = _fsdp2_model(model_name, offload_policy=CPUOffloadPolicy(pin_memory=False))
     try:
         graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
     except graphpass.OffloadError as exc:
@@ -386,4 +438,19 @@ def case_fsdp2_offload(rank, world, model_name):
     return {"refused": ""}
 
 
-CASES.update(tp_offload=case_tp_offload, fsdp2_offload=case_fsdp2_offload)
+def case_fsdp2_disk_backward(rank, world, model_name):
+    """A backward through FSDP2 shards streamed from disk is refused (disk serves inference)."""
+    import graphpass
+
+    ids, labels = inputs()
+    _, _, compiled, _, _, _ = _fsdp2_offload_run(model_name, "disk", True, "aot_eager")
+    loss = loss_of(compiled(ids[:2]), labels[:2])
+    try:
+        loss.backward()
+    except graphpass.OffloadError as exc:
+        return {"refused": str(exc)}
+    return {"refused": ""}
+
+
+CASES.update(tp_offload=case_tp_offload, fsdp2_offload=case_fsdp2_offload, fsdp2_own_offload=case_fsdp2_own_offload,
+             fsdp2_disk_backward=case_fsdp2_disk_backward)

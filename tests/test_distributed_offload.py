@@ -2,8 +2,11 @@
 rank's local shards (host copies or its own file per rank), with outputs equal to the same TP
 model compiled without offload (exactly for aot_eager: offload only moves data) and to
 single-process eager (atol 1e-5, collectives reorder sums; inductor: 1e-5 against plain TP, 1e-4 against eager), ``memory_stats`` per rank counting the
-local bytes, and the same offload ops and collectives in the same order on every rank. FSDP2 is
-refused with a message naming it and its own host offload.
+local bytes, and the same offload ops and collectives in the same order on every rank. An FSDP2
+model streams each rank's shards into FSDP2's own all-gathers (loaded per block, evicted after the
+all-gather: one block's shards on the device at a time), forward bit-identical to plain FSDP2,
+gradients and an optimizer step equal to eager; FSDP2 with its own CPUOffloadPolicy is refused
+naming both.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ CASES = [(f"tp_offload:{m}:{s}", "tp_offload", {"model_name": m, "storage": s})
          for m in ("tiny", "llama") for s in ("cpu", "disk")]
 CASES += [("tp_offload:tiny:cpu:train", "tp_offload", {"model_name": "tiny", "storage": "cpu", "train": True}),
           ("tp_offload:tiny:disk:inductor", "tp_offload", {"model_name": "tiny", "storage": "disk", "then": "inductor"}),
-          ("fsdp2_offload", "fsdp2_offload", {"model_name": "tiny"})]
+          ("fsdp2_own_offload", "fsdp2_own_offload", {"model_name": "tiny"})]
+CASES += [(f"fsdp2_offload:{m}:{s}", "fsdp2_offload", {"model_name": m, "storage": s})
+          for m in ("tiny", "llama") for s in ("cpu", "disk")]
+CASES += [("fsdp2_offload:tiny:cpu:train", "fsdp2_offload", {"model_name": "tiny", "storage": "cpu", "train": True}),
+          ("fsdp2_disk_backward", "fsdp2_disk_backward", {"model_name": "tiny"})]  # last: it leaves FSDP2 mid-backward
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +61,42 @@ def test_tensor_parallel_offload_training_step_gradients_match(two_ranks):
         assert res["grad_diff"] <= FWD_ATOL and res["params"] > 0, (rank, res["grad_diff"])
 
 
-def test_fsdp2_offload_is_refused_naming_fsdp2_and_its_offload_policy(two_ranks):
-    for res in ok(two_ranks, "fsdp2_offload"):
+def test_fsdp2_with_its_own_cpu_offload_is_refused_naming_both(two_ranks):
+    for res in ok(two_ranks, "fsdp2_own_offload"):
         assert "FSDP2" in res["refused"] and "CPUOffloadPolicy" in res["refused"], res
+        assert "graphpass.offload()" in res["refused"] and "embed.weight" in res["refused"], res
+
+
+@pytest.mark.parametrize("storage", ["cpu", "disk"])
+@pytest.mark.parametrize("model", ["tiny", "llama"])
+def test_fsdp2_offload_streams_each_ranks_shards_into_its_all_gathers(two_ranks, model, storage):
+    """FSDP2 all-gathers in eager hooks (outside the graphs): each block's shards are loaded for its
+    all-gather and evicted after it; device memory holds one block's shards at a time."""
+    for rank, res in enumerate(ok(two_ranks, f"fsdp2_offload:{model}:{storage}")):
+        assert res["plain_diff"] == 0.0 and res["out_diff"] <= FWD_ATOL, (rank, res)  # FSDP2 forwards are bit-identical
+        assert res["graphs"] > 0
+        stats, per_block = res["stats"], res["block_bytes"]
+        assert stats.bytes_loaded == sum(per_block) and 2 * sum(per_block) == res["global_bytes"], (rank, stats)
+        assert stats.groups_loaded == stats.evictions == len(per_block) and stats.streamed_bytes_now == 0, (rank, stats)
+        assert stats.peak_streamed_bytes == max(per_block), (rank, stats)  # one block's shards at a time
+        assert res["state_dict_diff"] == 0.0  # state_dict() gives the real (sharded) weights back
+
+
+def test_fsdp2_offload_training_step_matches_eager(two_ranks):
+    """The backward unshards each block again: its shards are loaded again (twice the forward's
+    bytes in all); gradients equal eager's, and an optimizer step on the host copies is what the
+    next forward loads."""
+    for rank, res in enumerate(ok(two_ranks, "fsdp2_offload:tiny:cpu:train")):
+        assert res["out_diff"] <= FWD_ATOL and res["plain_diff"] == 0.0, (rank, res)
+        assert res["grad_diff"] <= FWD_ATOL and res["params"] > 0, (rank, res["grad_diff"])
+        assert res["backward_stats"].bytes_loaded == sum(res["block_bytes"]), (rank, res["backward_stats"])
+        assert res["backward_stats"].peak_streamed_bytes == max(res["block_bytes"])
+        assert res["step_diff"] <= FWD_ATOL, (rank, res["step_diff"])
+
+
+def test_fsdp2_offload_from_disk_refuses_a_backward(two_ranks):
+    for res in ok(two_ranks, "fsdp2_disk_backward"):
+        assert "storage='disk'" in res["refused"] and "inference" in res["refused"], res
 
 
 def test_tensor_parallel_offload_under_inductor_matches(two_ranks):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from .. import progress
 from ..dynamo_records import has_compiled_code
 from ..errors import ConfigError, OffloadError
 from ..fx_utils import is_dtensor, local_tensor, with_spec_of
-from . import files
+from . import files, fsdp2
 from .config import OffloadConfig
 from .planning import OffloadPlan, _Tensor, plan_budget, plan_units
 from .runtime import REGISTRY, MemoryStats, OffloadedTensor, OffloadRuntime
@@ -192,7 +191,7 @@ def _check_arguments(model: nn.Module, config: OffloadConfig | None, kwargs: dic
         raise ConfigError("model", type(model).__name__, "graphpass.offload takes an nn.Module")
     if getattr(model, "_graphpass_offload", None) is not None:
         raise OffloadError("this model is already offloaded (graphpass.offload was called on it before)")
-    _refuse_fsdp2(model)
+    fsdp2.refuse_own_offload(model)  # FSDP2's CPUOffloadPolicy and graphpass.offload() cannot share a shard
     if _has_compiled_code(model):
         raise OffloadError(
             f"{type(model).__name__}.forward was already compiled by torch.compile, and Dynamo would keep running "
@@ -205,25 +204,6 @@ def _check_arguments(model: nn.Module, config: OffloadConfig | None, kwargs: dic
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # "cuda" and "cuda:0" are one device
     return config, device
-
-
-def _refuse_fsdp2(model: nn.Module) -> None:
-    """FSDP2 (``fully_shard``) owns its parameters' storage and all-gathers them in hooks that run
-    outside the compiled graphs, where graphpass has no point to load them; it has its own host
-    offload (``offload_policy=CPUOffloadPolicy()``). Refused, naming the module and both ways."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    kind = getattr(fsdp, "FSDPModule", None)
-    if kind is None:
-        return
-    for name, module in model.named_modules():
-        if isinstance(module, kind):
-            raise OffloadError(
-                f"module {name or type(model).__name__!r} is sharded by FSDP2 (fully_shard): FSDP2 manages its sharded "
-                f"parameters itself and all-gathers them in hooks outside the compiled graph, so graphpass.offload() "
-                f"cannot stream them. Use fully_shard(..., offload_policy=CPUOffloadPolicy()) to keep FSDP2's shards "
-                f"on the host, or tensor parallelism (parallelize_module), whose shards graphpass.offload() streams "
-                f"per rank"
-            )
 
 
 def _plan(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], OffloadPlan, list[_Tensor]]:
@@ -524,6 +504,8 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
     """
     config, device = _check_arguments(model, config, kwargs)
     tensors, plan, streamed = _plan(model, config)
+    use_stand_ins = device.type != "cpu" or _DEVICE_STAND_INS.get()
+    sharded = fsdp2.check(model, streamed, device, use_stand_ins)  # FSDP2 shards: refusals before any change
     idents: dict[str, tuple] = {}
     locations = _check_checkpoint(tensors, checkpoint, idents)  # before touching the model
     disk_path = _prepare_disk_path(config, streamed, locations)
@@ -538,10 +520,12 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
         placement = _materialize(tensors, config, device, locations, idents)
         if placement.disk_tensors:
             _write_disk_file(state, model, disk_path, tensors, placement)
-        use_stand_ins = device.type != "cpu" or _DEVICE_STAND_INS.get()
         _swap_into_model(tensors, config, device, placement, use_stand_ins)
         _register(state, streamed, placement, use_stand_ins)
-        _install_guards(model, state, streamed)
+        # FSDP2 shards are loaded where FSDP2 all-gathers them (eagerly, in its unshard), not in a graph
+        state.hooks += fsdp2.install(sharded, streamed, state.records, device, config.prefetch_distance,
+                                     config.storage == "disk")
+        _install_guards(model, state, [r for r in streamed if id(r) not in sharded])
         _install_state_dict_hooks(model, state, streamed)
         _attach(model, state)
     except BaseException:
