@@ -718,3 +718,88 @@ def test_training_with_device_stand_ins(then):
     ref_opt.step()
     with torch.no_grad():
         torch.testing.assert_close(compiled(*x), ref(*x), rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_graph_slots_go_round_and_pass_over_a_referenced_slot():
+    """The fixed slots of recorded loads (exercised on host memory): views shaped as the records at
+    64-byte aligned offsets; round robin; a slot a tensor still references is never handed out."""
+    from graphpass.offloading.runtime import _GraphSlots
+
+    model, _ = frozen("mlp_stack")
+    state = graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    groups = {}
+    for r in state.records:
+        groups.setdefault(r.unit, []).append(r)
+    recs = groups["layers.0"]
+    offsets, total = _GraphSlots.layout(recs)
+    assert all(o % 64 == 0 for o in offsets) and total >= sum(r.nbytes for r in recs)
+    slots = _GraphSlots(torch.device("cpu"), total, 2)
+    a = slots.take(recs)
+    assert [tuple(t.shape) for t in a] == [r.shape for r in recs] and [t.dtype for t in a] == [r.dtype for r in recs]
+    b = slots.take(recs)
+    assert a[0].untyped_storage().data_ptr() != b[0].untyped_storage().data_ptr()
+    assert slots.take(recs) is None  # both slots referenced (a and b alive)
+    kept = a[1]
+    del a
+    assert slots.take(recs) is None  # one view of the first slot is still alive
+    del kept
+    c = slots.take(recs)
+    assert c[0].untyped_storage().data_ptr() == slots.storages[0].data_ptr()
+    for t, r in zip(c, recs):
+        t.copy_(r.host)
+        assert torch.equal(t, r.host)
+    assert slots.take(recs + recs) is None  # larger than a slot
+
+
+def test_cuda_graph_delegates_are_recognised():
+    from graphpass.config import GraphpassConfig
+    from graphpass.passes.insert_offload_schedule import records_cuda_graphs
+
+    assert records_cuda_graphs(GraphpassConfig.from_options(then="cudagraphs"))
+    assert records_cuda_graphs(GraphpassConfig.from_options(then="inductor", mode="reduce-overhead"))
+    assert records_cuda_graphs(GraphpassConfig.from_options(then="inductor", delegate_options={"triton.cudagraphs": True}))
+    assert not records_cuda_graphs(GraphpassConfig.from_options(then="inductor"))
+    assert not records_cuda_graphs(GraphpassConfig.from_options(then="aot_eager"))
+
+
+@pytest.mark.parametrize("case", ["then=cudagraphs", "static-shape buckets", "pageable storage", "pinned"])
+def test_cuda_graph_offload_refusals_name_the_option(case):
+    """What a recorded load cannot replay is refused at compile time, naming the option; pinned
+    storage through inductor's reduce-overhead reserves the slots (``prefetch_distance + 1``)."""
+    from types import SimpleNamespace
+
+    from graphpass.config import GraphpassConfig
+    from graphpass.passes.insert_offload_schedule import _prepare_cuda_graphs
+
+    model, _ = frozen("mlp_stack")
+    state = graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    groups = [[r for r in state.records if r.unit == u] for u in ("layers.0", "layers.1")]
+    opts = {"then=cudagraphs": dict(then="cudagraphs"),
+            "static-shape buckets": dict(then="inductor", mode="reduce-overhead", static_shapes={"dims": {"x": 0}, "buckets": [8]})}
+    config = GraphpassConfig.from_options(**opts.get(case, dict(then="inductor", mode="reduce-overhead")))
+    reserved = []
+    runtime = SimpleNamespace(storage="cpu" if case == "pageable storage" else "pinned", reserve_graph_slots=reserved.append)
+    expected = {"then=cudagraphs": r"then='cudagraphs'.*mode='reduce-overhead'", "static-shape buckets": "drop static_shapes",
+                "pageable storage": r"storage='cpu'.*'layers\.0\..*storage='pinned'"}
+    if case in expected:
+        with pytest.raises(graphpass.OffloadError, match=expected[case]):
+            _prepare_cuda_graphs(runtime, groups, config)
+        assert not reserved
+    else:
+        _prepare_cuda_graphs(runtime, groups, config)
+        assert reserved == [groups]
+
+
+def test_cuda_graph_slots_are_reserved_once_and_grown_as_a_new_set():
+    """A larger need adds a set (graphs recorded with the old one keep their addresses); a smaller one adds nothing."""
+    model, _ = frozen("mlp_stack")
+    state = graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    runtime = state.runtime
+    one = [[r for r in state.records if r.unit == "layers.0"]]
+    runtime.reserve_graph_slots(one)
+    runtime.reserve_graph_slots(one)
+    assert len(runtime._slots) == 1 and len(runtime._slots[0].storages) == state.config.prefetch_distance + 1
+    runtime.reserve_graph_slots([one[0] + [r for r in state.records if r.unit == "layers.1"]])
+    assert len(runtime._slots) == 2 and runtime._slots[1].nbytes > runtime._slots[0].nbytes
+    runtime.reserve_graph_slots(one)
+    assert len(runtime._slots) == 2

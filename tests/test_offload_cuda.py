@@ -89,3 +89,92 @@ def test_quant_linear_inner_fields_on_cuda():
     x = [t.cuda() for t in fresh_inputs(inputs)]
     with torch.no_grad():
         assert torch.equal(compiled(*x), ref(*x))
+
+
+# --------------------------------------------------------------------------------------------
+# Offload under CUDA graphs: most layers resident, the rest streamed by loads recorded in the graph
+# --------------------------------------------------------------------------------------------
+
+_CUDA_GRAPH_BACKENDS = {
+    "reduce-overhead": dict(then="inductor", mode="reduce-overhead"),
+}
+
+
+def _mostly_resident(layers: int = 8):
+    """A transformer of ``layers`` blocks offloaded with a budget that keeps all but two resident."""
+    from graphpass.models.corpus import TinyTransformer, TransformerConfig
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyTransformer(TransformerConfig(vocab=64, hidden=64, heads=2, layers=layers, mlp=128))
+    model.eval().requires_grad_(False)
+    ref = copy.deepcopy(model).cuda()
+    one = sum(t.numel() * t.element_size() for t in model.layers[0].state_dict().values())
+    state = graphpass.offload(model, graphpass.OffloadConfig(device="cuda", storage="pinned", max_device_bytes=layers * one))
+    assert {r.unit for r in state.records} == {f"layers.{layers - 2}", f"layers.{layers - 1}"}
+    return model, ref, state
+
+
+@pytest.mark.parametrize("how", sorted(_CUDA_GRAPH_BACKENDS))
+def test_offload_under_cuda_graphs_replays_equal_eager(how):
+    """Loads recorded into the CUDA graph: replays (no Python load runs) equal eager for fresh inputs
+    every step, and a host copy updated between replays is what the next replay computes with."""
+    model, ref, state = _mostly_resident()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend=graphpass.backend(**_CUDA_GRAPH_BACKENDS[how]))
+    tol = dict(rtol=1e-4, atol=1e-4)  # inductor's kernels against eager's
+    lengths = [16] * 9
+
+    def step(seq, seed):
+        ids = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(seed)).cuda()
+        with torch.no_grad():
+            out = compiled(ids).clone()
+            torch.testing.assert_close(out, ref(ids), **tol)
+
+    for i, seq in enumerate(lengths[:3]):  # warm-up and recording
+        step(seq, i)
+    loaded = graphpass.memory_stats(compiled).groups_loaded
+    for i, seq in enumerate(lengths[3:]):
+        step(seq, 100 + i)
+    assert graphpass.memory_stats(compiled).groups_loaded == loaded  # every replay ran the recorded loads, none through Python
+    assert not torch._dynamo.utils.counters["inductor"].get("cudagraph_skips")
+    rec = next(r for r in state.records if r.host.dim() == 2)
+    with torch.no_grad():  # the optimizer's view: the host copy is the parameter
+        rec.host.add_(0.5)
+        ref.get_parameter(rec.name).add_(0.5)
+    for i in range(3):
+        step(16, 200 + i)
+
+
+def test_offload_under_cuda_graphs_keeps_loads_in_fixed_slots():
+    """The recorded loads copy into the runtime's reserved slots: device memory does not grow over replays."""
+    model, ref, state = _mostly_resident()
+    compiled = torch.compile(model, backend=graphpass.backend(then="inductor", mode="reduce-overhead"))
+    ids = torch.randint(0, 64, (2, 16), device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(ids)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for _ in range(20):
+            compiled(ids)
+        torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    slots = state.runtime._slots
+    assert len(slots) == 1 and len(slots[-1].storages) == state.config.prefetch_distance + 1
+
+
+@pytest.mark.parametrize("case", ["pageable storage", "then=cudagraphs", "static-shape buckets"])
+def test_offload_under_cuda_graphs_refuses_what_cannot_replay_before_running(case):
+    torch._dynamo.reset()
+    model, inputs = frozen("tiny_transformer")
+    storage = "cpu" if case == "pageable storage" else "pinned"
+    graphpass.offload(model, graphpass.OffloadConfig(device="cuda", storage=storage))
+    opts = {"pageable storage": dict(then="inductor", mode="reduce-overhead"), "then=cudagraphs": dict(then="cudagraphs"),
+            "static-shape buckets": dict(then="inductor", mode="reduce-overhead",
+                                         static_shapes={"dims": {"ids": 1}, "buckets": [8, 16]})}[case]
+    compiled = torch.compile(model, backend=graphpass.backend(**opts))
+    match = {"pageable storage": "storage='pinned'", "then=cudagraphs": "mode='reduce-overhead'",
+             "static-shape buckets": "drop static_shapes"}[case]
+    with pytest.raises(Exception, match=match), torch.no_grad():
+        compiled(*[t.cuda() for t in fresh_inputs(inputs)])

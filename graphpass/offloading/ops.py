@@ -46,7 +46,11 @@ def _load_start(srcs: List[torch.Tensor], group: str, device: torch.device, afte
     runtime = recs[0].runtime
     ticket = runtime.start(recs, group)
     record_event("load", group)
-    out = torch.tensor(ticket, dtype=torch.int64)
+    # The ticket is a tensor on the compute device (a host tensor in the graph would keep CUDA
+    # graphs off it) whose number rides on the Python object: reading a device value back would
+    # synchronize, and cannot be captured.
+    out = torch.empty((), dtype=torch.int64, device=device)
+    out._graphpass_ticket = ticket
     # a call that raises between the start and the wait drops its ticket: the load goes with it.
     # The finalizer is a bare deque append (no Python frame an interrupt could split); the runtime
     # drops the load at its next start or stats read (OffloadRuntime.abandon).
@@ -55,14 +59,14 @@ def _load_start(srcs: List[torch.Tensor], group: str, device: torch.device, afte
 
 
 def _load_start_fake(srcs, group, device, after=()):
-    return torch.empty((), dtype=torch.int64)
+    return torch.empty((), dtype=torch.int64, device=device)
 
 
 def _load_wait(
     ticket: torch.Tensor, srcs: List[torch.Tensor], group: str, device: torch.device, started: List[torch.Tensor] = ()
 ) -> List[torch.Tensor]:
     recs = _records(srcs, group)
-    out = recs[0].runtime.wait(int(ticket.item()), group)
+    out = recs[0].runtime.wait(getattr(ticket, "_graphpass_ticket", None), group)
     record_event("wait", group)
     return out
 
@@ -78,11 +82,16 @@ def _evict(loaded: List[torch.Tensor], srcs: List[torch.Tensor], group: str, aft
         if rec is not None:
             rec.runtime.evicted(group, loaded)
     record_event("evict", group)
-    return torch.zeros((), dtype=torch.int64)
+    return _token(loaded)
+
+
+def _token(loaded: List[torch.Tensor]) -> torch.Tensor:
+    """The eviction's token, on the device of what it evicted (see the ticket of ``load_start``)."""
+    return torch.zeros((), dtype=torch.int64, device=loaded[0].device if loaded else "cpu")
 
 
 def _evict_fake(loaded, srcs, group, after=()):
-    return torch.empty((), dtype=torch.int64)
+    return _token(loaded)
 
 
 def _nothing(*args, **kwargs) -> None:
@@ -144,12 +153,7 @@ def _accumulate_grad(grad: torch.Tensor, handle: torch.Tensor) -> None:
     rec = lookup(handle)
     if rec is None:
         raise OffloadError("a gradient for an offloaded weight reached graphpass, but its stand-in is not registered")
-    host = rec.host
-    g = grad.to(device=host.device, dtype=host.dtype)
-    if host.grad is None:
-        host.grad = g if g is not grad else g.clone()
-    else:
-        host.grad.add_(g)
+    rec.runtime.accumulate_grad(rec, grad)
 
 
 _LIB.impl("accumulate_grad", _accumulate_grad, "CompositeExplicitAutograd")

@@ -42,6 +42,7 @@ import collections
 import ctypes
 import ctypes.util
 import itertools
+import logging
 import mmap
 import os
 import threading
@@ -61,6 +62,8 @@ from ..tracing import EVICT, WAIT, active_sink, record_span
 from .files import identity
 from .leases import FileLeases, handler_installed
 from .safetensors_io import TensorLocation, read_into
+
+_log = logging.getLogger("graphpass.offloading.runtime")
 
 # A load the worker has not finished after this long is an error, not a hang (a hung mount, a bug).
 LOAD_TIMEOUT_S = 600
@@ -219,6 +222,51 @@ class _StagingPool:
             self._free.append(buf)
 
 
+class _GraphSlots:
+    """Fixed device memory for the loads recorded into a CUDA graph.
+
+    A replay copies into the addresses the capture used, so a load under capture takes one of
+    ``count`` slots (``prefetch_distance + 1``) reserved before any capture, outside every graph's
+    memory pool. Slots go round: load j takes the slot load j - count held, which the schedule
+    evicted before load j starts (its ``after`` token), and the side stream waits for the compute
+    stream before copying, so the copy lands after every reader of the previous occupant. A slot
+    some tensor still references (saved for backward, kept by the delegate) is passed over."""
+
+    def __init__(self, device: torch.device, nbytes: int, count: int) -> None:
+        self.nbytes = nbytes
+        self.storages = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device).untyped_storage()
+                         for _ in range(count)]
+        self._next = 0
+
+    @staticmethod
+    def layout(recs: list) -> tuple[list[int], int]:
+        """Offsets of ``recs`` in one slot (64-byte aligned, so every dtype can view its part) and the total."""
+        offsets, total = [], 0
+        for rec in recs:
+            offsets.append(total)
+            total += -(-rec.nbytes // 64) * 64
+        return offsets, total
+
+    def take(self, recs: list) -> list | None:
+        """Views of a free slot shaped as ``recs``, or None (too small, or every slot referenced)."""
+        offsets, total = self.layout(recs)
+        if total > self.nbytes or _use_count is None:
+            return None
+        for k in range(len(self.storages)):
+            i = (self._next + k) % len(self.storages)
+            storage = self.storages[i]
+            if _use_count(storage) == 1:
+                self._next = i + 1
+                return [_view(storage, pos, rec) for pos, rec in zip(offsets, recs)]
+        return None
+
+
+def _view(storage, pos: int, rec: OffloadedTensor) -> torch.Tensor:
+    stride = torch.empty(rec.shape, dtype=rec.dtype, device="meta").stride()
+    out = torch.empty(0, dtype=rec.dtype, device=storage.device)
+    return out.set_(storage, pos // rec.dtype.itemsize, rec.shape, stride)
+
+
 def _storage_use_count():
     fn = getattr(torch._C, "_storage_Use_Count", None)
     return None if fn is None else (lambda storage: fn(storage._cdata))
@@ -279,6 +327,10 @@ class OffloadRuntime:
         self._leases = FileLeases(_LIBC)  # read leases on mapped files (a writer waits, see leases.py)
         self._pool: dict[int, list] = {}  # nbytes -> storages of reused load buffers (host devices)
         self._retired: list = []  # evicted tensors the worker releases at its next job
+        self._grads_pending: list[Future] = []  # gradient additions of the running backward pass (CUDA)
+        self._grad_stream = None
+        self._grad_task = -1  # the backward pass (autograd graph task) whose end waits for them
+        self._slots: list[_GraphSlots] = []  # CUDA graph capture: fixed slots (older sets serve graphs captured with them)
         # Counters that must survive interruptions (KeyboardInterrupt lands between any two lines):
         # what is alive is not counted up and down by finalizers but read off weak references to
         # the loaded tensors when asked (``_live``), and the cumulative counters are replaced in
@@ -394,6 +446,59 @@ class OffloadRuntime:
                 pass
         self._fds.clear()
 
+    # ---------------------------------------------------------------- gradients of host copies
+    def accumulate_grad(self, rec: OffloadedTensor, grad: torch.Tensor) -> None:
+        """Add ``grad`` to the gradient of ``rec``'s host copy.
+
+        From a CUDA device inside a backward pass the copy to the host does not stop the compute: it
+        runs on its own stream into a reused page-locked buffer, the worker adds it on the host once
+        the copy is done, and the backward pass ends only after every such addition (an autograd
+        callback waits for them), so the optimizer never reads a partial gradient."""
+        host = rec.host
+        if grad.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            _add_grad(host, grad.to(device=host.device, dtype=host.dtype), grad)
+            return
+        task = torch._C._current_graph_task_id()
+        if task == -1:  # not inside a backward pass
+            _add_grad(host, grad.to(device=host.device, dtype=host.dtype), grad)
+            return
+        with self._lock:
+            if task != self._grad_task:  # once per backward pass: its end waits for the additions
+                self._grad_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradients)
+            stream = self._d2h_stream()
+            stream.wait_stream(torch.cuda.current_stream(grad.device))
+            buf = self._staging.take(host.numel() * host.element_size())
+            part = buf[: host.numel() * host.element_size()].view(host.dtype).view(host.shape)
+            event = torch.cuda.Event()
+            with torch.cuda.stream(stream):
+                part.copy_(grad.to(host.dtype), non_blocking=True)
+                event.record(stream)
+            grad.record_stream(stream)
+            self._grads_pending.append(self._worker().submit(self._land_grad, host, buf, part, event))
+
+    def _land_grad(self, host: torch.Tensor, buf: torch.Tensor, part: torch.Tensor, event) -> None:
+        try:
+            event.synchronize()
+            _add_grad(host, part, None)
+        finally:
+            self._staging.give(buf)
+
+    def finish_gradients(self) -> None:
+        """Wait until every gradient copy this backward pass started has been added on the host."""
+        with self._lock:
+            pending, self._grads_pending = self._grads_pending, []
+            self._grad_task = -1
+        for future in pending:
+            future.result(timeout=LOAD_TIMEOUT_S)
+
+    def _d2h_stream(self):
+        if self._grad_stream is None:
+            with self._lock:
+                if self._grad_stream is None:
+                    self._grad_stream = torch.cuda.Stream(device=self.device)
+        return self._grad_stream
+
     # ---------------------------------------------------------------- the transfers
     def _checked_fd(self, rec: OffloadedTensor) -> int:
         """The open file of ``rec``'s bytes, checked to be the file offload() resolved, unchanged
@@ -478,10 +583,7 @@ class OffloadRuntime:
                 dst.copy_(rec.host)
 
     def _disk_to_cuda_job(self, recs: list, dsts: list, event) -> None:
-        offsets, total = [], 0
-        for rec in recs:  # each tensor at a 64-byte aligned offset, so any dtype can view it
-            offsets.append(total)
-            total += -(-rec.nbytes // 64) * 64
+        offsets, total = _GraphSlots.layout(recs)  # 64-byte aligned offsets, so any dtype can view its part
         staging = self._staging.take(total)
         try:
             views = []
@@ -520,6 +622,45 @@ class OffloadRuntime:
                 self._pool[rec.nbytes].append(storage)  # buffer_pool_bytes is read off the pool
             return torch.empty(0, dtype=rec.dtype, device=device).set_(storage, 0, rec.shape, stride)
 
+    def reserve_graph_slots(self, groups: list) -> None:
+        """Reserve the fixed device slots that loads recorded into a CUDA graph copy into, sized for
+        the largest of ``groups`` (lists of records, one per trap load). Called when a graph whose
+        delegate records CUDA graphs is compiled, never while a capture runs; a larger need adds a
+        new set (graphs captured earlier keep theirs)."""
+        need = max((_GraphSlots.layout(recs)[1] for recs in groups), default=0)
+        with self._lock:
+            if self._slots and self._slots[-1].nbytes >= need:
+                return
+            self._slots.append(_GraphSlots(self.device, need, self.config.prefetch_distance + 1))
+
+    def _start_captured(self, recs: list, group: str) -> _Pending:
+        """A load recorded into a CUDA graph: page-locked host copies -> fixed slots, on the side stream,
+        forked from and joined into the capture by events (the replay copies again at every step, so
+        a host copy updated between replays is what the next replay computes with)."""
+        unpinned = [r.name for r in recs if r.location is not None or not r.host.is_pinned()]
+        if unpinned:
+            raise OffloadError(
+                f"trap {group!r}: a CUDA graph is being recorded, and tensor {unpinned[0]!r} is offloaded with "
+                f"storage={self.storage!r}; a recorded load copies from page-locked host memory at a fixed address: "
+                f"offload with storage='pinned', or compile without CUDA graphs"
+            )
+        device = self.device
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream(device))  # after every reader of the slot's last trap
+        dsts = self._slots[-1].take(recs) if self._slots else None
+        if dsts is None:  # not reserved (a capture graphpass was not told of) or every slot in use
+            _log.warning("trap %r: no free fixed slot for a load recorded into a CUDA graph; it uses the graph's own "
+                         "memory pool (correct, but its memory stays reserved by the graph)", group)
+            with torch.cuda.stream(stream):
+                dsts = [torch.empty(r.shape, dtype=r.dtype, device=device) for r in recs]
+        event = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            for rec, dst in zip(recs, dsts):
+                dst.copy_(rec.host, non_blocking=True)
+            event.record(stream)
+        self._allocated(dsts, sum(r.nbytes for r in recs))
+        return _Pending(dsts, None, event)
+
     def start(self, recs: list, group: str) -> int:
         if self._closed:
             raise OffloadError("this model's offload runtime was closed (graphpass.offload state released)")
@@ -527,7 +668,9 @@ class OffloadRuntime:
         device = self.device
         nbytes = sum(r.nbytes for r in recs)
         owner = (threading.get_ident(), group)
-        if device.type == "cuda":
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            pending = self._start_captured(recs, group)
+        elif device.type == "cuda":
             # The CPU runs ahead of the GPU; memory freed by an evicted trap is reused only once
             # the GPU is past that trap. Waiting here for the eviction before this load keeps the
             # device at the schedule's traps instead of the caching allocator growing to all.
@@ -572,8 +715,11 @@ class OffloadRuntime:
                 del self._latest[pending.owner]
         return pending
 
-    def wait(self, ticket: int, group: str) -> list:
-        pending = self._take(ticket)
+    def wait(self, ticket: int | None, group: str) -> list:
+        if ticket is None:  # a ticket tensor that lost its number: this thread's latest load of the group
+            with self._lock:
+                ticket = self._latest.get((threading.get_ident(), group))
+        pending = self._take(ticket) if ticket is not None else None
         if pending is None:
             raise OffloadError(f"trap {group!r}: load ticket {ticket} is unknown (its load was never started)")
         t0 = time.perf_counter()
@@ -614,7 +760,7 @@ class OffloadRuntime:
     def _evicted(self, group: str, loaded: list | None) -> None:
         with self._lock:
             self._stats = {**self._stats, "evictions": self._stats["evictions"] + 1}
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
                 event = torch.cuda.Event(blocking=True)
                 event.record(torch.cuda.current_stream(self.device))
                 self._evict_events[threading.get_ident()] = event
@@ -629,6 +775,15 @@ class OffloadRuntime:
         with self._lock:
             retired, self._retired = self._retired, []
         retired.clear()
+
+
+def _add_grad(host: torch.Tensor, g: torch.Tensor, source: torch.Tensor | None) -> None:
+    """``host.grad += g`` (``g`` becomes the gradient when there is none; copied when it is
+    ``source`` itself or a reused buffer)."""
+    if host.grad is None:
+        host.grad = g.clone() if source is None or g is source else g
+    else:
+        host.grad.add_(g)
 
 
 def _changed(tensor: str, path: str, expected: tuple, now: tuple, when: str) -> str:

@@ -17,6 +17,11 @@ guard nodes but reads no offloaded tensor (the model's tensors were replaced aft
 is refused, as is a graph that writes into an offloaded tensor or a view of it (any write form
 :func:`graphpass.fx_utils.writes_into` knows, ``+=`` included).
 
+When the delegate records CUDA graphs (inductor's ``mode="reduce-overhead"``), the runtime's fixed
+device slots for recorded loads are reserved here, before any capture, and storage other than
+``"pinned"`` is refused (a replayed copy reads page-locked memory), as is ``then="cudagraphs"``
+(it copies every input, parameters included, into memory of its own at each replay).
+
 Assumes the trap boundaries were inserted (it anchors loads at ``trap_enter`` nodes when present,
 else at the trap's first reader) and that the analysis holds ``node_trap``.
 """
@@ -130,6 +135,8 @@ class InsertOffloadSchedule(GraphPass):
             return bool(guards)
         schedule = self._insert(graph, plan, records, runtime, order)
         self._check_budget(ctx, graph, schedule, runtime)
+        if runtime.device.type == "cuda" and records_cuda_graphs(ctx.config):
+            _prepare_cuda_graphs(runtime, [[records[p] for p in g.phs] for g in plan], ctx.config)
         return True
 
     def _insert(self, graph: torch.fx.Graph, plan: list[_Group], records: dict, runtime, order: dict) -> list[LoadGroup]:
@@ -198,6 +205,40 @@ class InsertOffloadSchedule(GraphPass):
             f"{self.name}: {len(schedule)} trap loads of {sum(g.nbytes for g in schedule):,} bytes, prefetch {prefetch}, "
             f"schedule peak {peak:,} streamed bytes"
         )
+
+
+def records_cuda_graphs(config) -> bool:
+    """Will the delegate record this graph as a CUDA graph (``then="cudagraphs"``, inductor's
+    ``mode="reduce-overhead"`` or its ``triton.cudagraphs`` option)?"""
+    options = config.delegate_options or {}
+    return config.then == "cudagraphs" or config.mode == "reduce-overhead" or bool(options.get("triton.cudagraphs"))
+
+
+def _prepare_cuda_graphs(runtime, groups: list, config) -> None:
+    """Loads recorded into a CUDA graph copy from page-locked host memory into fixed device slots:
+    refuse other storage before anything runs, and reserve the slots now (outside any capture)."""
+    if config.then == "cudagraphs":
+        raise OffloadError(
+            "then='cudagraphs' copies every graph input into memory of its own at each replay, parameters included "
+            "(torch's cudagraphs backend fixes no input address when modules are inlined), so the recorded loads "
+            "could not tell one model's weights from another's; offloaded graphs record CUDA graphs through inductor: "
+            "graphpass.backend(then='inductor', mode='reduce-overhead')"
+        )
+    if config.static_shapes is not None:
+        raise OffloadError(
+            "static-shape buckets, offload and CUDA graphs together: the buckets' graphs are compiled when first "
+            "used, outside Dynamo's tracing context, so inductor records them treating every input, parameters "
+            "included, as copied at each replay, and the recorded loads could not tell one model's weights from "
+            "another's; drop static_shapes (one CUDA graph per shape Dynamo compiles) or mode='reduce-overhead'"
+        )
+    if runtime.storage != "pinned":
+        first = groups[0][0].name if groups and groups[0] else "?"
+        raise OffloadError(
+            f"the delegate records CUDA graphs, and this graph loads tensors offloaded with storage={runtime.storage!r} "
+            f"(first: {first!r}); a recorded load copies from page-locked host memory at a fixed address at every "
+            f"replay: offload with storage='pinned', or compile without CUDA graphs"
+        )
+    runtime.reserve_graph_slots(groups)
 
 
 def _offloaded_inputs(ctx: PassContext) -> dict[torch.fx.Node, OffloadedTensor]:
@@ -319,10 +360,10 @@ def _fake_values(fake_mode, start, wait, items, phs, device):
     """Example values for the inserted nodes (fake tensors on ``device``); the eviction token, or None."""
     if fake_mode is None:
         return None
-    with fake_mode:
-        start.meta["example_value"] = torch.empty((), dtype=torch.int64)
+    with fake_mode:  # ticket and token live on the compute device, as the ops make them
+        start.meta["example_value"] = torch.empty((), dtype=torch.int64, device=device)
         vals = [_loaded_like(p.meta["example_value"], device) for p in phs]
-        token = torch.empty((), dtype=torch.int64)
+        token = torch.empty((), dtype=torch.int64, device=device)
     wait.meta["example_value"] = vals
     for item, v in zip(items, vals):
         item.meta["example_value"] = v
