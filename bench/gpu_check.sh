@@ -1,46 +1,59 @@
 #!/usr/bin/env bash
-# Device checks for a lent GPU machine (one call, under 8 minutes). Prints every table; writes
-# copies under $OUT when that is set. Sections:
-#   1. static-shape buckets: 64 lengths, recordings and latency vs dynamic inductor
-#   2. offload: pinned host->device bandwidth, then per-forward latency of graphpass offload
-#      (storage="pinned") against max(compute, offloaded bytes / bandwidth), accelerate
-#      cpu_offload and, where it installs, FlexTensor (bench/gpu_offload.py)
-#   3. offload correctness on the device: tests/test_offload_cuda.py (pinned/cpu/disk tiers, side
-#      stream, staging buffers, training), where pytest is installed
-set -euo pipefail
+# Device checks for a lent GPU machine: one call, under 8 minutes. Prints every table and writes a
+# copy of each under $OUT when that is set. Sections, most important first (each has its own time
+# cap, and a section that fails or runs out of time does not stop the others):
+#   1. tests/test_offload_cuda.py: offload tiers on the device, training, and offload under CUDA graphs
+#      (replays equal eager, host updates seen, fixed slots), where pytest is installed
+#   2. decode under CUDA graphs with a quarter of the layers streamed (bench/gpu_decode.py)
+#   3. a training step with offload against its bandwidth bound (bench/train_offload.py --device cuda)
+#   4. peers on one diffusers transformer: diffusers group offloading, FlexTensor (bench/gpu_peers.py)
+#   5. offload from pinned memory at 256 tokens against the bound and accelerate (bench/gpu_offload.py)
+#   6. static-shape buckets against dynamic inductor (bench/gpu_static_shapes.py)
+# The lent machine is offline: wheels it lacks (diffusers, flextensor and their needs) travel in .whl/
+# (see docs/benchmarks.md for the download command) and are installed from there.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-# the lent machine is offline: install without an isolated build env (setuptools is in its image)
 python3 -m pip install -q --no-build-isolation --no-deps -e . || python3 -m pip install -q --no-build-isolation --no-deps .
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gp-site .whl/*.whl \
+    && export PYTHONPATH="/tmp/gp-site${PYTHONPATH:+:$PYTHONPATH}" || echo "wheels in .whl: install failed"
+fi
 out=${OUT:-/tmp}
+export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-echo "== static-shape buckets =="
-PYTHONUNBUFFERED=1 timeout 180 python3 bench/gpu_static_shapes.py --lengths 64 | tee "$out/static_shapes_gpu.txt" \
-  || echo "static-shape section failed (rc $?); going on" | tee -a "$out/static_shapes_gpu.txt"
-echo "== offload =="
-# FlexTensor, where it installs. The lent machine has no network: wheels carried in .whl/ (flextensor and
-# the dependencies missing there) are installed from there; otherwise a short pip try, then "not available".
-if ls .whl/flextensor-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ft-site .whl/*.whl \
-    && export PYTHONPATH="/tmp/ft-site${PYTHONPATH:+:$PYTHONPATH}" || echo "flextensor: install from .whl failed"
-else
-  timeout 60 python3 -m pip install -q --retries 0 --timeout 5 flextensor >/dev/null 2>&1 || echo "flextensor: not installed"
-fi
-# at most 240 s, less if the sections above ran long: the whole script stays under 8 minutes
-left=$(( 460 - SECONDS ))
-if [ "$left" -gt 240 ]; then left=240; fi
-if [ "$left" -lt 60 ]; then
-  echo "offload: skipped, only ${left} s left of the 8 minutes" | tee "$out/offload_gpu.txt"
-else
-  PYTHONUNBUFFERED=1 timeout "$left" python3 bench/gpu_offload.py | tee "$out/offload_gpu.txt"
-fi
-echo "== offload on CUDA: tests =="
-if python3 -c "import pytest" 2>/dev/null; then
-  left=$(( 470 - SECONDS ))
-  if [ "$left" -gt 30 ]; then
-    timeout "$left" python3 -m pytest -q -p no:cacheprovider tests/test_offload_cuda.py 2>&1 | tail -15 | tee "$out/offload_cuda_tests.txt" || true
-  else
-    echo "skipped: only ${left} s left" | tee "$out/offload_cuda_tests.txt"
+python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpu.txt"
+
+# section NAME CAP_SECONDS FILE COMMAND...: runs COMMAND for at most CAP seconds (less when the 8 minutes
+# run short), output to the terminal and to $out/FILE
+section() {
+  local name=$1 cap=$2 file=$3; shift 3
+  local left=$(( 465 - SECONDS ))
+  if [ "$left" -lt "$cap" ]; then cap=$left; fi
+  echo "== $name (at ${SECONDS} s, cap ${cap} s) =="
+  if [ "$cap" -lt 20 ]; then
+    echo "$name: skipped, only ${left} s left of the 8 minutes" | tee "$out/$file"
+    return
   fi
-else
-  echo "pytest not installed on this machine: tests/test_offload_cuda.py not run" | tee "$out/offload_cuda_tests.txt"
+  timeout "$cap" "$@" 2>&1 | tee "$out/$file"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || echo "$name: exit status $rc (124: out of time)" | tee -a "$out/$file"
+}
+
+# GPU_SECTIONS picks a subset for a rerun (default: all, in this order)
+sections=" ${GPU_SECTIONS:-tests decode train peers offload static} "
+want() { [[ "$sections" == *" $1 "* ]]; }
+if want tests; then
+  if python3 -c "import pytest" 2>/dev/null; then
+    section "offload on CUDA: tests" 110 offload_cuda_tests.txt \
+      python3 -m pytest -q -p no:cacheprovider --no-header -rfE tests/test_offload_cuda.py
+  else
+    echo "pytest not installed on this machine: tests/test_offload_cuda.py not run" | tee "$out/offload_cuda_tests.txt"
+  fi
 fi
+want decode && section "decode under CUDA graphs" 130 decode_gpu.txt python3 bench/gpu_decode.py
+want train && section "training with offload" 80 train_gpu.txt \
+  python3 bench/train_offload.py --device cuda --then inductor --layers 6 --hidden 4096 --inter 16384 --tokens 4096 --steps 5 --warmup 2
+want peers && section "peers on a diffusers transformer" 160 peers_gpu.txt python3 bench/gpu_peers.py --time-budget 115
+want offload && section "offload from pinned memory" 45 offload_gpu.txt python3 bench/gpu_offload.py --layers 8 --tokens 256 --variants graphpass accelerate
+want static && section "static-shape buckets" 40 static_shapes_gpu.txt python3 bench/gpu_static_shapes.py --lengths 16
+echo "== done at ${SECONDS} s =="

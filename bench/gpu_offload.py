@@ -234,6 +234,7 @@ def main() -> None:
     gp_stats = {}
 
     def run_graphpass():
+        torch._dynamo.reset()  # the resident run compiled Stack.forward: offload() refuses a compiled class
         model = build(args, sd)
         cfg = graphpass.OffloadConfig(include_patterns=["layers.*"], exclude_patterns=[], device=str(device),
                                       storage="pinned" if cuda else "cpu", prefetch_distance=args.prefetch,

@@ -42,20 +42,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_time(model, compiled, opt, x, steps: int, warmup: int, device: torch.device) -> float:
-    """Median seconds of one training step (forward, backward, optimizer step, zero_grad)."""
-    times = []
+def step_time(model, compiled, opt, x, steps: int, warmup: int, device: torch.device) -> tuple[float, float]:
+    """Median seconds of one training step (forward, backward, optimizer step, zero_grad), and of its
+    forward and backward alone (what the bound covers)."""
+    times, fwd_bwd = [], []
     for i in range(warmup + steps):
         sync(device)
         t0 = time.perf_counter()
         loss = compiled(x).float().square().mean()
         loss.backward()
+        sync(device)
+        t1 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            fwd_bwd.append(t1 - t0)
+    return statistics.median(times), statistics.median(fwd_bwd)
 
 
 def bandwidth(device: torch.device, mib: int, to_device: bool) -> float:
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     resident = copy.deepcopy(base).to(device)
     res_opt = torch.optim.SGD(resident.parameters(), lr=1e-3)
     res_compiled = torch.compile(resident, backend=args.then)
-    t_res = step_time(resident, res_compiled, res_opt, x, args.steps, args.warmup, device)
+    t_res, fb_res = step_time(resident, res_compiled, res_opt, x, args.steps, args.warmup, device)
 
     torch._dynamo.reset()
     model = copy.deepcopy(base)
@@ -103,24 +107,25 @@ def main(argv: list[str] | None = None) -> int:
                                                              storage=storage, prefetch_distance=1))
     opt = torch.optim.SGD(list(state.parameters(model)), lr=1e-3)
     compiled = torch.compile(model, backend=graphpass.backend(then=args.then))
-    t_off = step_time(model, compiled, opt, x, args.steps, args.warmup, device)
+    t_off, fb_off = step_time(model, compiled, opt, x, args.steps, args.warmup, device)
     stats = graphpass.memory_stats(model)
 
     streamed = state.streamed_bytes
     rows = [
-        ["resident (every weight on the device)", f"{t_res * 1e3:.1f}", "1.000", "-"],
-        [f"graphpass offload ({storage}, prefetch 1)", f"{t_off * 1e3:.1f}", f"{t_off / t_res:.3f}",
+        ["resident (every weight on the device)", f"{t_res * 1e3:.1f}", f"{fb_res * 1e3:.1f}", "1.000", "-"],
+        [f"graphpass offload ({storage}, prefetch 1)", f"{t_off * 1e3:.1f}", f"{fb_off * 1e3:.1f}", f"{t_off / t_res:.3f}",
          f"{stats.wait_seconds * 1e3 / max(1, args.steps + args.warmup):.1f} ms waiting / step"],
     ]
-    headers = ["step", "ms / step (median)", "x resident", "note"]
+    headers = ["step", "ms / step (median)", "of which fwd+bwd", "x resident", "note"]
     target_line = f"target on the CPU: at most 1.25 x resident -> {'met' if t_off / t_res <= 1.25 else 'NOT met'}"
     if device.type == "cuda":
         h2d, d2h = bandwidth(device, 256, True), bandwidth(device, 256, False)
         transfer = 2 * streamed / h2d + streamed / d2h  # forward and backward loads, gradients back
-        bound = max(t_res, transfer)
-        rows.append(["bound max(resident, transfers)", f"{bound * 1e3:.1f}", f"{bound / t_res:.3f}",
+        bound = max(fb_res, transfer)
+        rows.append(["bound max(resident fwd+bwd, transfers)", "", f"{bound * 1e3:.1f}", "",
                      f"H2D {h2d / 1e9:.1f} GB/s, D2H {d2h / 1e9:.1f} GB/s"])
-        target_line = f"graphpass / bound = {t_off / bound:.3f} (target at most 1.15)"
+        target_line = (f"graphpass fwd+bwd / bound = {fb_off / bound:.3f} (target at most 1.15); whole step with the "
+                       f"optimizer on the host copies / bound = {t_off / bound:.3f}")
     print(f"train_offload: {args.layers} layers of {args.hidden}x{args.inter}, {args.tokens} tokens, {dtype}, "
           f"{streamed / MiB:.1f} MiB streamed, delegate {args.then}, torch {torch.__version__}, device {device}")
     print(tabulate(rows, headers=headers))
