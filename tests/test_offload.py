@@ -803,3 +803,27 @@ def test_cuda_graph_slots_are_reserved_once_and_grown_as_a_new_set():
     assert len(runtime._slots) == 2 and runtime._slots[1].nbytes > runtime._slots[0].nbytes
     runtime.reserve_graph_slots(one)
     assert len(runtime._slots) == 2
+
+
+def test_gradient_landing_keeps_the_first_buffer_and_adds_later_ones():
+    """The worker's half of the device->host gradient copies (exercised with host tensors and a
+    finished copy): the first gradient is the buffer itself, a later one is added and its buffer
+    returns to the pool; finish_gradients waits for every addition."""
+    from types import SimpleNamespace
+
+    model, _ = frozen("mlp_stack")
+    state = graphpass.offload(model, graphpass.OffloadConfig(**CPU))
+    runtime = state.runtime
+    host = torch.nn.Parameter(torch.zeros(4, 8))
+    done = SimpleNamespace(synchronize=lambda: None)
+    first, second = torch.empty(4 * 32, dtype=torch.uint8), torch.empty(4 * 32, dtype=torch.uint8)
+    first.view(torch.float32).fill_(1.0)
+    second.view(torch.float32).fill_(2.0)
+    pending = [runtime._worker().submit(runtime._land_grad, host, buf, buf.view(torch.float32).view(4, 8), done)
+               for buf in (first, second)]
+    runtime._grads_pending.extend(pending)
+    runtime.finish_gradients()
+    assert not runtime._grads_pending
+    assert host.grad.data_ptr() == first.data_ptr()  # no copy of the first gradient
+    assert torch.equal(host.grad, torch.full((4, 8), 3.0))
+    assert runtime._staging.take(32 * 4) is second  # the added one's buffer is reused

@@ -478,11 +478,21 @@ class OffloadRuntime:
             self._grads_pending.append(self._worker().submit(self._land_grad, host, buf, part, event))
 
     def _land_grad(self, host: torch.Tensor, buf: torch.Tensor, part: torch.Tensor, event) -> None:
+        """On the worker, once the copy is done: the first gradient of a backward pass becomes the host
+        copy's gradient as it lies in the page-locked buffer (no host copy of it; the buffer leaves
+        the pool, and torch's page-locked allocator caches it when the gradient is freed), a later
+        one is added and its buffer goes back to the pool."""
+        kept = False
         try:
             event.synchronize()
-            _add_grad(host, part, None)
+            if host.grad is None:
+                host.grad = part
+                kept = True
+            else:
+                host.grad.add_(part)
         finally:
-            self._staging.give(buf)
+            if not kept:
+                self._staging.give(buf)
 
     def finish_gradients(self) -> None:
         """Wait until every gradient copy this backward pass started has been added on the host."""
