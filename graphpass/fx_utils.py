@@ -343,8 +343,10 @@ def numbered_containers(paths: Iterable[str]) -> dict[str, list[str]]:
     return {c: list(children) for c, children in out.items()}
 
 
-def _under(path: str, child: str) -> bool:
-    return path == child or path.startswith(child + ".")
+def _dot_prefixes(path: str) -> list[str]:
+    """``a.b.c`` -> ``a``, ``a.b``, ``a.b.c``: the paths ``path`` lies under."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def repeated_blocks(paths: Iterable[str], weights: Iterable[tuple[int, Iterable[str]]]) -> tuple[str | None, list[str]]:
@@ -361,11 +363,16 @@ def repeated_blocks(paths: Iterable[str], weights: Iterable[tuple[int, Iterable[
     if not candidates:
         return None, []
     score = dict.fromkeys(candidates, 0)
+    container_of: dict[str, list[str]] = {}  # child -> the containers listing it
+    for c, children in candidates.items():
+        for ch in children:
+            container_of.setdefault(ch, []).append(c)
     for nbytes, owners in weights:
-        owners = list(owners)
-        for c, children in candidates.items():
-            if any(_under(o, ch) for o in owners for ch in children):
-                score[c] += nbytes
+        # a path lies under a child when it is the child or inside it, i.e. the child is one of its
+        # dot-prefixes: looked up, not tested against every child of every container (quadratic)
+        hit = {c for o in owners for prefix in _dot_prefixes(o) for c in container_of.get(prefix, ())}
+        for c in hit:
+            score[c] += nbytes
     best = max(candidates, key=lambda c: (score[c], len(candidates[c]), -len(c)))
     return best, candidates[best]
 

@@ -108,6 +108,46 @@ def _within(fqn: str, module: str) -> bool:
     return not module or fqn == module or fqn.startswith(module + ".")
 
 
+def _regions(graph: torch.fx.Graph, node_modules: dict[str, list[str]]) -> dict[str, list[torch.fx.Node]]:
+    """Module FQN -> the nodes that run inside it, in graph order (one sweep for every module)."""
+    out: dict[str, list[torch.fx.Node]] = {}
+    for n in graph.nodes:
+        for fqn in dict.fromkeys(node_modules.get(n.name, ())):
+            out.setdefault(fqn, []).append(n)
+    return out
+
+
+class _Weights:
+    """The graph's weights, ``(placeholder, FQNs, is a parameter)`` in graph order, indexed by every
+    module that holds them, so a module's weights are one lookup instead of a scan of all of them."""
+
+    def __init__(self, weights: list[tuple[torch.fx.Node, list[str], bool]]) -> None:
+        self.all = weights
+        self.params = [w for w in weights if w[2]]
+        self.under: dict[str, list[tuple[torch.fx.Node, str, bool]]] = {}
+        for node, fqns, param in weights:
+            for f in fqns:
+                parts = f.split(".")
+                for scope in dict.fromkeys(["", *(".".join(parts[:i]) for i in range(1, len(parts) + 1))]):
+                    self.under.setdefault(scope, []).append((node, f, param))  # every scope f is _within
+
+    def __bool__(self) -> bool:
+        return bool(self.all)
+
+    def held(self, scope: str) -> list[tuple[torch.fx.Node, str, bool]]:
+        """``(placeholder, FQN, is a parameter)`` of each weight FQN inside ``scope``, in graph order."""
+        return self.under.get(scope, [])
+
+    def last_outside(self, node: torch.fx.Node, fqn: str, inner: str) -> torch.fx.Node | None:
+        """The last weight other than ``node`` held outside ``fqn`` and inside ``inner``, a parameter
+        when there is one: searched from the end, parameters first, so it stops after a few steps."""
+        for group in (self.params, self.all):
+            for w, fqns, _ in reversed(group):
+                if w is not node and not any(_within(f, fqn) for f in fqns) and any(_within(f, inner) for f in fqns):
+                    return w
+        return None
+
+
 class InsertCaptureNodes(GraphPass):
     name = "insert_capture_nodes"
     requires = ("analyze_ownership",)
@@ -121,8 +161,8 @@ class InsertCaptureNodes(GraphPass):
         markers = self._output_markers(ctx)
         order = {n: i for i, n in enumerate(graph.nodes)}
         modules = list(dict.fromkeys([p for paths in analysis.node_modules.values() for p in paths] + list(markers)))
-        nodes = [n for n in graph.nodes if n.name in analysis.node_modules]
-        weights = self._weights(ctx)
+        regions = _regions(graph, analysis.node_modules)
+        weights = _Weights(self._weights(ctx))
         inserted = 0
         twins = self._twins(ctx) if ctx.captures else []
         for fqn in modules if ctx.captures else ():
@@ -154,8 +194,7 @@ class InsertCaptureNodes(GraphPass):
             for spec, rel in specs:  # a ModelCapture whose module holds no owner: routed by name, as before
                 if (not owner or not _within(owner_fqn, spec.prefix)) and (rel, [], "") not in calls:
                     calls.append((rel, [], ""))
-            region = [n for n in nodes if fqn in analysis.node_modules[n.name]]
-            inserted += _capture_module(graph, region, markers.get(fqn, []), calls, order)
+            inserted += _capture_module(graph, regions.get(fqn, []), markers.get(fqn, []), calls, order)
         for fqn_markers in markers.values():
             for marker, _, _ in fqn_markers:
                 graph.erase_node(marker)
@@ -205,18 +244,19 @@ class InsertCaptureNodes(GraphPass):
             node = placeholders.get(t.node)
             if t.kind in ("parameter", "buffer") and t.fqns and node is not None and is_tensor_node(node):
                 out.append((node, list(t.fqns), t.kind == "parameter"))
-        out.sort(key=lambda w: list(placeholders).index(w[0].name))
+        position = {name: i for i, name in enumerate(placeholders)}
+        out.sort(key=lambda w: position[w[0].name])
         return out
 
     @staticmethod
-    def _owner(fqn: str, specs, weights) -> tuple[list[torch.fx.Node], str]:
+    def _owner(fqn: str, specs, weights: _Weights) -> tuple[list[torch.fx.Node], str]:
         """The owner placeholders of module ``fqn``'s capture nodes and the first one's FQN."""
         if not weights:
             return [], ""
         first = None
         scope = fqn
         while first is None:
-            held = [(node, f, param) for node, fqns, param in weights for f in fqns if _within(f, scope)]
+            held = weights.held(scope)
             if held:
                 node, f, _ = next((h for h in held if h[2]), held[0])  # parameters before buffers
                 first = (node, f)
@@ -228,10 +268,7 @@ class InsertCaptureNodes(GraphPass):
         # A second weight, held outside the captured module but inside every ModelCapture's module
         # that gets this node: tells apart two models that share the captured module itself.
         inner = max((spec.prefix for spec, _ in specs if _within(owner_fqn, spec.prefix)), key=len, default="")
-        others = [(node, param) for node, fqns, param in weights
-                  if node is not first[0] and not any(_within(f, fqn) for f in fqns)
-                  and any(_within(f, inner) for f in fqns)]
-        if others:
-            params = [o for o in others if o[1]] or others
-            owner.append(params[-1][0])
+        other = weights.last_outside(first[0], fqn, inner)
+        if other is not None:
+            owner.append(other)
         return owner, owner_fqn

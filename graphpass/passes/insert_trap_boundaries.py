@@ -26,6 +26,7 @@ redistribution, hence no collective a boundary could add).
 
 from __future__ import annotations
 
+import heapq
 import operator
 
 import torch
@@ -80,22 +81,36 @@ def is_anchor(node: torch.fx.Node) -> bool:
     return False
 
 
-def _anchors_behind(starts, stop) -> list:
-    """Anchors reached walking back from ``starts`` through non-anchor nodes, not entering ``stop``."""
-    found: dict = {}
-    seen = set()
-    frontier = list(starts)
-    while frontier:
-        n = frontier.pop()
-        if n in seen or n in stop:
-            continue
-        seen.add(n)
+def _latest_anchor(starts, stop, order: dict, keep, floor: int = -1) -> torch.fx.Node | None:
+    """The latest (in graph order) tensor anchor that ``keep`` accepts among those reached walking
+    back from ``starts`` through non-anchor nodes, not entering ``stop``; None when there is none.
+
+    The walk takes nodes latest first: an input comes before its users, so every node on a path
+    to an anchor leaves the heap before that anchor does, and the first anchor accepted is the
+    latest one reached. It stops there, or below position ``floor`` (where ``keep`` accepts
+    nothing), instead of following a chain of non-anchors (a residual stream) back to the start
+    of the graph for every trap."""
+    heap: list = []
+    seen: set = set()
+
+    def push(n: torch.fx.Node) -> None:
+        if n not in seen and n not in stop:
+            seen.add(n)
+            heapq.heappush(heap, (-order[n], id(n), n))
+
+    for n in starts:
+        push(n)
+    while heap:
+        position, _, n = heapq.heappop(heap)
+        if -position < floor:
+            return None
         if is_anchor(n):
-            if is_tensor_node(n):
-                found[n] = None
+            if is_tensor_node(n) and keep(n):
+                return n
             continue
-        frontier.extend(n.all_input_nodes)
-    return list(found)
+        for a in n.all_input_nodes:
+            push(a)
+    return None
 
 
 class InsertTrapBoundaries(GraphPass):
@@ -130,10 +145,10 @@ class InsertTrapBoundaries(GraphPass):
             outputs = {n: None for n in region if is_tensor_node(n) and any(u not in members for u in n.users)}
             # One dep each: the latest anchor is enough to order the node, and keeping more
             # buffers referenced would only stretch their lifetimes.
-            before = [a for a in _anchors_behind(inputs, members) if a not in weights]
-            inside = [a for a in _anchors_behind(outputs, set()) if a in members]
-            enter_deps = [max(before, key=order.__getitem__)] if before else list(inputs)
-            exit_deps = [max(inside, key=order.__getitem__)] if inside else list(outputs)
+            before = _latest_anchor(inputs, members, order, lambda a: a not in weights)
+            inside = _latest_anchor(outputs, (), order, members.__contains__, floor=min(map(order.__getitem__, region)))
+            enter_deps = [before] if before is not None else list(inputs)
+            exit_deps = [inside] if inside is not None else list(outputs)
             if previous_exit is not None and order[previous_exit] < order[first]:
                 # Boundary ops keep their relative order in every compiler (they are side
                 # effects), so an enter that follows the previous trap's exit needs no dep of its

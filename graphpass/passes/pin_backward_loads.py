@@ -29,15 +29,33 @@ from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT
 from ..fx_utils import is_graphpass_op, node_order
 
 
-def _descendants(node: torch.fx.Node) -> set:
+def _descendants_before(node: torch.fx.Node, order: dict, limit: int) -> set:
+    """The node's descendants placed before position ``limit``. Exact: in a topologically ordered
+    graph every node on a path to such a descendant is placed before it, so the walk never needs to
+    go past ``limit``; it costs the nodes it keeps (and their edges), not the rest of the graph."""
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
         for u in n.users:
-            if u not in seen:
+            if u not in seen and order[u] < limit:
                 seen.add(u)
                 todo.append(u)
     return seen
+
+
+def _is_compute(node: torch.fx.Node) -> bool:
+    """A tensor-producing op other than graphpass's own: what a re-load can be pinned after."""
+    return node.op == "call_function" and not is_graphpass_op(node.target) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _previous_compute(nodes: list[torch.fx.Node]) -> list[torch.fx.Node | None]:
+    """For every position, the nearest compute node before it (None: none), in one sweep."""
+    prev, last = [], None
+    for n in nodes:
+        prev.append(last)
+        if _is_compute(n):
+            last = n
+    return prev
 
 
 @dataclass
@@ -53,8 +71,9 @@ class _BackwardLoad:
 
 def _backward_loads(graph: torch.fx.Graph) -> list[_BackwardLoad]:
     """The graph's re-loads in backward order (of their first consumer)."""
-    order = node_order(graph)
+    order = node_order(graph)  # taken once: nothing below moves a node
     nodes = list(graph.nodes)
+    before = _previous_compute(nodes)
     found = []
     for start in [n for n in nodes if n.target is LOAD_START]:
         wait = next((u for u in start.users if u.target is LOAD_WAIT and u.args[0] is start), None)
@@ -65,14 +84,10 @@ def _backward_loads(graph: torch.fx.Graph) -> list[_BackwardLoad]:
         if not consumers:
             continue
         first = min(consumers, key=order.__getitem__)
-        below = _descendants(wait)
-        anchor = None
-        for prev in reversed(nodes[: order[first]]):
-            if prev in below or prev.op != "call_function" or is_graphpass_op(prev.target):
-                continue
-            if isinstance(prev.meta.get("val"), torch.Tensor):
-                anchor = prev
-                break
+        below = _descendants_before(wait, order, order[first])
+        anchor = before[order[first]]
+        while anchor is not None and anchor in below:  # skip compute that reads the loaded tensors
+            anchor = before[order[anchor]]
         found.append(_BackwardLoad(start, wait, items, first, anchor))
     return sorted(found, key=lambda load: order[load.first])
 
@@ -113,9 +128,11 @@ def pin_backward_loads(graph: torch.fx.Graph) -> int:
         _set_last_arg(load.start, [issued_at.anchor] if issued_at.anchor is not None else [])
         ahead = loads[i + d].start if d and i + d < len(loads) else None
         _set_last_arg(load.wait, [ahead] if ahead is not None else [])
+    issued: dict[int, list[torch.fx.Node]] = {}  # backward position -> the starts issued there
+    for i, load in enumerate(loads):
+        issued.setdefault(max(i - d, 0), []).append(load.start)
     for j, here in enumerate(loads):
-        issued = [load for i, load in enumerate(loads) if max(i - d, 0) == j]
-        for n in [load.start for load in issued] + [here.wait, *here.items]:
+        for n in issued.get(j, []) + [here.wait, *here.items]:
             here.first.prepend(n)
     return len(loads)
 
