@@ -5,8 +5,10 @@ Which inputs are offloaded is read from the example inputs themselves (tensors
 trap (and each stretch of graph between traps that reads an offloaded tensor) the pass:
 
 * loads the tensors that trap reads, once (a tensor several ops read is loaded once; a tied
-  tensor once per trap that reads it): ``load_start`` is placed ``prefetch_distance`` traps ahead,
-  ``load_wait`` just before the trap's enter node, and the trap's ops read the waited tensors;
+  tensor once per trap that reads it): ``load_start`` is placed ``prefetch_distance`` traps ahead
+  (the first ``prefetch_distance + 1`` loads where the graph starts computing, so they overlap
+  whatever runs before the first streamed trap), ``load_wait`` just before the trap's enter node,
+  and the trap's ops read the waited tensors;
 * evicts them right after their last reader in the trap (``evict`` is the last user, so the
   graph drops the tensors there).
 
@@ -146,11 +148,14 @@ class InsertOffloadSchedule(GraphPass):
         fake_mode = next((m for m in (getattr(ph.meta.get("example_value"), "fake_mode", None) for ph in records) if m is not None), None)
         done = _Inserted()
         schedule: list[LoadGroup] = []
+        # The first window (groups 0..prefetch) starts where the graph starts computing: its copies
+        # overlap whatever runs before the first streamed trap (resident traps, embeddings).
+        first = next(n for n in graph.nodes if n.op != "placeholder")
         for k, group in enumerate(plan):
             issue = range(0, min(prefetch, len(plan) - 1) + 1) if k == 0 else [k + prefetch]
             for j in issue:
                 if j < len(plan):
-                    _insert_start(graph, plan, done, j, group.anchor, k, device, order)
+                    _insert_start(graph, plan, done, j, first if k == 0 else group.anchor, k, device, order)
             start = done.starts[k]
             ahead = [done.starts[k + prefetch]] if prefetch and k + prefetch < len(plan) else []
             with graph.inserting_before(group.anchor):
@@ -175,7 +180,7 @@ class InsertOffloadSchedule(GraphPass):
                 placeholders=[p.name for p in group.phs],
                 fqns=[records[p].name for p in group.phs],
                 nbytes=sum(records[p].nbytes for p in group.phs),
-                start_before=plan[max(0, k - prefetch)].anchor.name,
+                start_before=first.name if k <= prefetch else plan[k - prefetch].anchor.name,
                 wait_before=group.anchor.name,
                 evict_after=group.last.name,
             ))
