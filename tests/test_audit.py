@@ -2,7 +2,6 @@
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from graphpass.cli import main, parse_dynamic
 from graphpass.models import audit_example
 from graphpass.models.audit_example import DYNAMIC, MAX_LEN, factory
 
-from graphpass.static_shapes import allocation_audit as audit_mod
 EXAMPLE = Path(audit_example.__file__)
 THIS = Path(__file__)
 

@@ -14,14 +14,13 @@ import os
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import graphpass
 from graphpass.models.corpus import CORPUS, build
 from graphpass.offloading.ops import LOAD_START, LOAD_WAIT, EVICT
 from graphpass.offloading.runtime import lookup
 
-from helpers import fresh_inputs, StrictAtenBackend
+from helpers import fresh_inputs
 
 CPU = dict(device="cpu", storage="cpu")
 

@@ -1,6 +1,5 @@
 """Ownership read off the graph: FQNs, owners, traps and bytes for every tensor input."""
 
-import pytest
 import torch
 import torch.nn as nn
 
