@@ -115,3 +115,20 @@ def test_tensor_parallel_with_inductor_matches_eager():
     per_rank = ok(results, "tp:llama")
     for res in per_rank:
         assert res["out_diff"] <= 1e-4, res["out_diff"]
+
+
+@pytest.mark.inductor
+def test_fsdp2_ddp_and_tp_x_fsdp2_with_inductor_match_eager():
+    """The engines whose graphs Dynamo splits (FSDP2's hooks, DDP's buckets) and the 2-D mesh, with
+    inductor as the delegate: forward and a training step's gradients within 1e-4 of eager
+    (inductor reorders float math)."""
+    pytest.importorskip("transformers")
+    two = run_ranks(2, [(f"{e}:tiny", e, {"model_name": "tiny", "then": "inductor"}) for e in ("fsdp2", "ddp")],
+                    timeout=420)
+    four = run_ranks(4, [("tp_fsdp2:tiny", "tp_fsdp2", {"model_name": "tiny", "then": "inductor"})], timeout=420)
+    for results, case in ((two, "fsdp2:tiny"), (two, "ddp:tiny"), (four, "tp_fsdp2:tiny")):
+        per_rank = ok(results, case)
+        for rank, res in enumerate(per_rank):
+            assert res["out_diff"] <= 1e-4 and res["grad_diff"] <= 1e-4, (case, rank, res["out_diff"], res["grad_diff"])
+            assert res["boundaries"] > 0 and res["params"] > 0
+        assert all(r["traps"] == per_rank[0]["traps"] for r in per_rank)
