@@ -321,7 +321,8 @@ _DURING_FORWARD_CHILD = textwrap.dedent("""
                 return out
             rt.OffloadRuntime.wait = injected
         else:  # at a random point of a loop of forwards
-            threading.Timer(rng.uniform(0.0, 0.3), subprocess.run, (cmd,), {"check": True, "timeout": 60}).start()
+            timer = threading.Timer(rng.uniform(0.0, 0.3), subprocess.run, (cmd,), {"check": True, "timeout": 60})
+            timer.start()
         results = []
         t0 = time.monotonic()
         while not results or time.monotonic() - t0 < (0.5 if trials > 1 else 0):
@@ -339,7 +340,8 @@ _DURING_FORWARD_CHILD = textwrap.dedent("""
                     results.append("same" if torch.equal(compiled(*inputs), ref) else "WRONG")
                 except graphpass.OffloadError:
                     results.append("error")
-        time.sleep(0.4)  # a late timer's change lands; the next forward must see it
+        if trials > 1:
+            timer.join(90)  # a late change lands (a slow machine starts the child late); the next forward must see it
         try:
             with torch.no_grad():
                 compiled(*inputs)
