@@ -9,8 +9,8 @@ and compiles four copies (same weights):
   capture, no offload);
 * ``graphpass -> eager`` and ``graphpass -> eager + capture on``: the capture cost, with a
   ``ModelCapture`` of every layer and the head enabled, writing each step's files (per rank:
-  ``dp0/<step>/<module>/rank<t>.safetensors``), against the same delegate without one (DTensor
-  captures keep their values only under ``then="eager"`` today).
+  ``dp0/<step>/<module>/rank<t>.safetensors``), against the same delegate without one (measured
+  under ``then="eager"``; DTensor captures now work under every delegate, docs/distributed.md).
 
 Calls are interleaved and the order is reversed every other round (A, B, C, C, B, A, ...); every
 rank runs the same variant at the same time (the collectives pair up). Each rank times its own
@@ -80,8 +80,8 @@ def _variants(args, models, ids, folder):
     variants = {"inductor": lambda: plain(ids), "graphpass -> inductor": lambda: traps(ids)}
     if args.no_capture:
         return variants
-    # DTensor captures keep their values only under then="eager" (docs/distributed.md): the
-    # capture cost is measured there, against the same delegate without a ModelCapture.
+    # The capture cost under then="eager" (the recorded numbers' delegate), against the same
+    # delegate without a ModelCapture.
     eager = torch.compile(models[2], backend=graphpass.backend(then="eager"))
     on = torch.compile(models[3], backend=graphpass.backend(then="eager"))
     capture = graphpass.ModelCapture(on, modules=[f"layers.0-{args.layers - 1}", "lm_head"], capture_dir=folder)

@@ -35,17 +35,29 @@ the timed phase. ``--tokens-large auto`` picks the smallest power of two (from 8
 layer's eager compute time is at least ``--compute-over-read`` (2) x the read time per trap
 (layer bytes / read bandwidth, measured with ``os.preadv`` on the checkpoint file) and at least
 1.5 x its 1-token time (compute-bound: below that a layer's compute is itself one pass over its
-weights in memory). ``--threads`` sets torch's threads in the variant processes. The page cache is warm
-(the checkpoint was just written or read), so "disk" reads come from memory: it measures the
-read path, not the storage device. Outputs are compared with the no-offload run's on the same
-inputs.
+weights in memory). ``--threads`` sets torch's threads in the variant processes (they inherit the environment:
+``OMP_WAIT_POLICY`` etc., printed). The page cache is warm (the checkpoint was just written or
+read), so "disk" reads come from memory: the forwards measure the read path, not the storage
+device. Outputs are compared with the no-offload run's on the same inputs.
+
+Each variant is also put against its own bound, max(compute, streamed bytes per forward / read
+bandwidth): compute is the no-offload run's median at that batch; streamed bytes are what
+``graphpass.memory_stats`` counted (graphpass) or every offloaded layer (accelerate); the read
+bandwidth is that of the variant's read path, measured in the same run on the checkpoint: graphpass's
+(``POSIX_FADV_WILLNEED``, a private mapping of each tensor's region, a fault per page, the unmap) and
+a copy with ``os.preadv`` (accelerate's). Warm: before the variants. Cold (unless ``--no-cold``): after
+them, on a few layers each dropped from the page cache with ``POSIX_FADV_DONTNEED`` (clean pages of
+this file only; no root, ``/proc/sys/vm/drop_caches`` is not used), checked with ``mincore``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import dataclasses
 import json
+import mmap
 import os
 import statistics
 import struct
@@ -62,6 +74,7 @@ VARIANTS = ("no-offload", "graphpass-disk", "accelerate-disk")
 OPTIONAL = ("accelerate-disk-dat",)
 HEAD = 256
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 class Block(nn.Module):
@@ -163,35 +176,115 @@ def write_checkpoint(args) -> None:
     os.replace(tmp, p)
 
 
-def read_bandwidth(args) -> tuple[float, int]:
-    """Bytes/s of reading one layer's tensors from the checkpoint with preadv into a reused buffer
-    (warm page cache), as a trap load reads them."""
-    path = str(ckpt_path(args))
-    with open(path, "rb") as f:
+def layer_spans(args) -> list[list[tuple[int, int]]]:
+    """Per layer, the (file offset, size) of each of its tensors in the checkpoint."""
+    with open(ckpt_path(args), "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     base = 8 + n
-    spans = []
-    for i in range(args.layers):
-        spans.append([(base + header[k]["data_offsets"][0], header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
-                      for k in layer_names(i)])
-    layer_bytes = sum(s for _, s in spans[0])
-    buf = torch.empty(max(s for _, s in spans[0]), dtype=torch.uint8)
-    mv = memoryview(buf.numpy())
-    times = []
-    fd = os.open(path, os.O_RDONLY)
+    return [[(base + header[k]["data_offsets"][0], header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
+             for k in layer_names(i)] for i in range(args.layers)]
+
+
+def _libc():
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    return libc
+
+
+def resident_fraction(fd: int, off: int, size: int) -> float:
+    """Fraction of the file region's pages in the page cache (mincore over a mapping that is never touched)."""
+    libc, page = _libc(), mmap.PAGESIZE
+    start = off - off % page
+    length = off - start + size
+    addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
     try:
-        for _ in range(2):
-            for layer in spans:
-                t = time.perf_counter()
-                for off, size in layer:
-                    got = 0
-                    while got < size:
-                        got += os.preadv(fd, [mv[got:size]], off + got)
-                times.append(time.perf_counter() - t)
+        vec = ctypes.create_string_buffer((length + page - 1) // page)
+        if libc.mincore(addr, length, vec) != 0:
+            return float("nan")
+        return sum(b & 1 for b in vec.raw) / len(vec.raw)
+    finally:
+        libc.munmap(addr, length)
+
+
+def read_preadv(fd: int, layer: list, mv: memoryview) -> None:
+    """A copy into a reused buffer (accelerate's reads, the ``storage="cpu"`` path)."""
+    for off, size in layer:
+        got = 0
+        while got < size:
+            got += os.preadv(fd, [mv[got:size]], off + got)
+
+
+def read_mmap(fd: int, layer: list, libc) -> None:
+    """graphpass's disk -> cpu path (``runtime.OffloadRuntime._map``): POSIX_FADV_WILLNEED, a private
+    mapping of each tensor's region, its pages faulted in (one byte read per page, as the compute's
+    first pass does), and the unmap. The bytes themselves are then read by the compute."""
+    gran = mmap.ALLOCATIONGRANULARITY
+    for off, size in layer:
+        os.posix_fadvise(fd, off, size, os.POSIX_FADV_WILLNEED)
+        start = off - off % gran
+        length = off - start + size
+        addr = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, start)
+        region = (ctypes.c_char * length).from_address(addr)
+        torch.frombuffer(region, dtype=torch.uint8)[:: mmap.PAGESIZE].sum()
+        del region
+        libc.munmap(addr, length)
+
+
+def _read_paths(args) -> tuple[dict, list, int]:
+    libc, spans = _libc(), layer_spans(args)
+    mv = memoryview(torch.empty(max(s for _, s in spans[0]), dtype=torch.uint8).numpy())
+    paths = {"preadv": lambda fd, layer: read_preadv(fd, layer, mv), "mmap": lambda fd, layer: read_mmap(fd, layer, libc)}
+    return paths, spans, sum(s for _, s in spans[0])
+
+
+def read_bandwidths(args) -> tuple[dict, int]:
+    """Bytes/s of each read path with a WARM page cache ({"preadv"|"mmap": {"warm": bw}}, best of 2 passes
+    over every layer: the checkpoint was just written or read) and the bytes of one layer."""
+    paths, spans, layer_bytes = _read_paths(args)
+    out, fd = {}, os.open(str(ckpt_path(args)), os.O_RDONLY)
+    try:
+        for name, read in paths.items():
+            out[name] = {"warm": layer_bytes / min(_timed(read, fd, layer) for _ in range(2) for layer in spans)}
     finally:
         os.close(fd)
-    return layer_bytes / min(times), layer_bytes  # best of 2 passes over every layer
+    return out, layer_bytes
+
+
+def cold_bandwidths(args, bws: dict, layers: int = 4) -> str:
+    """Adds "cold" (bytes/s or None) to each path of ``bws``, measured on ``layers`` layers per path, each
+    dropped from the page cache first with POSIX_FADV_DONTNEED (clean pages of this file only, no root
+    needed; /proc/sys/vm/drop_caches is not used) and checked with mincore; returns how. Run after the
+    variants: pages read back in come in smaller page-cache folios than the written file's, which makes
+    the mapped path fault more often."""
+    paths, spans, layer_bytes = _read_paths(args)
+    layers = max(1, min(layers, len(spans) // len(paths)))  # distinct layers per path
+    resid, fd = [], os.open(str(ckpt_path(args)), os.O_RDONLY)
+    try:
+        os.fdatasync(fd)  # dirty pages (a checkpoint just written) are not dropped
+        for k, (name, read) in enumerate(paths.items()):
+            times = []
+            for layer in spans[k * layers:(k + 1) * layers]:
+                page = mmap.PAGESIZE  # whole pages only are dropped: widen each region to its pages
+                for off, size in layer:  # a layer's tensors need not be adjacent in the file
+                    os.posix_fadvise(fd, off - off % page, size + off % page + page, os.POSIX_FADV_DONTNEED)
+                resid.append(sum(resident_fraction(fd, off, size) * size for off, size in layer) / layer_bytes)
+                times.append(_timed(read, fd, layer))
+            bws[name]["cold"] = layer_bytes * len(times) / sum(times) if max(resid) < 0.05 else None
+    finally:
+        os.close(fd)
+    return (f"POSIX_FADV_DONTNEED on each measured layer's region ({layers} layers per path), after which "
+            f"{max(resid) * 100:.1f}% of it was still cached (mincore)"
+            + ("" if max(resid) < 0.05 else ": not cold, no cold bandwidth reported"))
+
+
+def _timed(read, fd: int, layer: list) -> float:
+    t = time.perf_counter()
+    read(fd, layer)
+    return time.perf_counter() - t
 
 
 def layer_compute_seconds(args, tokens: int, reps: int = 5) -> float:
@@ -270,6 +363,15 @@ def stats_dict(s) -> dict:
     return d
 
 
+def timed_forwards(fn, x: torch.Tensor, iters: int) -> list[float]:
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn(x)
+        ts.append(time.perf_counter() - t)
+    return ts
+
+
 def run_variant(args) -> None:
     import psutil
 
@@ -296,14 +398,7 @@ def run_variant(args) -> None:
         reset_ok = reset_peak_rss()
         me = psutil.Process()
         cpu0, own0, w0 = psutil.cpu_times(), me.cpu_times(), time.perf_counter()
-        lat = {}
-        for key, x in (("b1", x1), ("bN", xn)):
-            ts = []
-            for _ in range(args.iters):
-                t = time.perf_counter()
-                fn(x)
-                ts.append(time.perf_counter() - t)
-            lat[key] = ts
+        lat = {key: timed_forwards(fn, x, args.iters) for key, x in (("b1", x1), ("bN", xn))}
         cpu1, own1, wall = psutil.cpu_times(), me.cpu_times(), time.perf_counter() - w0
     run_status = proc_status()
     busy = lambda c: c.user + c.nice + c.system + getattr(c, "irq", 0) + getattr(c, "softirq", 0)  # noqa: E731
@@ -364,7 +459,7 @@ def child(args, variant: str, timeout: float) -> dict | None:
     return None
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -379,6 +474,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/graphpass-offload-disk")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + OPTIONAL)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per variant process")
+    ap.add_argument("--no-cold", dest="cold", action="store_false",
+                    help="skip the cold-page-cache bandwidth (POSIX_FADV_DONTNEED on the checkpoint, after the runs)")
     ap.add_argument("--small", action="store_true", help="smoke run: 4 layers, hidden 256, inter 1024")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
     ap.add_argument("--write", action="store_true", help=argparse.SUPPRESS)
@@ -387,19 +484,13 @@ def main() -> None:
         args.layers, args.hidden, args.inter = 4, 256, 1024
         if args.workdir == ap.get_default("workdir"):
             args.workdir += "-small"
-    if args.write:
-        write_checkpoint(args)
-        return
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.variant:
-        args.tokens_large = int(args.tokens_large)
-        run_variant(args)
-        return
+    return args
 
-    from tabulate import tabulate
 
-    # checkpoint, written in its own process so that this one stays small
+def prepare(args) -> tuple[dict, int]:
+    """Writes or reuses the checkpoint, measures the warm read bandwidths, prints the setup; returns
+    the bandwidths and the bytes of one layer."""
+    # the checkpoint is written in its own process so that this one stays small
     if ckpt_matches(args):
         print(f"checkpoint: reusing {ckpt_path(args)}")
     else:
@@ -409,14 +500,26 @@ def main() -> None:
                        check=True)
         print(f"checkpoint: wrote {ckpt_path(args)} in {time.perf_counter() - t0:.1f} s")
     size = ckpt_path(args).stat().st_size
-    bw, layer_bytes = read_bandwidth(args)
+    bws, layer_bytes = read_bandwidths(args)
+    bw = bws["preadv"]["warm"]
     read_s = layer_bytes / bw
     print(f"model: {args.layers} layers x (LayerNorm, Linear {args.hidden}->{args.inter}, GELU, Linear "
           f"{args.inter}->{args.hidden}) fp32 + norm + head {args.hidden}->{HEAD}; checkpoint {size / MiB:.0f} MiB "
           f"({size / (1 << 30):.2f} GiB), {layer_bytes / MiB:.1f} MiB per layer (= per trap)")
-    print(f"read bandwidth (os.preadv of one layer from the checkpoint into a reused buffer, best of 32, WARM page "
-          f"cache): {bw / (1 << 30):.2f} GiB/s -> "
-          f"read time per trap {read_s * 1e3:.2f} ms")
+    print(f"read bandwidth, WARM page cache, best of {2 * args.layers} layers: os.preadv into a reused buffer (a copy: "
+          f"accelerate's path) {bw / GiB:.2f} GiB/s -> read time per trap {read_s * 1e3:.2f} ms; graphpass's path "
+          f"(WILLNEED + private mapping + a fault per page + unmap) {bws['mmap']['warm'] / GiB:.2f} GiB/s -> "
+          f"{layer_bytes / bws['mmap']['warm'] * 1e3:.2f} ms")
+    print("OpenMP / torch threads in the variant processes: " + ", ".join(
+        f"{k}={os.environ.get(k, 'unset')}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
+        + f", --threads {args.threads or 'torch default'}")
+    return bws, layer_bytes
+
+
+def choose_tokens(args, read_s: float) -> None:
+    """Sets ``args.tokens_large`` (``auto``: see the module docstring) and prints the compute probe."""
+    from tabulate import tabulate
+
     probe = []
     c1 = layer_compute_seconds(args, 1)
     probe.append([1, f"{c1 * 1e3:.2f}", f"{c1 / read_s:.2f}", f"{c1 / c1:.2f}"])
@@ -443,6 +546,9 @@ def main() -> None:
           f"(median), after warm-up; each variant in a fresh process, {args.rounds} round(s) A B C A B C ...; "
           f"a variant's latency is its best round's median (and min), its peak RSS the highest round's\n")
 
+
+def run_rounds(args) -> dict[str, list]:
+    """Every variant in a fresh process, ``--rounds`` times in alternation; the records per variant."""
     runs: dict[str, list] = {}
     for rnd in range(args.rounds):
         for v in args.variants:
@@ -462,7 +568,11 @@ def main() -> None:
                       f"{m.get('wait_seconds', 0) / n * 1e3:.1f} ms waiting for loads")
             if "memory_stats_error" in rec:
                 print(f"[{v}] graphpass.memory_stats failed: {rec['memory_stats_error']}")
-    print()
+    return runs
+
+
+def merge_rounds(runs: dict) -> dict:
+    """Per variant: the best round's latencies, the highest round's peak RSS and other processes' CPU."""
     results = {}
     for v, recs in runs.items():
         r = dict(recs[0])
@@ -472,6 +582,11 @@ def main() -> None:
             vals = [x[k] for x in recs if x.get(k) is not None]
             r[k] = max(vals) if vals else None
         results[v] = r
+    return results
+
+
+def print_results(args, results: dict) -> None:
+    from tabulate import tabulate
 
     base = results.get("no-offload")
     ref = torch.load(Path(args.workdir) / "out-no-offload.pt") if base else None
@@ -500,6 +615,12 @@ def main() -> None:
     print("(ratios vs no-offload; peak RSS = VmHWM of the whole process incl. setup and compile; "
           "page cache warm, so disk reads come from memory; accelerate runs eager)")
 
+
+def print_checks(args, results: dict) -> None:
+    from tabulate import tabulate
+
+    base = results.get("no-offload")
+    bn = f"b{args.tokens_large}"
     gp, acc = results.get("graphpass-disk"), results.get("accelerate-disk")
     checks = []
 
@@ -528,6 +649,77 @@ def main() -> None:
     missing = [v for v in args.variants if v not in results]
     if missing:
         print(f"\nno result for: {', '.join(missing)}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.write:
+        write_checkpoint(args)
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.variant:
+        args.tokens_large = int(args.tokens_large)
+        run_variant(args)
+        return
+    bws, layer_bytes = prepare(args)
+    choose_tokens(args, layer_bytes / bws["preadv"]["warm"])
+    runs = run_rounds(args)
+    print()
+    try:
+        cold_how = cold_bandwidths(args, bws) if args.cold else "not measured (--no-cold)"
+    except Exception as exc:  # keep the runs' results
+        cold_how = f"not measured: {type(exc).__name__}: {exc}"
+    results = merge_rounds(runs)
+    print_results(args, results)
+    print_bounds(args, results, bws, layer_bytes, cold_how)
+    print_checks(args, results)
+
+
+def print_bounds(args, results: dict, bws: dict, layer_bytes: int, cold_how: str) -> None:
+    from tabulate import tabulate
+
+    rows = bound_rows(args, results, bws, layer_bytes)
+    if not rows:
+        return
+    bn = f"b{args.tokens_large}"
+    print("\nagainst the bound max(compute, streamed bytes / read bandwidth); compute = no-offload's median in this "
+          "run; read bandwidth of the variant's path measured in this run: WARM " + ", ".join(
+              f"{k} {v['warm'] / GiB:.2f} GiB/s" for k, v in bws.items()) + "; COLD " + ", ".join(
+              f"{k} {v['cold'] / GiB:.2f} GiB/s" for k, v in bws.items() if v.get("cold")) + f" ({cold_how})")
+    print(tabulate(rows, headers=["variant", "streamed MiB/fwd", "read path", "b1 ms med", "b1 bound warm",
+                                  "b1 med / bound", "b1 bound cold", f"{bn} ms med", f"{bn} bound warm",
+                                  f"{bn} med / bound", f"{bn} bound cold"]))
+    print("(the forwards ran with a warm page cache: med / bound is against the warm bound; the cold bound is "
+          "what a cold cache would allow)")
+
+
+def bound_rows(args, results: dict, bws: dict, layer_bytes: int) -> list:
+    """Per variant and batch: streamed bytes per forward, the bound max(compute, streamed / read bandwidth)
+    with the warm (and cold) bandwidth of the variant's read path, and median / warm bound. compute = the
+    no-offload run's median at that batch (the same model with its weights in memory, this run)."""
+    base = results.get("no-offload")
+    if base is None:
+        return []
+    rows = []
+    for v, r in results.items():
+        if v == "no-offload":
+            nbytes, path = 0, "-"
+        elif "memory_stats" in r:  # graphpass: what it counted
+            m = r["memory_stats"]
+            nbytes, path = m.get("bytes_loaded", 0) / (2 * args.iters), "mmap"  # over both batches
+        else:  # accelerate: every offloaded layer, copied per call
+            nbytes, path = args.layers * layer_bytes, "preadv"
+        bw = bws.get(path, {})
+        row = [v, f"{nbytes / MiB:.0f}", path]
+        for key in ("b1", "bN"):
+            compute = base[f"lat_{key}"]
+            warm = max(compute, nbytes / bw["warm"]) if nbytes else compute
+            cold = max(compute, nbytes / bw["cold"]) if nbytes and bw.get("cold") else None
+            row += [f"{r[f'lat_{key}'] * 1e3:.1f}", f"{warm * 1e3:.1f}", f"{r[f'lat_{key}'] / warm:.3f}",
+                    f"{cold * 1e3:.1f}" if cold else ("=" if not nbytes else "-")]
+        rows.append(row)
+    return rows
 
 
 def fmt_ms(ts) -> str:
