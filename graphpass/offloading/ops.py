@@ -65,8 +65,8 @@ def _load_start_fake(srcs, group, device, after=()):
 def _load_wait(
     ticket: torch.Tensor, srcs: List[torch.Tensor], group: str, device: torch.device, started: List[torch.Tensor] = ()
 ) -> List[torch.Tensor]:
-    recs = _records(srcs, group)
-    out = recs[0].runtime.wait(getattr(ticket, "_graphpass_ticket", None), group)
+    # the start looked every input up; the wait needs the runtime only (its first input's)
+    out = _records(srcs[:1], group)[0].runtime.wait(getattr(ticket, "_graphpass_ticket", None), group)
     record_event("wait", group)
     return out
 
