@@ -96,9 +96,13 @@ def dtensor_layout(t: Any) -> str:
     """JSON: how the DTensor ``t``'s local shard sits in the global tensor (placements, mesh shape
     and dim names, global shape, this rank's mesh coordinate and the shard's global offset)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.utils._python_dispatch import _disable_current_modes
 
     mesh = t.device_mesh
-    _, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+    # Under AOTAutograd's tracing (fake and functional modes) torch reads the offset out of an index
+    # tensor (``int(offsets[0])``), a data-dependent value there: compute it with the modes off.
+    with _disable_current_modes():
+        _, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
     return json.dumps({
         "placements": [placement_name(p) for p in t.placements], "mesh_shape": [int(n) for n in mesh.shape],
         "mesh_dim_names": list(mesh.mesh_dim_names or ()), "global_shape": [int(n) for n in t.shape],
@@ -115,7 +119,9 @@ def placement_name(p: Any) -> str:
 
 
 def _dtensor_capture(op_call: Any, args: tuple, kwargs: dict) -> None:
-    """DTensor's handler for the capture op: call it on the local shards, with the value's layout."""
+    """DTensor's handler for the capture op: call it on the local shards, with the value's layout.
+    Under an AOTAutograd delegate it runs once, while the DTensor graph is traced to local tensors:
+    the traced op holds the local shard and this rank's layout as a constant string."""
     from torch.distributed.tensor import DTensor
 
     given = dict(zip(_CAPTURE_ARGS, ("", None, [], "", False, "", "")))
@@ -176,6 +182,30 @@ def mark_output_keys(module: torch.nn.Module, args: Any, out: Any) -> None:
     for pair in tree_flatten_with_path(out)[0]:
         if isinstance(pair[1], torch.Tensor):
             torch.ops.graphpass.output_key(output_key_path(out, pair[0]), pair[1])
+
+
+def capture_eager_outputs(module: torch.nn.Module, out: Any) -> None:
+    """A selected module's outputs, when its call ran outside any compiled graph (Dynamo broke the
+    graph at the call because the module's forward breaks, or ran the caller eagerly): no capture
+    node saw them, so the global forward hook hands every tensor leaf of ``out`` (under its key
+    path, as the capture nodes name them) to the innermost active, enabled registry whose model
+    holds ``module`` and selects it. A module call traced into a graph never comes here (the hook
+    is traced: ``output_key`` markers), so a value is captured once."""
+    from torch.utils._pytree import tree_flatten_with_path
+
+    for reg in reversed(ACTIVE_CAPTURES.get()):
+        if not reg.enabled:
+            continue
+        name = reg.module_name(module)
+        if not name or not reg.accepts(name):
+            continue
+        for path, t in tree_flatten_with_path(out)[0]:
+            if isinstance(t, torch.Tensor):
+                layout = ""
+                if hasattr(t, "device_mesh") and hasattr(t, "_local_tensor"):  # a DTensor: its local shard
+                    layout, t = dtensor_layout(t), t._local_tensor
+                reg.register_module_tensor(name, t.detach().clone(), output_key_path(out, path), layout=layout)
+        return
 
 
 def capture_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
