@@ -39,3 +39,12 @@ def test_architecture_conforms(arch):
     assert not unexpected, f"{arch}: {unexpected}"
     if known:
         pytest.xfail(f"known bug: {known}")
+
+
+def test_xlstm_tiny_config_has_two_blocks():
+    """xlstm counts its layers in ``num_blocks`` (``num_hidden_layers`` mirrors it): shrinking only the
+    latter left 32 blocks, and the row timed out (issue 11)."""
+    cfg = conformance.tiny_config("xlstm")
+    assert cfg.num_blocks == conformance.LAYERS
+    model = conformance.build_model("xlstm")
+    assert conformance.repeated_blocks(model) == ["backbone.blocks.0", "backbone.blocks.1"]

@@ -30,7 +30,7 @@ import torch
 from ..dynamo_records import has_compiled_code
 from ..errors import CaptureError, ConfigError
 from .auto_steps import AutoSteps, StepInfo
-from .ops import ACTIVE_CAPTURES, capture_tensor, mark_output_keys
+from .ops import ACTIVE_CAPTURES, capture_eager_outputs, capture_tensor, mark_output_keys
 from .registry import Switch, TensorRegistry
 from .writer import CaptureWriter, _check_component
 from ..patterns import ModulePattern, check_all_match, compile_patterns
@@ -252,12 +252,6 @@ class ModelCapture:
                 f"capture step not written: {reg.problems[0]}"
                 + (f" (and {len(reg.problems) - 1} more)" if len(reg.problems) > 1 else "")
                 + f". {_shared_graph_advice(self.model)}")
-        if reg.module_tensor_count == 0 and _model_mesh(self.model) is not None and self.model in TRACED:
-            raise CaptureError(
-                "capture step not written: nothing was captured for the modules this ModelCapture selects "
-                f"({', '.join(p.text for p in self.patterns)}) of a model with DTensor weights. Under an "
-                "AOTAutograd delegate (then='aot_eager', 'inductor') the capture nodes of a DTensor graph are "
-                "lost: capture a tensor-parallel run with then='eager' (docs/distributed.md)")
         if reg.module_tensor_count == 0 and _traced_other_instance(self.model) and _has_compiled_code(self.model):
             raise CaptureError(
                 f"capture step not written: nothing was captured for the modules this ModelCapture selects "
@@ -350,8 +344,62 @@ _GLOBAL_HOOK: list = []
 
 
 def _marking_hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-    if type(module) in _MARKED_CLASSES:
+    if type(module) not in _MARKED_CLASSES:
+        return
+    if not torch.compiler.is_compiling():  # the call ran outside any graph (a graph break at it)
+        if ACTIVE_CAPTURES.get() and _in_compiled_call():
+            capture_eager_outputs(module, out)
+    elif _hook_in_own_frame():  # traced, but in the module's own call frame: see _hook_in_own_frame
+        _capture_outside_graph(module, out)
+    else:  # traced into a graph: markers the capture pass reads
         mark_output_keys(module, args, out)
+
+
+def _in_compiled_call() -> bool:
+    """Is a ``torch.compile``'d function running (Dynamo's frame callback set), so that this module
+    call runs eagerly only because Dynamo broke the graph at it? A model run plainly eagerly (or
+    inside ``torch.compiler.disable``) captures nothing, as before: it has no graphpass graph."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except Exception:  # noqa: BLE001 - private API moved: capture (the values are the module's)
+        return True
+    return get_eval_frame_callback() is not None
+
+
+_CALL_FRAMES = ("_call_impl", "_wrapped_call_impl")
+
+
+@torch._dynamo.assume_constant_result
+def _hook_in_own_frame() -> bool:
+    """At trace time: is Dynamo tracing this hook as a frame of its own (called from the eager
+    ``_call_impl`` of a module whose forward broke the graph: Dynamo catches every Python frame
+    that starts while a compiled function runs), or inside the frame of the hooked module's own
+    call (``_call_impl``, or its resumption)? Such a graph holds none of the module's computation
+    and no weight that tells the instances sharing it apart, so the capture pass drops its
+    markers (the module's outputs were not captured at all): the hook then runs outside the
+    graph instead (a graph break in a frame that holds nothing else)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx().output.current_tx  # innermost: this hook
+        caller = tx.parent
+        if caller is None:  # the hook is the frame: Dynamo caught it called from eager code
+            return True
+        while caller is not None and caller.f_code.co_name.startswith(
+                _CALL_FRAMES + tuple(f"torch_dynamo_resume_in_{n}" for n in _CALL_FRAMES)):
+            if caller.parent is None:
+                return True
+            caller = caller.parent
+    except Exception:  # noqa: BLE001 - private API moved: the markers, as before
+        return False
+    return False
+
+
+@torch._dynamo.disable
+def _capture_outside_graph(module: torch.nn.Module, out: Any) -> None:
+    """Run outside the graph (a graph break at the end of the module's own call frame)."""
+    if ACTIVE_CAPTURES.get():
+        capture_eager_outputs(module, out)
 
 
 def _mark_classes(capture: "ModelCapture", classes: list[type]) -> None:

@@ -42,6 +42,7 @@ class TensorRegistry:
         self._owned: dict[Hashable, list[str]] | None = None  # tensor key -> its FQNs in ``model``
         self._not_owned: set[Hashable] = set()  # keys looked up again after a rebuild, still not owned
         self.problems: list[str] = []  # captures this registry's model ran but that could not be named
+        self._names: dict[int, str] | None = None  # id(module) -> its FQN in ``model`` (eager captures)
 
     def accepts(self, name: str) -> bool:
         return not self.patterns or any(p.matches(name) for p in self.patterns)
@@ -88,6 +89,15 @@ class TensorRegistry:
             f"holds as {', '.join(map(repr, fqns))}: cannot tell which module produced it")
         return None
 
+    def module_name(self, module: torch.nn.Module) -> str | None:
+        """``module``'s FQN in ``model`` (``""``: the model itself), None when ``model`` does not
+        hold it or this registry has no model. The table is built on first use in a step."""
+        if self.model is None:
+            return None
+        if self._names is None:
+            self._names = {id(m): n for n, m in self.model.named_modules()}
+        return self._names.get(id(module))
+
     @property
     def enabled(self) -> bool:
         return self._switch.on
@@ -126,6 +136,7 @@ class TensorRegistry:
         self.bucket = None
         self._owned = None
         self._not_owned = set()
+        self._names = None
         self.problems = []
 
     @property

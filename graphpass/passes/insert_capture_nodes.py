@@ -59,7 +59,8 @@ def _capture_module(graph: torch.fx.Graph, region: list, marked: list, calls, or
     members = set(region)
     escaping = [n for n in region if is_tensor_node(n)
                 and any(u not in members and not is_graphpass_node(u) for u in n.users)]
-    marked = [(m, _leaving(t, members, escaping), key) for m, t, key in marked]
+    leaves = {t for _, t, _ in marked}
+    marked = [(m, _leaving(t, members, escaping, leaves), key) for m, t, key in marked]
     inserted = 0
     for call in _calls(marked):
         inside = [t for _, t, _ in call if t in members]
@@ -75,7 +76,7 @@ def _capture_module(graph: torch.fx.Graph, region: list, marked: list, calls, or
     return inserted
 
 
-def _leaving(t: torch.fx.Node, members: set, escaping: list) -> torch.fx.Node:
+def _leaving(t: torch.fx.Node, members: set, escaping: list, leaves: set = frozenset()) -> torch.fx.Node:
     """The value that leaves the module for output leaf ``t``: ``t`` itself, or, when ``t`` is only
     read inside the module and exactly one leaving value derives from it, that one (a module forward
     hook, e.g. a tensor-parallel output layout, ran after the marker's global hook)."""
@@ -89,6 +90,7 @@ def _leaving(t: torch.fx.Node, members: set, escaping: list) -> torch.fx.Node:
                 todo.append(u)
                 if u in escaping:
                     found.append(u)
+    found = [f for f in found if f not in leaves]  # another output leaf is that leaf, not t's layout
     return found[0] if len(found) == 1 else t
 
 

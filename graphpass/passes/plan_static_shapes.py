@@ -17,6 +17,7 @@ Assumes :mod:`analyze_ownership` ran (input names).
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,9 +121,12 @@ class PlanStaticShapes(GraphPass):
                 e = _expr(val.shape[d])
                 if e is None:
                     ctx.log.append(f"{self.name}: {name} dim {d} is static here ({int(val.shape[d])}): exact-size graph")
+                    _warn_if_specialized(ctx, inputs.placeholders[inputs.index[t.node]], val, name, d)
                     return None
                 if not isinstance(e, sympy.Symbol):
                     ctx.log.append(f"{self.name}: {name} dim {d} has size {e}, not a plain symbol: not bucketed")
+                    if e.is_number:  # a SymInt Dynamo made dynamic, then specialized
+                        _warn_if_specialized(ctx, inputs.placeholders[inputs.index[t.node]], val, name, d)
                     return None
                 symbols[e] = (inputs.index[t.node], d)
                 if name in cfg.masked:
@@ -151,6 +155,45 @@ def _warn_if_entry_skipped(missing: list[str], roots) -> None:
         f"take, and Dynamo skipped a frame: the frame that takes {missing[0]!r} may run eagerly, unbucketed.\n"
         + dynamo_records.skipped_frame_message(skipped),
         UserWarning, stacklevel=2)
+
+
+def specialized_by_code(placeholder: torch.fx.Node, val: Any, d: int) -> tuple[int, str] | None:
+    """``(value, where)`` when Dynamo traced ``placeholder``'s dim ``d`` as a symbol and the code then
+    specialized it (a guard ``Eq(s, value)``: ``range(seq_len)``, ``list(range(n))``, an ``int()`` of
+    the size); ``where``: the user source line that guarded it. None for a dim never made dynamic
+    (Dynamo's first, exact-size trace) or when torch's shape environment cannot tell."""
+    try:
+        source = placeholder.meta["grapharg"].source.name
+        env = val.fake_mode.shape_env
+        want = f"{source}.size()[{d}]"
+        syms = [s for s, srcs in env.var_to_sources.items() if any(x.name == want for x in srcs)]
+        for s in syms:
+            value = env.replacements.get(s)
+            if value is None or not value.is_number:
+                continue
+            guards = [g for g in env.guards if s in g.expr.free_symbols]  # the Eq(s, value) that pinned it first
+            guards.sort(key=lambda g: not isinstance(g.expr, sympy.Eq))
+            where = str(guards[0].sloc) if guards else ""
+            return int(value), re.sub(r"\s*\((_dynamo|torch)/[^()]*\)$", "", where)
+    except Exception:  # noqa: BLE001 - private shape-environment fields moved: cannot tell
+        return None
+    return None
+
+
+def _warn_if_specialized(ctx: PassContext, placeholder: torch.fx.Node, val: Any, name: str, d: int) -> None:
+    """Say that Dynamo specialized a bucketed dim: every length then compiles its own static graph
+    before graphpass sees it (plain torch.compile does the same). The message names no length, so
+    Python's default warning filter shows it once per place."""
+    found = specialized_by_code(placeholder, val, d)
+    if found is None:
+        return
+    value, where = found
+    msg = (f"graphpass static_shapes: not bucketing {name} dim {d}: Dynamo specialized it (to one value per length) because the "
+           f"model's code pins the length to its exact value ({where or 'source line unknown'}), so every length "
+           "compiles its own exact-size graph, as under plain torch.compile; graphpass receives no symbolic "
+           "length to pad")
+    ctx.log.append(f"{PlanStaticShapes.name}: {name} dim {d} specialized to {value} by the code: {where}")
+    warnings.warn(msg, UserWarning, stacklevel=2)
 
 
 class _Inputs:
