@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import warnings
 
-import pytest
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file
