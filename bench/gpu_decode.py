@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import time
 import traceback
@@ -41,6 +40,8 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import graphpass
+from gpu_offload import time_forward  # same folder: sys.path[0] is bench/ when run as a script
+from train_offload import bandwidth
 
 MiB = 1 << 20
 TARGET = 1.10
@@ -90,39 +91,10 @@ class Decoder(nn.Module):
         return self.norm(x)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def step_time(fn, x, iters: int, warmup: int, device: torch.device) -> tuple[float, torch.Tensor]:
     """Median seconds of one decode step, and its output (cloned: a CUDA graph reuses its memory)."""
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn(x)
-        sync(device)
-        ts = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            out = fn(x)
-            sync(device)
-            ts.append(time.perf_counter() - t)
-        out = fn(x).clone()
-    return statistics.median(ts), out
-
-
-def h2d_bandwidth(device: torch.device, mib: int = 512) -> float:
-    host = torch.empty(mib * MiB, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(mib * MiB, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(6):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dev.copy_(host, non_blocking=True)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return mib * MiB / statistics.median(times[1:])
+    median, _, out = time_forward(fn, x, iters, warmup, device)
+    return median, out.clone()
 
 
 def layer_bytes(layer: nn.Module) -> int:
@@ -229,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_decode: no CUDA device; use --device cpu --small for a smoke run")
         return 2
-    bw = h2d_bandwidth(device) if device.type == "cuda" else None
+    bw = bandwidth(device, 512, True) if device.type == "cuda" else None
     rows = []
     for batch in args.batch:
         rows += run_batch(batch, args, device, bw)

@@ -401,11 +401,15 @@ class OffloadRuntime:
         return self._executor
 
     def _side_stream(self):
-        if self._stream is None:
+        return self._lazy_stream("_stream")
+
+    def _lazy_stream(self, attr: str):
+        """The CUDA stream held in ``attr``, made on first use (the loads' side stream, the gradients' one)."""
+        if getattr(self, attr) is None:
             with self._lock:
-                if self._stream is None:
-                    self._stream = torch.cuda.Stream(device=self.device)
-        return self._stream
+                if getattr(self, attr) is None:
+                    setattr(self, attr, torch.cuda.Stream(device=self.device))
+        return getattr(self, attr)
 
     def track_file(self, path: str, expected: tuple | None = None, tensor: str = "") -> None:
         """Open ``path`` now and record its identity (size, inode, mtime, device); with ``expected``
@@ -503,11 +507,7 @@ class OffloadRuntime:
             future.result(timeout=LOAD_TIMEOUT_S)
 
     def _d2h_stream(self):
-        if self._grad_stream is None:
-            with self._lock:
-                if self._grad_stream is None:
-                    self._grad_stream = torch.cuda.Stream(device=self.device)
-        return self._grad_stream
+        return self._lazy_stream("_grad_stream")
 
     # ---------------------------------------------------------------- the transfers
     def _checked_fd(self, rec: OffloadedTensor) -> int:
