@@ -385,6 +385,53 @@ def inner_tensor_fields(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return [(k, v) for k, v in vars(t).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]
 
 
+def is_wrapper_subclass(t: Any) -> bool:
+    """A traceable wrapper tensor subclass holding plain inner tensors (torchao's ``Int8Tensor``);
+    False for a DTensor, which graphpass reads as its local shard (:func:`local_tensor`)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return isinstance(t, torch.Tensor) and not is_dtensor(t) and is_traceable_wrapper_subclass(t)
+
+
+def wrapper_fields(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``(name, inner tensor)`` of a wrapper subclass, one level, in ``__tensor_flatten__`` order."""
+    names, _ = t.__tensor_flatten__()
+    return [(n, getattr(t, n)) for n in names if isinstance(getattr(t, n, None), torch.Tensor)]
+
+
+def flatten_wrappers(ts: list) -> tuple[list, list]:
+    """``ts`` with every wrapper subclass replaced by its inner tensors (one level), and what
+    :func:`unflatten_wrappers` needs to build the wrappers again around other inner tensors."""
+    flat: list = []
+    metas: list = []
+    for t in ts:
+        if is_wrapper_subclass(t):
+            names, ctx = t.__tensor_flatten__()
+            inner = [getattr(t, n) for n in names]
+            metas.append((type(t), names, ctx, t.shape, t.stride()))
+            flat.extend(inner)
+        else:
+            metas.append(None)
+            flat.append(t)
+    return flat, metas
+
+
+def unflatten_wrappers(flat: list, metas: list) -> list:
+    """Inverse of :func:`flatten_wrappers`: wrappers of the same type, metadata and outer shape
+    around the tensors of ``flat`` (``__tensor_unflatten__``), plain entries as they are."""
+    out: list = []
+    pos = 0
+    for meta in metas:
+        if meta is None:
+            out.append(flat[pos])
+            pos += 1
+            continue
+        cls, names, ctx, shape, stride = meta
+        out.append(cls.__tensor_unflatten__(dict(zip(names, flat[pos:pos + len(names)])), ctx, shape, stride))
+        pos += len(names)
+    return out
+
+
 def wrapper_inner_tensors(t: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """The plain tensors a traceable wrapper subclass holds (torchao's ``Int8Tensor``: ``qdata``,
     ``scale``, ``zero_point``), from ``__tensor_flatten__``, nested wrappers flattened as ``a.b``;

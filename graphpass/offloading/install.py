@@ -40,7 +40,7 @@ from torch import nn
 from .. import progress
 from ..dynamo_records import has_compiled_code
 from ..errors import ConfigError, OffloadError
-from ..fx_utils import is_dtensor, local_tensor, with_spec_of
+from ..fx_utils import flatten_wrappers, is_dtensor, is_wrapper_subclass, local_tensor, unflatten_wrappers, with_spec_of
 from . import files, fsdp2
 from .config import OffloadConfig
 from .planning import OffloadPlan, _Tensor, plan_budget, plan_units
@@ -416,9 +416,35 @@ def _install_guards(model: nn.Module, state: OffloadState, streamed: list[_Tenso
         state.hooks.append(modules[name].register_forward_pre_hook(_guard_hook(name or type(model).__name__)))
 
 
-def _real_value(rec: OffloadedTensor) -> torch.Tensor | None:
+@dataclass(eq=False)
+class _WrappedState:
+    """A wrapper subclass the model holds (torchao's ``Int8Tensor``) whose inner tensors stream:
+    ``inner`` maps its ``__tensor_flatten__`` names to their records (what the state-dict hooks need)."""
+
+    key: torch.Tensor  # the wrapper object the module holds
+    inner: dict[str, OffloadedTensor]
+
+    @property
+    def location(self) -> TensorLocation | None:
+        return next((r.location for r in self.inner.values() if r.location is not None), None)
+
+    @property
+    def handle(self) -> torch.Tensor | None:
+        return next((r.handle for r in self.inner.values() if r.handle is not None), None)
+
+    def real_value(self) -> torch.Tensor:
+        """The wrapper rebuilt around the real inner tensors (read from the file, or behind stand-ins)."""
+        flat, metas = flatten_wrappers([self.key])
+        names = metas[0][1]
+        real = [_real_value(self.inner[n]) if n in self.inner else v for n, v in zip(names, flat)]
+        return unflatten_wrappers([r if r is not None else v for r, v in zip(real, flat)], metas)[0]
+
+
+def _real_value(rec: OffloadedTensor | _WrappedState) -> torch.Tensor | None:
     """What ``state_dict()`` returns for a streamed tensor the model still holds: the host copy behind
     a stand-in, or the bytes read from its file; None when the model holds the real tensor itself."""
+    if isinstance(rec, _WrappedState):
+        return rec.real_value() if _real_value_is_elsewhere(rec) else None
     if rec.location is not None:
         value = rec.runtime.read_copy(rec)
         return nn.Parameter(value, requires_grad=False) if isinstance(rec.host, nn.Parameter) else value
@@ -441,6 +467,8 @@ def _state_dict_hook(entries: list):
                 if value is not None:
                     value = with_spec_of(local_tensor(value), held) if is_dtensor(held) else value
                     keep_vars = isinstance(state_dict[key], nn.Parameter)
+                    if keep_vars and not isinstance(value, nn.Parameter):
+                        value = nn.Parameter(value, requires_grad=False)
                     state_dict[key] = value if keep_vars else value.detach()
 
     return hook
@@ -466,19 +494,31 @@ def _load_hook(entries: list):
     return hook
 
 
-def _real_value_is_elsewhere(rec: OffloadedTensor) -> bool:
+def _real_value_is_elsewhere(rec: OffloadedTensor | _WrappedState) -> bool:
     return rec.location is not None or rec.handle is not None
 
 
-def _install_state_dict_hooks(model: nn.Module, state: OffloadState, streamed: list[_Tensor]) -> None:
+def _wrapped_states(tensors: list[_Tensor], streamed: list[_Tensor], records: list[OffloadedTensor]) -> list:
+    """``(wrapper's _Tensor, _WrappedState)`` for every wrapper subclass whose inner tensors stream."""
+    inner: dict[int, dict[str, OffloadedTensor]] = {}
+    for trec, rec in zip(streamed, records):
+        for holder, attr, kind in trec.places:
+            if kind.startswith("inner:") and is_wrapper_subclass(holder):
+                inner.setdefault(id(holder), {})[attr] = rec
+    return [(t, _WrappedState(t.tensor, inner[id(t.tensor)])) for t in tensors if id(t.tensor) in inner]
+
+
+def _install_state_dict_hooks(model: nn.Module, state: OffloadState, tensors: list[_Tensor],
+                              streamed: list[_Tensor]) -> None:
     """``state_dict()`` returns the real weights and ``load_state_dict()`` is refused where it would
-    be lost: hooks on every module holding a streamed tensor as a parameter or buffer."""
+    be lost: hooks on every module holding a streamed tensor (or a wrapper subclass around streamed
+    inner tensors) as a parameter or buffer."""
     by_module: dict[int, tuple[nn.Module, list]] = {}
     names: dict[int, list[str]] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
         names.setdefault(id(mod), []).append(name)
     everything = []  # the root's hook checks the whole state dict first, so a refusal changes nothing
-    for trec, rec in zip(streamed, state.records):
+    for trec, rec in [*zip(streamed, state.records), *_wrapped_states(tensors, streamed, state.records)]:
         for holder, attr, kind in trec.places:
             if kind in ("parameter", "buffer") and isinstance(holder, nn.Module):
                 by_module.setdefault(id(holder), (holder, []))[1].append((attr, kind, rec))
@@ -526,7 +566,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
         state.hooks += fsdp2.install(sharded, streamed, state.records, device, config.prefetch_distance,
                                      config.storage == "disk")
         _install_guards(model, state, [r for r in streamed if id(r) not in sharded])
-        _install_state_dict_hooks(model, state, streamed)
+        _install_state_dict_hooks(model, state, tensors, streamed)
         _attach(model, state)
     except BaseException:
         _release(state.runtime, state.records, state.files)  # open files closed, a written file removed

@@ -12,7 +12,7 @@ import torch
 
 from .. import dynamo_records
 from ..errors import OffloadError
-from ..fx_utils import is_dtensor, local_tensor, with_spec_of
+from ..fx_utils import flatten_wrappers, is_dtensor, local_tensor, unflatten_wrappers, with_spec_of
 from ..ops import record_event, register_dtensor_handlers
 from .runtime import lookup
 
@@ -196,6 +196,50 @@ def let_dtensors_through() -> None:
     register_dtensor_handlers({torch.ops.graphpass.load_start.default: _dtensor_load_start,
                                torch.ops.graphpass.load_wait.default: _dtensor_load_wait,
                                torch.ops.graphpass.evict.default: _dtensor_evict})
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor subclasses wrapping plain tensors (torchao's Int8Tensor)
+# --------------------------------------------------------------------------------------------
+# offload() streams the inner tensors (qdata, scale, ...) and the graph Dynamo hands graphpass
+# reads the wrapper: a load op called with a wrapper reaches the wrapper type's
+# ``__torch_dispatch__``, where the rules below take over: the op runs on the inner tensors, and
+# what a load returns is wrapped again with the same type and metadata. Under AOTAutograd the rule
+# runs while tracing, so the compiled graph holds the ops on the inner tensors alone.
+
+
+def _flat_args(args) -> list:
+    """Every tensor-list argument with its wrappers replaced by their inner tensors (``after`` may
+    hold a wrapper too: the output of a trap's last reader, when the wrapper type propagates)."""
+    return [flatten_wrappers(a)[0] if isinstance(a, (list, tuple)) else a for a in args]
+
+
+def _wrapped_load_start(cls, func, types, args, kwargs):
+    return func(*_flat_args(args), **(kwargs or {}))
+
+
+def _wrapped_load_wait(cls, func, types, args, kwargs):
+    metas = flatten_wrappers(args[1])[1]  # (ticket, srcs, ...): the loads come back as the srcs were
+    return unflatten_wrappers(func(*_flat_args(args), **(kwargs or {})), metas)
+
+
+def _wrapped_evict(cls, func, types, args, kwargs):
+    return func(*_flat_args(args), **(kwargs or {}))
+
+
+_WRAPPED_RULES = {"load_start": _wrapped_load_start, "load_wait": _wrapped_load_wait, "evict": _wrapped_evict}
+
+
+def let_wrappers_through(types) -> None:
+    """Register the load ops' rules for these wrapper subclass types (idempotent). The rules live
+    in torch's per-op table (process-wide by nature, like the ops themselves), keyed by our ops."""
+    from torch._library.simple_registry import singleton
+
+    for cls in types:
+        for name, rule in _WRAPPED_RULES.items():
+            holder = singleton.find(f"graphpass::{name}").torch_dispatch_rules
+            if holder.find(cls) is None:
+                torch.library.register_torch_dispatch(f"graphpass::{name}", cls, rule, lib=_LIB)
 
 
 LOAD_START = torch.ops.graphpass.load_start.default

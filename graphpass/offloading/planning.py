@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import ConfigError, OffloadError
-from ..fx_utils import inner_tensor_fields, is_dtensor, local_tensor, repeated_blocks
+from ..fx_utils import inner_tensor_fields, is_wrapper_subclass, local_tensor, repeated_blocks, wrapper_fields
 from ..patterns import check_all_match
 from .config import OffloadConfig
 
@@ -32,6 +31,8 @@ class _Tensor:
     @property
     def nbytes(self) -> int:
         t = local_tensor(self.tensor)  # a DTensor streams its local shard: this rank's bytes
+        if is_wrapper_subclass(t):
+            return 0  # its bytes are its inner tensors', each planned as a tensor of its own
         return t.numel() * t.element_size()
 
 
@@ -104,7 +105,7 @@ def _collect(model: nn.Module) -> list[_Tensor]:
                 rec.places.append((mod, attr, kind))
                 rec.fqns.append(prefix + attr)
                 rec.holders.append(mname)
-                for field_name, inner in inner_tensor_fields(t):
+                for field_name, inner in _inner_fields(t):
                     irec = seen.get(id(inner))
                     if irec is None:
                         irec = seen[id(inner)] = _Tensor(inner, [], [], [])
@@ -113,6 +114,14 @@ def _collect(model: nn.Module) -> list[_Tensor]:
                     irec.fqns.append(f"{prefix}{attr}.{field_name}")
                     irec.holders.append(mname)
     return order
+
+
+def _inner_fields(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a parameter or buffer carries: a wrapper subclass's inner tensors (by its
+    ``__tensor_flatten__`` names, private ones included), then plain tensor attributes."""
+    fields = wrapper_fields(t) if is_wrapper_subclass(t) else []
+    names = {n for n, _ in fields}
+    return fields + [(n, v) for n, v in inner_tensor_fields(t) if n not in names]
 
 
 def _ancestors(name: str) -> list[str]:
@@ -154,7 +163,6 @@ def plan_units(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], 
                 unit_names.append(next((a for a in chain if a in children), matched[0]))
         if excluded or not unit_names:
             continue
-        _refuse_wrapper_subclass(rec)
         rec.streamed = True
         unit_names = list(dict.fromkeys(unit_names))
         rec.unit = unit_names[0]
@@ -165,21 +173,33 @@ def plan_units(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], 
         entry.transfer += rec.nbytes * len(unit_names)
     if not units:
         raise ConfigError("include_patterns", config.include_patterns, "the matched modules hold no tensors to offload")
+    _check_wrappers(tensors)
     return tensors, list(units.values())
 
 
-def _refuse_wrapper_subclass(rec: _Tensor) -> None:
-    """A tensor subclass that wraps inner tensors (torchao's ``Int8Tensor``: ``qdata``, ``scale``,
-    ...) cannot be streamed: the loads copy plain tensors, and the graph reads the wrapper (Dynamo
-    flattens it only below graphpass). Refused by name before the model changes (DTensor, a
-    wrapper too, streams its local shard)."""
-    t = rec.tensor
-    if is_dtensor(t) or not is_traceable_wrapper_subclass(t):
-        return
-    names, _ = t.__tensor_flatten__()
-    raise OffloadError(
-        f"{rec.fqns[0]!r} is a tensor subclass, {type(t).__name__} (inner tensors {', '.join(names)}): offload cannot "
-        f"stream tensor subclasses; keep it on the device with exclude_patterns=[{rec.holders[0]!r}]")
+def _check_wrappers(tensors: list[_Tensor]) -> None:
+    """A tensor subclass wrapping plain tensors (torchao's ``Int8Tensor``: ``qdata``, ``scale``,
+    ...) streams as its inner tensors, all of them or none (the loads rebuild the wrapper around
+    them). Refused by name before the model changes: a wrapper streamed in part (an empty inner
+    tensor, or one also held where it stays), or one nesting another wrapper."""
+    by_id = {id(r.tensor): r for r in tensors}
+    for rec in tensors:
+        t = rec.tensor
+        if not is_wrapper_subclass(t):
+            continue
+        inner = [(n, by_id[id(v)]) for n, v in wrapper_fields(t)]
+        streamed = [n for n, r in inner if r.streamed]
+        if not streamed:
+            continue
+        nested = [n for n, r in inner if is_wrapper_subclass(r.tensor)]
+        kept = [n for n, r in inner if not r.streamed]
+        if nested or kept:
+            why = (f"inner tensor {nested[0]!r} is itself a tensor subclass" if nested
+                   else f"inner tensor{'s' if len(kept) > 1 else ''} {', '.join(kept)} would stay where "
+                        f"{', '.join(streamed)} stream{'s' if len(streamed) == 1 else ''} (empty, or held elsewhere too)")
+            raise OffloadError(
+                f"{rec.fqns[0]!r} is a tensor subclass, {type(t).__name__}, that offload streams as its inner tensors, all "
+                f"of them: {why}; keep it on the device with exclude_patterns=[{rec.holders[0]!r}]")
 
 
 def plan_budget(units: list[OffloadUnit], config: OffloadConfig) -> OffloadPlan:

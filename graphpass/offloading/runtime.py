@@ -57,7 +57,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import OffloadError
-from ..fx_utils import local_tensor
+from ..fx_utils import is_wrapper_subclass, local_tensor, wrapper_fields
 from ..tracing import EVICT, WAIT, active_sink, record_span
 from .files import identity
 from .leases import FileLeases, handler_installed
@@ -138,6 +138,53 @@ REGISTRY = _Registry()
 def lookup(t: Any) -> OffloadedTensor | None:
     """The offload record of ``t`` if ``t`` is a tensor graphpass.offload() moved off the device."""
     return REGISTRY.lookup(t)
+
+
+@dataclass(eq=False)
+class WrappedOffload:
+    """A tensor subclass input (torchao's ``Int8Tensor``) whose inner tensors graphpass streams:
+    the graph reads the wrapper, the loads move ``inner`` (see :mod:`graphpass.offloading.ops`)."""
+
+    name: str  # the wrapper's FQN (``layers.0.fc.weight``)
+    inner: tuple[OffloadedTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.inner)
+
+    @property
+    def runtime(self) -> "OffloadRuntime":
+        return self.inner[0].runtime
+
+    @property
+    def location(self) -> Optional[TensorLocation]:
+        return next((r.location for r in self.inner if r.location is not None), None)
+
+
+def lookup_input(t: Any) -> OffloadedTensor | WrappedOffload | None:
+    """The offload record of a graph input: a streamed tensor's, or, for a wrapper subclass whose
+    inner tensors are streamed, all of theirs (:class:`WrappedOffload`). A wrapper streamed in part
+    is an error (offload() plans a wrapper's inner tensors together)."""
+    rec = lookup(t)
+    if rec is not None or not is_wrapper_subclass(t):
+        return rec
+    fields = wrapper_fields(t)
+    recs = [lookup(v) for _, v in fields]
+    if not any(recs):
+        return None
+    missing = [n for (n, _), r in zip(fields, recs) if r is None]
+    if missing:
+        raise OffloadError(
+            f"tensor subclass {type(t).__name__} holds inner tensors graphpass.offload() streams "
+            f"({next(r.name for r in recs if r)!r}) and others it does not ({', '.join(missing)}): its inner tensors "
+            f"were replaced after offload(); offload the model again on a fresh instance"
+        )
+    return WrappedOffload(recs[0].name.rsplit(".", 1)[0], tuple(recs))
+
+
+def plain_records(recs) -> list[OffloadedTensor]:
+    """The records of plain tensors behind ``recs`` (a :class:`WrappedOffload`'s inner ones)."""
+    return [r for rec in recs for r in (rec.inner if isinstance(rec, WrappedOffload) else (rec,))]
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Offload schedule: inserts ``graphpass::load_start`` / ``load_wait`` / ``evict`` per trap.
 
 Which inputs are offloaded is read from the example inputs themselves (tensors
-:func:`graphpass.offload` registered); which trap reads them, from the shared analysis. For each
+:func:`graphpass.offload` registered, or a tensor subclass wrapping registered inner tensors, whose
+loads move the inner tensors and return the wrapper); which trap reads them, from the shared analysis. For each
 trap (and each stretch of graph between traps that reads an offloaded tensor) the pass:
 
 * loads the tensors that trap reads, once (a tensor several ops read is loaded once; a tied
@@ -37,9 +38,10 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..errors import OffloadError
-from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, is_guard, let_dtensors_through
-from ..offloading.runtime import OffloadedTensor, lookup
-from ..fx_utils import AliasIndex, example_of, find_write, is_dtensor, is_graphpass_node, is_view, node_order, views_of
+from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, is_guard, let_dtensors_through, let_wrappers_through
+from ..offloading.runtime import OffloadedTensor, WrappedOffload, lookup_input, plain_records
+from ..fx_utils import (AliasIndex, example_of, find_write, flatten_wrappers, is_dtensor, is_graphpass_node, is_view,
+                        is_wrapper_subclass, node_order, unflatten_wrappers, views_of)
 from ..ops import is_enter, is_exit
 from .base import GraphPass, PassContext
 
@@ -131,6 +133,8 @@ class InsertOffloadSchedule(GraphPass):
             raise OffloadError("one graph reads tensors offloaded from two different models; offload and compile them separately")
         runtime = next(iter(runtimes.values()))
         let_dtensors_through()  # tensor-parallel weights: the load ops take their local shards
+        # wrapper subclasses (torchao): the load ops take their inner tensors
+        let_wrappers_through({type(example_of(p)) for p, r in records.items() if isinstance(r, WrappedOffload)})
         order = node_order(graph)
         plan = _plan_groups(graph, records, ctx.analysis.node_trap, order)
         if not plan:
@@ -138,7 +142,7 @@ class InsertOffloadSchedule(GraphPass):
         schedule = self._insert(graph, plan, records, runtime, order)
         self._check_budget(ctx, graph, schedule, runtime)
         if runtime.device.type == "cuda" and records_cuda_graphs(ctx.config):
-            _prepare_cuda_graphs(runtime, [[records[p] for p in g.phs] for g in plan], ctx.config)
+            _prepare_cuda_graphs(runtime, [plain_records(records[p] for p in g.phs) for g in plan], ctx.config)
         return True
 
     def _insert(self, graph: torch.fx.Graph, plan: list[_Group], records: dict, runtime, order: dict) -> list[LoadGroup]:
@@ -246,12 +250,13 @@ def _prepare_cuda_graphs(runtime, groups: list, config) -> None:
     runtime.reserve_graph_slots(groups)
 
 
-def _offloaded_inputs(ctx: PassContext) -> dict[torch.fx.Node, OffloadedTensor]:
-    """Placeholder -> its offload record, for the graph inputs :func:`graphpass.offload` registered."""
+def _offloaded_inputs(ctx: PassContext) -> dict[torch.fx.Node, OffloadedTensor | WrappedOffload]:
+    """Placeholder -> its offload record, for the graph inputs :func:`graphpass.offload` registered
+    (a wrapper subclass whose inner tensors it registered: all of theirs)."""
     placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
     records = {}
     for ph, value in zip(placeholders, ctx.example_inputs):
-        rec = lookup(value)
+        rec = lookup_input(value)
         if rec is not None:
             records[ph] = rec
     return records
@@ -358,6 +363,9 @@ def _loaded_like(value: torch.Tensor, device) -> torch.Tensor:
     """What a load of ``value`` returns: a fresh tensor on ``device`` (a DTensor keeps its spec)."""
     if is_dtensor(value):
         return torch.empty_like(value)
+    if is_wrapper_subclass(value):  # the same wrapper around fresh inner tensors
+        flat, metas = flatten_wrappers([value])
+        return unflatten_wrappers([_loaded_like(t, device) for t in flat], metas)[0]
     return torch.empty(value.shape, dtype=value.dtype, device=device)
 
 
