@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/graphpass demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # Re-accept every golden graph after a deliberate change (read the diff before committing).
 golden: $(STAMP)

@@ -10,6 +10,11 @@ failed a column), each the smallest model with the same root cause, so each runs
   compiles one exact-size graph per length, with or without graphpass (plain ``torch.compile``
   does the same): there is no symbolic length for graphpass to bucket. graphpass now says so,
   naming the source line that specialized it, instead of silently not bucketing.
+- offload_disk on longcat_flash (NaN or a wrong logit, varying per run): the expert loop calls
+  ``.item()``, a graph break inside a loop, so Dynamo skips that frame and runs it eagerly, reading
+  the expert weights the model holds. With ``storage="disk"`` on a host device those were
+  uninitialized stand-ins (only the scheduled loads read the file); ``storage="cpu"`` held the real
+  host copies. The model now holds a private mapping of each tensor's file region.
 """
 
 from __future__ import annotations
@@ -183,3 +188,52 @@ def test_capture_of_an_output_leaf_nothing_outside_reads(tmp_path):
     torch._dynamo.reset()
     assert tuple(got["[1]"].shape) == tuple(eager["h.0"][1].shape), {k: tuple(v.shape) for k, v in got.items()}
     torch.testing.assert_close(got["[1]"], eager["h.0"][1], rtol=0, atol=0)
+
+
+class LoopExperts(nn.Module):
+    """An MoE block like longcat_flash's: the expert loop calls ``.item()``, a graph break inside a
+    loop, so Dynamo skips that frame and runs it eagerly, reading the expert weights the model holds."""
+
+    def __init__(self, n: int = 3, d: int = 8) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.Parameter(torch.randn(n, d, d) / d**0.5)
+
+    def forward(self, x):
+        top = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e in top.unique():
+            i = int(e.item())
+            out = out + (top == i).unsqueeze(-1) * (x @ self.experts[i])
+        return x + out
+
+
+class LoopExpertsStack(nn.Module):
+    def __init__(self, n: int = 2, d: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LoopExperts(d=d) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_disk_offload_of_weights_a_skipped_frame_reads_eagerly(tmp_path):
+    """longcat_flash's offload_disk NaN: with storage="disk" on a host device the model held an
+    uninitialized stand-in for each streamed tensor, which only the scheduled loads replace; the
+    expert loop Dynamo runs eagerly read it directly. It now holds a mapping of the file region."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LoopExpertsStack().eval()
+    x = torch.randn(1, 6, 8)
+    with torch.no_grad():
+        ref = model(x)
+    state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=str(tmp_path)))
+    assert {r.name for r in state.records} >= {"layers.0.experts", "layers.1.experts"}
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    with torch.no_grad():
+        got = compiled(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert graphpass.memory_stats(compiled).loads_issued > 0  # the routers still stream through the graphs

@@ -4,8 +4,9 @@ What it does to the model, before anything is compiled:
 
 * every parameter, buffer and inner tensor field (``weight.scale``) held by a module matching
   ``include_patterns`` (and no module matching ``exclude_patterns``) is *streamed*: it is replaced
-  by a host tensor (``storage="cpu"``, or page-locked with ``"pinned"``) or, with ``"disk"``, by an
-  untouched stand-in whose bytes live in a safetensors file and are read per trap;
+  by a host tensor (``storage="cpu"``, or page-locked with ``"pinned"``) or, with ``"disk"``, by a
+  private mapping of its region of a safetensors file (an untouched stand-in where it cannot map),
+  the bytes the loads read per trap;
 * with ``max_device_bytes``, the units (repeated blocks) that save the most transfer per byte
   are kept on the device instead, as long as the budget still holds the streaming window
   (``prefetch_distance + 1`` of the largest streamed unit);
@@ -345,6 +346,19 @@ def _write_disk_file(state: OffloadState, model: nn.Module, disk_path: Path, ten
             placement.locations[id(rec)] = written[rec.fqns[0]]
 
 
+def _map_disk_stand_ins(state: OffloadState, streamed: list[_Tensor], placement: _Placement) -> None:
+    """``storage="disk"`` on a host device: the model holds each streamed tensor as a private mapping
+    of its file region instead of uninitialized memory. The graphs read the loads, but code Dynamo
+    runs eagerly (a frame it skipped: a graph break inside a loop, as in an MoE's expert loop) reads
+    the tensor the model holds, and must see its bytes; untouched, a mapping holds no memory either."""
+    for rec in streamed:
+        loc, value = placement.locations.get(id(rec)), placement.new_values.get(id(rec))
+        if loc is not None and value is not None:
+            mapped = state.runtime.map_stand_in(loc, value)
+            if mapped is not None:  # else (misaligned region, no mmap) the empty stand-in stays
+                placement.new_values[id(rec)] = mapped
+
+
 def _swap_into_model(tensors: list[_Tensor], config: OffloadConfig, device: torch.device, placement: _Placement,
                      use_stand_ins: bool) -> None:
     """Make the new tensor objects, then put them in every place of the model that held an old one."""
@@ -560,6 +574,8 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
         placement = _materialize(tensors, config, device, locations, idents)
         if placement.disk_tensors:
             _write_disk_file(state, model, disk_path, tensors, placement)
+        if config.storage == "disk" and not use_stand_ins:
+            _map_disk_stand_ins(state, streamed, placement)
         _swap_into_model(tensors, config, device, placement, use_stand_ins)
         _register(state, streamed, placement, use_stand_ins)
         # FSDP2 shards are loaded where FSDP2 all-gathers them (eagerly, in its unshard), not in a graph

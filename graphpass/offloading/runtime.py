@@ -83,7 +83,8 @@ class OffloadedTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
-    host: torch.Tensor  # the bytes on the host: host copy (cpu/pinned) or an untouched stand-in (disk)
+    host: torch.Tensor  # the bytes on the host: host copy (cpu/pinned); disk: an untouched stand-in
+    # (on a host device a private mapping of its file region, for code Dynamo runs eagerly: map_private)
     location: Optional[TensorLocation]  # disk: where its bytes are
     handle: Optional[torch.Tensor] = None  # what the model holds when it is not ``host`` (CUDA: a stand-in)
     runtime: "OffloadRuntime" = field(repr=False, default=None)  # type: ignore[assignment]
@@ -353,6 +354,38 @@ def _spare_core() -> bool:
     return cores > torch.get_num_threads()
 
 
+def _over_region(addr: int, length: int, delta: int, nbytes: int, dtype: torch.dtype, shape, unmap) -> torch.Tensor:
+    """A tensor over ``nbytes`` of the mapping at ``addr`` (from byte ``delta``); ``unmap(addr, length)``
+    runs when the last tensor over it is freed."""
+    region = (ctypes.c_char * length).from_address(addr)
+    weakref.finalize(region, unmap, addr, length)
+    with warnings.catch_warnings():  # torch warns for read-only buffers (a populated mapping)
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=delta)
+    return flat.view(dtype).view(shape)
+
+
+def map_private(fd: int, loc: TensorLocation, dtype: torch.dtype, shape) -> torch.Tensor | None:
+    """``loc``'s bytes as a tensor over a private, copy-on-write mapping of its file region: no page
+    is read until something reads it, a write lands in a private copy (never in the file), and it
+    is unmapped when the tensor dies. None where it cannot map: no libc ``mmap``, an empty region,
+    one misaligned for ``dtype``, or a failed call. What a host-device model holds for a tensor
+    streamed from disk (``install._map_disk_stand_ins``): only code Dynamo runs eagerly reads it, so
+    it is mapped without a lease (held for the model's life, a lease would block every writer of the
+    file); the scheduled loads map and check their own regions under one (``_map``)."""
+    if _MAP_FLAGS is None or loc.nbytes == 0:
+        return None
+    start = loc.offset - loc.offset % mmap.ALLOCATIONGRANULARITY
+    delta = loc.offset - start
+    if delta % dtype.itemsize:
+        return None
+    length = delta + loc.nbytes
+    addr = _LIBC.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, _MAP_FLAGS, fd, start)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return None
+    return _over_region(addr, length, delta, loc.nbytes, dtype, shape, _LIBC.munmap)
+
+
 class OffloadRuntime:
     """Per-model runtime: tickets, the worker, the CUDA side stream, open files and the counters."""
 
@@ -581,6 +614,10 @@ class OffloadRuntime:
         read_into(self._checked_fd(rec), rec.location, out)
         return out
 
+    def map_stand_in(self, loc: TensorLocation, like: torch.Tensor) -> torch.Tensor | None:
+        """A tensor shaped as ``like`` over a private mapping of ``loc`` (:func:`map_private`), or None."""
+        return map_private(self._fd(loc.path), loc, like.dtype, like.shape)
+
     def _read(self, rec: OffloadedTensor, dst: torch.Tensor) -> None:
         read_into(self._checked_fd(rec), rec.location, dst)
 
@@ -618,12 +655,7 @@ class OffloadRuntime:
             if addr in (None, ctypes.c_void_p(-1).value):
                 raise OffloadError(f"tensor {rec.name!r}: cannot map {loc.path}: {os.strerror(ctypes.get_errno())}")
             leases.register(addr, length, fd, loc.offset + loc.nbytes)
-        region = (ctypes.c_char * length).from_address(addr)
-        weakref.finalize(region, leases.unmap, addr, length)
-        with warnings.catch_warnings():  # torch warns for read-only buffers (the populated mapping)
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(region, dtype=torch.uint8, count=loc.nbytes, offset=delta)
-        return flat.view(rec.dtype).view(rec.shape)
+        return _over_region(addr, length, delta, loc.nbytes, rec.dtype, rec.shape, leases.unmap)
 
     def _map_job(self, recs: list) -> list:
         self._drop_retired()
