@@ -184,9 +184,21 @@ def test_reductions_along_other_dims_are_safe(fn):
 
 
 def test_cumsum_along_the_padded_dim():
-    got = check(lambda x: (x.cumsum(-1), x.cumsum(1)), x3())
-    assert [(v.node, v.op, v.dim) for v in got] == [("cumsum_1", "Tensor.cumsum", 1)]
+    """A prefix scan: row i reads rows <= i, so with the padding at the end real rows never read
+    it (causal_ok); without causal_ok it mixes rows."""
+    fn = lambda x: (x.cumsum(-1), x.cumsum(1), torch.cummax(x, 1).values, torch.logcumsumexp(x, 1))  # noqa: E731
+    assert check(fn, x3()) == []
+    got = check(fn, x3(), causal_ok=False)
+    assert [(v.node, v.op, v.dim) for v in got][0] == ("cumsum_1", "Tensor.cumsum", 1) and len(got) == 3
     assert "cumsum along the padded dim" in got[0].reason
+
+
+def test_diff_along_the_padded_dim_is_causal_unless_it_appends():
+    """transformers' packed-sequence mask: ``torch.diff(position_ids, prepend=..., dim=-1)``, then a cumsum."""
+    fn = lambda x: (torch.diff(x, dim=1), torch.diff(x, prepend=x[:, :1], dim=1).cumsum(1))  # noqa: E731
+    assert check(fn, x3()) == []
+    got = check(lambda x: torch.diff(x, dim=1, append=x[:, :1]), x3())
+    assert [(v.op, v.dim) for v in got] == [("torch.diff", 1)]
 
 
 def test_topk_along_the_padded_dim():
@@ -195,7 +207,7 @@ def test_topk_along_the_padded_dim():
 
 
 def test_flip_roll_and_diff_along_the_padded_dim():
-    got = check(lambda x: (x.flip(2), x.flip(1), torch.roll(x, 1, 1), torch.diff(x, dim=1)), x3())
+    got = check(lambda x: (x.flip(2), x.flip(1), torch.roll(x, 1, 1), torch.diff(x, dim=1)), x3(), causal_ok=False)
     assert [(v.op, v.dim) for v in got] == [("Tensor.flip", 1), ("torch.roll", 1), ("torch.diff", 1)]
 
 
@@ -368,7 +380,7 @@ def test_padded_dims_helper():
 
 
 def test_violations_in_graph_order_and_printable():
-    got = check(lambda x: (x.cumsum(1), x.sum(1), x.softmax(1)), x3())
+    got = check(lambda x: (x.cumsum(1), x.sum(1), x.softmax(1)), x3(), causal_ok=False)
     assert [v.op for v in got] == ["Tensor.cumsum", "Tensor.sum", "Tensor.softmax"]
     assert str(got[0]).startswith(f"{got[0].node} [Tensor.cumsum] (dim 1): cumsum along the padded dim")
 

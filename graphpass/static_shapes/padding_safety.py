@@ -17,8 +17,10 @@ padded dim:
   the start of the padded dim, factories (:data:`FACTORIES`: ``arange(L)`` gives row ``i`` the
   value ``i`` with or without padding), size queries (:data:`META`), ops along / contracting /
   normalising over dims that are not padded, ``cat`` whose padded piece is the last one, ``stack``,
-  causal ``scaled_dot_product_attention`` (when ``causal_ok``: row ``i`` only sees rows ``<= i``
-  and the padding sits at the end), SymInt arithmetic (no tensor in or out), and graphpass's own
+  causal ops (when ``causal_ok``: row ``i`` only reads rows ``<= i`` and the padding sits at the
+  end, so real rows never read padding): ``scaled_dot_product_attention`` with ``is_causal``, the
+  prefix scans of :data:`CAUSAL_SCANS` (``cumsum``: transformers' position and packed-sequence
+  masks) and ``diff`` without ``append``, SymInt arithmetic (no tensor in or out), and graphpass's own
   ``torch.ops.graphpass.*`` markers.
 * **a violation** -- any op of :data:`ALONG_DIM` (reductions, scans, sorts, flips, rolls, diffs,
   splits, gathers) along a padded dim, or over all dims when a dim is padded; a matmul-family op
@@ -168,6 +170,12 @@ ALONG_DIM: Mapping[str, _DimSpec] = MappingProxyType({
         "index_select gather scatter scatter_add scatter_reduce index_add index_copy index_fill").split()},
     "take_along_dim": _DimSpec(2, "dim", _ALL, _GATHER),
 })
+
+#: Prefix scans: row i of the output reads rows <= i along the dim, so with ``causal_ok`` (the
+#: padding at the end) real rows never read padding. ``diff`` reads rows i - 1 (``prepend``) or
+#: i + 1 .. i + n of its input, never past the real rows for a real output row, unless it ``append``s.
+CAUSAL_SCANS: frozenset[str] = frozenset("cumsum cumprod cummax cummin logcumsumexp diff".split())
+
 
 #: Matmul-family ops, with the (argument position, keyword, dim) pairs they contract over. None:
 #: decided from the operands' ranks (matmul) or the equation (einsum).
@@ -469,9 +477,16 @@ def _check_along_dim(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
         return None, f"{name} over every dim includes the padded dim {pads[0]} and mixes rows"
     for d in dims:
         d = _norm_dim(d, t.dim())
-        if d in pads:
+        if d in pads and not _causal_scan(node, name, ctx):
             return d, f"{name} {spec.what}"
     return None
+
+
+def _causal_scan(node: torch.fx.Node, name: str, ctx: _Ctx) -> bool:
+    """A prefix scan (or ``diff`` without ``append``) where causal ops count as safe."""
+    if not ctx.causal_ok or name not in CAUSAL_SCANS:
+        return False
+    return name != "diff" or _arg(node, 4, "append", None) is None
 
 
 def _check_matmul(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
@@ -874,8 +889,9 @@ def check_padding_safety(
 
     ``gm`` is a Dynamo-level graph traced with dynamic shapes (its nodes carry FakeTensor
     ``example_value`` metadata with SymInt sizes); ``symbols`` are the sympy symbols of the dims
-    bucketing pads (matched by name). ``causal_ok``: causal ``scaled_dot_product_attention`` over a
-    padded sequence counts as safe (padding sits at the end, and row i sees rows <= i only).
+    bucketing pads (matched by name). ``causal_ok``: causal ops along a padded dim count as safe
+    (padding sits at the end, and row i reads rows <= i only): ``scaled_dot_product_attention`` with
+    ``is_causal``, prefix scans and ``diff`` without ``append`` (:data:`CAUSAL_SCANS`).
 
     Returns the violations in graph order; an empty list means padding is safe.
     """
