@@ -124,7 +124,10 @@ FAMILY = {
     "zamba2": {"attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS, "mamba_headdim": 16,
                "n_mamba_heads": 8, "kv_channels": HEAD_DIM, "num_query_groups": HEADS, "num_key_value_heads": HEADS,
                "adapter_rank": 8},
-    "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
+    # to_dict() lists an "mlp" block after each attention block and doubles the counts (from_dict halves them):
+    # plain layer types (no "mlp") are taken as they are
+    "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1,
+             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
     "zaya": {"num_experts_per_tok": 1},
     "dots3_note": {"num_key_value_heads": HEADS},
     "dots3_note_text": {"num_key_value_heads": HEADS},
@@ -168,6 +171,21 @@ def _small(key, value):
     return value
 
 
+def _small_layer_override(o, top):
+    """One layer's ``per_layer_config`` entry shrunk; ``top`` is the (not yet shrunk) config it overrides.
+    A per-layer head_dim stays larger than the shrunk global one (2 x HEAD_DIM); equalities the
+    default holds are kept: kv heads == heads (MLA), head_dim == qk_nope_head_dim + qk_rope_head_dim."""
+    out = {k: (2 * HEAD_DIM if k == "head_dim" else _small(k, v)) for k, v in o.items()}
+    full = {**top, **o}  # the layer's own values before shrinking
+    if "num_key_value_heads" in o and full.get("num_key_value_heads") == full.get("num_attention_heads"):
+        out["num_key_value_heads"] = out.get("num_attention_heads", _small("num_attention_heads", top.get("num_attention_heads")))
+    parts = ("qk_nope_head_dim", "qk_rope_head_dim")
+    if any(k in o for k in parts) and all(isinstance(full.get(k), int) for k in parts + ("head_dim",)) \
+            and full["head_dim"] == full["qk_nope_head_dim"] + full["qk_rope_head_dim"]:
+        out["head_dim"] = sum(out.get(k, _small(k, top[k])) for k in parts)
+    return out
+
+
 def shrink_dict(d, model_type=None):
     """A config dict (``PretrainedConfig.to_dict()``) shrunk to a tiny model; sub-configs too."""
     d = dict(d)
@@ -177,6 +195,7 @@ def shrink_dict(d, model_type=None):
     n = next((d[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
               if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), None)
     keep = _keep_indices(d, n) if n and n > LAYERS else None
+    src = dict(d)  # the values before shrinking (a per-layer override is read against them)
     for key, value in list(d.items()):
         if keep and isinstance(value, (list, tuple)) and len(value) == n:
             value = [value[i] for i in keep]
@@ -185,8 +204,7 @@ def shrink_dict(d, model_type=None):
         elif keep and key in INDEX_LISTS and isinstance(value, list):
             value = [keep.index(i) for i in value if i in keep]
         elif keep and key == "per_layer_config" and isinstance(value, dict):
-            value = {f"{keep.index(int(i)):02d}": {k: (2 * HEAD_DIM if k == "head_dim" else _small(k, v)) for k, v in o.items()}
-                     for i, o in value.items() if int(i) in keep}
+            value = {f"{keep.index(int(i)):02d}": _small_layer_override(o, src) for i, o in value.items() if int(i) in keep}
         if isinstance(value, list) and key in EXACT and value and all(isinstance(v, int) for v in value):
             value = [EXACT[key]] * len(value)
         d[key] = _small(key, value)
@@ -194,6 +212,8 @@ def shrink_dict(d, model_type=None):
         for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"):
             if isinstance(d.get(key), int):
                 d[key] = len(keep)
+        if d.get("num_kv_shared_layers") == n:  # every layer reuses another's KV (an assistant): still every layer
+            d["num_kv_shared_layers"] = len(keep)
     # consistency: multi-head latent attention, mamba2 heads
     if isinstance(d.get("qk_rope_head_dim"), int) and isinstance(d.get("kv_lora_rank"), int):
         if "head_dim" in d:
@@ -275,7 +295,44 @@ def _close(got, ref, delegate):
 
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+    line = text[0] if text else ""
+    if line.endswith(":") and len(text) > 1:  # a wrapper (a config validator's error): its cause is on the next line
+        line = f"{line} {text[1].strip()}"
+    return f"{type(err).__name__}: {line}"[:300]
+
+
+def _default_config_error(model_type):
+    """``(stage, error)``: where eager fails with transformers' default config for ``model_type``
+    (``AutoConfig.for_model`` unmodified: full size, so built and run on the meta device) -- stage
+    "config", "build" or "forward", the error's first line -- or ``(None, None)`` when it runs."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    stage = "config"
+    try:
+        cfg = AutoConfig.for_model(model_type)
+        stage = "build"
+        with torch.device("meta"), torch.no_grad():
+            model = AutoModelForCausalLM.from_config(cfg).eval()
+            stage = "forward"
+            model(torch.zeros(1, SEQ, dtype=torch.long), use_cache=False)
+    except Exception as err:
+        return stage, _first_line(err)
+    return None, None
+
+
+def eager_na_reason(model_type, err):
+    """Why a row is n/a when eager fails on the tiny config: the same failure with transformers'
+    default config is the model's own (a genuine n/a); otherwise the tiny config is suspect."""
+    tiny = _first_line(err)
+    stage, default = _default_config_error(model_type)
+    if default == tiny:
+        return f"eager fails with transformers' default config too: {tiny}"
+    if stage is None:
+        return f"eager fails on the tiny config only (transformers' default config runs, on the meta device): {tiny}"
+    if stage == "forward":  # the meta device cannot run everything (.item()): undecided
+        return f"eager fails on the tiny config: {tiny} (transformers' default config builds; its meta-device forward: {default})"
+    return f"eager fails: {tiny} (transformers' default config fails too, differently: {default})"
 
 
 def _tensors(obj):
@@ -602,9 +659,9 @@ def check_arch(model_type: str, delegate: str = "aot_eager", columns=None, progr
         res["info"]["eager"] = {"class": type(ctx.model).__name__, "params": sum(p.numel() for p in ctx.model.parameters()),
                                 "blocks": ctx.blocks}
     except Exception as err:
-        res["cells"]["eager"] = f"n/a: eager fails: {_first_line(err)}"
-        res["na"] = f"eager fails: {_first_line(err)}"
         res["info"]["eager"] = {"traceback": traceback.format_exc()[-2000:]}
+        res["na"] = eager_na_reason(model_type, err)
+        res["cells"]["eager"] = f"n/a: {res['na']}"
         for col in columns:
             res["cells"][col] = f"n/a: {res['na']}"
         res["seconds"]["eager"] = res["seconds"]["total"] = round(time.perf_counter() - t0, 2)
