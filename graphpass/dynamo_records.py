@@ -8,7 +8,9 @@ cumulative); :func:`snapshot` and :func:`new_reasons` take the difference around
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from dataclasses import dataclass
 
 _KINDS = ("unimplemented", "graph_break")
 _SKIP_MARKERS = ("frame skipped", "Skipping the frame", "skipping frame", "Skipping frame")
@@ -36,6 +38,39 @@ def skipped_frames() -> list[str]:
     """Every break record in this process in which Dynamo says it skipped a frame (no "before":
     for an error raised when a skipped frame already ran eagerly)."""
     return [r for r in new_reasons({}) if any(m in r for m in _SKIP_MARKERS)]
+
+
+_SITE = re.compile(r"frame skipped: (?P<name>\S+) \((?P<file>.+) line (?P<line>\d+)\)")
+
+
+@dataclass(frozen=True)
+class SkippedFrame:
+    """A frame Dynamo skipped (runs eagerly from now on): its code's name, file and first line,
+    from Dynamo's own record (``frame skipped: forward (/path/model.py line 187)``; a resume
+    function's first line is where it resumes inside the function it came from)."""
+
+    name: str
+    file: str
+    line: int
+    record: str
+
+
+def skipped_frame_sites() -> list[SkippedFrame]:
+    """Every frame skip Dynamo recorded in this process (until ``torch._dynamo.reset()``) that names its code."""
+    out: list[SkippedFrame] = []
+    for record in skipped_frames():
+        for m in _SITE.finditer(record):
+            out.append(SkippedFrame(m["name"], m["file"], int(m["line"]), record))
+    return out
+
+
+def code_span(fn) -> tuple[str, int, int] | None:
+    """``(file, first line, last line)`` of a function's code (a module class's ``forward``), or None."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    lines = [line for _, _, line in code.co_lines() if line is not None]
+    return code.co_filename, code.co_firstlineno, max(lines, default=code.co_firstlineno)
 
 
 def skipped_frame_message(reasons: list[str]) -> str:

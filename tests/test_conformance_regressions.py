@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file
@@ -232,8 +233,45 @@ def test_disk_offload_of_weights_a_skipped_frame_reads_eagerly(tmp_path):
     state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=str(tmp_path)))
     assert {r.name for r in state.records} >= {"layers.0.experts", "layers.1.experts"}
     compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
-    with torch.no_grad():
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"module 'layers.0' \(LoopExperts\).*Dynamo skipped its forward"
+                                                          r".*not streamed \(results are right"):
         got = compiled(x)
     torch._dynamo.reset()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     assert graphpass.memory_stats(compiled).loads_issued > 0  # the routers still stream through the graphs
+
+
+class LoopExpertsOnDevice(LoopExperts):
+    """The same expert loop, a class of its own (Dynamo's skip records are process-wide, matched by code)."""
+
+    def forward(self, x):
+        top = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e in top.unique():
+            i = int(e.item())
+            out = out + (top == i).unsqueeze(-1) * (x @ self.experts[i])
+        return x + out
+
+
+def test_device_stand_ins_read_by_a_skipped_frame_are_refused():
+    """On an accelerator the model holds one-element stand-ins: the expert loop Dynamo runs eagerly
+    would compute with them (a wrong result, silently). Refused when the next graph of the model
+    compiles (the router's), naming the module, Dynamo's record and what to do."""
+    from graphpass.offloading.install import device_stand_ins_on_host
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LoopExpertsStack().eval()
+    for i, layer in enumerate(model.layers):
+        fresh = LoopExpertsOnDevice()
+        fresh.load_state_dict(layer.state_dict())
+        model.layers[i] = fresh
+    with device_stand_ins_on_host():
+        graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    with torch.no_grad(), pytest.raises(graphpass.OffloadError,
+                                        match=r"module 'layers.0' \(LoopExpertsOnDevice\) holds tensors graphpass.offload\(\) "
+                                              r"streams, and Dynamo skipped its forward.*reads the device stand-ins.*"
+                                              r"exclude_patterns=\['layers.0'\]"):
+        compiled(torch.randn(1, 6, 8))
+    torch._dynamo.reset()

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .. import progress
-from ..dynamo_records import has_compiled_code
+from ..dynamo_records import code_span, has_compiled_code
 from ..errors import ConfigError, OffloadError
 from ..fx_utils import flatten_wrappers, is_dtensor, is_wrapper_subclass, local_tensor, unflatten_wrappers, with_spec_of
 from . import files, fsdp2
@@ -357,6 +357,8 @@ def _map_disk_stand_ins(state: OffloadState, streamed: list[_Tensor], placement:
             mapped = state.runtime.map_stand_in(loc, value)
             if mapped is not None:  # else (misaligned region, no mmap) the empty stand-in stays
                 placement.new_values[id(rec)] = mapped
+            else:
+                state.runtime.eager_reads_real = False
 
 
 def _swap_into_model(tensors: list[_Tensor], config: OffloadConfig, device: torch.device, placement: _Placement,
@@ -428,6 +430,8 @@ def _install_guards(model: nn.Module, state: OffloadState, streamed: list[_Tenso
     modules = dict(model.named_modules(remove_duplicate=False))
     for name in guarded:
         state.hooks.append(modules[name].register_forward_pre_hook(_guard_hook(name or type(model).__name__)))
+        # where its forward's code is: a frame of it Dynamo skips runs eagerly (the offload pass checks)
+        state.runtime.guarded_code[name] = (type(modules[name]).__name__, code_span(type(modules[name]).forward))
 
 
 @dataclass(eq=False)
@@ -578,6 +582,8 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
             _map_disk_stand_ins(state, streamed, placement)
         _swap_into_model(tensors, config, device, placement, use_stand_ins)
         _register(state, streamed, placement, use_stand_ins)
+        if use_stand_ins:
+            state.runtime.eager_reads_real = False  # the model holds stand-ins, not the weights
         # FSDP2 shards are loaded where FSDP2 all-gathers them (eagerly, in its unshard), not in a graph
         state.hooks += fsdp2.install(sharded, streamed, state.records, device, config.prefetch_distance,
                                      config.storage == "disk")

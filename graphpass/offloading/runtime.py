@@ -420,6 +420,12 @@ class OffloadRuntime:
         self._stats = dict(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0,
                            peak_streamed_bytes=0, wait_seconds=0.0)
         self.resident_bytes = resident_bytes
+        # Set by offload(): guarded module name -> (class name, code span of its forward), and whether
+        # the model holds the weights' real bytes (host copies, mapped files) rather than stand-ins:
+        # what a frame Dynamo skips, run eagerly, would read (insert_offload_schedule checks).
+        self.guarded_code: dict[str, tuple] = {}
+        self.eager_reads_real = True
+        self.eager_warned: set[str] = set()
         self._closed = False
 
     # ---------------------------------------------------------------- counters

@@ -32,11 +32,13 @@ else at the trap's first reader) and that the analysis holds ``node_trap``.
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .. import dynamo_records
 from ..errors import OffloadError
 from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, is_guard, let_dtensors_through, let_wrappers_through
 from ..offloading.runtime import OffloadedTensor, WrappedOffload, lookup_input, plain_records
@@ -132,6 +134,7 @@ class InsertOffloadSchedule(GraphPass):
         if len(runtimes) > 1:
             raise OffloadError("one graph reads tensors offloaded from two different models; offload and compile them separately")
         runtime = next(iter(runtimes.values()))
+        _check_skipped_frames(runtime)
         let_dtensors_through()  # tensor-parallel weights: the load ops take their local shards
         # wrapper subclasses (torchao): the load ops take their inner tensors
         let_wrappers_through({type(example_of(p)) for p, r in records.items() if isinstance(r, WrappedOffload)})
@@ -248,6 +251,35 @@ def _prepare_cuda_graphs(runtime, groups: list, config) -> None:
             f"replay: offload with storage='pinned', or compile without CUDA graphs"
         )
     runtime.reserve_graph_slots(groups)
+
+
+def _check_skipped_frames(runtime) -> None:
+    """A module holding streamed tensors whose forward Dynamo skipped (a graph break inside a loop)
+    runs eagerly, outside every graph graphpass schedules: no load serves it, and its pre-hook guard
+    ran inside a compiled caller. It reads what the model holds: with device stand-ins (or a disk
+    region that could not be mapped) that is not the weights, so the result would be wrong: refused,
+    naming the module and Dynamo's record; with the real bytes (host copies, mapped files) the result
+    is right but nothing streams: a warning, once per module. Checked when any later graph of the
+    model compiles (the skip is recorded as the skipped frame first runs)."""
+    sites = dynamo_records.skipped_frame_sites()
+    if not sites:
+        return
+    for name, (cls, span) in runtime.guarded_code.items():
+        hit = next((s for s in sites if span and s.file == span[0] and span[1] <= s.line <= span[2]), None)
+        if hit is None or name in runtime.eager_warned:
+            continue
+        where = f"module {name!r} ({cls}) holds tensors graphpass.offload() streams, and Dynamo skipped its forward " \
+                f"({hit.name} at {hit.file} line {hit.line}): it runs eagerly, outside every graph graphpass schedules"
+        first = next((line.strip() for line in hit.record.strip().splitlines() if line.strip()), "")
+        todo = (f"remove the graph break (Dynamo's record starts: {first!r}; TORCH_LOGS=graph_breaks shows it) or move it "
+                f"out of the loop, or keep the module on the device with exclude_patterns=[{name!r}]")
+        if not runtime.eager_reads_real:
+            raise OffloadError(f"{where}, and reads the device stand-ins the model holds instead of its weights, so its "
+                               f"results would be wrong. What to do: {todo}")
+        runtime.eager_warned.add(name)
+        warnings.warn(f"graphpass offload: {where}; it reads its weights from host memory directly, so they are not "
+                      f"streamed (results are right; memory_stats does not count them). To stream them: {todo}",
+                      UserWarning, stacklevel=2)
 
 
 def _offloaded_inputs(ctx: PassContext) -> dict[torch.fx.Node, OffloadedTensor | WrappedOffload]:
