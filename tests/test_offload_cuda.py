@@ -91,6 +91,33 @@ def test_quant_linear_inner_fields_on_cuda():
         assert torch.equal(compiled(*x), ref(*x))
 
 
+@pytest.mark.parametrize("storage", ["pinned", "disk"])
+@pytest.mark.parametrize("then", ["aot_eager", "inductor"])
+def test_wrapper_subclass_weights_stream_their_inner_tensors_on_cuda(storage, then, tmp_path):
+    """A tensor subclass weight (torch's TwoTensor, as torchao's Int8Tensor) streams as its inner
+    tensors: the model holds the wrapper around device stand-ins, the loads rebuild it."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU()) for _ in range(3)]).eval()
+    for block in model:
+        w = block[0].weight.detach()
+        block[0].weight = torch.nn.Parameter(TwoTensor(w.clone(), w.clone()), requires_grad=False)
+    model.requires_grad_(False)
+    ref = copy.deepcopy(model).cuda()
+    state = graphpass.offload(model, graphpass.OffloadConfig(
+        include_patterns=["1", "2"], device="cuda", storage=storage, disk_path=tmp_path if storage == "disk" else None))
+    assert {r.name for r in state.records} >= {"1.0.weight.a", "1.0.weight.b", "2.0.weight.a"}
+    assert model[1][0].weight.a.device.type == "cuda" and model[1][0].weight.a.stride() == (0, 0)
+    x = torch.randn(4, 32, device="cuda")
+    with torch.no_grad():
+        got = torch.compile(model, backend=graphpass.backend(then=then))(x)
+        expected = ref(x)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got, expected, rtol=1e-4 if then == "inductor" else 0, atol=1e-4 if then == "inductor" else 0)
+
+
 # --------------------------------------------------------------------------------------------
 # Offload under CUDA graphs: most layers resident, the rest streamed by loads recorded in the graph
 # --------------------------------------------------------------------------------------------
