@@ -1,7 +1,6 @@
 """Tensor capture: clone nodes by a pass, the seed's API, isolation, on-disk layout."""
 
 import json
-import os
 import threading
 from pathlib import Path
 

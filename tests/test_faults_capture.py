@@ -23,7 +23,6 @@ from graphpass import atomic_files
 from graphpass import CaptureError, ModelCapture
 from graphpass.capturing import CaptureWriter, compare
 from graphpass.capturing import compare_runs
-from graphpass.capturing import writer as writer_mod
 from graphpass.cli import main
 from graphpass.errors import ConfigError, GraphpassError
 from graphpass.models.corpus import build
