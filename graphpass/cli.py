@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib
 import json
@@ -85,6 +86,11 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as stack:  # the disk offload's folder, if any, goes with it
+        return _run_demo(args, stack)
+
+
+def _run_demo(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     import torch
 
     from .dynamo_backend import GraphpassBackend
@@ -101,7 +107,9 @@ def _demo(args: argparse.Namespace) -> int:
     if args.offload != "none":
         from .offloading import OffloadConfig, offload
 
-        folder = tempfile.mkdtemp(prefix="graphpass-demo-") if args.offload == "disk" else None
+        folder = None
+        if args.offload == "disk":  # removed with its files when the demo ends, however it ends
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="graphpass-demo-"))
         model.requires_grad_(False)
         state = offload(model, OffloadConfig(device="cpu", storage=args.offload, disk_path=folder))
     gp = GraphpassBackend({"then": args.then})
@@ -256,8 +264,6 @@ def parse_size(spec: str) -> tuple[int, int]:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    import contextlib
-
     import torch
 
     from .dynamo_backend import GraphpassBackend

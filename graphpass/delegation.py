@@ -9,7 +9,9 @@ the pieces.
 
 from __future__ import annotations
 
+import logging
 import operator
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 import sympy
@@ -18,7 +20,10 @@ from torch.fx.passes.split_module import split_module
 
 from graphpass.backends import Delegate
 
+from .errors import DelegateError
 from .fx_utils import is_graphpass_node
+
+log = logging.getLogger("graphpass.delegation")
 
 
 class _LazyPiece(torch.nn.Module):
@@ -93,10 +98,48 @@ def _forget_undefined_symbols(gm: torch.fx.GraphModule) -> None:
             del n.meta["example_value"]
 
 
-def compile_with_delegate(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], delegate: Delegate) -> Callable:
-    if delegate.host_code:
-        return delegate.compile(gm, list(example_inputs))
-    if not any(is_graphpass_node(n) for n in gm.graph.nodes):
-        return delegate.compile(gm, list(example_inputs))
+def compile_with_delegate(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], delegate: Delegate,
+                          graph_name: str = "the graph") -> Callable:
+    """The delegate's compiled ``gm``. A delegate without host code gets the graph split at graphpass's
+    nodes, its pieces compiled on their first call."""
+    if delegate.host_code or not any(is_graphpass_node(n) for n in gm.graph.nodes):
+        try:
+            return delegate.compile(gm, list(example_inputs))
+        except _dynamo_fallbacks() as err:
+            refuse_eager_fallback(gm, delegate, err, graph_name)
+            raise
     parent, _ = split_at_boundaries(gm, delegate)
     return parent.forward
+
+
+def _dynamo_fallbacks() -> tuple[type, ...]:
+    """The exceptions Dynamo takes, from a backend, as "run this frame eagerly" instead of an error."""
+    try:
+        from torch._dynamo.exc import exceptions_allowed_to_be_fallback
+        return tuple(exceptions_allowed_to_be_fallback)
+    except ImportError:  # pragma: no cover - older layouts: the fake-tensor family it has always been
+        from torch._subclasses import fake_tensor as ft
+        return (ft.DataDependentOutputException, ft.DynamicOutputShapeException, ft.UnsupportedOperatorException)
+
+
+def refuse_eager_fallback(gm: torch.fx.GraphModule, delegate: Delegate, err: BaseException, graph_name: str) -> None:
+    """Raise a DelegateError where the delegate's failure would make Dynamo run the frame eagerly,
+    without what graphpass inserted in ``gm`` (offload loads and evictions, captures): with offload
+    the eager code computes with the model's stand-ins, and a capture writes nothing. A graph with only
+    trap boundaries loses nothing numerical: that fallback is logged and left to Dynamo."""
+    from .ops import is_boundary
+
+    work = Counter(n.target._schema.name.split("::")[-1] for n in gm.graph.nodes
+                   if is_graphpass_node(n) and not is_boundary(n))
+    what = f"{type(err).__name__}: {err}"
+    if not work:
+        log.warning("delegate %r could not trace %s (%s): Dynamo runs that frame eagerly, without its trap "
+                    "boundaries", delegate.name, graph_name, what)
+        return
+    ops = ", ".join(f"{count} {op}" for op, count in sorted(work.items()))
+    raise DelegateError(
+        f"delegate {delegate.name!r} could not trace {graph_name}, which graphpass rewrote ({ops}): {what}. "
+        "Dynamo would run that frame eagerly without these nodes (offloaded weights are stand-ins there and "
+        "captures write nothing), so graphpass refuses it. then='eager' runs the rewritten graph without "
+        "compiling it; otherwise remove the op at fault (a data-dependent size or value) from the model's "
+        "forward, or report it if the traceback ends in graphpass's own ops") from err

@@ -115,7 +115,7 @@ class GraphpassBackend:
             msg = f"graphpass static_shapes: not padding this graph, it runs with dynamic shapes: {plan.refused[0]}"
             warnings.warn(msg, stacklevel=2)
             ctx.log.append(msg)
-        return compile_with_delegate(gm, example_inputs, delegate)
+        return compile_with_delegate(gm, example_inputs, delegate, graph_name=f"graph {record.index}")
 
 
 def _delegate_name(then: Any) -> str:

@@ -37,7 +37,8 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str, str, dict]]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      GRAPHPASS_TEST_SCRATCH=out_dir)
     torch.set_num_threads(1)  # 2-core CI machines: ranks must not oversubscribe
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
@@ -55,6 +56,11 @@ def _entry(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+
+
+def scratch_folder() -> str:
+    """A fresh folder (a disk offload's files) inside the run's output folder, which the parent removes."""
+    return tempfile.mkdtemp(dir=os.environ.get("GRAPHPASS_TEST_SCRATCH"))
 
 
 def _case(fn_name: str) -> Callable:
@@ -352,7 +358,7 @@ def case_tp_offload(rank, world, model_name, storage, then="aot_eager", train=Fa
             m.eval().requires_grad_(False)
     local_bytes = sum(getattr(p, "_local_tensor", p).nbytes for p in blocks(model).parameters())
     global_bytes = sum(p.nbytes for p in blocks(ref).parameters())
-    folder = tempfile.mkdtemp() if storage == "disk" else None
+    folder = scratch_folder() if storage == "disk" else None
     graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage=storage, disk_path=folder,
                                                      include_patterns=[r"(model\.)?layers\.\d+"]))
     compiled, gp = _compile(model, then)
@@ -390,7 +396,7 @@ def _fsdp2_offload_run(model_name, storage, train, then):
         for m in (ref, plain, model):
             m.eval().requires_grad_(False)
     local = [sum(p._local_tensor.nbytes for p in b.parameters()) for b in blocks(model)]
-    folder = tempfile.mkdtemp() if storage == "disk" else None
+    folder = scratch_folder() if storage == "disk" else None
     graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage=storage, disk_path=folder,
                                                      include_patterns=[r"(model\.)?layers\.\d+"]))
     compiled, gp = _compile(model, then)

@@ -146,3 +146,49 @@ def test_mode_is_passed_to_inductor(monkeypatch):
     model, inputs = build("mlp_stack")
     torch.compile(model, backend="graphpass", mode="max-autotune-no-cudagraphs")(*inputs)
     assert captured.get("max_autotune") is True
+
+
+# ------------------------------------------------------------------ a delegate Dynamo would fall back from
+
+
+def untraceable(gm, example_inputs):
+    """A delegate failing as AOTAutograd does on a data-dependent op (``.item()`` under fake tensors):
+    Dynamo takes this exception from a backend as "run the frame eagerly", not as an error."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
+
+
+def test_a_fallback_that_would_drop_offload_loads_is_refused_before_anything_runs():
+    model, inputs = build("mlp_stack")
+    model.eval().requires_grad_(False)
+    state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
+    compiled = torch.compile(model, backend=graphpass.backend(then=untraceable))
+    with torch.no_grad(), pytest.raises(graphpass.DelegateError) as info:
+        compiled(*fresh_inputs(inputs))
+    msg = str(info.value)
+    assert "delegate 'untraceable' could not trace graph 0" in msg
+    assert "load" in msg and "evict" in msg and "DataDependentOutputException" in msg and "then='eager'" in msg
+    assert graphpass.memory_stats(compiled).bytes_loaded == 0  # refused at compile: no load ran
+    assert state is not None
+
+
+def test_a_fallback_that_would_drop_captures_is_refused(tmp_path):
+    model, inputs = build("tiny_transformer")
+    compiled = torch.compile(model, backend=graphpass.backend(then=untraceable))
+    capture = graphpass.ModelCapture(compiled, modules=["layers.0"], capture_dir=tmp_path)
+    capture.enable()
+    with pytest.raises(graphpass.DelegateError, match=r"capture.*DataDependent"), capture.step(is_prefill=True):
+        compiled(*fresh_inputs(inputs))
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing half-written
+
+
+def test_a_fallback_of_a_graph_with_only_trap_boundaries_is_left_to_dynamo_and_logged(caplog):
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend=graphpass.backend(then=untraceable))
+    x = fresh_inputs(inputs)
+    with caplog.at_level("WARNING", logger="graphpass.delegation"), torch.no_grad():
+        got = compiled(*x)
+        assert torch.equal(got, model(*x))  # Dynamo ran the frame eagerly: nothing numerical was lost
+    assert any("delegate 'untraceable' could not trace graph 0" in r.getMessage() and "trap" in r.getMessage()
+               for r in caplog.records)

@@ -430,10 +430,10 @@ def test_written_files_are_safetensors_and_removed_with_the_model(tmp_path):
     assert not os.path.exists(path)
 
 
-def test_disk_stand_ins_hold_no_data():
+def test_disk_stand_ins_hold_no_data(tmp_path):
     """The model's streamed tensors are untouched stand-ins: never read, never written by graphpass."""
     model, inputs = frozen("mlp_stack")
-    state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path="/tmp"))
+    state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=str(tmp_path)))
     for rec in state.records:
         assert rec.location is not None and rec.host.shape == rec.shape
 
