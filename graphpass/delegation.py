@@ -129,7 +129,7 @@ def refuse_eager_fallback(gm: torch.fx.GraphModule, delegate: Delegate, err: Bas
     trap boundaries loses nothing numerical: that fallback is logged and left to Dynamo."""
     from .ops import is_boundary
 
-    work = Counter(n.target._schema.name.split("::")[-1] for n in gm.graph.nodes
+    work = Counter(str(n.target).split(".")[1] for n in gm.graph.nodes
                    if is_graphpass_node(n) and not is_boundary(n))
     what = f"{type(err).__name__}: {err}"
     if not work:
