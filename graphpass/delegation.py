@@ -21,7 +21,7 @@ from torch.fx.passes.split_module import split_module
 from graphpass.backends import Delegate
 
 from .errors import DelegateError
-from .fx_utils import is_graphpass_node
+from .fx_utils import graphpass_op_name, is_graphpass_node
 
 log = logging.getLogger("graphpass.delegation")
 
@@ -129,8 +129,7 @@ def refuse_eager_fallback(gm: torch.fx.GraphModule, delegate: Delegate, err: Bas
     trap boundaries loses nothing numerical: that fallback is logged and left to Dynamo."""
     from .ops import is_boundary
 
-    work = Counter(str(n.target).split(".")[1] for n in gm.graph.nodes
-                   if is_graphpass_node(n) and not is_boundary(n))
+    work = Counter(graphpass_op_name(n) for n in gm.graph.nodes if is_graphpass_node(n) and not is_boundary(n))
     what = f"{type(err).__name__}: {err}"
     if not work:
         log.warning("delegate %r could not trace %s (%s): Dynamo runs that frame eagerly, without its trap "

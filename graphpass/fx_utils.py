@@ -2,7 +2,7 @@
 
 * values: :func:`example_of`, :func:`is_tensor_node`, :func:`tensors_of`;
 * order: :func:`node_order`;
-* graphpass's own ops: :func:`is_graphpass_op`, :func:`is_graphpass_node`;
+* graphpass's own ops: :func:`is_graphpass_op`, :func:`is_graphpass_node`, :func:`graphpass_op_name`;
 * views and aliases: :func:`is_view`, :func:`returns_alias`, :func:`views_of`, :class:`AliasIndex`;
 * writes: :func:`writes_into` (in place methods and functions, ``out=``, ``operator.i*``,
   ``inplace=True``, ``copy_``, ``index_put_``, ``x[i] = v``, mutable schemas) and :func:`find_write`;
@@ -84,6 +84,11 @@ def is_graphpass_op(target: object) -> bool:
 
 def is_graphpass_node(node: Node) -> bool:
     return node.op == "call_function" and is_graphpass_op(node.target)
+
+
+def graphpass_op_name(node: Node) -> str:
+    """``trap_enter``, ``load_start``, ``capture``, ... for a graphpass op node; "" for anything else."""
+    return str(node.target).split(".")[1] if is_graphpass_node(node) else ""
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from typing import Any, Iterable
 
 import torch
 
+from .fx_utils import graphpass_op_name
+
 ACCEPT_ENV = "GRAPHPASS_ACCEPT_GOLDEN"
 
 _ADDR = re.compile(r"0x[0-9a-fA-F]{6,}")
@@ -105,14 +107,6 @@ def render_model(graphs: Iterable) -> str:
 OUTSIDE = "(outside traps)"  # capture nodes, loads or evictions that sit in no trap region
 
 
-def _op(node) -> str:
-    """``trap_enter``, ``load_start``, ... for a graphpass op node; "" for anything else."""
-    if node.op != "call_function":
-        return ""
-    name = str(node.target)
-    return name.split(".")[1] if name.startswith("graphpass.") else ""
-
-
 def summarize(graphs: Iterable) -> dict[str, Any]:
     """What must hold on every torch version: ``graphs`` (how many), ``schedule`` (trap labels in load
     order), ``traps`` (per trap: ``loads``, ``evictions``, ``captures``) and ``fqn_traps`` (each
@@ -136,7 +130,7 @@ def summarize(graphs: Iterable) -> dict[str, Any]:
                 seen.extend(label for label in t.traps if label not in seen)
         open_traps: list[str] = []
         for node in g.gm.graph.nodes:
-            op = _op(node)
+            op = graphpass_op_name(node)
             if op == "trap_enter":
                 open_traps.append(node.args[0])
             elif op == "trap_exit" and open_traps:
