@@ -30,6 +30,7 @@ from tabulate import tabulate
 from ..errors import ConfigError
 from ..formatting import fmt_bytes
 from ..fx_utils import shape_env_hints, returns_alias, size_expr, source_frame, tensors_of
+from ..torch_compat import source_name
 
 if TYPE_CHECKING:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -558,7 +559,7 @@ def _resolve_dims(env: ShapeEnv, dims: list[DynamicDim], names: list[str]) -> di
     for sym, sources in getattr(env, "var_to_sources", {}).items():
         target = env.replacements.get(sym, sym)
         for src in sources:
-            key = _source_key(src.name() if callable(getattr(src, "name", None)) else str(src.name), names)
+            key = _source_key(source_name(src), names)
             if key is None:
                 continue
             for d in dims:
