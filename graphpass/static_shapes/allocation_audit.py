@@ -710,9 +710,11 @@ def _has_checkpoint_hop(gm: torch.fx.GraphModule) -> bool:
     )
 
 
-def _recomputed(node: torch.fx.Node) -> bool:
-    """In an activation-checkpoint region and recomputed in backward (not saved by a selective policy)."""
-    if "ac_graph_id" not in node.meta:
+def _recomputed(node: torch.fx.Node, label: str) -> bool:
+    """In an activation-checkpoint region and recomputed in backward (not saved by a selective policy).
+    Never in an inference graph (``label`` ``"N/inference"``): there is no backward to recompute in, though
+    torch 2.9 still tags the region's nodes there."""
+    if label.endswith("/inference") or "ac_graph_id" not in node.meta:
         return False
     policy = node.meta.get("recompute")
     return policy is None or getattr(policy, "name", str(policy)) in _RECOMPUTE_POLICIES
@@ -757,7 +759,7 @@ def _verdict(a: _Allocation) -> tuple[str, str, str]:
         syms = sorted(a.unbacked, key=str)
         origin = "; ".join(f"{s} from {a.scan.born.get(s, 'an earlier graph or a .item()')}" for s in syms)
         return "NO", "data-dependent", f"data-dependent size: depends on {origin}"
-    if _recomputed(node):
+    if _recomputed(node, a.scan.label):
         return ("NO", "checkpoint",
                 "inside an activation-checkpoint region: a persistent buffer would keep alive the memory "
                 "that checkpointing frees after forward and recomputes in backward")
