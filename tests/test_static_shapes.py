@@ -349,3 +349,20 @@ def test_automatic_dynamic_shapes_off_buckets_under_dynamic_true_or_mark_dynamic
                 torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-6)
         # buckets 8, 16, 64 (and 32 for 17); with dynamic=True, the length-1 graph compiles as is
         assert counter.calls == 4 + (how == "dynamic"), how
+
+
+def test_a_batch_equal_to_the_first_length_under_dynamic_true_is_refused_not_a_crash():
+    """Under dynamic=True Dynamo gives equal sizes one symbol (duck sizing): a first call of batch 5 and
+    length 5 makes the logits' reshape ``(s*s)//s``, no polynomial. That used to fail the pass with a
+    sympy PolynomialError (a PassError); now the plan is refused with the output named, that graph runs
+    dynamic, and the next batch gets a bucketed graph of its own."""
+    model, _ = build("tiny_transformer")
+    counter = CountingBackend()
+    gp = opts(counter)
+    compiled = torch.compile(model, backend=gp, dynamic=True)
+    with pytest.warns(UserWarning, match=r"not padding this graph.*cannot slice it back"), torch.no_grad():
+        for batch, n in ((5, 5), (5, 9), (2, 5), (2, 9)):
+            ids = torch.randint(0, 64, (batch, n))
+            torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-6)
+    first, second = gp.graphs
+    assert first.runner is None and second.runner is not None and second.runner.plan.active

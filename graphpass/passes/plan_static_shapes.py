@@ -60,9 +60,14 @@ def _linear(expr: sympy.Expr, sym: sympy.Symbol) -> tuple[int, int] | None:
     """(1, b) when expr == sym + b (b an integer constant), else None.
 
     Only ``L + b`` can be sliced back: a merged dim such as ``B*L`` interleaves padding rows with
-    real ones, so its first ``B*L`` rows are not the real rows.
+    real ones, so its first ``B*L`` rows are not the real rows. A size that is no polynomial in
+    ``sym`` (torch's ``FloorDiv``, as in ``(s*s)//s`` when Dynamo gave a batch equal to the length the
+    same symbol) cannot be sliced back either.
     """
-    poly = sympy.Poly(expr, sym) if expr.free_symbols == {sym} else None
+    try:
+        poly = sympy.Poly(expr, sym) if expr.free_symbols == {sym} else None
+    except sympy.PolynomialError:
+        return None
     if poly is None or poly.degree() != 1:
         return None
     a, b = (int(c) for c in poly.all_coeffs())
