@@ -14,16 +14,21 @@ Differences handled here:
   mutates an input (``FallbackKernel.has_side_effects``) and silently drops the others; later releases
   also keep the marked ops (``torch._library.utils.is_impure``). :func:`keep_marked_ops_in_inductor`
   gives graphpass's ops, on 2.9, an inductor lowering that keeps them.
+- A frame Dynamo skips for a graph break inside a loop: later releases count it in
+  ``torch._dynamo.utils.counters["unimplemented"]`` ("graph break in loop ... frame skipped: forward
+  (/path/model.py line 187)"), which :mod:`graphpass.dynamo_records` reads; torch 2.9 only logs it at
+  INFO. :func:`count_loop_skips` makes 2.9 count it in the same words.
 """
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
 import torch
 
-__all__ = ["TORCH_RELEASE", "UNBACKED_SAFE_SLICING", "INDUCTOR_KEEPS_MARKED_OPS", "keep_marked_ops_in_inductor",
-           "source_name", "torch_release_tuple"]
+__all__ = ["TORCH_RELEASE", "UNBACKED_SAFE_SLICING", "INDUCTOR_KEEPS_MARKED_OPS", "count_loop_skips",
+           "keep_marked_ops_in_inductor", "source_name", "torch_release_tuple"]
 
 
 def torch_release_tuple(version: str | None = None) -> tuple[int, int]:
@@ -97,3 +102,45 @@ def _kept_fallback_handler(op: Any) -> Any:
     handler._is_fallback_handler = True  # type: ignore[attr-defined]  # what inductor's own handler says
     setattr(handler, _KEPT_MARK, True)
     return handler
+
+
+_LOOP_SKIP = "Skipping frame because there is a graph break in a for/while loop"
+_FRAME_SUMMARY = re.compile(r"<FrameSummary file (?P<file>.+), line (?P<line>\d+) in (?P<name>\S+)>")
+
+
+def count_loop_skips() -> bool:
+    """Make Dynamo count every frame it skips for a graph break inside a loop in
+    ``counters["unimplemented"]``, as torch 2.10 and later do, with the frame's code name, file and the
+    line it broke at (``frame skipped: NAME (FILE line N)``). Torch 2.9 only logs the skip
+    (``symbolic_convert.log.info``): its module logger is wrapped so the message is counted, then
+    logged as before (levels and handlers untouched). Returns whether the wrapper is in place (False
+    where Dynamo counts the skips itself); installing twice changes nothing."""
+    from torch._dynamo import symbolic_convert
+
+    if hasattr(symbolic_convert.InstructionTranslatorBase, "raise_loop_graph_break"):
+        return False
+    with _KEEP_LOCK:
+        if not isinstance(symbolic_convert.log, _LoopSkipCounter):
+            symbolic_convert.log = _LoopSkipCounter(symbolic_convert.log)
+    return True
+
+
+class _LoopSkipCounter:
+    """A logger wrapper that counts Dynamo's "skipping frame" messages (everything else delegated)."""
+
+    def __init__(self, log: Any) -> None:
+        self._log = log
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._log, name)
+
+    def info(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(msg, str) and msg.startswith(_LOOP_SKIP):
+            m = _FRAME_SUMMARY.search(msg)
+            where = f"{m['name']} ({m['file']} line {m['line']})" if m else "?"
+            from torch._dynamo.utils import counters
+
+            counters["unimplemented"][
+                "graph break in loop\n  Explanation: torch.compile detected a graph break in a for/while loop. "
+                f"Skipping the frame and falling back to eager.\n\n  Developer debug context: frame skipped: {where}"] += 1
+        self._log.info(msg, *args, **kwargs)

@@ -64,3 +64,23 @@ def test_keep_marked_ops_in_inductor_is_idempotent():
         from torch._inductor.lowering import lowerings
 
         assert getattr(lowerings[torch.ops.graphpass.trap_enter.default], "_graphpass_kept_fallback", False)
+
+
+def _looped(x):
+    for _ in range(2):
+        x = x + 1
+        torch._dynamo.graph_break()
+    return x
+
+
+def test_a_frame_skipped_for_a_break_inside_a_loop_is_on_record():
+    """Dynamo skips a frame with a graph break inside a loop; torch 2.9 only logged that, so the
+    offload pass could not see a module's forward run eagerly (count_loop_skips)."""
+    from graphpass import dynamo_records
+
+    torch._dynamo.reset()
+    x = torch.randn(3)
+    assert torch.equal(torch.compile(_looped, backend="eager")(x), x + 2)
+    sites = [s for s in dynamo_records.skipped_frame_sites() if s.name == "_looped"]
+    first, last = _looped.__code__.co_firstlineno, max(ln for _, _, ln in _looped.__code__.co_lines() if ln)
+    assert sites and all(s.file == __file__ and first <= s.line <= last for s in sites)
