@@ -351,12 +351,28 @@ def test_automatic_dynamic_shapes_off_buckets_under_dynamic_true_or_mark_dynamic
         assert counter.calls == 4 + (how == "dynamic"), how
 
 
+def _skip_unless_torch_guards_duck_sizes(model):
+    """torch 2.9's Dynamo (not 2.15's) runs a graph traced for a batch equal to the length for a later
+    (5, 9) call too, and fails in a reshape with no graphpass involved: probe plain torch.compile."""
+    torch._dynamo.reset()
+    plain = torch.compile(model, backend="eager", dynamic=True)
+    try:
+        with torch.no_grad():
+            for shape in ((5, 5), (5, 9)):
+                plain(torch.randint(0, 64, shape))
+    except RuntimeError as err:
+        pytest.skip(f"this torch's Dynamo reuses a duck-sized graph for unequal sizes (plain torch.compile fails: {err})")
+    finally:
+        torch._dynamo.reset()
+
+
 def test_a_batch_equal_to_the_first_length_under_dynamic_true_is_refused_not_a_crash():
     """Under dynamic=True Dynamo gives equal sizes one symbol (duck sizing): a first call of batch 5 and
     length 5 makes the logits' reshape ``(s*s)//s``, no polynomial. That used to fail the pass with a
     sympy PolynomialError (a PassError); now the plan is refused with the output named, that graph runs
     dynamic, and the next batch gets a bucketed graph of its own."""
     model, _ = build("tiny_transformer")
+    _skip_unless_torch_guards_duck_sizes(model)
     counter = CountingBackend()
     gp = opts(counter)
     compiled = torch.compile(model, backend=gp, dynamic=True)

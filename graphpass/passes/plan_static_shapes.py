@@ -177,9 +177,10 @@ def _refuse_if_never_dynamic(name: str, d: int, size: int) -> None:
         f"graphpass static_shapes: cannot bucket {name} dim {d}: {DynamicShapesDisabledError.setting} is False here "
         f"({cause}). Dynamo then traces every new length as a graph of its own with the length fixed, so graphpass "
         f"never receives a symbolic length to pad to a bucket and each length would compile its own static graph. "
-        f"Fix, either: compile with torch.compile(model, backend=..., dynamic=True) (one symbolic graph from the first "
-        f"call, then one static graph per bucket); or call torch._dynamo.mark_dynamic(<the {name} tensor>, {d}) before the "
-        f"first call; or set {DynamicShapesDisabledError.setting} = True after importing torch_xla "
+        f"Fix, either: call torch._dynamo.mark_dynamic(<the {name} tensor>, {d}) before the first call (that dim symbolic "
+        f"from the first graph, one static graph per bucket); or compile with torch.compile(model, backend=..., "
+        f"dynamic=True) (every dim symbolic; keep the first call's other sizes unequal to its length, which Dynamo would "
+        f"give the same symbol); or set {DynamicShapesDisabledError.setting} = True after importing torch_xla "
         f"(then the first call's exact size compiles one extra graph)."))
 
 
