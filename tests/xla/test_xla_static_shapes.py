@@ -13,8 +13,8 @@ graphs': with ``dynamic=True`` Dynamo's first graph is already symbolic and ther
 graph, hence exactly one compilation per bucket used.
 
 torch_xla's compilation cache is process-wide and cannot be cleared: each test uses a batch size of
-its own (4, 6, 7; the other modules here use the corpus's batch of 2), so no test reuses a
-computation another test compiled. None equals a length of the sweep: under dynamic=True Dynamo would
+its own (3, 4, 6, 7; the other modules here use the corpus's batch of 2), so no test reuses a
+computation another test compiled. Under dynamic=True none equals a length of the sweep: Dynamo would
 give a batch equal to the first length the length's symbol, and that graph is not bucketed.
 """
 
@@ -47,14 +47,18 @@ class CountingXla(XlaDelegate):
         return super().compile(gm, example_inputs)
 
 
-def _sweep(compiled, model, device, batch, lengths=LENGTHS, vocab=64):
+def _sweep(compiled, model, device, batch, lengths=LENGTHS, vocab=64, mark_first=False):
     """Run every length through ``compiled``, checking each against eager on the CPU (padded matmuls:
-    XLA blocks the math differently, fp32 rounding; rows never mix)."""
+    XLA blocks the math differently, fp32 rounding; rows never mix). ``mark_first``: mark the first
+    call's length dim dynamic (torch._dynamo.mark_dynamic), the fix the refusal names first."""
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for n in lengths:
+        for k, n in enumerate(lengths):
             ids = torch.randint(0, vocab, (batch, n), generator=g)
-            out = compiled(ids.to(device))
+            on_device = ids.to(device)
+            if mark_first and k == 0:
+                torch._dynamo.mark_dynamic(on_device, 1)
+            out = compiled(on_device)
             assert out.device.type == "xla" and out.shape == (batch, n, vocab)
             torch.testing.assert_close(out.cpu(), model(ids), rtol=1e-5, atol=1e-5)
 
@@ -64,18 +68,20 @@ def _fallbacks() -> dict:
     return {k: met.counter_value(k) for k in met.counter_names() if k.startswith("aten::")}
 
 
-def test_one_xla_compile_per_bucket(xla_device, xla_compiles):
-    """10 lengths over 3 buckets cost exactly 3 XLA compilations: the bucket graphs, nothing per length.
-    Before padding moved to the host, the staging copy and the output slice compiled about two more
-    computations for every distinct length."""
+@pytest.mark.parametrize("how, batch", [("dynamic=True", 4), ("mark_dynamic", 3)])
+def test_one_xla_compile_per_bucket(xla_device, xla_compiles, how, batch):
+    """10 lengths over 3 buckets cost exactly 3 XLA compilations: the bucket graphs, nothing per length
+    (the length is symbolic from the first graph on, so there is no exact-size graph either). Before
+    padding moved to the host, the staging copy and the output slice compiled about two more
+    computations for every distinct length (23 in all)."""
     model, _ = build("tiny_transformer")
     model.eval()
     on_xla = copy.deepcopy(model).to(xla_device)
     delegate = CountingXla()
     gp = graphpass.backend(then=delegate, traps=[], static_shapes={"dims": {"ids": 1}, "buckets": BUCKETS})
-    compiled = torch.compile(on_xla, backend=gp, dynamic=True)
+    compiled = torch.compile(on_xla, backend=gp, dynamic=True if how == "dynamic=True" else None)
     before, syncs = xla_compiles(), met.counter_value("DynamoSyncInputExecuteTime") or 0
-    _sweep(compiled, model, xla_device, batch=4)
+    _sweep(compiled, model, xla_device, batch=batch, mark_first=how == "mark_dynamic")
     assert xla_compiles() - before == len(BUCKETS) == delegate.calls
     (record,) = gp.graphs
     assert record.runner is not None and len(record.runner.compiled) == len(BUCKETS)
