@@ -268,7 +268,7 @@ def test_sdpa_non_causal():
     got = check(SdpaAttention(causal=False), x3())
     assert len(got) == 1
     assert got[0].op == "torch.nn.functional.scaled_dot_product_attention"
-    assert got[0].reason == "attention over the padded sequence"
+    assert got[0].reason == "attention over the padded sequence without is_causal or a mask proven causal"
     assert got[0].dim == 2
 
 
