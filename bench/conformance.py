@@ -718,7 +718,7 @@ def _run_one_subprocess(model_type, args, log_dir):
     log = log_dir / f"{model_type}.log"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", model_type, "--json-out", str(out),
-           "--delegate", args.delegate]
+           "--delegate", args.delegate, "--columns", ",".join(args.columns)]
     env = dict(os.environ, GP_CONF_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads),
                GRAPHPASS_PROGRESS="0")  # its output is a log file: no bars in it
     timeout = int(args.timeout * SLOW.get(model_type, 1))
