@@ -293,6 +293,25 @@ def source_frame(node: Node) -> SourceFrame | None:
     return _frame_of_trace(trace) if trace else None
 
 
+@functools.lru_cache(maxsize=4096)
+def _functions_of_trace(trace: str) -> frozenset[tuple[str, str]]:
+    out = set()
+    for line in trace.splitlines():
+        m = _FRAME.match(line)
+        if m and m.group(3):
+            out.add((os.path.abspath(m.group(1)).replace(os.sep, "/"), m.group(3)))
+    return frozenset(out)
+
+
+def ran_inside(node: Node, path_suffix: str, function: str) -> bool:
+    """Whether ``node`` was traced while ``function`` of a file whose path ends with ``path_suffix``
+    (``"transformers/integrations/moe.py"``) was on the Python stack (read off its stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    return bool(trace) and any(
+        f == function and (p == path_suffix or p.endswith("/" + path_suffix)) for p, f in _functions_of_trace(trace)
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Symbolic sizes
 # --------------------------------------------------------------------------------------------

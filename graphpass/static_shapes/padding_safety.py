@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import sympy
 import torch
 
-from ..fx_utils import example_of, mentions_symbol, size_expr, source_frame, tensors_of
+from ..fx_utils import example_of, mentions_symbol, ran_inside, size_expr, source_frame, tensors_of
 
 if TYPE_CHECKING:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -233,6 +233,21 @@ _KNOWN: frozenset[str] = (
     POINTWISE | LAYOUT | RESHAPES | META | ATTENTION | INDEXING | CONCAT | REPEATS | PADS | EMBEDDINGS
     | frozenset(FACTORIES) | frozenset(ALONG_DIM) | frozenset(MATMULS) | frozenset(NORMS)
 )
+
+#: Library functions checked as a whole instead of op by op: every output row of each, along the
+#: padded dim, depends only on the same rows of its inputs, for the reason given. Their inner ops
+#: (a sort of the tokens by expert, gathers, a count per expert, grouped GEMMs, the inverse
+#: permutation) are not row-wise one by one, but the function is. (path suffix, function) -> reason.
+ROW_WISE_FUNCTIONS: Mapping[tuple[str, str], str] = MappingProxyType({
+    ("transformers/integrations/moe.py", "grouped_mm_experts_forward"):
+        "dropless top-k experts: the token-expert pairs are sorted by expert, each row is multiplied by its own "
+        "expert's weights (the group offsets are counted from the same sorted rows), the inverse permutation puts "
+        "every row back, and a token's k results are summed in its own row; no capacity, so no token is dropped "
+        "because of another",
+    ("transformers/integrations/moe.py", "batched_mm_experts_forward"):
+        "dropless top-k experts: each token-expert pair is multiplied by its own gathered expert weights and a "
+        "token's k results are summed in its own row",
+})
 
 #: Namespaces whose OpOverloads are read through the tables above; graphpass's are always safe.
 _TABLE_NAMESPACES = frozenset({"aten", "prims"})
@@ -876,6 +891,8 @@ def _check_node(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
         return None
     if node.op == "call_function" and _namespace(node.target) in _SAFE_NAMESPACES:
         return None  # graphpass's own markers: no outputs, run-time side effects only
+    if any(ran_inside(node, path, fn) for path, fn in ROW_WISE_FUNCTIONS):
+        return None  # inside a library function that is row-wise as a whole
     inputs = [n for n in _iter_nodes((node.args, node.kwargs))]
     tensor_in = [n for n in inputs if tensors_of(n)]
     tensor_out = tensors_of(node)
