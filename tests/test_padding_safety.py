@@ -490,3 +490,64 @@ def test_identity_index_and_causal_mask_bucket_exactly_through_graphpass(strict_
     lengths = {shape[1] for shapes in strict.shapes for shape in shapes if len(shape) == 3 and shape[0] == B}
     assert lengths == {3, 8, 16}  # the first exact call, then one shape per bucket, never another length
     assert len(strict.graphs) == 3
+
+
+class PaddingMaskedSdpa(nn.Module):
+    """Bidirectional attention whose mask is the (zero-padded) attention mask read in place, as
+    transformers' bidirectional mask builds it: ``attention_mask[batch, kv]`` ANDed in."""
+
+    def __init__(self, read: str = "in_place") -> None:
+        super().__init__()
+        self.read = read
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        pm = attention_mask.to(torch.bool)
+        kv = torch.arange(n)[None, None, None, :]
+        if self.read == "shifted":
+            kv = kv - 1  # key j reads the mask of key j - 1: the first padding key reads a real row's True
+        mask = torch.ones((), dtype=torch.bool) & pm[torch.arange(b)[:, None, None, None], kv]
+        h = x.view(b, n, 2, H // 2).transpose(1, 2)
+        out = F.scaled_dot_product_attention(h, h, h, attn_mask=mask.expand(b, 1, n, n))
+        return out.transpose(1, 2).reshape(b, n, H)
+
+
+def _bidirectional_check(read, pad_value):
+    from graphpass.static_shapes.padding_safety import check_padding_safety
+
+    graphs = []
+    model = PaddingMaskedSdpa(read)
+    f = torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
+    f(torch.randn(B, L, H), torch.ones(B, L, dtype=torch.long))
+    gm = graphs[0]
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]
+    syms = {n.meta["example_value"].shape[1].node.expr for n in gm.graph.nodes if n.name in names}
+    zero = [n for n in names if "attention_mask" in n] if pad_value == 0 else []
+    return check_padding_safety(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms})
+
+
+def test_a_mask_read_in_place_from_a_zero_padded_attention_mask_hides_the_padding_keys():
+    assert _bidirectional_check("in_place", 0) == []
+
+
+@pytest.mark.parametrize("read,pad_value", [("in_place", 1), ("shifted", 0)])
+def test_a_mask_that_may_keep_a_padding_key_is_refused(read, pad_value):
+    got = _bidirectional_check(read, pad_value)
+    assert got and any("scaled_dot_product_attention" in v.op or "getitem" in v.op for v in got)
+
+
+class CausalConv(nn.Module):
+    def __init__(self, padding: int, kernel: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(H, H, kernel, groups=H, padding=padding)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        return self.conv(x.transpose(1, 2))[..., :n].transpose(1, 2)
+
+
+def test_a_causal_conv1d_along_the_padded_dim_is_safe_and_a_centered_one_is_not():
+    assert check(CausalConv(padding=3), x3()) == []
+    got = check(CausalConv(padding=1), x3())
+    assert [v.reason for v in got] == [
+        "conv1d along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"]

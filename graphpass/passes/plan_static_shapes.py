@@ -94,7 +94,8 @@ class PlanStaticShapes(GraphPass):
         if unmasked and not plan.refused:
             from ..static_shapes.padding_safety import check_padding_safety
 
-            for v in check_padding_safety(ctx.gm, unmasked, ties=plan.ties):
+            zero = {placeholders[i].name for i, v in plan.pad_values.items() if v == 0}
+            for v in check_padding_safety(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero):
                 plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
         from ..static_shapes.dispatcher import copy_graph
 

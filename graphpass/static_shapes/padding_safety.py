@@ -228,9 +228,11 @@ CONCAT: frozenset[str] = frozenset("cat concat concatenate".split())
 REPEATS: frozenset[str] = frozenset("repeat tile repeat_interleave".split())
 PADS: frozenset[str] = frozenset("pad constant_pad_nd".split())
 EMBEDDINGS: frozenset[str] = frozenset("embedding".split())
+#: 1-d convolutions: causal along the time dim when padded by at least (kernel - 1) * dilation.
+CONVS: frozenset[str] = frozenset({"conv1d"})
 
 _KNOWN: frozenset[str] = (
-    POINTWISE | LAYOUT | RESHAPES | META | ATTENTION | INDEXING | CONCAT | REPEATS | PADS | EMBEDDINGS
+    POINTWISE | LAYOUT | RESHAPES | META | ATTENTION | INDEXING | CONCAT | REPEATS | PADS | EMBEDDINGS | CONVS
     | frozenset(FACTORIES) | frozenset(ALONG_DIM) | frozenset(MATMULS) | frozenset(NORMS)
 )
 
@@ -597,12 +599,24 @@ def _check_attention(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
             return t.dim() - 1, f"{name} contracts over the padded head dim"
     for t in (k, v):
         if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.dim() - 2 in ctx.padded(t):
-            causal = _arg(node, 5, "is_causal", False) is True or _causal_mask(_arg(node, 3, "attn_mask", None), ctx)
+            mask = _arg(node, 3, "attn_mask", None)
+            causal = _arg(node, 5, "is_causal", False) is True or _causal_mask(mask, ctx)
             if causal and ctx.causal_ok:
                 break  # row i sees rows <= i; the padding sits after every real row
+            if _pad_keys_masked(mask, ctx):
+                break  # the mask is False at every padding key (ANDed with a zero-padded attention mask)
             why = " without is_causal or a mask proven causal" if ctx.causal_ok else ""
             return t.dim() - 2, "attention over the padded sequence" + why
     return _value_use(node, ctx)
+
+
+def _starts_at_zero(start: Any, size: Any, ctx: _Ctx) -> bool:
+    """``x[-n:]`` where ``n`` is the dim's own length (transformers trims a mask to the last
+    ``inputs_embeds.shape[1]`` positions): the slice starts at row 0 whatever the padding."""
+    v = example_of(start)
+    if size is None or not isinstance(v, torch.SymInt):
+        return False
+    return ctx.same_size(-size_expr(v), size)
 
 
 def _bad_start(start: Any, ctx: _Ctx) -> str | None:
@@ -688,7 +702,7 @@ def _bad_index(item: Any, ctx: _Ctx, size: Any = None) -> str | None:
     if size is not None and _identity_index(item, size, ctx):
         return None
     if isinstance(item, slice):
-        why = _bad_start(item.start, ctx)
+        why = None if _starts_at_zero(item.start, size, ctx) else _bad_start(item.start, ctx)
         step = example_of(item.step)
         if step is not None and not (isinstance(step, int) and step >= 1):
             why = why or "steps backwards or by a non-static step"
@@ -771,6 +785,29 @@ def _check_embedding(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
     if isinstance(w, torch.Tensor) and w.dim() and 0 in ctx.padded(w):
         return 0, "embedding looks up rows of a table along the padded dim"
     return None
+
+
+def _check_conv1d(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    """``conv1d(x, w, stride=1, padding=p, dilation=d)`` along a padded time dim (the last): output
+    row ``i`` reads input rows ``i - p .. i - p + (k - 1) * d``, so with ``p >= (k - 1) * d`` only
+    rows ``<= i`` (the causal convolution of Mamba-style layers, sliced back to the length)."""
+    x = example_of(_arg(node, 0, "input"))
+    w = example_of(_arg(node, 1, "weight", None))
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
+        return None, f"{name} with unreadable operands: cannot prove row independence"
+    pads = ctx.padded(x)
+    if any(d != x.dim() - 1 for d in pads):
+        return pads[0], f"{name} contracts over the padded dim"
+    if not pads:
+        return _value_use(node, ctx)
+    stride, padding, dilation = (_dims(_arg(node, i, kw, dflt)) for i, kw, dflt in (
+        (3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
+    k = _static_int(w.shape[-1])
+    causal = (ctx.causal_ok and k is not None and stride is not None and padding is not None and dilation is not None
+              and stride[0] == 1 and padding[0] >= (k - 1) * dilation[0])
+    if not causal:
+        return pads[0], f"{name} along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"
+    return _value_use(node, ctx)
 
 
 def _shape_env(t: torch.Tensor) -> ShapeEnv | None:
@@ -883,6 +920,8 @@ def _handler(name: str) -> Callable[[torch.fx.Node, str, _Ctx], _Finding | None]
         return _check_pad
     if name in EMBEDDINGS:
         return _check_embedding
+    if name in CONVS:
+        return _check_conv1d
     return None
 
 
@@ -938,6 +977,11 @@ class _Causal:
     k: int
 
 
+@dataclass(frozen=True)
+class _ZeroPad:
+    dim: int  # every padding row along dim holds 0 / False (an input the dispatcher pads with 0, and what keeps that)
+
+
 #: Ops that keep every value and dim (dtype and device conversions, copies).
 _KEEPS = frozenset("to type long int bool clone contiguous detach alias lift_fresh _to_copy".split())
 #: Comparisons as (flip operands, strict): a < b, a <= b, a > b == b < a, a >= b == b <= a.
@@ -955,6 +999,9 @@ def _moved(fact: Any, where: Callable[[int], int | None]) -> Any:
     if isinstance(fact, _Causal):
         q, k = where(fact.q), where(fact.k)
         return None if q is None or k is None or q == k else _Causal(q, k)
+    if isinstance(fact, _ZeroPad):
+        d = where(fact.dim)
+        return None if d is None else _ZeroPad(d)
     return None
 
 
@@ -1010,17 +1057,21 @@ def _gather_fact(src: torch.fx.Node, items: list[Any], facts: Mapping[torch.fx.N
     lead = 0
     while lead < len(items) and _is_int_tensor(example_of(items[lead])):
         lead += 1
-    if not isinstance(fact, _Positions) or lead == 0 or any(i not in (Ellipsis,) and not (
+    if not isinstance(fact, (_Positions, _ZeroPad)) or lead == 0 or any(i not in (Ellipsis,) and not (
             isinstance(i, slice) and i == slice(None)) for i in items[lead:]):
         return None
     nb = out.dim() - (example_of(src).dim() - lead)  # the broadcast index dims come first
     if fact.dim >= lead:
-        return _Positions(nb + fact.dim - lead, fact.offset)
+        return _moved(fact, lambda d: nb + d - lead)
     index = items[fact.dim]
     inner = facts.get(index) if isinstance(index, torch.fx.Node) else None
     if not isinstance(inner, _Positions):
         return None
-    return _Positions(inner.dim + nb - example_of(index).dim(), fact.offset + inner.offset)
+    at = inner.dim + nb - example_of(index).dim()
+    if isinstance(fact, _ZeroPad):  # rows 0 .. n - 1 read in place: the padding rows stay the zero rows
+        same = inner.offset == 0 and size_expr(example_of(index).shape[inner.dim]) == size_expr(example_of(src).shape[fact.dim])
+        return _ZeroPad(at) if same else None
+    return _Positions(at, fact.offset + inner.offset)
 
 
 def _getitem_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
@@ -1055,11 +1106,9 @@ def _and_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torc
     """An AND only removes true entries: causal when any operand is."""
     if out.dtype != torch.bool:
         return None
-    for a in _iter_nodes(node.args):
-        fact = _aligned(facts.get(a), a, out)
-        if isinstance(fact, _Causal):
-            return fact
-    return None
+    found = [_aligned(facts.get(a), a, out) for a in _iter_nodes(node.args)]
+    return next((f for f in found if isinstance(f, _Causal)), None) or next(
+        (f for f in found if isinstance(f, _ZeroPad)), None)
 
 
 def _reshape_fact(src: Any, fact: Any, out: torch.Tensor) -> Any:
@@ -1095,7 +1144,8 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> Any:
         c = _static_int(node.args[1]) if len(node.args) > 1 else None
         return None if c is None else _aligned(_Positions(fact.dim, fact.offset + (c if name == "add" else -c)), src, out)
     if name in _KEEPS:
-        keeps = _is_int_tensor(out) if isinstance(fact, _Positions) else out.dtype == torch.bool
+        keeps = _is_int_tensor(out) if isinstance(fact, _Positions) else (
+            out.dtype == torch.bool if isinstance(fact, _Causal) else True)
         return _aligned(fact, src, out) if keeps and example_of(src).dim() == out.dim() else None
     if name in ("expand", "expand_as", "broadcast_to"):
         return _aligned(fact, src, out)
@@ -1107,10 +1157,14 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> Any:
     return None
 
 
-def index_provenance(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Any]:
-    """The position and causal-mask facts of ``gm``'s nodes (see the section comment above)."""
-    facts: dict[torch.fx.Node, Any] = {}
+def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None
+                     ) -> dict[torch.fx.Node, Any]:
+    """The position and causal-mask facts of ``gm``'s nodes (see the section comment above).
+    ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim."""
+    facts: dict[torch.fx.Node, Any] = {n: _ZeroPad(d) for n, d in (zero_padded or {}).items()}
     for node in gm.graph.nodes:
+        if node in facts:
+            continue
         fact = _fact_of(node, facts)
         if fact is not None:
             facts[node] = fact
@@ -1125,6 +1179,14 @@ def _identity_index(item: Any, size: Any, ctx: _Ctx) -> bool:
     return ctx.same_size(example_of(item).shape[fact.dim], size)
 
 
+def _pad_keys_masked(mask: Any, ctx: _Ctx) -> bool:
+    """A boolean attention mask that is False at every padding key (dim -1): no query reads them."""
+    fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
+    t = example_of(mask)
+    return isinstance(fact, _ZeroPad) and isinstance(t, torch.Tensor) and t.dtype == torch.bool \
+        and fact.dim == t.dim() - 1
+
+
 def _causal_mask(mask: Any, ctx: _Ctx) -> bool:
     """An attention mask proven true only where key index (dim -1) <= query index (dim -2)."""
     fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
@@ -1133,9 +1195,20 @@ def _causal_mask(mask: Any, ctx: _Ctx) -> bool:
         and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)
 
 
+def _zero_padded(gm: torch.fx.GraphModule, names: set[str], symbols: frozenset[str]) -> dict[torch.fx.Node, int]:
+    """The named placeholders with exactly one padded dim -> that dim."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in names:
+            dims = padded_dims(node, symbols)
+            if len(dims) == 1:
+                out[node] = dims[0]
+    return out
+
+
 def check_padding_safety(
     gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True,
-    ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None,
+    ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -1145,12 +1218,14 @@ def check_padding_safety(
     (padding sits at the end, and row i reads rows <= i only): ``scaled_dot_product_attention`` with
     ``is_causal``, prefix scans and ``diff`` without ``append`` (:data:`CAUSAL_SCANS`).
 
+    ``zero_padded``: names of the placeholders whose padding is filled with 0 (so a mask ANDed with
+    such an input, read in place, is False at every padding key).
     ``ties``: symbols padded together with another one (symbol -> the one it equals on every call,
     which the caller checks), for the size comparisons of the index-provenance proofs.
 
     Returns the violations in graph order; an empty list means padding is safe.
     """
-    ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=MappingProxyType(index_provenance(gm)),
+    ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=MappingProxyType(index_provenance(gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)))),
                ties=MappingProxyType(dict(ties or {})))
     out: list[PaddingViolation] = []
     for node in gm.graph.nodes:
