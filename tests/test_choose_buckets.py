@@ -147,6 +147,7 @@ def test_padding_report():
     assert r.fraction == pytest.approx(18 / 44) and r.overhead == pytest.approx(18 / 26)
     assert padding_report({8: 3}, [4, 8, 64]).graphs == 1  # buckets no length reaches are not counted
     assert padding_report([8], [8]).fraction == 0.0
+    assert padding_report([3, 5], iter([4, 8])).padded_tokens == 4  # any iterable of sizes
 
 
 def test_power_of_two_buckets_is_nxd_default():
@@ -177,6 +178,7 @@ def test_power_of_two_buckets_is_nxd_default():
     (lambda: padding_report([4, 90], [8, 64]), "buckets"),
     (lambda: padding_report([4], [8, 8]), "buckets"),
     (lambda: padding_report([4], []), "buckets"),
+    (lambda: padding_report([4], 8), "buckets"),
     (lambda: power_of_two_buckets(0), "max_length"),
 ])
 def test_bad_input_is_a_config_error_naming_the_argument(call, key):

@@ -217,7 +217,9 @@ def padding_report(lengths: Iterable[int] | Mapping[int, int], buckets: Iterable
     at run time such a call is not padded at all but compiled with dynamic shapes.
     """
     hist = _histogram(lengths)
-    bs = check_buckets("buckets", list(buckets) if not isinstance(buckets, (list, tuple)) else buckets)
+    if not isinstance(buckets, (list, tuple, str, bytes)) and isinstance(buckets, Iterable):
+        buckets = list(buckets)
+    bs = check_buckets("buckets", buckets)
     if max(hist) > bs[-1]:
         raise ConfigError("buckets", list(bs), f"the largest bucket is below the largest length ({max(hist)})")
     real = padded = 0
