@@ -142,7 +142,6 @@ def _layer(prev: list[float], sizes: list[int], pc: list[int], ps: list[int], k:
     def add(i: int) -> None:
         if prev[i] == math.inf:
             return
-        nonlocal head
         while len(hull) - head >= 2:
             a, b = hull[-2], hull[-1]
             # b is never the minimum once i is there: x(a, i) <= x(a, b)
