@@ -312,7 +312,55 @@ def test_cli_bad_argument_exits_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-# --- issue 22: execution order, completeness --------------------------------------
+# --- issue 22: integers exact, execution order, completeness --------------------------------------
+
+def _one(dirs, ref_value: torch.Tensor, test_value: torch.Tensor, **tol):
+    ref, test = dirs
+    write_step(ref, "prefill_s8_0", {"ids": {0: {"output": ref_value}}})
+    write_step(test, "prefill_s8_0", {"ids": {0: {"output": test_value}}})
+    (row,) = compare(ref, test, **tol).rows
+    return row
+
+
+def test_token_ids_are_compared_exactly(dirs):
+    """32000 vs 32031 is within rtol=1e-3 as floats: as token ids they differ."""
+    row = _one(dirs, torch.tensor([[1, 32000, 7]]), torch.tensor([[1, 32031, 7]]))
+    assert (row.status, row.max_abs) == ("FAIL", 31.0)
+    assert row.note == "compared exactly: 1 of 3 elements differ"
+
+
+def test_int64_above_2_to_53_is_not_rounded_through_float64(dirs):
+    big = 2**53
+    row = _one(dirs, torch.tensor([big, -big - 7, 2**63 - 1]), torch.tensor([big + 1, -big - 7, 2**63 - 1]))
+    assert (row.status, row.max_abs, row.note) == ("FAIL", 1.0, "compared exactly: 1 of 3 elements differ")
+    extremes = torch.tensor([-(2**63), 2**63 - 1])
+    row = _one(dirs, extremes, extremes.flip(0))  # |difference| 2**64 - 1: no int64 overflow in the numbers
+    assert row.status == "FAIL" and row.max_abs == pytest.approx(2.0**64)
+
+
+def test_equal_integers_bools_and_uint64_pass_and_any_difference_fails(dirs):
+    mask = torch.tensor([True, False, True])
+    assert _one(dirs, mask, mask.clone()).status == "pass"
+    row = _one(dirs, mask, ~mask, atol=10.0, rtol=10.0)  # tolerances do not apply
+    assert (row.status, row.note) == ("FAIL", "compared exactly: 3 of 3 elements differ")
+    u = torch.tensor([2**64 - 1, 2**63, 5], dtype=torch.uint64)
+    assert _one(dirs, u, u.clone()).status == "pass"
+    row = _one(dirs, u, torch.tensor([2**64 - 2, 2**63, 5], dtype=torch.uint64))
+    assert (row.status, row.max_abs) == ("FAIL", 1.0)
+
+
+def test_integer_dtype_mismatch_is_reported(dirs):
+    ids = torch.tensor([3, 4, 2**40])
+    row = _one(dirs, ids, ids.to(torch.int32).to(torch.int64))  # same dtype, different values (wrapped)
+    assert row.status == "FAIL"
+    row = _one(dirs, torch.tensor([3, 4], dtype=torch.int64), torch.tensor([3, 4], dtype=torch.int32))
+    assert (row.status, row.note) == ("pass", "dtype int64 vs int32")  # equal values, the dtype noted
+    row = _one(dirs, torch.tensor([3, 4]), torch.tensor([3.0, 4.0]))
+    assert row.status == "FAIL" and row.max_abs is None
+    assert row.note.startswith("dtype int64 vs float32; integer vs floating-point: integer and bool tensors")
+    row = _one(dirs, torch.tensor([1, 0]), torch.tensor([True, False]))
+    assert row.status == "FAIL" and "integer vs bool" in row.note
+
 
 def test_execution_order_comes_from_the_step_index(dirs):
     """Two generate() calls: prefill_s8_0, decode_b1_0, decode_b1_1, prefill_s8_1, decode_b1_2. The

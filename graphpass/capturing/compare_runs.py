@@ -9,7 +9,7 @@ A capture directory (written by ``CaptureWriter``) looks like::
 meta's ``step_index``, :func:`graphpass.capturing.completeness.execution_order`; modules in the
 order of the ref meta's ``"modules"``), compares every tensor of every rank file in float64 (in
 chunks of at most ``CHUNK_ELEMS`` elements read from the memory-mapped files, so memory stays a
-small multiple of one chunk) and returns a
+small multiple of one chunk; integer and bool tensors exactly) and returns a
 :class:`CompareReport` whose ``first_failure`` is the first diverging module. Corrupt or
 mismatched files never raise: each becomes a ``FAIL`` row with a note, and so does a module
 folder or file in a step that the step's meta file does not list (left over from another run).
@@ -188,7 +188,7 @@ def compare(ref_dir: "str | os.PathLike[str] | list", test_dir: "str | os.PathLi
     """Compare every captured tensor under ``test_dir`` with the same one under ``ref_dir``.
 
     A tensor passes iff the shapes match and ``torch.allclose(test, ref, rtol, atol, equal_nan=True)``
-    holds in float64. Anything one side holds
+    holds in float64; an integer or bool tensor iff every element is equal. Anything one side holds
     and the other lacks is a ``FAIL`` row naming it (``CompareRow.missing``). Either side may be a list of roots: the captures one run's ranks wrote on
     several hosts, read as one tree (``ref_dir`` / ``test_dir`` of the report join them with
     ``os.pathsep``). A module the two runs hold in different pieces (other ranks, other shards) is
@@ -552,12 +552,19 @@ def _compare_tensors(rel: str, module: str, rank: int, key: str, ref: "torch.Ten
     ref = ref if isinstance(ref, _Tensor) else _Tensor.from_tensor(ref.detach())
     test = test if isinstance(test, _Tensor) else _Tensor.from_tensor(test.detach())
     notes = []
+    kinds = (_kind(ref.dtype), _kind(test.dtype))
     if ref.dtype != test.dtype:
         notes.append(f"dtype {_dtype(ref.dtype)} vs {_dtype(test.dtype)}")
     if ref.shape != test.shape:
         notes.insert(0, f"shape mismatch {list(ref.shape)} vs {list(test.shape)}")
         return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
+    if kinds[0] != kinds[1] and _EXACT & set(kinds):
+        notes.append(f"{kinds[0]} vs {kinds[1]}: integer and bool tensors are compared exactly, and only with "
+                     "tensors of their own kind")
+        return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
     limit = CHUNK_ELEMS if chunk_elems is None else chunk_elems
+    if kinds[0] in _EXACT:
+        return _compare_exact(CompareRow(rel, module, rank, key, PASS), ref, test, limit, notes)
     try:
         wide = torch.complex128 if ref.dtype.is_complex or test.dtype.is_complex else torch.float64
         ok, any_nan, n = True, False, 0
@@ -590,6 +597,60 @@ def _compare_tensors(rel: str, module: str, rank: int, key: str, ref: "torch.Ten
     if not ok and any_nan:
         notes.append("NaN in only one of ref/test")
     return CompareRow(rel, module, rank, key, PASS if ok else FAIL, max_abs, rel_l2, rel_linf, "; ".join(notes))
+
+
+_EXACT = {"integer", "bool"}  # kinds compared exactly, whatever the tolerances
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_floating_point or dtype.is_complex:
+        return "floating-point"
+    return "integer"
+
+
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (any integer or bool dtype) as int64 high and low 32-bit halves of its value, so two
+    values are equal iff both halves are, and ``hi * 2**32 + lo`` is the value (uint64 included)."""
+    if x.dtype == torch.uint64:
+        bits = x.view(torch.int64)
+        return (bits >> 32) & 0xFFFFFFFF, bits & 0xFFFFFFFF
+    wide = x.to(torch.int64)
+    return wide >> 32, wide & 0xFFFFFFFF
+
+
+def _as_float(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """``hi * 2**32 + lo`` in float64, correctly rounded (both terms are exact in float64)."""
+    return hi.to(torch.float64) * 4294967296.0 + lo.to(torch.float64)
+
+
+def _compare_exact(row: CompareRow, ref: "_Tensor", test: "_Tensor", limit: int, notes: list[str]) -> CompareRow:
+    """Integer / bool tensors: pass iff every element is equal (never through float64, which cannot
+    tell 2**53 from 2**53 + 1). The error numbers are the float64 roundings of the exact ones."""
+    differ, n, max_abs, ref_max, diff_l2, ref_l2 = 0, 0, 0.0, 0.0, 0.0, 0.0
+    try:
+        for rc, tc in zip(ref.chunks(limit), test.chunks(limit)):
+            (rh, rl), (th, tl) = _halves(rc.reshape(-1)), _halves(tc.reshape(-1))
+            if rh.numel() == 0:
+                continue
+            n += rh.numel()
+            differ += int(((rh != th) | (rl != tl)).sum())
+            diff = _as_float(th - rh, tl - rl).abs()
+            r_abs = _as_float(rh, rl).abs()
+            max_abs, ref_max = max(max_abs, diff.max().item()), max(ref_max, r_abs.max().item())
+            diff_l2 = math.hypot(diff_l2, torch.linalg.vector_norm(diff).item())
+            ref_l2 = math.hypot(ref_l2, torch.linalg.vector_norm(r_abs).item())
+    except Exception as exc:  # never crash the whole report
+        notes.append(f"comparison failed: {type(exc).__name__}: {exc}")
+        row.status, row.note = FAIL, "; ".join(notes)
+        return row
+    if differ:
+        notes.append(f"compared exactly: {differ} of {n} elements differ")
+    row.status = FAIL if differ else PASS
+    row.max_abs, row.rel_l2, row.rel_linf = max_abs, diff_l2 / max(ref_l2, _EPS), max_abs / max(ref_max, _EPS)
+    row.note = "; ".join(notes)
+    return row
 
 
 # --- formatting ---------------------------------------------------------------------------------
