@@ -189,9 +189,9 @@ def compare(ref_dir: "str | os.PathLike[str] | list", test_dir: "str | os.PathLi
 
     A tensor passes iff the shapes match and ``torch.allclose(test, ref, rtol, atol, equal_nan=True)``
     holds in float64; an integer or bool tensor iff every element is equal. Anything one side holds
-    and the other lacks is a ``FAIL`` row naming it (``CompareRow.missing``). Either side may be a list of roots: the captures one run's ranks wrote on
-    several hosts, read as one tree (``ref_dir`` / ``test_dir`` of the report join them with
-    ``os.pathsep``). A module the two runs hold in different pieces (other ranks, other shards) is
+    and the other lacks is a ``FAIL`` row naming it (``CompareRow.missing``). Either side may be a
+    list of roots: the captures one run's ranks wrote on several hosts, read as one tree (``ref_dir``
+    / ``test_dir`` of the report join them with ``os.pathsep``). A module the two runs hold in different pieces (other ranks, other shards) is
     compared against the reference's assembled global tensor (:mod:`graphpass.capturing.shards`).
     Raises :class:`CompareError` only for bad arguments.
     """
@@ -488,8 +488,8 @@ def _compare_module(report: CompareReport, rel: str, module: str, ref: StepScan,
         lost = [side for side, have, must in zip(("ref", "test"), files, want)
                 if rank not in have and (rank in must or not resharded)]
         if lost:
-            report.rows.append(CompareRow(rel, module, rank, None, FAIL, note=f"rank file missing in {' and '.join(lost)}",
-                                          missing=lost[0] if len(lost) == 1 else "both"))
+            report.rows.append(CompareRow(rel, module, rank, None, FAIL, missing=_side(lost),
+                                          note=f"rank file missing in {' and '.join(lost)}"))
         elif not resharded and rank in files[0] and rank in files[1]:
             _compare_rank(report, rel, module, rank, (files[0][rank], files[1][rank]), key_order,
                           (layouts[0].get(rank, {}), layouts[1].get(rank, {})))
@@ -497,6 +497,11 @@ def _compare_module(report: CompareReport, rel: str, module: str, ref: StepScan,
         from .shards import compare_resharded
 
         compare_resharded(report, rel, module, files, layouts, key_order)
+
+
+def _side(lost: list[str]) -> str:
+    """``CompareRow.missing`` for the sides that lack an item: "ref", "test" or "both"."""
+    return lost[0] if len(lost) == 1 else "both"
 
 
 def _compare_rank(report: CompareReport, rel: str, module: str, rank: int, paths: tuple[Path, Path],
@@ -517,7 +522,7 @@ def _compare_rank(report: CompareReport, rel: str, module: str, rank: int, paths
         for key in keys:
             lost = [side for side, have in (("ref", ref_keys), ("test", test_keys)) if key not in have]
             if lost:
-                report.rows.append(CompareRow(rel, module, rank, key, FAIL, missing=lost[0] if len(lost) == 1 else "both",
+                report.rows.append(CompareRow(rel, module, rank, key, FAIL, missing=_side(lost),
                                               note=f"key missing in {' and '.join(lost)}"
                                                    + (" (listed in its meta file)" if len(lost) == 2 else "")))
                 continue

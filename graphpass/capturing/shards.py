@@ -53,7 +53,8 @@ def compare_resharded(report: CompareReport, rel: str, module: str, files: tuple
             for rank, path in sorted(ranks.items()):
                 f, err = _open(path, stack)
                 if f is None:
-                    report.rows.append(CompareRow(rel, module, rank, None, FAIL, note=f"cannot read {side} file: {err}"))
+                    report.rows.append(CompareRow(rel, module, rank, None, FAIL,
+                                                  note=f"cannot read {side} file: {err}"))
                 else:
                     handles[rank] = f
             opened.append(handles)
