@@ -41,6 +41,18 @@ class StaticShapesConfig:
         return next((b for b in self.buckets if b >= size), None)
 
 
+def check_buckets(key: str, buckets: Any) -> tuple[int, ...]:
+    """A bucket list as ``static_shapes["buckets"]`` takes it: a non-empty list (or tuple) of
+    strictly increasing positive ints. Returns it as a tuple; raises ConfigError naming ``key``."""
+    if not isinstance(buckets, (list, tuple)) or not buckets:
+        raise ConfigError(key, buckets, "expected a non-empty list of sizes")
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets):
+        raise ConfigError(key, buckets, "bucket sizes must be positive integers")
+    if any(b >= c for b, c in zip(buckets, buckets[1:])):
+        raise ConfigError(key, buckets, "bucket sizes must be strictly increasing")
+    return tuple(buckets)
+
+
 def _check_static_shapes(value: Any) -> StaticShapesConfig | None:
     key = "static_shapes"
     if value is None:
@@ -64,13 +76,7 @@ def _check_static_shapes(value: Any) -> StaticShapesConfig | None:
         if not isinstance(ds, (list, tuple)) or not ds or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ds):
             raise ConfigError(f"{key}.dims.{name}", d, "expected a dim index >= 0 or a list of them")
         norm_dims[name] = tuple(ds)
-    buckets = value.get("buckets")
-    if not isinstance(buckets, (list, tuple)) or not buckets:
-        raise ConfigError(f"{key}.buckets", buckets, "expected a non-empty list of sizes")
-    if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets):
-        raise ConfigError(f"{key}.buckets", buckets, "bucket sizes must be positive integers")
-    if any(b >= c for b, c in zip(buckets, buckets[1:])):
-        raise ConfigError(f"{key}.buckets", buckets, "bucket sizes must be strictly increasing")
+    buckets = check_buckets(f"{key}.buckets", value.get("buckets"))
     masked = value.get("masked", ())
     if isinstance(masked, str) or not isinstance(masked, (list, tuple)) or not all(m in norm_dims for m in masked):
         raise ConfigError(f"{key}.masked", masked, "expected a list of names that appear in 'dims'")
