@@ -92,7 +92,7 @@ class PlanStaticShapes(GraphPass):
 
             for v in check_padding_safety(ctx.gm, unmasked):
                 plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
-        from ..static_shapes.dispatcher import copy_graph
+        from ..fx_utils import copy_graph
 
         plan.unsliced = copy_graph(ctx.gm)  # the dynamic fallback must not slice fixed-size buffers
         ctx.analysis.bucket_plan = plan
