@@ -97,7 +97,7 @@ class PlanStaticShapes(GraphPass):
             zero = {placeholders[i].name for i, v in plan.pad_values.items() if v == 0}
             for v in check_padding_safety(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero):
                 plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
-        from ..static_shapes.dispatcher import copy_graph
+        from ..fx_utils import copy_graph
 
         plan.unsliced = copy_graph(ctx.gm)  # the dynamic fallback must not slice fixed-size buffers
         ctx.analysis.bucket_plan = plan

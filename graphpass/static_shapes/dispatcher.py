@@ -28,20 +28,9 @@ import torch
 
 from graphpass.backends import Delegate
 
-from ..fx_utils import shape_env_hints
+from ..fx_utils import copy_graph, shape_env_hints
 from ..config import StaticShapesConfig
 from ..ops import CURRENT_BUCKET
-
-
-def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A new GraphModule over a copy of ``gm``'s graph (delegates may mutate what they compile)."""
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    new = torch.fx.GraphModule(gm, graph)
-    if hasattr(gm, "_param_name_to_source"):  # AOTAutograd reads it on Dynamo graphs
-        new._param_name_to_source = dict(gm._param_name_to_source)
-    return new
 
 
 def scalar_items(gm: torch.fx.GraphModule) -> list[int]:
