@@ -92,7 +92,7 @@ POINTWISE: frozenset[str] = frozenset(
     prelu dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout native_dropout
     to type type_as float double half bfloat16 int long short bool byte char cpu cuda detach clone
     contiguous requires_grad_ alias lift_fresh _to_copy fill_ zero_ copy_ tril triu real imag
-    view_as_real view_as_complex""".split()
+    view_as_real view_as_complex polar complex""".split()
 )
 
 #: Dim-wise layout ops: they move or broadcast whole dims, so padding stays at the end of each.
