@@ -45,6 +45,9 @@ class InductorDelegate(Delegate):
     def compile(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
+        from graphpass.torch_compat import keep_marked_ops_in_inductor
+
+        keep_marked_ops_in_inductor()  # torch 2.9's inductor would drop the boundaries, captures, evictions
         patches: dict[str, Any] = {}
         if self.mode not in (None, "default"):
             patches.update(torch._inductor.list_mode_options(self.mode))

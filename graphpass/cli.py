@@ -205,11 +205,15 @@ def _golden(args: argparse.Namespace) -> int:
     name = args.name or args.factory.rpartition(":")[2]
     capture = args.capture or None
     try:
-        result = golden_check(model, *inputs, name=name, directory=args.dir, accept=True if args.accept else None,
+        accept = "release" if args.accept_release else (True if args.accept else None)
+        result = golden_check(model, *inputs, name=name, directory=args.dir, accept=accept,
                               then=args.then, capture=capture, hint="re-accept with `graphpass golden ... --accept`")
     except GoldenMismatch as exc:
         print(f"FAIL {name}: {exc}")
         return 1
+    if result.accepted == "release":
+        print(f"accepted {name} for this torch release: its exact golden beside {_shown(result.text_path)}")
+        return 0
     if result.accepted:
         print(f"accepted {name}: wrote {_shown(result.text_path)}, {_shown(result.summary_path)} and the meta file")
         return 0
@@ -248,6 +252,9 @@ def _add_compare_and_golden(add: Any) -> None:
     p.add_argument("--dir", required=True, help="folder of the golden files (NAME.txt, NAME.summary.json, NAME.meta.json)")
     p.add_argument("--name", default=None, help="golden name (default: the factory's function name)")
     p.add_argument("--accept", action="store_true", help="write the goldens instead of comparing (also GRAPHPASS_ACCEPT_GOLDEN=1)")
+    p.add_argument("--accept-release", action="store_true",
+                   help="record this torch release's exact golden beside the main one, NAME.torch<major.minor>.txt "
+                        "where it differs (also GRAPHPASS_ACCEPT_GOLDEN=release)")
     p.add_argument("--then", default="eager", help="delegate backend (default: eager)")
     p.add_argument("--capture", nargs="+", default=None, metavar="PATTERN",
                    help="attach a ModelCapture for these module patterns (the capture nodes become part of the golden)")

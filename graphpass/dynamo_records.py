@@ -12,6 +12,10 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from .torch_compat import count_loop_skips
+
+count_loop_skips()  # torch 2.9 only logs a frame it skips: counted like later releases do, before any trace
+
 _KINDS = ("unimplemented", "graph_break")
 _SKIP_MARKERS = ("frame skipped", "Skipping the frame", "skipping frame", "Skipping frame")
 
@@ -47,7 +51,8 @@ _SITE = re.compile(r"frame skipped: (?P<name>\S+) \((?P<file>.+) line (?P<line>\
 class SkippedFrame:
     """A frame Dynamo skipped (runs eagerly from now on): its code's name, file and first line,
     from Dynamo's own record (``frame skipped: forward (/path/model.py line 187)``; a resume
-    function's first line is where it resumes inside the function it came from)."""
+    function's first line is where it resumes inside the function it came from; on torch 2.9, where
+    :func:`graphpass.torch_compat.count_loop_skips` writes the record, the line of the break)."""
 
     name: str
     file: str

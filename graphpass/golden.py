@@ -8,7 +8,10 @@ deliberate change (``GRAPHPASS_ACCEPT_GOLDEN=1``); read the diff before committi
 Two levels (docs/golden.md):
 
 * the exact rendering (``<name>.txt``), checked only on the torch release it was recorded with,
-  which its sidecar ``<name>.meta.json`` names (``{"torch": ..., "graphpass": ...}``);
+  which its sidecar ``<name>.meta.json`` names (``{"torch": ..., "graphpass": ...}``); another
+  release (``2.9``) may have its own, ``<name>.torch2.9.txt`` beside it where its Dynamo renders the
+  graph differently, or only ``<name>.torch2.9.meta.json`` where the main file holds for it too
+  (recorded with ``GRAPHPASS_ACCEPT_GOLDEN=release``);
 * the structural summary (``<name>.summary.json``, :func:`summarize`): each FQN's traps, loads,
   evictions and capture nodes per trap, the schedule's load order, the number of graphs. It does
   not depend on Dynamo's node names, so it is checked on every torch version.
@@ -28,6 +31,7 @@ import torch
 from .fx_utils import graphpass_op_name
 
 ACCEPT_ENV = "GRAPHPASS_ACCEPT_GOLDEN"
+RELEASE = "release"  # accept mode: record the running torch release's exact goldens beside the main ones
 
 _ADDR = re.compile(r"0x[0-9a-fA-F]{6,}")
 _MODEL_KEY = re.compile(r"model = \d+")
@@ -169,8 +173,36 @@ class GoldenMismatch(AssertionError):
     """A rendering or summary differs from its golden file (the message holds a unified diff)."""
 
 
-def accept_from_env() -> bool:
-    return os.environ.get(ACCEPT_ENV) == "1"
+def accept_from_env() -> bool | str:
+    """``GRAPHPASS_ACCEPT_GOLDEN``: ``1`` -> True (write the goldens), ``release`` -> :data:`RELEASE`
+    (write the running torch release's exact goldens beside the main ones), anything else -> False."""
+    value = os.environ.get(ACCEPT_ENV)
+    return RELEASE if value == RELEASE else value == "1"
+
+
+def accept_mode(accept: bool | str | None) -> bool | str:
+    """``accept`` checked: True, False or :data:`RELEASE`; None reads :func:`accept_from_env`."""
+    if accept is None:
+        return accept_from_env()
+    if isinstance(accept, bool) or accept == RELEASE:
+        return accept
+    from .errors import ConfigError
+
+    raise ConfigError("accept", accept, f"expected True, False, None or {RELEASE!r}")
+
+
+def release_path(path: str | os.PathLike, version: str | None = None) -> Path:
+    """``dir/name.txt`` -> ``dir/name.torch2.9.txt``: the exact golden of one torch release
+    (``major.minor`` of ``version``, default the running torch), kept where that release renders the
+    graph differently from the main golden; its sidecar is ``dir/name.torch2.9.meta.json``."""
+    path = Path(path)
+    major, minor = torch_release(torch.__version__ if version is None else version).split(".")[:2]
+    return path.with_name(f"{path.stem}.torch{major}.{minor}{path.suffix}")
+
+
+def is_release_path(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a release's golden (``name.torch2.9.txt``) rather than a main one."""
+    return re.search(r"\.torch\d+\.\d+$", Path(path).stem) is not None
 
 
 def meta_path(path: str | os.PathLike) -> Path:
@@ -210,40 +242,82 @@ def record_meta(path: str | os.PathLike) -> dict[str, str]:
     return meta
 
 
-def check_exact(path: str | os.PathLike, actual: str, *, accept: bool | None = None,
+def check_exact(path: str | os.PathLike, actual: str, *, accept: bool | str | None = None,
                 hint: str = ACCEPT_HINT) -> str | None:
     """Check the exact rendering against ``path`` (with ``accept``, or ``GRAPHPASS_ACCEPT_GOLDEN=1``
-    when ``accept`` is None: write it and its meta sidecar instead). Returns None when it was checked
-    or written, or the reason it was skipped: the golden was recorded with another torch release.
+    when ``accept`` is None: write it and its meta sidecar instead; with ``accept="release"`` or
+    ``GRAPHPASS_ACCEPT_GOLDEN=release``: record it for the running torch release, :func:`accept_release`).
+    The golden of the running release is ``name.torch<major.minor>.txt`` when its meta sidecar exists
+    (the main ``path`` where that file does not), else ``path``. Returns None when it was checked or
+    written, or the reason it was skipped: the golden was recorded with another torch release.
     Raises :class:`GoldenMismatch` with a unified diff on a difference."""
     path = Path(path)
-    if accept_from_env() if accept is None else accept:
+    mode = accept_mode(accept)
+    if mode == RELEASE:
+        accept_release(path, actual)
+        return None
+    if mode:
         _write(path, actual)
         record_meta(path)
         return None
     if not path.exists():
         raise GoldenMismatch(f"golden file {path} is missing ({hint} to record it)")
-    meta_file = meta_path(path)
-    if meta_file.exists():
-        try:
-            recorded = json.loads(meta_file.read_text()).get("torch")
-        except (ValueError, AttributeError) as exc:
-            raise GoldenMismatch(f"unreadable golden meta file {meta_file} ({exc}): {hint}") from None
-        if recorded is not None and torch_release(recorded) != torch_release(torch.__version__):
-            return (f"exact golden {path.parent.name}/{path.name} was recorded with torch {recorded}, this is torch {torch.__version__}: "
-                    f"exact check skipped (Dynamo names nodes differently between releases; the structural "
-                    f"summary is still checked; {hint} on this version to record it here)")
-    _compare_text(path, path.read_text(), actual, "graph", hint)
+    own = release_path(path)
+    if meta_path(own).exists():
+        return _check_recorded(own if own.exists() else path, meta_path(own), actual, hint)
+    return _check_recorded(path, meta_path(path), actual, hint)
+
+
+def _recorded_torch(meta_file: Path, hint: str) -> str | None:
+    """The torch version ``meta_file`` names (None when the file does not exist or names none)."""
+    if not meta_file.exists():
+        return None
+    try:
+        return json.loads(meta_file.read_text()).get("torch")
+    except (ValueError, AttributeError) as exc:
+        raise GoldenMismatch(f"unreadable golden meta file {meta_file} ({exc}): {hint}") from None
+
+
+def _check_recorded(golden: Path, meta_file: Path, actual: str, hint: str) -> str | None:
+    recorded = _recorded_torch(meta_file, hint)
+    if recorded is not None and torch_release(recorded) != torch_release(torch.__version__):
+        return (f"exact golden {golden.parent.name}/{golden.name} was recorded with torch {recorded}, this is torch {torch.__version__}: "
+                f"exact check skipped (Dynamo names nodes differently between releases; the structural "
+                f"summary is still checked; {hint} on this version to record it here, or "
+                f"{ACCEPT_ENV}={RELEASE} to record this release's goldens beside it)")
+    _compare_text(golden, golden.read_text(), actual, "graph", hint)
     return None
 
 
-def check_summary(path: str | os.PathLike, summary: dict[str, Any], *, accept: bool | None = None,
+def accept_release(path: str | os.PathLike, actual: str) -> Path:
+    """Record ``actual`` as the exact golden of the running torch release and return the file it is
+    checked against from now on. The main ``path`` when it is missing or was recorded on this release;
+    otherwise ``name.torch<major.minor>.txt`` beside it, written only where ``actual`` differs from
+    the main golden (removed where it now equals it), and its meta sidecar always."""
+    path = Path(path)
+    recorded = _recorded_torch(meta_path(path), ACCEPT_HINT)
+    if not path.exists() or (recorded is not None and torch_release(recorded) == torch_release(torch.__version__)):
+        _write(path, actual)
+        record_meta(path)
+        return path
+    own = release_path(path)
+    if path.read_text() == actual:
+        own.unlink(missing_ok=True)
+    else:
+        _write(own, actual)
+    record_meta(own)
+    return own if own.exists() else path
+
+
+def check_summary(path: str | os.PathLike, summary: dict[str, Any], *, accept: bool | str | None = None,
                   hint: str = ACCEPT_HINT) -> None:
     """Check the structural summary against ``path`` (JSON), on every torch version; accept like
-    :func:`check_exact`. Raises :class:`GoldenMismatch` with a unified diff of the JSON."""
+    :func:`check_exact` (``"release"`` writes only a missing summary). Raises :class:`GoldenMismatch` with a unified diff of the JSON."""
     path = Path(path)
     actual = summary_text(summary)
-    if accept_from_env() if accept is None else accept:
+    mode = accept_mode(accept)
+    # summaries hold on every release: "release" writes a missing one and checks an existing one
+    if mode is True or (mode == RELEASE and not path.exists()):
         _write(path, actual)
         return
     if not path.exists():
@@ -259,7 +333,7 @@ def check_golden(path: Path, actual: str) -> None:
     """Compare ``actual`` to the golden file; with ``GRAPHPASS_ACCEPT_GOLDEN=1`` write it instead.
     (No version sidecar: :func:`check_exact` is the versioned check.)"""
     path = Path(path)
-    if accept_from_env():
+    if accept_from_env() is True:
         _write(path, actual)
         return
     if not path.exists():

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .analysis import ParsedSource, parse_source_name
+from .torch_compat import source_name
 
 RootKey = tuple[str, tuple[str, ...]]  # (local or global name, path from it to the module)
 
@@ -91,8 +92,7 @@ def source_names(gm: torch.fx.GraphModule) -> list[str]:
         src = getattr(n.meta.get("grapharg"), "source", None)
         if src is None:
             continue
-        name = src.name() if callable(src.name) else src.name
-        out.append(name)
+        out.append(source_name(src))
     return out
 
 

@@ -11,7 +11,10 @@
 Per model three files in ``directory`` (docs/golden.md): ``<name>.txt``, the exact normalized
 rendering (ownership, traps, offload schedule, capture nodes, code), checked only on the torch
 release recorded in ``<name>.meta.json``; ``<name>.summary.json``, the structural summary, checked
-on every torch version. Re-accept with ``--graphpass-accept-golden`` or ``GRAPHPASS_ACCEPT_GOLDEN=1``.
+on every torch version. Re-accept with ``--graphpass-accept-golden`` or ``GRAPHPASS_ACCEPT_GOLDEN=1``;
+record the running torch release's own exact goldens beside the main ones (``<name>.torch2.9.txt``
+where it renders differently) with ``--graphpass-accept-golden-release`` or
+``GRAPHPASS_ACCEPT_GOLDEN=release``.
 
 This module imports torch and graphpass only when a check runs, so the plugin costs pytest runs
 that do not use it nothing.
@@ -28,8 +31,9 @@ from typing import Any, Sequence
 __all__ = ["assert_golden", "golden_check", "check_goldens", "GoldenResult", "golden_paths"]
 
 ACCEPT_OPTION = "--graphpass-accept-golden"
+ACCEPT_RELEASE_OPTION = "--graphpass-accept-golden-release"
 DIR_INI = "graphpass_golden_dir"
-_ACCEPT_FROM_OPTION = False  # set by pytest_configure from --graphpass-accept-golden
+_ACCEPT_FROM_OPTION: bool | str = False  # set by pytest_configure from the two accept options
 _SAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
 
 
@@ -41,7 +45,7 @@ class GoldenResult:
     name: str
     text_path: Path
     summary_path: Path
-    accepted: bool
+    accepted: bool | str  # True, or "release" (this torch release's exact golden recorded)
     exact_skipped: str | None = None
     summary: dict[str, Any] = field(default_factory=dict)
 
@@ -56,10 +60,18 @@ def golden_paths(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
     return folder / f"{name}.txt", folder / f"{name}.summary.json"
 
 
-def _resolve_accept(accept: bool | None) -> bool:
-    from .golden import accept_from_env
+def _resolve_accept(accept: bool | str | None) -> bool | str:
+    from .golden import accept_from_env, accept_mode
 
-    return bool(accept) if accept is not None else (_ACCEPT_FROM_OPTION or accept_from_env())
+    return accept_mode(accept) if accept is not None else (_ACCEPT_FROM_OPTION or accept_from_env())
+
+
+def _option_accept(config: Any) -> bool | str:
+    from .golden import RELEASE
+
+    if config.getoption(ACCEPT_RELEASE_OPTION, default=False):
+        return RELEASE
+    return bool(config.getoption(ACCEPT_OPTION, default=False))
 
 
 def _compile_and_run(model: Any, inputs: Sequence[Any], then: Any, options: dict[str, Any] | None,
@@ -92,7 +104,7 @@ def _compile_and_run(model: Any, inputs: Sequence[Any], then: Any, options: dict
     return list(gp.graphs)
 
 
-def check_goldens(exact: dict[Path, str], summaries: dict[Path, dict[str, Any]], *, accept: bool | None = None,
+def check_goldens(exact: dict[Path, str], summaries: dict[Path, dict[str, Any]], *, accept: bool | str | None = None,
                   hint: str | None = None, skip: bool = True) -> list[str]:
     """Check (or, accepting, write) structural summaries first, then exact renderings; returns the
     reasons exact checks were skipped (another torch release recorded them). With ``skip`` and under
@@ -111,7 +123,7 @@ def check_goldens(exact: dict[Path, str], summaries: dict[Path, dict[str, Any]],
     return skipped
 
 
-def golden_check(model: Any, *inputs: Any, name: str, directory: str | os.PathLike, accept: bool | None = None,
+def golden_check(model: Any, *inputs: Any, name: str, directory: str | os.PathLike, accept: bool | str | None = None,
                  then: Any = "eager", options: dict[str, Any] | None = None, capture: Sequence[str] | None = None,
                  grad: bool = False, hint: str | None = None) -> GoldenResult:
     """:func:`assert_golden` without pytest: returns a :class:`GoldenResult` instead of skipping.
@@ -127,7 +139,7 @@ def golden_check(model: Any, *inputs: Any, name: str, directory: str | os.PathLi
     return GoldenResult(name, text_path, summary_path, accept, skipped[0] if skipped else None, summary)
 
 
-def assert_golden(model: Any, *inputs: Any, name: str, directory: str | os.PathLike, accept: bool | None = None,
+def assert_golden(model: Any, *inputs: Any, name: str, directory: str | os.PathLike, accept: bool | str | None = None,
                   then: Any = "eager", options: dict[str, Any] | None = None, capture: Sequence[str] | None = None,
                   grad: bool = False) -> GoldenResult:
     """Compile ``model`` with graphpass (delegate ``then``, default eager; ``options`` as for
@@ -136,8 +148,9 @@ def assert_golden(model: Any, *inputs: Any, name: str, directory: str | os.PathL
 
     ``capture``: module patterns for a ``ModelCapture`` (a ``ModelCapture`` you attached to the
     model yourself is picked up too); an offloaded model (``graphpass.offload``) shows its schedule.
-    ``accept``: write the goldens instead of checking them; None: ``--graphpass-accept-golden`` or
-    ``GRAPHPASS_ACCEPT_GOLDEN=1``. The structural summary is always checked; the exact rendering
+    ``accept``: write the goldens instead of checking them; ``"release"``: record this torch release's
+    exact golden beside the main one (:func:`graphpass.golden.accept_release`); None: the pytest options
+    ``--graphpass-accept-golden`` / ``--graphpass-accept-golden-release`` or ``GRAPHPASS_ACCEPT_GOLDEN``. The structural summary is always checked; the exact rendering
     only on the torch release it was recorded with, otherwise the test is skipped (under pytest,
     after the summary passed) with a message saying so.
     """
@@ -156,13 +169,16 @@ def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("graphpass")
     group.addoption(ACCEPT_OPTION, action="store_true", default=False,
                     help="graphpass golden graphs: write the goldens instead of comparing (same as GRAPHPASS_ACCEPT_GOLDEN=1)")
+    group.addoption(ACCEPT_RELEASE_OPTION, action="store_true", default=False,
+                    help="graphpass golden graphs: record this torch release's exact goldens beside the main ones, "
+                         "NAME.torch<major.minor>.txt where they differ (same as GRAPHPASS_ACCEPT_GOLDEN=release)")
     parser.addini(DIR_INI, "graphpass golden graphs: folder of the goldens, relative to the rootdir "
                   "(default: a 'golden' folder beside each test file)", default="")
 
 
 def pytest_configure(config: Any) -> None:
     global _ACCEPT_FROM_OPTION
-    _ACCEPT_FROM_OPTION = bool(config.getoption(ACCEPT_OPTION, default=False))
+    _ACCEPT_FROM_OPTION = _option_accept(config)
 
 
 def pytest_unconfigure(config: Any) -> None:
@@ -175,11 +191,11 @@ class GoldenFixture:
     :func:`assert_golden` with ``name`` defaulting to the test's name and ``directory`` to the
     ``graphpass_golden_dir`` ini option or ``golden/`` beside the test file."""
 
-    def __init__(self, directory: Path, default_name: str, accept: bool) -> None:
+    def __init__(self, directory: Path, default_name: str, accept: bool | str) -> None:
         self.directory, self.default_name, self.accept = directory, default_name, accept
 
     def __call__(self, model: Any, *inputs: Any, name: str | None = None, **kwargs: Any) -> GoldenResult:
-        kwargs.setdefault("accept", True if self.accept else None)
+        kwargs.setdefault("accept", self.accept or None)
         kwargs.setdefault("directory", self.directory)
         return assert_golden(model, *inputs, name=name or self.default_name, **kwargs)
 
@@ -188,7 +204,7 @@ def _fixture(request: Any) -> GoldenFixture:
     ini = request.config.getini(DIR_INI)
     directory = Path(request.config.rootpath) / ini if ini else Path(request.path).parent / "golden"
     name = _SAFE.sub("_", request.node.name).strip("_.") or "golden"
-    return GoldenFixture(directory, name, bool(request.config.getoption(ACCEPT_OPTION, default=False)))
+    return GoldenFixture(directory, name, _option_accept(request.config))
 
 
 try:  # the fixture exists only where pytest does; assert_golden and golden_check work without it

@@ -6,20 +6,23 @@ holds graphs with a ModelCapture attached, ``golden/offload_schedule/`` offloade
 
 The checks are the ones users get (``graphpass.testing.check_goldens``, the pytest plugin's
 functions): every exact file has a ``<name>.meta.json`` naming the torch release it was recorded
-with and is compared only on that release (skipped elsewhere); every configuration also has a
+with and is compared only on that release (skipped elsewhere; a release with its own
+``<name>.torch2.9.meta.json`` is compared against ``<name>.torch2.9.txt`` where that exists, else
+against ``<name>.txt``); every configuration also has a
 ``<name>.summary.json`` structural summary (``graphpass.golden.summarize``), compared on every
 torch version.
 """
 
 import gc
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 import graphpass
-from graphpass.golden import GoldenMismatch, check_golden, meta_path, render_code, render_ownership, render_schedule, summarize
+from graphpass.golden import GoldenMismatch, check_golden, is_release_path, meta_path, render_code, render_ownership, render_schedule, summarize
 from graphpass.models.corpus import CORPUS, build
 from graphpass.capturing.model_capture import sweep_marking_hook
 from graphpass.testing import check_goldens
@@ -157,7 +160,14 @@ def test_golden_corpus_is_complete():
             assert (GOLDEN / sub / f"{name}.summary.json").exists(), f"run `make golden` to record {sub}/{name}.summary.json"
     for sub in ("capture_nodes", "static_shapes"):
         for txt in (GOLDEN / sub).glob("*.txt"):
-            assert meta_path(txt).exists() and txt.with_name(f"{txt.stem}.summary.json").exists(), txt
+            if not is_release_path(txt):
+                assert meta_path(txt).exists() and txt.with_name(f"{txt.stem}.summary.json").exists(), txt
+    # a release's own golden (name.torch2.9.txt and/or its meta) sits beside a main one
+    for txt in GOLDEN.rglob("*.txt"):
+        if is_release_path(txt):
+            assert meta_path(txt).exists(), txt
+    for meta in GOLDEN.rglob("*.torch*.meta.json"):
+        assert meta.with_name(re.sub(r"\.torch\d+\.\d+\.meta\.json$", ".txt", meta.name)).exists(), meta
     for meta in GOLDEN.rglob("*.meta.json"):
         assert set(json.loads(meta.read_text())) == {"torch", "graphpass"}, meta
 

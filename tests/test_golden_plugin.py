@@ -12,9 +12,9 @@ import torch
 
 import graphpass
 from graphpass.cli import main
-from graphpass.golden import GoldenMismatch, meta_path, summarize
+from graphpass.golden import GoldenMismatch, is_release_path, meta_path, release_path, summarize
 from graphpass.models.corpus import build
-from graphpass.testing import assert_golden, golden_check, golden_paths
+from graphpass.testing import assert_golden, check_goldens, golden_check, golden_paths
 
 pytest_plugins = ["pytester"]
 
@@ -139,6 +139,56 @@ def test_build_tag_does_not_count_as_another_release(tmp_path, monkeypatch):
     result = assert_golden(model, *inputs, name="mlp", directory=tmp_path, accept=True)
     release = torch.__version__.split("+")[0]
     meta_path(result.text_path).write_text(json.dumps({"torch": release + "+cu999", "graphpass": "0.1.0"}))
+    assert golden_check(model, *inputs, name="mlp", directory=tmp_path).exact_skipped is None
+
+
+def test_release_goldens_are_recorded_beside_the_main_ones_and_checked_on_their_release(tmp_path, monkeypatch):
+    """GRAPHPASS_ACCEPT_GOLDEN=release on another torch release: the main golden stays byte-identical;
+    the release gets name.torch<major.minor>.txt where it renders differently, only its meta where it
+    does not, and is checked against the one that applies; other releases still skip."""
+    monkeypatch.delenv("GRAPHPASS_ACCEPT_GOLDEN", raising=False)
+    this = torch.__version__
+    main_text = "main golden, recorded on 1.0.0\n"
+    text = tmp_path / "g.txt"
+    summaries = {tmp_path / "g.summary.json": {"graphs": 1}}
+    check_goldens({text: main_text}, summaries, accept=True)
+    meta_path(text).write_text(json.dumps({"torch": "1.0.0", "graphpass": "0.0.1"}))
+    main_bytes, main_meta = text.read_bytes(), meta_path(text).read_bytes()
+    own = release_path(text)
+    assert own.name == "g.torch{}.{}.txt".format(*this.split("+")[0].split(".")[:2])
+    assert check_goldens({text: "this release renders it differently\n"}, summaries, skip=False)  # skipped
+
+    monkeypatch.setenv("GRAPHPASS_ACCEPT_GOLDEN", "release")  # the environment variable, as documented
+    check_goldens({text: "this release renders it differently\n"}, summaries)
+    monkeypatch.delenv("GRAPHPASS_ACCEPT_GOLDEN")
+    assert text.read_bytes() == main_bytes and meta_path(text).read_bytes() == main_meta
+    assert own.read_text() == "this release renders it differently\n" and is_release_path(own) and not is_release_path(text)
+    assert json.loads(meta_path(own).read_text()) == {"torch": this, "graphpass": graphpass.__version__}
+    assert check_goldens({text: "this release renders it differently\n"}, summaries, skip=False) == []
+    with pytest.raises(GoldenMismatch, match=r"(?s)g\.torch.*\.txt \(golden\).*\+changed"):
+        check_goldens({text: "changed\n"}, summaries, skip=False)
+
+    check_goldens({text: main_text}, summaries, accept="release")  # now equal to the main one: only the meta stays
+    assert not own.exists() and meta_path(own).exists() and text.read_bytes() == main_bytes
+    assert check_goldens({text: main_text}, summaries, skip=False) == []
+    with pytest.raises(GoldenMismatch, match=r"(?s)g\.txt \(golden\)"):
+        check_goldens({text: "changed\n"}, summaries, skip=False)
+
+    meta_path(own).write_text(json.dumps({"torch": "1.1.0", "graphpass": "0.0.1"}))  # another patch release recorded it
+    assert "recorded with torch 1.1.0" in check_goldens({text: "changed\n"}, summaries, skip=False)[0]
+    with pytest.raises(GoldenMismatch, match="structural summary differs"):  # summaries are never per release
+        check_goldens({text: main_text}, {tmp_path / "g.summary.json": {"graphs": 2}}, accept="release")
+    with pytest.raises(graphpass.ConfigError, match="accept"):
+        check_goldens({text: main_text}, summaries, accept="yes")
+
+
+def test_release_accept_writes_the_main_golden_where_this_release_recorded_it(tmp_path):
+    model, inputs = _model()
+    result = assert_golden(model, *inputs, name="mlp", directory=tmp_path, accept="release")  # nothing yet: the main one
+    assert result.accepted == "release" and result.text_path.exists() and not release_path(result.text_path).exists()
+    before = result.text_path.read_bytes()
+    assert_golden(model, *inputs, name="mlp", directory=tmp_path, accept="release")  # recorded on this release
+    assert result.text_path.read_bytes() == before and not meta_path(release_path(result.text_path)).exists()
     assert golden_check(model, *inputs, name="mlp", directory=tmp_path).exact_skipped is None
 
 

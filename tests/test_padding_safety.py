@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import graphpass
 from graphpass.models.transformer import TinyTransformer, TransformerConfig
 from graphpass.static_shapes.padding_safety import PaddingViolation, check_padding_safety, padded_dims
+from graphpass.torch_compat import source_name
 
 B, L, H, V = 2, 7, 16, 11  # distinct sizes: Dynamo would give equal sizes one symbol
 
@@ -34,7 +35,7 @@ def seq_input(gm: torch.fx.GraphModule, dim: int = 1) -> tuple[str, sympy.Symbol
     for n in gm.graph.nodes:
         if n.op != "placeholder" or not isinstance(n.meta.get("example_value"), torch.Tensor):
             continue
-        source = n.meta["grapharg"].source.name
+        source = source_name(n.meta["grapharg"].source)
         if "_parameters" in source or "_buffers" in source or n.meta["example_value"].dim() <= dim:
             continue
         size = n.meta["example_value"].shape[dim]

@@ -29,6 +29,7 @@ import torch
 from ..analysis import TensorOwnership, mesh_text, module_paths, parse_source_name, placement_text
 from ..fx_utils import (example_of, inner_tensor_fields, is_graphpass_node, is_graphpass_op, node_order,
                         wrapper_inner_tensors)
+from ..torch_compat import source_name
 from .base import GraphPass, PassContext
 
 
@@ -37,8 +38,7 @@ def _source_name(node: torch.fx.Node) -> str | None:
     src = getattr(ga, "source", None)
     if src is None:
         return None
-    name = src.name
-    return name() if callable(name) else name
+    return source_name(src)
 
 
 def _nbytes(t: torch.Tensor) -> int:

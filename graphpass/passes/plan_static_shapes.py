@@ -29,6 +29,7 @@ from .. import dynamo_records
 from ..analysis import TensorOwnership
 from ..errors import ConfigError
 from ..fx_utils import example_of, is_symbolic, shape_env_hints, size_expr
+from ..torch_compat import source_name
 from .base import GraphPass, PassContext
 
 
@@ -197,10 +198,10 @@ def specialized_by_code(placeholder: torch.fx.Node, val: Any, d: int) -> tuple[i
     the size); ``where``: the user source line that guarded it. None for a dim never made dynamic
     (Dynamo's first, exact-size trace) or when torch's shape environment cannot tell."""
     try:
-        source = placeholder.meta["grapharg"].source.name
+        source = source_name(placeholder.meta["grapharg"].source)
         env = val.fake_mode.shape_env
         want = f"{source}.size()[{d}]"
-        syms = [s for s, srcs in env.var_to_sources.items() if any(x.name == want for x in srcs)]
+        syms = [s for s, srcs in env.var_to_sources.items() if any(source_name(x) == want for x in srcs)]
         for s in syms:
             value = env.replacements.get(s)
             if value is None or not value.is_number:

@@ -30,6 +30,7 @@ from tabulate import tabulate
 from ..errors import ConfigError
 from ..formatting import fmt_bytes
 from ..fx_utils import shape_env_hints, returns_alias, size_expr, source_frame, tensors_of
+from ..torch_compat import source_name
 
 if TYPE_CHECKING:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -558,7 +559,7 @@ def _resolve_dims(env: ShapeEnv, dims: list[DynamicDim], names: list[str]) -> di
     for sym, sources in getattr(env, "var_to_sources", {}).items():
         target = env.replacements.get(sym, sym)
         for src in sources:
-            key = _source_key(src.name() if callable(getattr(src, "name", None)) else str(src.name), names)
+            key = _source_key(source_name(src), names)
             if key is None:
                 continue
             for d in dims:
@@ -709,9 +710,11 @@ def _has_checkpoint_hop(gm: torch.fx.GraphModule) -> bool:
     )
 
 
-def _recomputed(node: torch.fx.Node) -> bool:
-    """In an activation-checkpoint region and recomputed in backward (not saved by a selective policy)."""
-    if "ac_graph_id" not in node.meta:
+def _recomputed(node: torch.fx.Node, label: str) -> bool:
+    """In an activation-checkpoint region and recomputed in backward (not saved by a selective policy).
+    Never in an inference graph (``label`` ``"N/inference"``): there is no backward to recompute in, though
+    torch 2.9 still tags the region's nodes there."""
+    if label.endswith("/inference") or "ac_graph_id" not in node.meta:
         return False
     policy = node.meta.get("recompute")
     return policy is None or getattr(policy, "name", str(policy)) in _RECOMPUTE_POLICIES
@@ -756,7 +759,7 @@ def _verdict(a: _Allocation) -> tuple[str, str, str]:
         syms = sorted(a.unbacked, key=str)
         origin = "; ".join(f"{s} from {a.scan.born.get(s, 'an earlier graph or a .item()')}" for s in syms)
         return "NO", "data-dependent", f"data-dependent size: depends on {origin}"
-    if _recomputed(node):
+    if _recomputed(node, a.scan.label):
         return ("NO", "checkpoint",
                 "inside an activation-checkpoint region: a persistent buffer would keep alive the memory "
                 "that checkpointing frees after forward and recomputes in backward")
