@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graphpass-installed
 
-.PHONY: demo test golden bench conformance clean venv
+.PHONY: demo test test-xla golden bench conformance clean venv
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 tests
 
+# The XLA leg: torch 2.9.0 + torch-xla 2.9.0 (XLA on the CPU) in a venv of its own, .venv-xla, about
+# 7 GB, removed afterwards (KEEP_XLA_VENV=1 keeps it); XLA_SUITE=all also runs the rest of the suite there.
+test-xla:
+	PYTHON=$(PYTHON) bash .ci/xla-leg
+
 # Re-accept every golden graph after a deliberate change (read the diff before committing).
 golden: $(STAMP)
 	GRAPHPASS_ACCEPT_GOLDEN=1 $(PY) -m pytest -q tests/test_golden.py
@@ -34,4 +39,4 @@ conformance: $(STAMP)
 	$(PY) bench/conformance.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-xla build *.egg-info

@@ -4,6 +4,8 @@
 
 * ``"inductor"`` (default): :class:`InductorDelegate`, ``compile_fx`` with the mode's config;
 * ``"neuronx_cc"`` or ``"neuron"``: :class:`~graphpass.backends.neuron.NeuronDelegate`, AWS Neuron;
+* ``"openxla"`` or ``"openxla_eval"`` (by name, or torch's backend function itself):
+  :class:`~graphpass.backends.xla.XlaDelegate`, torch_xla, which cannot run host code either;
 * any other name registered with Dynamo (``"eager"``, ``"aot_eager"``, ``"cudagraphs"``, entry points);
 * a backend callable ``fn(gm, example_inputs) -> callable``: plain functions, ``aot_autograd(...)``
   objects, another graphpass backend;
@@ -23,6 +25,7 @@ from graphpass.errors import ConfigError, DelegateError
 
 from .base import Delegate
 from .neuron import NEURON_NAMES, NeuronDelegate
+from .xla import XLA_NAMES, XlaDelegate, xla_name_of
 
 __all__ = [
     "Delegate",
@@ -30,6 +33,7 @@ __all__ = [
     "NamedDelegate",
     "CallableDelegate",
     "NeuronDelegate",
+    "XlaDelegate",
     "resolve_delegate",
     "check_delegate_spec",
 ]
@@ -111,6 +115,9 @@ def check_delegate_spec(spec: Any) -> None:
         if spec in NEURON_NAMES:
             NeuronDelegate().check()
             return
+        if spec in XLA_NAMES:
+            XlaDelegate(spec).check()
+            return
         if spec == "graphpass":
             raise ConfigError("then", spec, "graphpass cannot delegate to itself by name; pass graphpass.backend(...)")
         if spec == "inductor" or _registered(spec):
@@ -119,10 +126,13 @@ def check_delegate_spec(spec: Any) -> None:
 
         raise ConfigError(
             "then", spec, f"unknown delegate backend (registered: {', '.join(sorted(list_backends(exclude_tags=())))}; "
-            f"adapters: {', '.join(NEURON_NAMES)})"
+            f"adapters: {', '.join(NEURON_NAMES + XLA_NAMES)})"
         )
     if not callable(spec):
         raise ConfigError("then", spec, f"expected a backend name or callable, not {type(spec).__name__}")
+    xla = xla_name_of(spec)
+    if xla is not None:
+        XlaDelegate(xla).check()
 
 
 def resolve_delegate(spec: Any, mode: str | None = None, options: Mapping[str, Any] | None = None) -> Delegate:
@@ -132,9 +142,14 @@ def resolve_delegate(spec: Any, mode: str | None = None, options: Mapping[str, A
     if isinstance(spec, str):
         if spec in NEURON_NAMES:
             return NeuronDelegate(options=options)
+        if spec in XLA_NAMES:
+            return XlaDelegate(spec, mode=mode, options=options)
         if spec == "inductor":
             return InductorDelegate(mode=mode, options=options)
         return NamedDelegate(spec, mode=mode, options=options)
     if callable(spec):
+        xla = xla_name_of(spec)
+        if xla is not None:  # torch's XLA backend function itself: the same bridge, split the same way
+            return XlaDelegate(xla, options=options)
         return CallableDelegate(spec, options=options)
     raise DelegateError(f"cannot delegate to {spec!r}")  # pragma: no cover - check_delegate_spec refused it

@@ -92,7 +92,8 @@ class GraphpassConfig:
     """What one graphpass backend instance does.
 
     then: the delegate compiler: a registered backend name (``"inductor"``, ``"eager"``,
-        ``"aot_eager"``, ``"cudagraphs"``, ...), ``"neuronx_cc"``/``"neuron"``, or a backend callable.
+        ``"aot_eager"``, ``"cudagraphs"``, ...), ``"neuronx_cc"``/``"neuron"``, ``"openxla"``/``"openxla_eval"``
+        (split at graphpass's ops like Neuron), or a backend callable.
     traps: module patterns whose matching modules become traps; ``None`` finds the repeated
         blocks automatically; ``[]`` makes no traps.
     boundaries: insert the trap enter/exit nodes into the graph (ownership is analysed either way).

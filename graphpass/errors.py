@@ -15,6 +15,7 @@ __all__ = [
     "CaptureError",
     "OffloadError",
     "PassError",
+    "DynamicShapesDisabledError",
     "surface",
 ]
 
@@ -110,3 +111,17 @@ class PassError(GraphpassError):
         self.graph = graph
         self.problem = problem
         super().__init__(f"graphpass pass {pass_name!r} on {graph}: {problem}")
+
+
+class DynamicShapesDisabledError(GraphpassError):
+    """``static_shapes`` cannot bucket because Dynamo will never trace the marked dim as a symbol:
+    ``torch._dynamo.config.automatic_dynamic_shapes`` (``setting``) is off (``import torch_xla``
+    turns it off process-wide; ``torch.compile(dynamic=False)`` turns it off for its calls), so every
+    length would compile a static graph of its own. ``input`` and ``dim`` name the marked dim."""
+
+    setting = "torch._dynamo.config.automatic_dynamic_shapes"
+
+    def __init__(self, input: str, dim: int, problem: str) -> None:
+        self.input = input
+        self.dim = dim
+        super().__init__(problem)

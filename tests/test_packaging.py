@@ -37,7 +37,7 @@ SUBPACKAGES = (
 )
 # What not to copy into the build tree: VCS data, environments, build output, caches, run output.
 _IGNORE = shutil.ignore_patterns(
-    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.pyc", "captures", "out"
+    ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.pyc", "captures", "out"
 )
 
 

@@ -305,3 +305,64 @@ def test_a_skipped_entry_frame_is_a_warning_naming_the_input_not_a_config_error(
     entry, inner, warned = _run_breaking(loop=True)
     assert not entry and {"forward", "_mixed"} <= inner
     assert any("input_ids" in w and "skipped" in w and "loop" in w for w in warned), warned
+
+
+@pytest.fixture
+def automatic_dynamic_off():
+    """Dynamo's setting as `import torch_xla` leaves it (torch's own scoped patch; monkeypatch cannot
+    restore a config-module attribute)."""
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        yield
+
+
+def test_automatic_dynamic_shapes_off_is_refused_before_anything_compiles(automatic_dynamic_off):
+    """`import torch_xla` turns Dynamo's automatic dynamic shapes off process-wide: every length would
+    then trace a static graph of its own and bucketing would silently never happen. graphpass refuses
+    at the first graph, naming the setting and the fixes, before the delegate compiles anything."""
+    model, _ = build("tiny_transformer")
+    counter = CountingBackend()
+    compiled = torch.compile(model, backend=opts(counter))
+    with pytest.raises(graphpass.DynamicShapesDisabledError) as info, torch.no_grad():
+        compiled(torch.randint(0, 64, (2, 5)))
+    msg = str(info.value)
+    assert "torch._dynamo.config.automatic_dynamic_shapes is False" in msg and "ids dim 1" in msg
+    assert "dynamic=True" in msg and "mark_dynamic" in msg
+    assert info.value.input == "ids" and info.value.dim == 1
+    assert counter.calls == 0
+
+
+def test_automatic_dynamic_shapes_off_buckets_under_dynamic_true_or_mark_dynamic(automatic_dynamic_off):
+    """The fixes the error names work with the setting still off: dynamic=True (or mark_dynamic on the
+    first call's input) gives graphpass a symbolic length from the first call, one graph per bucket.
+    A first call of length 1 is static under every setting (Dynamo specializes it): not refused."""
+    model, _ = build("tiny_transformer")
+    for how in ("dynamic", "mark"):
+        torch._dynamo.reset()
+        counter = CountingBackend()
+        compiled = torch.compile(model, backend=opts(counter), dynamic=True if how == "dynamic" else None)
+        lengths = (1, 3, 9, 10, 17, 40, 2) if how == "dynamic" else (3, 9, 10, 17, 40, 2)
+        with torch.no_grad():
+            for k, n in enumerate(lengths):
+                ids = torch.randint(0, 64, (2, n))
+                if how == "mark" and k == 0:
+                    torch._dynamo.mark_dynamic(ids, 1)
+                torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-6)
+        # buckets 8, 16, 64 (and 32 for 17); with dynamic=True, the length-1 graph compiles as is
+        assert counter.calls == 4 + (how == "dynamic"), how
+
+
+def test_a_batch_equal_to_the_first_length_under_dynamic_true_is_refused_not_a_crash():
+    """Under dynamic=True Dynamo gives equal sizes one symbol (duck sizing): a first call of batch 5 and
+    length 5 makes the logits' reshape ``(s*s)//s``, no polynomial. That used to fail the pass with a
+    sympy PolynomialError (a PassError); now the plan is refused with the output named, that graph runs
+    dynamic, and the next batch gets a bucketed graph of its own."""
+    model, _ = build("tiny_transformer")
+    counter = CountingBackend()
+    gp = opts(counter)
+    compiled = torch.compile(model, backend=gp, dynamic=True)
+    with pytest.warns(UserWarning, match=r"not padding this graph.*cannot slice it back"), torch.no_grad():
+        for batch, n in ((5, 5), (5, 9), (2, 5), (2, 9)):
+            ids = torch.randint(0, 64, (batch, n))
+            torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-6)
+    first, second = gp.graphs
+    assert first.runner is None and second.runner is not None and second.runner.plan.active

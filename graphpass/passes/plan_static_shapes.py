@@ -11,7 +11,10 @@ the user declared a mask contract (``masked``) for that input. It also sets ``ct
 (symbol -> largest bucket) for :mod:`slice_static_buffers` when the plan holds, and keeps an
 unsliced copy of the graph for the dynamic fallback (sizes beyond the largest bucket).
 
-A graph whose marked dims are plain ints (Dynamo's first, exact-size trace) gets no plan.
+A graph whose marked dims are plain ints (Dynamo's first, exact-size trace) gets no plan. When
+Dynamo will never make them symbolic (``torch._dynamo.config.automatic_dynamic_shapes`` off, as
+``import torch_xla`` leaves it), it raises :class:`~graphpass.errors.DynamicShapesDisabledError`
+instead of letting every length compile a static graph of its own.
 Assumes :mod:`analyze_ownership` ran (input names).
 """
 
@@ -58,9 +61,14 @@ def _linear(expr: sympy.Expr, sym: sympy.Symbol) -> tuple[int, int] | None:
     """(1, b) when expr == sym + b (b an integer constant), else None.
 
     Only ``L + b`` can be sliced back: a merged dim such as ``B*L`` interleaves padding rows with
-    real ones, so its first ``B*L`` rows are not the real rows.
+    real ones, so its first ``B*L`` rows are not the real rows. A size that is no polynomial in
+    ``sym`` (torch's ``FloorDiv``, as in ``(s*s)//s`` when Dynamo gave a batch equal to the length the
+    same symbol) cannot be sliced back either.
     """
-    poly = sympy.Poly(expr, sym) if expr.free_symbols == {sym} else None
+    try:
+        poly = sympy.Poly(expr, sym) if expr.free_symbols == {sym} else None
+    except sympy.PolynomialError:
+        return None
     if poly is None or poly.degree() != 1:
         return None
     a, b = (int(c) for c in poly.all_coeffs())
@@ -129,6 +137,7 @@ class PlanStaticShapes(GraphPass):
                     raise ConfigError(f"static_shapes.dims.{name}", d, f"input {name!r} has only {val.dim()} dims")
                 e = _expr(val.shape[d])
                 if e is None:
+                    _refuse_if_never_dynamic(name, d, int(val.shape[d]))
                     ctx.log.append(f"{self.name}: {name} dim {d} is static here ({int(val.shape[d])}): exact-size graph")
                     _warn_if_specialized(ctx, inputs.placeholders[inputs.index[t.node]], val, name, d)
                     return None
@@ -176,6 +185,36 @@ def _tied_symbols(placeholders: list[torch.fx.Node], symbols: dict) -> dict:
             if isinstance(e, sympy.Symbol) and e not in symbols and e not in ties and hints.get(e) in by_value:
                 ties[e] = (by_value[hints[e]], (i, d))
     return ties
+
+
+def _refuse_if_never_dynamic(name: str, d: int, size: int) -> None:
+    """Raise DynamicShapesDisabledError when a static marked dim will stay static for every length.
+
+    With ``torch._dynamo.config.automatic_dynamic_shapes`` off (``import torch_xla`` sets it so for
+    the whole process; ``torch.compile(dynamic=False)`` for its calls), Dynamo retraces each new length
+    as another graph with that length fixed, and graphpass never receives a symbol to pad: bucketing
+    would silently never happen. A size of 0 or 1 is static under every setting (Dynamo specializes
+    it), so it says nothing about the next length. graphpass does not flip Dynamo's process-wide
+    setting itself; the error says how the caller can."""
+    import sys
+
+    import torch._dynamo.config as dynamo_config
+
+    if dynamo_config.automatic_dynamic_shapes or size in (0, 1):
+        return
+    from ..errors import DynamicShapesDisabledError
+
+    cause = ("importing torch_xla turned it off for the whole process (transformers and accelerate import torch_xla "
+             "whenever it is installed, unless USE_TORCH_XLA=0 is set)" if "torch_xla" in sys.modules else
+             "torch.compile(dynamic=False) or the process's own setting turned it off")
+    raise DynamicShapesDisabledError(name, d, (
+        f"graphpass static_shapes: cannot bucket {name} dim {d}: {DynamicShapesDisabledError.setting} is False here "
+        f"({cause}). Dynamo then traces every new length as a graph of its own with the length fixed, so graphpass "
+        f"never receives a symbolic length to pad to a bucket and each length would compile its own static graph. "
+        f"Fix, either: compile with torch.compile(model, backend=..., dynamic=True) (one symbolic graph from the first "
+        f"call, then one static graph per bucket); or call torch._dynamo.mark_dynamic(<the {name} tensor>, {d}) before the "
+        f"first call; or set {DynamicShapesDisabledError.setting} = True after importing torch_xla "
+        f"(then the first call's exact size compiles one extra graph)."))
 
 
 def _warn_if_entry_skipped(missing: list[str], roots) -> None:

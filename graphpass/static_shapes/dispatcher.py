@@ -11,6 +11,14 @@
    padded inputs, so its sizes are all static;
 4. slices every output dim that depends on ``L`` back (``B + b`` -> ``L + b``).
 
+On a lazy-tensor device (``xla``, ``lazy``: torch_xla, and Neuron through it) every tensor operation
+outside a compiled graph is itself recorded and compiled for its exact shapes, so a device-side
+copy into the staging buffer and a device-side slice of an output would cost two XLA compilations
+per distinct length. There steps 2 and 4 run on the host instead: the input is copied to a host
+staging buffer, padded there and transferred to the device; an output is transferred to the host,
+sliced and transferred back. Transfers compile nothing, so the only XLA compilations are the
+bucket graphs' own.
+
 Graphs whose plan was refused (padding not proven safe) never get here: graphpass compiles them
 as the dynamic graphs Dynamo traced, with one warning naming the node and the reason. A call
 larger than the largest bucket runs the unpadded graph with dynamic shapes (warned once), compiled
@@ -105,6 +113,14 @@ def _floats_specialized(fakes: Sequence[Any]):
     finally:
         TensorifyState.force_specializations.clear()
         TensorifyState.force_specializations.update(saved)
+
+
+LAZY_DEVICE_TYPES = ("xla", "lazy")  # devices where every eager op is traced and compiled for its shapes
+
+
+def pads_on_host(t: Any) -> bool:
+    """Whether ``t`` lives on a lazy-tensor device, where padding and slicing run on the host."""
+    return isinstance(t, torch.Tensor) and t.device.type in LAZY_DEVICE_TYPES
 
 
 class BucketDispatcher:
@@ -211,26 +227,31 @@ class BucketDispatcher:
                    f"({pairs}); running it unpadded with dynamic shapes")
 
     def _stage(self, key: tuple, i: int, t: torch.Tensor, dims: tuple, subs: dict) -> torch.Tensor:
-        """Copy ``t`` into this bucket's persistent buffer for input ``i`` and fill the padding."""
+        """Copy ``t`` into this bucket's persistent buffer for input ``i`` and fill the padding (on a
+        lazy-tensor device: a host buffer, transferred to the device afterwards)."""
         target = list(t.shape)
         for d, sym in dims:
             target[d] = subs[sym]
+        on_host = pads_on_host(t)
+        where = torch.device("cpu") if on_host else t.device
         buf = self.staging.get((key, i))
-        if buf is None or list(buf.shape) != target or buf.dtype != t.dtype or buf.device != t.device:
-            buf = torch.empty(target, dtype=t.dtype, device=t.device)
+        if buf is None or list(buf.shape) != target or buf.dtype != t.dtype or buf.device != where:
+            buf = torch.empty(target, dtype=t.dtype, device=where)
             self.staging[(key, i)] = buf
         view = buf
         for d, _ in dims:
             view = view.narrow(d, 0, t.shape[d])
-        view.copy_(t)
+        view.copy_(t.cpu() if on_host else t)
         pad = self.plan.pad_values.get(i, 0.0)
         for d, _ in dims:
             n = t.shape[d]
             if buf.shape[d] > n:
                 buf.narrow(d, n, buf.shape[d] - n).fill_(pad)
-        return buf
+        return buf.to(t.device) if on_host else buf
 
     def _slice(self, outs: Any, sizes: dict) -> Any:
+        """Narrow each output's padded dims back to this call's sizes (on a lazy-tensor device: on
+        the host, then transferred back)."""
         if not isinstance(outs, (tuple, list)):
             return outs
         result = list(outs)
@@ -238,9 +259,11 @@ class BucketDispatcher:
             if spec is None or k >= len(result) or not isinstance(result[k], torch.Tensor):
                 continue
             t = result[k]
+            on_host = pads_on_host(t)
+            view = t.cpu() if on_host else t
             for d, lin in enumerate(spec):
                 if lin is not None:
                     sym, a, b = lin
-                    t = t.narrow(d, 0, a * sizes[sym] + b)
-            result[k] = t
+                    view = view.narrow(d, 0, a * sizes[sym] + b)
+            result[k] = view.to(t.device) if on_host else view
         return tuple(result) if isinstance(outs, tuple) else result
