@@ -46,8 +46,10 @@ def test_offload_file_never_written_through_a_planted_symlink(tmp_path, monkeypa
 import copy
 import errno
 import gc
+import io
 import json
 import linecache
+import pickle
 import random
 import signal
 import subprocess
@@ -605,6 +607,26 @@ def test_deepcopy_of_an_offloaded_model_is_refused_naming_offload():
     FAULTS["tried"] += 1
     with pytest.raises(graphpass.OffloadError, match=r"copy\.deepcopy of a model offloaded with graphpass\.offload\(\)"):
         copy.deepcopy(model)
+    FAULTS["survived"] += 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "submodule"])
+def test_pickling_an_offloaded_model_is_an_offload_error(mode, how, tmp_path):
+    """Issue 22 item 11: pickle reached the offload hooks (local functions) before the state and
+    raised AttributeError ("Can't pickle local object") instead of the documented OffloadError."""
+    model, _ = frozen()
+    offload_as(model, mode, tmp_path)
+    holder = model.get_submodule("layers.0.fc1")  # holds streamed weights
+    pickle.dumps(model.get_submodule("proj_in"))  # resident: nothing offloaded, still pickles
+    FAULTS["tried"] += 1
+    with pytest.raises(graphpass.OffloadError, match=r"cannot be pickled or torch\.save\(\)d.*state_dict\(\)"):
+        if how == "pickle":
+            pickle.dumps(model)
+        elif how == "torch.save":
+            torch.save(model, io.BytesIO())
+        else:
+            pickle.dumps(holder)
     FAULTS["survived"] += 1
 
 

@@ -111,21 +111,52 @@ class OffloadState:
         return self.runtime.stats()
 
     def __deepcopy__(self, memo):
-        raise OffloadError(
-            "copy.deepcopy of a model offloaded with graphpass.offload() is not supported (the copy would share or "
-            "lose the offload runtime, its files and its streamed weights: model._graphpass_offload): deepcopy the "
-            "model before offload() and offload the copy, or build a second instance and offload it"
-        )
+        raise _deepcopy_error()
 
     def __reduce_ex__(self, protocol):
-        raise OffloadError(
-            "a model offloaded with graphpass.offload() cannot be pickled (model._graphpass_offload holds the offload "
-            "runtime): save model.state_dict() (it returns the real weights) or save before offload()"
-        )
+        raise _pickle_error()
 
     def __repr__(self) -> str:
         return (f"OffloadState(storage={self.config.storage!r}, device={str(self.device)!r}, streamed={len(self.records)} tensors "
                 f"/ {self.streamed_bytes:,} bytes, resident={self.plan.resident_bytes:,} bytes)")
+
+
+def _deepcopy_error(module: str = "") -> OffloadError:
+    where = f"module {module!r} holds streamed weights and offload hooks; " if module else ""
+    return OffloadError(
+        "copy.deepcopy of a model offloaded with graphpass.offload() is not supported (the copy would share or "
+        f"lose the offload runtime, its files and its streamed weights: {where}model._graphpass_offload): deepcopy the "
+        "model before offload() and offload the copy, or build a second instance and offload it"
+    )
+
+
+def _pickle_error(module: str = "") -> OffloadError:
+    where = f"module {module!r} holds streamed weights and offload hooks; " if module else ""
+    return OffloadError(
+        "a model offloaded with graphpass.offload() cannot be pickled or torch.save()d (" + where +
+        "model._graphpass_offload holds the offload runtime): save model.state_dict() (it returns the real weights) "
+        "or save before offload()"
+    )
+
+
+def _refuse_copies(model: nn.Module, streamed: list[_Tensor]) -> None:
+    """Pickling (``torch.save``) or deep-copying the model, or a module holding a streamed tensor,
+    raises :class:`OffloadError` before anything is copied. Without this, pickle reaches the offload
+    hooks (local functions) first and fails with ``AttributeError``. ``Module.__getstate__`` and
+    ``__deepcopy__`` are looked up on the instance first, so only these modules change."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    holders = {id(h): h for rec in streamed for h, _, _ in rec.places if isinstance(h, nn.Module)}
+    for module in [model, *holders.values()]:
+        label = names.get(id(module)) or ""
+
+        def getstate(label=label):
+            raise _pickle_error(label)
+
+        def deepcopy(memo, label=label):
+            raise _deepcopy_error(label)
+
+        object.__setattr__(module, "__getstate__", getstate)
+        object.__setattr__(module, "__deepcopy__", deepcopy)
 
 
 def _release(runtime: OffloadRuntime, records: list, paths: list) -> None:
@@ -589,6 +620,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
                                      config.storage == "disk")
         _install_guards(model, state, [r for r in streamed if id(r) not in sharded])
         _install_state_dict_hooks(model, state, tensors, streamed)
+        _refuse_copies(model, streamed)
         _attach(model, state)
     except BaseException:
         _release(state.runtime, state.records, state.files)  # open files closed, a written file removed
