@@ -51,7 +51,9 @@ import json
 import linecache
 import pickle
 import random
+import re
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -60,8 +62,9 @@ from pathlib import Path
 
 import pytest
 import torch.nn as nn
+from safetensors.torch import save_file
 
-from graphpass.offloading import install
+from graphpass.offloading import install, safetensors_io
 from graphpass.offloading.runtime import OffloadRuntime
 
 FAULTS: Counter = Counter()
@@ -640,6 +643,60 @@ def test_index_whose_weight_map_is_not_a_mapping_is_an_offload_error(tmp_path):
     FAULTS["tried"] += 1
     with pytest.raises(graphpass.OffloadError, match=r"model\.safetensors\.index\.json: not a safetensors index.*list"):
         graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk"), checkpoint=tmp_path)
+    FAULTS["survived"] += 1
+
+
+def _raw_safetensors(path, header: str, data: bytes) -> None:
+    """A safetensors file with ``header`` written as given (duplicate keys survive)."""
+    raw = header.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize("header, match", [
+    ('{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
+     '"b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}', r"tensors 'a' and 'b' overlap"),
+    ('{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
+     '"a": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}', r"key\(s\) \['a'\] given more than once"),
+])
+def test_a_header_with_overlapping_or_duplicate_tensors_is_an_offload_error(tmp_path, header, match):
+    """Issue 22 item 13: both were accepted (safetensors itself refuses them): a duplicate key kept the
+    last entry, overlapping tensors read each other's bytes."""
+    import safetensors
+
+    path = tmp_path / "bad.safetensors"
+    _raw_safetensors(path, header, bytes(range(32)))
+    with pytest.raises(Exception):
+        safetensors.safe_open(str(path), "pt")  # the reference refuses it too
+    FAULTS["tried"] += 1
+    with pytest.raises(graphpass.OffloadError, match=re.escape(str(path)) + ".*" + match):
+        safetensors_io.index_checkpoint(path)
+    FAULTS["survived"] += 1
+
+
+def test_two_indexes_in_a_checkpoint_folder_are_refused_naming_both(tmp_path):
+    model, _ = frozen()
+    save_file(model.state_dict(), tmp_path / "model.safetensors")
+    for name in ("a.safetensors.index.json", "b.safetensors.index.json"):
+        (tmp_path / name).write_text(json.dumps({"weight_map": {k: "model.safetensors" for k in model.state_dict()}}))
+    FAULTS["tried"] += 1
+    with pytest.raises(graphpass.OffloadError, match=r"2 safetensors indexes \(a\.safetensors\.index\.json, "
+                                                     r"b\.safetensors\.index\.json\)"):
+        graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk"), checkpoint=tmp_path)
+    FAULTS["survived"] += 1
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "/abs/outside.safetensors", "sub/../../outside.safetensors"])
+def test_an_index_naming_a_file_outside_its_folder_is_refused(tmp_path, entry):
+    model, _ = frozen()
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file(model.state_dict(), tmp_path / "outside.safetensors")  # readable: only the index stops it
+    first = next(iter(model.state_dict()))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {first: entry}}))
+    FAULTS["tried"] += 1
+    with pytest.raises(graphpass.OffloadError, match=rf"tensor '{re.escape(first)}' is mapped to '{re.escape(entry)}', "
+                                                     r"outside the checkpoint folder"):
+        safetensors_io.checkpoint_files(folder)
     FAULTS["survived"] += 1
 
 
