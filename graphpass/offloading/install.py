@@ -268,11 +268,14 @@ def _check_checkpoint(tensors: list[_Tensor], checkpoint: Any, idents: dict[str,
                 idents[path] = files.identity(os.stat(path))
             except OSError as exc:
                 raise OffloadError(f"checkpoint file {path}: {exc}") from None
+        missing = []
         for rec in tensors:
             name = next((f for f in rec.fqns if f in index), None)
             if name is None:
                 if rec.tensor.device.type == "meta":
                     raise OffloadError(f"tensor {rec.fqns[0]!r} is on the meta device and not in the checkpoint")
+                if _needs_checkpoint(rec):
+                    missing.append(rec.fqns[0])
                 continue
             loc = index[name]
             if tuple(rec.tensor.shape) != loc.shape or rec.tensor.dtype != loc.dtype:
@@ -281,11 +284,33 @@ def _check_checkpoint(tensors: list[_Tensor], checkpoint: Any, idents: dict[str,
                     f"{list(rec.tensor.shape)} {rec.tensor.dtype} ({loc.path})"
                 )
             locations[id(rec)] = loc
+        if missing:
+            _refuse_missing(missing, tensors, checkpoint)
     else:
         meta = [r.fqns[0] for r in tensors if r.tensor.device.type == "meta"]
         if meta:
             raise OffloadError(f"tensor {meta[0]!r} is on the meta device: pass checkpoint= (safetensors files) to load it")
     return locations
+
+
+def _needs_checkpoint(rec: _Tensor) -> bool:
+    """A real tensor the checkpoint must hold: a parameter (a wrapper's are its inner tensors) or a
+    streamed tensor. A real buffer that is not streamed (a rotary ``inv_freq`` computed at
+    construction) may be absent: it is kept."""
+    if rec.streamed and not rec.resident:
+        return True
+    return any(kind == "parameter" for _, _, kind in rec.places) and not is_wrapper_subclass(local_tensor(rec.tensor))
+
+
+def _refuse_missing(missing: list[str], tensors: list[_Tensor], checkpoint: Any) -> None:
+    where = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else [os.fspath(c) for c in checkpoint]
+    shown = ", ".join(repr(m) for m in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    raise OffloadError(
+        f"checkpoint {where!r} holds no tensor named {shown} ({len(missing)} of the model's "
+        f"{sum(_needs_checkpoint(r) for r in tensors)} parameters and streamed tensors are missing): the model would keep "
+        f"its own values for them, silently. Pass the checkpoint of this model (its names as model.state_dict() "
+        f"prints them), or offload without checkpoint= to stream the model's own weights"
+    )
 
 
 def _prepare_disk_path(config: OffloadConfig, streamed: list[_Tensor], locations: dict[int, TensorLocation]) -> Path | None:
