@@ -408,6 +408,35 @@ def test_a_file_that_cannot_be_leased_is_read_not_mapped(tmp_path):
     assert seen and max(seen) > 0  # leased now: mapped again
 
 
+def test_a_rewrite_in_place_with_its_mtime_restored_is_an_offload_error(tmp_path):
+    """Issue 22 item 7: the identity was (size, inode, mtime, device): a file rewritten in place, same
+    size, with its old mtime put back (os.utime, touch -d) was served with its new bytes. The ctime
+    moves with any write and cannot be set back. The file is held open for writing, so it is read
+    (not mapped under a lease): only the identity check stands between the rewrite and the compute."""
+    model, inputs = frozen()
+    ref = model(*inputs)
+    path = tmp_path / "model.safetensors"
+    save_file(model.state_dict(), str(path))
+    writer = open(path, "r+b")
+    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk"), checkpoint=str(path))
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), ref)
+    st = os.stat(path)
+    data = path.read_bytes()
+    header = 8 + struct.unpack("<Q", data[:8])[0]
+    writer.seek(header)
+    writer.write(bytes(len(data) - header))  # every weight zeroed, same size
+    writer.flush()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime put back
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    FAULTS["tried"] += 1
+    with torch.no_grad(), pytest.raises(graphpass.OffloadError, match=re.escape(str(path)) + r" changed .*ctime"):
+        compiled(*inputs)
+    FAULTS["survived"] += 1
+    writer.close()
+
+
 _THREAD_CHILD = textwrap.dedent("""
     import sys, threading, torch, graphpass
     from graphpass.models.corpus import build

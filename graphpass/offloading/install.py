@@ -252,7 +252,7 @@ def _plan(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], Offlo
 
 def _check_checkpoint(tensors: list[_Tensor], checkpoint: Any, idents: dict[str, tuple]) -> dict[int, TensorLocation]:
     """Resolve every tensor in ``checkpoint`` and check it against the model; return their locations.
-    ``idents`` receives each file's identity (size, inode, mtime, device) as it was resolved."""
+    ``idents`` receives each file's identity (:func:`files.identity`) as it was resolved."""
     locations: dict[int, TensorLocation] = {}
     if checkpoint is not None:
         sharded = next((r.fqns[0] for r in tensors if is_dtensor(r.tensor)), None)
@@ -340,7 +340,7 @@ def _load_value(rec: _Tensor, loc: TensorLocation | None, target: torch.device, 
     if loc is not None:
         host = torch.empty(loc.shape, dtype=loc.dtype, pin_memory=pin)
         with open(loc.path, "rb") as f:
-            if idents and files.identity(os.fstat(f.fileno())) != idents.get(loc.path):
+            if idents and not files.same_file(idents.get(loc.path), files.identity(os.fstat(f.fileno()))):
                 raise OffloadError(f"tensor {rec.fqns[0]!r}: checkpoint file {loc.path} changed while offload() read it")
             read_into(f.fileno(), loc, host)
         return host if target.type == "cpu" else host.to(target)
