@@ -279,6 +279,9 @@ def _trace(args: argparse.Namespace) -> int:
     from .tracing import trace
 
     size = parse_size(args.plot_size)
+    from .tracing import check_outputs
+
+    check_outputs(args.out, args.plot, names=("--out", "--plot"))  # before the model is built or run
     model, inputs = load_factory(args.factory)
     with contextlib.ExitStack() as stack:
         if args.offload != "none":

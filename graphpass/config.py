@@ -180,8 +180,18 @@ def _check_traps(value: Any) -> tuple[ModulePattern, ...] | None:
 
 def _check_delegate_options(then: Any, options: Mapping[str, Any]) -> None:
     """For inductor, every key must be an inductor config key (``max_autotune``, ``triton.cudagraphs``):
-    checked now, not after the pipeline ran. Other delegates take their options as they are."""
-    if then != "inductor" or not options:
+    checked now, not after the pipeline ran. A delegate that takes no options (``eager``, ``aot_eager``,
+    a callable without an ``options`` parameter, a Delegate instance) refuses them; others take them as
+    they are."""
+    if not options:
+        return
+    if then != "inductor":
+        from graphpass.backends import why_no_options
+
+        reason = why_no_options(then)
+        if reason is not None:
+            key = next(iter(options))
+            raise ConfigError(f"delegate_options.{key}", options[key], f"{reason} (given: {', '.join(options)})")
         return
     import torch._inductor.config as inductor_config
 

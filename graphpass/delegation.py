@@ -29,7 +29,7 @@ from torch.fx.passes.split_module import split_module
 
 from graphpass.backends import Delegate
 
-from .errors import DelegateError
+from .errors import DelegateError, GraphpassError, _short
 from .fx_utils import aten_decomposition, copy_graph, graphpass_op_name, is_custom_op, is_graphpass_node
 
 log = logging.getLogger("graphpass.delegation")
@@ -56,7 +56,7 @@ class _LazyPiece(torch.nn.Module):
         key = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
         fn = self.compiled.get(key)
         if fn is None:
-            fn = self.compiled[key] = self.delegate.compile(self.piece, list(args))
+            fn = self.compiled[key] = call_delegate(self.delegate, self.piece, list(args), "a piece of a split graph")
         result = fn(*args)
         return result[0] if self.single else tuple(result)
 
@@ -154,12 +154,31 @@ def compile_with_delegate(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
     compiled on their first call."""
     if delegate.host_code or not any(runs_on_host(n) for n in gm.graph.nodes):
         try:
-            return delegate.compile(gm, list(example_inputs))
+            return call_delegate(delegate, gm, list(example_inputs), graph_name)
         except _dynamo_fallbacks() as err:
             refuse_eager_fallback(gm, delegate, err, graph_name)
             raise
     parent, _ = split_at_boundaries(gm, delegate)
     return parent.forward
+
+
+def call_delegate(delegate: Delegate, gm: torch.fx.GraphModule, example_inputs: list, graph_name: str) -> Callable:
+    """``delegate.compile(gm, example_inputs)``, checked: a delegate that raises (other than a graphpass
+    error, or an exception Dynamo takes as "run eagerly", which :func:`compile_with_delegate` handles)
+    or returns something that is not callable raises a :class:`DelegateError` naming the delegate and
+    the graph, the delegate's own exception as its cause (Dynamo would report either as its generic
+    backend failure, naming graphpass instead of the delegate)."""
+    try:
+        fn = delegate.compile(gm, example_inputs)
+    except (GraphpassError, *_dynamo_fallbacks()):
+        raise
+    except Exception as err:
+        raise DelegateError(f"delegate {delegate.name!r} failed to compile {graph_name}: {type(err).__name__}: {err}") from err
+    if not callable(fn):
+        raise DelegateError(
+            f"delegate {delegate.name!r} returned {_short(fn)} instead of a callable when compiling {graph_name}: a "
+            "backend must return the compiled function (for example gm.forward)")
+    return fn
 
 
 def _dynamo_fallbacks() -> tuple[type, ...]:

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..atomic_files import create_temp, write_bytes_atomic
+from ..atomic_files import probe_writable, write_bytes_atomic
 from ..errors import CaptureError, ConfigError
 from ..patterns import compile_patterns
 
@@ -131,9 +131,7 @@ class CaptureWriter:
     def _check_writable(self) -> None:
         try:
             self.capture_dir.mkdir(parents=True, exist_ok=True)
-            fd, probe = create_temp(self.capture_dir)
-            os.close(fd)
-            os.unlink(probe)
+            probe_writable(self.capture_dir)
         except OSError as exc:
             raise CaptureError(f"capture_dir {str(self.capture_dir)!r} is not writable: {exc}") from None
 
