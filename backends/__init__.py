@@ -17,6 +17,7 @@ then splits the graph at trap boundaries and runs the boundaries between the com
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping
 
 import torch
@@ -36,6 +37,7 @@ __all__ = [
     "XlaDelegate",
     "resolve_delegate",
     "check_delegate_spec",
+    "why_no_options",
 ]
 
 
@@ -133,6 +135,42 @@ def check_delegate_spec(spec: Any) -> None:
     xla = xla_name_of(spec)
     if xla is not None:
         XlaDelegate(xla).check()
+
+
+def why_no_options(spec: Any) -> str | None:
+    """Why the delegate ``then=spec`` would ignore ``delegate_options`` (None where it takes them).
+
+    Inductor and Neuron take them; a registered backend or a callable takes them through an explicit
+    ``options`` parameter. A bare ``**kwargs`` counts as taking them, except in torch's own backends
+    (``eager``, ``aot_eager``, ``aot_autograd(...)`` objects), which log "ignoring extra kwargs" and
+    drop them. A :class:`Delegate` instance is used as given: it gets none. ``spec`` is checked."""
+    if isinstance(spec, Delegate):
+        return f"then= is a Delegate instance ({spec!r}), which is used as given: pass its options to its constructor"
+    if isinstance(spec, str):
+        if spec == "inductor" or spec in NEURON_NAMES:
+            return None
+        from torch._dynamo.backends.registry import lookup_backend
+
+        fn, what = lookup_backend(spec), f"the registered backend {spec!r}"
+    else:
+        fn, what = spec, f"the backend callable {getattr(spec, '__name__', type(spec).__name__)!r}"
+    if _takes_options(fn):
+        return None
+    return f"{what} takes no options= argument, so delegate_options would be ignored; remove them or use then='inductor'"
+
+
+def _takes_options(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature: cannot tell
+        return True
+    named = params.get("options")
+    if named is not None and named.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+        return True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        module = getattr(fn, "__module__", None) or type(fn).__module__ or ""
+        return not module.startswith("torch.")
+    return False
 
 
 def resolve_delegate(spec: Any, mode: str | None = None, options: Mapping[str, Any] | None = None) -> Delegate:

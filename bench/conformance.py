@@ -12,7 +12,7 @@ checked against eager (fp32, ``model.eval()``, ``torch.no_grad()``, ``use_cache=
 | offload_cpu | ``graphpass.offload(model, OffloadConfig(device="cpu", storage="cpu"))``, compiled: logits equal eager's on two inputs, ``memory_stats`` counted loads |
 | offload_disk | the same with ``storage="disk"`` (files under a temporary ``disk_path``) |
 | capture | ``ModelCapture(compiled, modules=[block 0, block 1])``, one step: the step folder holds both modules' safetensors files and their tensors equal the eager blocks' outputs (forward hooks) |
-| static | ``static_shapes={"dims": {"input_ids": 1}, "buckets": [8, 16]}`` over lengths 5, 7, 12, 14, 6: logits equal eager's (padded BLAS may round differently: rtol 1e-5), and, where graphpass bucketed, the delegate compiled at most (buckets + 1) x the graphs of the first call (a refused plan runs with Dynamo's dynamic shapes: its recompilations are Dynamo's). graphpass refusing to pad (padding not proven safe) with a reason is a pass: the cell says ``pass (refused)`` and the JSON holds the reason; so is graphpass warning that Dynamo skipped the frame taking ``input_ids`` (a graph break in the layer loop: nothing to bucket); ``pass (specialized)``: graphpass warned that Dynamo specialized the length (the model's code makes it a Python int, the source line is in the JSON), as plain torch.compile does |
+| static | ``static_shapes={"dims": {"input_ids": 1}, "buckets": [8, 16]}`` over lengths 5, 7, 12, 14, 6, called as ``model(input_ids=ids, attention_mask=ones, use_cache=False)``: logits equal eager's (padded BLAS may round differently: rtol 1e-5), and, where graphpass bucketed, the delegate compiled at most (buckets + 1) x the graphs of the first call (a refused plan runs with Dynamo's dynamic shapes: its recompilations are Dynamo's). Where graphpass padded to buckets the cell says ``pass (bucketed)``. graphpass refusing to pad (padding not proven safe) with a reason is a pass: the cell says ``pass (refused)`` and the JSON holds the reason; so is graphpass warning that Dynamo skipped the frame taking ``input_ids`` (a graph break in the layer loop: nothing to bucket); ``pass (specialized)``: graphpass warned that Dynamo specialized the length (the model's code makes it a Python int, the source line is in the JSON), as plain torch.compile does |
 | generate | (popular subset only) greedy ``generate(max_new_tokens=8)`` with ``model.forward`` compiled: tokens equal eager's |
 
 A row is ``n/a`` only when eager or plain ``torch.compile(backend="aot_eager")`` itself fails on that
@@ -404,10 +404,12 @@ class _Ctx:
         # container, which in a multimodal model may be a tower that token ids never reach)
         self.block_container = self.blocks[0].rsplit(".", 1)[0] if self.blocks else None
 
-    def forward(self, model, ids, keyword=False):
+    def forward(self, model, ids, keyword=False, mask=False):
         import torch
 
         with torch.no_grad():
+            if mask:  # as a tokenizer's output is passed: with the attention mask (its own length symbol)
+                return _logits(model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False))
             if keyword:  # static_shapes names the input: transformers' decorated forward hides positional names
                 return _logits(model(input_ids=ids, use_cache=False))
             return _logits(model(ids, use_cache=False))
@@ -579,10 +581,10 @@ def col_static(ctx, info):
         warnings.simplefilter("always")
         for n in STATIC_LENGTHS:
             ids = _ids(ctx.vocab, n, 10 + n)
-            got = ctx.forward(compiled, ids, keyword=True)
+            got = ctx.forward(compiled, ids, mask=True)
             if first is None:
                 first = len(calls)
-            ctx.expect_close(got, ctx.forward(ctx.model, ids), f"len{n}", info)
+            ctx.expect_close(got, ctx.forward(ctx.model, ids, mask=True), f"len{n}", info)
     plans = [g.analysis.bucket_plan for g in gp.graphs if getattr(g.analysis, "bucket_plan", None) is not None]
     active = [g for g in gp.graphs if getattr(g, "runner", None) is not None]
     refused = [r for p in plans for r in (p.refused or [])]
@@ -595,7 +597,7 @@ def col_static(ctx, info):
     skipped = [str(w.message) for w in caught if "static_shapes" in str(w.message) and "skipped a frame" in str(w.message)]
     specialized = [str(w.message) for w in caught if "static_shapes" in str(w.message) and "Dynamo specialized" in str(w.message)]
     if active:
-        info["state"] = "padded"
+        info["state"] = "bucketed"
     elif specialized:  # the model's code makes the length a Python int: Dynamo itself recompiles per length
         info["state"] = "specialized"
         info["refused"] = [specialized[0][:400]]
@@ -676,7 +678,7 @@ def check_arch(model_type: str, delegate: str = "aot_eager", columns=None, progr
         try:
             out = fn(ctx, info)
             cell = "skip" if out == "skip" else "pass"
-            if col == "static" and info.get("state") in ("refused", "specialized"):
+            if col == "static" and info.get("state") in ("bucketed", "refused", "specialized"):
                 cell = f"pass ({info['state']})"
         except Exception as err:
             cell = f"FAIL: {_first_line(err)}"
@@ -716,7 +718,7 @@ def _run_one_subprocess(model_type, args, log_dir):
     log = log_dir / f"{model_type}.log"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", model_type, "--json-out", str(out),
-           "--delegate", args.delegate]
+           "--delegate", args.delegate, "--columns", ",".join(args.columns)]
     env = dict(os.environ, GP_CONF_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads),
                GRAPHPASS_PROGRESS="0")  # its output is a log file: no bars in it
     timeout = int(args.timeout * SLOW.get(model_type, 1))
@@ -852,6 +854,16 @@ def main(argv=None):
     print(f"n/a rows: {len(na_rows)} of {len(ordered)} ({100 * len(na_rows) / max(1, len(ordered)):.1f}%)")
     for r in na_rows:
         print(f"  {r['arch']}: {r['na']}")
+    if "static" in columns:
+        runnable = [r for r in ordered if not r.get("na")]
+        states = {}
+        for r in runnable:
+            cell = r["cells"].get("static", "")
+            states[cell if not cell.startswith("FAIL") else "FAIL"] = states.get(cell, 0) + 1
+        bucketed = states.get("pass (bucketed)", 0)
+        print(f"static column over {len(runnable)} runnable architectures: "
+              + ", ".join(f"{k}: {v}" for k, v in sorted(states.items(), key=lambda kv: -kv[1]))
+              + f"; bucketed {100 * bucketed / max(1, len(runnable)):.1f} %")
     failing = [r for r in ordered if not r.get("na") and any(r["cells"].get(c, "").startswith("FAIL") for c in columns)]
     print(f"rows with a failing column (not n/a): {len(failing)}")
     print(f"delegate {args.delegate}; torch {torch.__version__}, transformers {transformers.__version__}; "

@@ -37,6 +37,29 @@ def create_temp(folder: str | os.PathLike) -> tuple[int, Path]:
     raise FileExistsError(errno.EEXIST, "no free temporary file name", str(folder))
 
 
+def probe_writable(folder: str | os.PathLike) -> None:
+    """Create and remove a temporary file in ``folder``: raises the ``OSError`` a write there would."""
+    fd, probe = create_temp(folder)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def target_problem(path: str | os.PathLike) -> str | None:
+    """Why :func:`write_atomic` could not write ``path`` (a folder there, a missing or unwritable
+    folder), checked now by creating and removing a temporary file beside it; None if it could."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        return "it is a folder, not a file"
+    if not folder.is_dir():
+        return f"its folder {str(folder)!r} " + ("is not a folder" if os.path.lexists(folder) else "does not exist")
+    try:
+        probe_writable(folder)
+    except OSError as exc:
+        return f"its folder {str(folder)!r} is not writable ({exc.strerror or exc})"
+    return None
+
+
 def write_all(fd: int, data: bytes | memoryview) -> None:
     """Write every byte of ``data`` to ``fd`` (``os.write`` may write less than asked)."""
     view = memoryview(data).cast("B")

@@ -242,6 +242,8 @@ def _add_compare_and_golden(add: Any) -> None:
                         "(needs matplotlib: pip install 'graphpass[plot]')")
     p.add_argument("--html", default=None, metavar="PATH",
                    help="write one self-contained page: the plot, the table, both runs' meta (needs graphpass[plot])")
+    p.description += ("\n\nexit status: 0 every tensor matches; 1 a difference, or a step, module, rank or key one run has "
+                 "and the other lacks\n(a FAIL row naming it, see docs/capture.md), or nothing compared; 2 bad arguments")
     p.set_defaults(func=_compare)
 
     p = add("golden", "check a model's graphs against its golden files: graphpass golden module:factory --dir DIR",
@@ -277,6 +279,9 @@ def _trace(args: argparse.Namespace) -> int:
     from .tracing import trace
 
     size = parse_size(args.plot_size)
+    from .tracing import check_outputs
+
+    check_outputs(args.out, args.plot, names=("--out", "--plot"))  # before the model is built or run
     model, inputs = load_factory(args.factory)
     with contextlib.ExitStack() as stack:
         if args.offload != "none":

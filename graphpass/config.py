@@ -41,6 +41,18 @@ class StaticShapesConfig:
         return next((b for b in self.buckets if b >= size), None)
 
 
+def check_buckets(key: str, buckets: Any) -> tuple[int, ...]:
+    """A bucket list as ``static_shapes["buckets"]`` takes it: a non-empty list (or tuple) of
+    strictly increasing positive ints. Returns it as a tuple; raises ConfigError naming ``key``."""
+    if not isinstance(buckets, (list, tuple)) or not buckets:
+        raise ConfigError(key, buckets, "expected a non-empty list of sizes")
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets):
+        raise ConfigError(key, buckets, "bucket sizes must be positive integers")
+    if any(b >= c for b, c in zip(buckets, buckets[1:])):
+        raise ConfigError(key, buckets, "bucket sizes must be strictly increasing")
+    return tuple(buckets)
+
+
 def _check_static_shapes(value: Any) -> StaticShapesConfig | None:
     key = "static_shapes"
     if value is None:
@@ -64,13 +76,7 @@ def _check_static_shapes(value: Any) -> StaticShapesConfig | None:
         if not isinstance(ds, (list, tuple)) or not ds or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ds):
             raise ConfigError(f"{key}.dims.{name}", d, "expected a dim index >= 0 or a list of them")
         norm_dims[name] = tuple(ds)
-    buckets = value.get("buckets")
-    if not isinstance(buckets, (list, tuple)) or not buckets:
-        raise ConfigError(f"{key}.buckets", buckets, "expected a non-empty list of sizes")
-    if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets):
-        raise ConfigError(f"{key}.buckets", buckets, "bucket sizes must be positive integers")
-    if any(b >= c for b, c in zip(buckets, buckets[1:])):
-        raise ConfigError(f"{key}.buckets", buckets, "bucket sizes must be strictly increasing")
+    buckets = check_buckets(f"{key}.buckets", value.get("buckets"))
     masked = value.get("masked", ())
     if isinstance(masked, str) or not isinstance(masked, (list, tuple)) or not all(m in norm_dims for m in masked):
         raise ConfigError(f"{key}.masked", masked, "expected a list of names that appear in 'dims'")
@@ -174,8 +180,18 @@ def _check_traps(value: Any) -> tuple[ModulePattern, ...] | None:
 
 def _check_delegate_options(then: Any, options: Mapping[str, Any]) -> None:
     """For inductor, every key must be an inductor config key (``max_autotune``, ``triton.cudagraphs``):
-    checked now, not after the pipeline ran. Other delegates take their options as they are."""
-    if then != "inductor" or not options:
+    checked now, not after the pipeline ran. A delegate that takes no options (``eager``, ``aot_eager``,
+    a callable without an ``options`` parameter, a Delegate instance) refuses them; others take them as
+    they are."""
+    if not options:
+        return
+    if then != "inductor":
+        from graphpass.backends import why_no_options
+
+        reason = why_no_options(then)
+        if reason is not None:
+            key = next(iter(options))
+            raise ConfigError(f"delegate_options.{key}", options[key], f"{reason} (given: {', '.join(options)})")
         return
     import torch._inductor.config as inductor_config
 

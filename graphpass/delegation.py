@@ -1,10 +1,20 @@
 """Handing the rewritten graph to the delegate.
 
 Delegates that can run host code get the whole graph, boundary nodes included. For delegates that
-cannot (``host_code = False``, e.g. Neuron), the graph is split at every graphpass node (trap
-boundaries, offload loads and evictions, captures): each stretch of compute between them becomes a
-piece compiled by the delegate on its first call, and the graphpass nodes run on the host between
-the pieces.
+cannot (``host_code = False``, e.g. Neuron, whose compiler takes aten/prims ops only), the graph is
+split at every node only the host can run:
+
+* graphpass's own ops (trap boundaries, offload loads and evictions, captures);
+* custom ops of other libraries that have no aten decomposition (no ``CompositeImplicitAutograd``
+  kernel, no entry in torch's decomposition table), e.g. transformers' ``grouped_mm_fallback``
+  (a Python loop over experts): each is logged, once per graph, as running on the host.
+
+Each stretch of compute between them becomes a piece compiled by the delegate on its first call,
+and the host nodes run as Python between the pieces. Custom ops that do decompose stay in their
+piece and reach the delegate as aten (the delegate lowers them, e.g. ``NeuronDelegate``).
+
+The pieces are contiguous stretches of the graph's (topological) node order, so every edge between
+two of them runs forward: the split can never make a cycle.
 """
 
 from __future__ import annotations
@@ -14,14 +24,13 @@ import operator
 from collections import Counter
 from typing import Any, Callable, Sequence
 
-import sympy
 import torch
 from torch.fx.passes.split_module import split_module
 
 from graphpass.backends import Delegate
 
-from .errors import DelegateError
-from .fx_utils import graphpass_op_name, is_graphpass_node
+from .errors import DelegateError, GraphpassError, _short
+from .fx_utils import aten_decomposition, copy_graph, graphpass_op_name, is_custom_op, is_graphpass_node
 
 log = logging.getLogger("graphpass.delegation")
 
@@ -47,69 +56,129 @@ class _LazyPiece(torch.nn.Module):
         key = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
         fn = self.compiled.get(key)
         if fn is None:
-            fn = self.compiled[key] = self.delegate.compile(self.piece, list(args))
+            fn = self.compiled[key] = call_delegate(self.delegate, self.piece, list(args), "a piece of a split graph")
         result = fn(*args)
         return result[0] if self.single else tuple(result)
 
 
+def runs_on_host(node: torch.fx.Node) -> bool:
+    """Whether a delegate without host code must leave ``node`` to the host: a graphpass op, or a
+    custom op AOTAutograd cannot lower to aten (see :func:`graphpass.fx_utils.aten_decomposition`)."""
+    if is_graphpass_node(node):
+        return True
+    return node.op == "call_function" and is_custom_op(node.target) and aten_decomposition(node.target) is None
+
+
 def split_at_boundaries(gm: torch.fx.GraphModule, delegate: Delegate) -> tuple[torch.fx.GraphModule, int]:
-    """Split ``gm`` so no piece handed to ``delegate`` holds a graphpass op. Returns (parent, pieces)."""
-    part: dict[torch.fx.Node, int] = {}
-    seg = 0
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output"):
-            continue
-        if is_graphpass_node(n):
-            seg += 1
-            part[n] = seg
-            seg += 1
-        elif n.op == "call_function" and n.target is operator.getitem and n.args[0] in part \
-                and is_graphpass_node(n.args[0]):
-            part[n] = part[n.args[0]]  # a graphpass op's list output is unpacked on the host
-        else:
-            part[n] = seg
-    _forget_undefined_symbols(gm)
-    parent = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
+    """Split ``gm`` so no piece handed to ``delegate`` holds a node only the host can run (see the
+    module docstring). Returns (parent, pieces). ``gm`` itself is left as it is."""
+    work = _split_copy(gm)
+    part = _contiguous_parts(work)
+    _log_host_ops(work, delegate)
+    parent = split_module(work, work, lambda n: part[n], keep_original_order=True)
     pieces = 0
     for name, sub in list(parent.named_children()):
         if not isinstance(sub, torch.fx.GraphModule):
             continue
-        if any(is_graphpass_node(n) for n in sub.graph.nodes):
+        if any(runs_on_host(n) for n in sub.graph.nodes):
             continue  # host code: runs as Python between the delegate's pieces
         setattr(parent, name, _LazyPiece(sub, delegate))
         pieces += 1
     return parent, pieces
 
 
-def _forget_undefined_symbols(gm: torch.fx.GraphModule) -> None:
-    """Drop example values that mention a size symbol no node of ``gm`` defines any more (a
-    static-shape bucket bakes its size inputs in): ``split_module`` would look for the node that
-    defines the symbol. The pieces are compiled from real inputs, so nothing needs those values."""
+def _split_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The copy of ``gm`` the split works on:
+
+    * the getitems unpacking a host node's results moved right after it, so they run on the host with
+      it and the partitions stay contiguous (``split_module`` requires that where the graph toggles
+      grad mode or autocast);
+    * no example value that mentions a size symbol. ``split_module`` makes a symbol's defining node
+      an input of every piece that receives a value sized by it, and takes the first node whose value
+      is that symbol as its definition. Where the placeholder defining it is gone (a static-shape
+      bucket bakes its sizes in), that node may lie in the piece that uses the value, and the piece
+      then depends on itself: "cycle exists between partitions!". The pieces are compiled from the
+      real inputs of their first call, so nothing needs those values."""
     from torch.fx.experimental.symbolic_shapes import free_symbols
 
-    defined = set()
+    work = copy_graph(gm)
+    for node in list(work.graph.nodes):
+        if runs_on_host(node):
+            cursor = node
+            for user in list(node.users):
+                if user.op == "call_function" and user.target is operator.getitem:
+                    cursor.append(user)
+                    cursor = user
+    for node in work.graph.nodes:
+        value = node.meta.get("example_value")
+        if value is not None and free_symbols(value):
+            del node.meta["example_value"]
+    return work
+
+
+def _contiguous_parts(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
+    """Partition of every node: each host node (with the getitems that unpack it) a partition of its
+    own, each stretch between two host nodes one partition, numbered in node order. Node order is
+    topological, so each edge goes from a partition to itself or to a later one: no cycle."""
+    part: dict[torch.fx.Node, int] = {}
+    seg = 0
     for n in gm.graph.nodes:
-        v = n.meta.get("example_value")
-        if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
-            defined.add(v.node.expr)
-    for n in gm.graph.nodes:
-        v = n.meta.get("example_value")
-        if v is not None and not free_symbols(v) <= defined:
-            del n.meta["example_value"]
+        if n.op in ("placeholder", "output"):
+            continue
+        if runs_on_host(n):
+            seg += 1
+            part[n] = seg
+            seg += 1
+        elif n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) \
+                and n.args[0] in part and runs_on_host(n.args[0]):
+            part[n] = part[n.args[0]]  # moved right after its host node by _split_copy
+        else:
+            part[n] = seg
+    return part
+
+
+def _log_host_ops(gm: torch.fx.GraphModule, delegate: Delegate) -> None:
+    """One line per graph naming the custom ops that run on the host between the delegate's pieces."""
+    ops = Counter(str(n.target) for n in gm.graph.nodes if runs_on_host(n) and not is_graphpass_node(n))
+    if ops:
+        listed = ", ".join(f"{op} ({count} call{'s' if count > 1 else ''})" for op, count in sorted(ops.items()))
+        log.warning("delegate %r cannot run host code and these custom ops have no aten decomposition "
+                    "(CompositeImplicitAutograd kernel or torch._decomp entry): they run on the host between "
+                    "its compiled pieces: %s", delegate.name, listed)
 
 
 def compile_with_delegate(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], delegate: Delegate,
                           graph_name: str = "the graph") -> Callable:
-    """The delegate's compiled ``gm``. A delegate without host code gets the graph split at graphpass's
-    nodes, its pieces compiled on their first call."""
-    if delegate.host_code or not any(is_graphpass_node(n) for n in gm.graph.nodes):
+    """The delegate's compiled ``gm``. A delegate without host code gets the graph split at the nodes
+    only the host can run (graphpass's ops, custom ops without an aten decomposition), its pieces
+    compiled on their first call."""
+    if delegate.host_code or not any(runs_on_host(n) for n in gm.graph.nodes):
         try:
-            return delegate.compile(gm, list(example_inputs))
+            return call_delegate(delegate, gm, list(example_inputs), graph_name)
         except _dynamo_fallbacks() as err:
             refuse_eager_fallback(gm, delegate, err, graph_name)
             raise
     parent, _ = split_at_boundaries(gm, delegate)
     return parent.forward
+
+
+def call_delegate(delegate: Delegate, gm: torch.fx.GraphModule, example_inputs: list, graph_name: str) -> Callable:
+    """``delegate.compile(gm, example_inputs)``, checked: a delegate that raises (other than a graphpass
+    error, or an exception Dynamo takes as "run eagerly", which :func:`compile_with_delegate` handles)
+    or returns something that is not callable raises a :class:`DelegateError` naming the delegate and
+    the graph, the delegate's own exception as its cause (Dynamo would report either as its generic
+    backend failure, naming graphpass instead of the delegate)."""
+    try:
+        fn = delegate.compile(gm, example_inputs)
+    except (GraphpassError, *_dynamo_fallbacks()):
+        raise
+    except Exception as err:
+        raise DelegateError(f"delegate {delegate.name!r} failed to compile {graph_name}: {type(err).__name__}: {err}") from err
+    if not callable(fn):
+        raise DelegateError(
+            f"delegate {delegate.name!r} returned {_short(fn)} instead of a callable when compiling {graph_name}: a "
+            "backend must return the compiled function (for example gm.forward)")
+    return fn
 
 
 def _dynamo_fallbacks() -> tuple[type, ...]:

@@ -3,6 +3,9 @@
 * values: :func:`example_of`, :func:`is_tensor_node`, :func:`tensors_of`;
 * order: :func:`node_order`;
 * graphpass's own ops: :func:`is_graphpass_op`, :func:`is_graphpass_node`, :func:`graphpass_op_name`;
+* op libraries: :func:`op_library`, :func:`is_custom_op`, :func:`aten_decomposition`,
+  :func:`non_aten_nodes` (what a compiler that takes aten only can lower);
+* copies: :func:`copy_graph`;
 * views and aliases: :func:`is_view`, :func:`returns_alias`, :func:`views_of`, :class:`AliasIndex`;
 * writes: :func:`writes_into` (in place methods and functions, ``out=``, ``operator.i*``,
   ``inplace=True``, ``copy_``, ``index_put_``, ``x[i] = v``, mutable schemas) and :func:`find_write`;
@@ -89,6 +92,78 @@ def is_graphpass_node(node: Node) -> bool:
 def graphpass_op_name(node: Node) -> str:
     """``trap_enter``, ``load_start``, ``capture``, ... for a graphpass op node; "" for anything else."""
     return str(node.target).split(".")[1] if is_graphpass_node(node) else ""
+
+
+# --------------------------------------------------------------------------------------------
+# Op libraries: what a compiler that takes aten only can lower
+# --------------------------------------------------------------------------------------------
+
+ATEN_LIBRARIES = frozenset({"aten", "prims"})
+
+
+def op_library(target: object) -> str | None:
+    """The library an op belongs to (``aten``, ``prims``, ``graphpass``, ``transformers``, ...;
+    ``higher_order`` for a higher-order op); None for a Python function, method or ``operator`` call."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0]
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return "higher_order"
+    return None
+
+
+def is_custom_op(target: object) -> bool:
+    """An op (overload or packet) of a library other than aten, prims and graphpass."""
+    lib = op_library(target)
+    return lib not in (None, "graphpass", "higher_order") and lib not in ATEN_LIBRARIES
+
+
+def aten_decomposition(target: object) -> dict | None:
+    """How AOTAutograd can lower custom op ``target`` to aten without running it: ``{}`` when every
+    overload has a ``CompositeImplicitAutograd`` kernel (traced through on its own), the entries of
+    torch's decomposition table (``torch._decomp.register_decomposition``) otherwise; None when an
+    overload has neither: only its kernel can run it."""
+    from torch._decomp import decomposition_table
+
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        overloads = [getattr(target, name) for name in target.overloads()]
+    else:
+        overloads = [target]
+    table = {}
+    for op in overloads:
+        if op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+            continue
+        if op not in decomposition_table:
+            return None
+        table[op] = decomposition_table[op]
+    return table
+
+
+def non_aten_nodes(graph: Graph) -> list[Node]:
+    """The nodes of an aten-level graph a compiler that takes aten/prims ops only would refuse:
+    calls of anything but an aten/prims overload (custom ops, higher-order ops, Python callables)
+    and ``operator.getitem``, and ``call_method`` / ``call_module`` nodes."""
+    out = []
+    for n in graph.nodes:
+        if n.op in ("call_method", "call_module"):
+            out.append(n)
+        elif n.op == "call_function" and n.target is not operator.getitem and not (
+                isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in ATEN_LIBRARIES):
+            out.append(n)
+    return out
+
+
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph (each node's ``meta`` a shallow copy): a
+    delegate or a split may change the copy without changing ``gm``."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    new = torch.fx.GraphModule(gm, graph)
+    if hasattr(gm, "_param_name_to_source"):  # AOTAutograd reads it on Dynamo graphs
+        new._param_name_to_source = dict(gm._param_name_to_source)
+    return new
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,6 +366,25 @@ def source_frame(node: Node) -> SourceFrame | None:
     bundled models count as user code), or None when the node carries no trace."""
     trace = node.meta.get("stack_trace") or ""
     return _frame_of_trace(trace) if trace else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _functions_of_trace(trace: str) -> frozenset[tuple[str, str]]:
+    out = set()
+    for line in trace.splitlines():
+        m = _FRAME.match(line)
+        if m and m.group(3):
+            out.add((os.path.abspath(m.group(1)).replace(os.sep, "/"), m.group(3)))
+    return frozenset(out)
+
+
+def ran_inside(node: Node, path_suffix: str, function: str) -> bool:
+    """Whether ``node`` was traced while ``function`` of a file whose path ends with ``path_suffix``
+    (``"transformers/integrations/moe.py"``) was on the Python stack (read off its stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    return bool(trace) and any(
+        f == function and (p == path_suffix or p.endswith("/" + path_suffix)) for p, f in _functions_of_trace(trace)
+    )
 
 
 # --------------------------------------------------------------------------------------------

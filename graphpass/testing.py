@@ -200,11 +200,42 @@ class GoldenFixture:
         return assert_golden(model, *inputs, name=name or self.default_name, **kwargs)
 
 
+def _golden_dir(config: Any, test_path: Path) -> Path:
+    ini = config.getini(DIR_INI)
+    return Path(config.rootpath) / ini if ini else Path(test_path).parent / "golden"
+
+
+def _plain_name(item: Any) -> str:
+    """The name a test's goldens had before class names were part of it: the test's own name."""
+    return _SAFE.sub("_", item.name).strip("_.") or "golden"
+
+
+def golden_name(item: Any) -> str:
+    """The default golden name of a pytest item: its name (``test_x``, ``test_x_param_``) for a
+    module-level test, ``Class.test_x`` (``Outer.Inner.test_x``) for a test in a class, so two
+    classes with a method of the same name never share a golden."""
+    classes = item.nodeid.split("::")[1:-1]
+    return _SAFE.sub("_", ".".join([*classes, item.name])).strip("_.") or "golden"
+
+
+def _default_name(request: Any, directory: Path, accept: bool) -> str:
+    """:func:`golden_name`; for a test in a class whose goldens were recorded under its plain name
+    (before class names were part of it), that plain name, as long as nothing else in the test's
+    module has that name (one class with that method, no function): existing goldens stay valid
+    until re-accepted. Decided from the module, not from the tests selected (``-k``)."""
+    name, plain = golden_name(request.node), _plain_name(request.node)
+    if name == plain or accept or golden_paths(directory, name)[1].exists() or not golden_paths(directory, plain)[1].exists():
+        return name
+    method = request.function.__name__
+    module = vars(request.module)
+    sharing = sum(isinstance(v, type) and method in vars(v) for v in module.values()) + callable(module.get(method))
+    return plain if sharing <= 1 else name
+
+
 def _fixture(request: Any) -> GoldenFixture:
-    ini = request.config.getini(DIR_INI)
-    directory = Path(request.config.rootpath) / ini if ini else Path(request.path).parent / "golden"
-    name = _SAFE.sub("_", request.node.name).strip("_.") or "golden"
-    return GoldenFixture(directory, name, _option_accept(request.config))
+    directory = _golden_dir(request.config, request.path)
+    accept = _option_accept(request.config)
+    return GoldenFixture(directory, _default_name(request, directory, bool(accept or _resolve_accept(None))), accept)
 
 
 try:  # the fixture exists only where pytest does; assert_golden and golden_check work without it

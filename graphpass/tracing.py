@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from .atomic_files import target_problem
 from .errors import ConfigError, GraphpassError
 
 __all__ = ["trace", "TraceReport", "TraceSink", "TraceError", "Span", "active_sink", "record_span"]
@@ -268,15 +269,33 @@ def _track_events(spans: list[Span], offset_us: float, pid: int) -> list[dict]:
     return events
 
 
-def _check_args(path: Any, calls: Any, warmup: Any, plot_size: Any) -> None:
+def _check_args(calls: Any, warmup: Any, plot_size: Any) -> None:
     for key, value, low in (("calls", calls, 1), ("warmup", warmup, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ConfigError(key, value, f"expected an integer >= {low}")
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise ConfigError("path", path, "expected the path of the trace file to write (e.g. 'trace.json')")
     if not (isinstance(plot_size, tuple) and len(plot_size) == 2
             and all(isinstance(v, int) and not isinstance(v, bool) and 64 <= v <= 8000 for v in plot_size)):
         raise ConfigError("plot_size", plot_size, "expected (width, height) in pixels, each 64..8000")
+
+
+def check_outputs(path: Any, plot: Any = None, names: tuple[str, str] = ("path", "plot")) -> None:
+    """Refuse, before anything runs, an output the trace (``path``) or the plot could not be written to:
+    a folder given as the file, a folder that cannot be created or is not writable, one file for both.
+    A missing folder is created now (as the writes always did), not after the run."""
+    outputs = [(names[0], path, "trace")] + ([(names[1], plot, "timeline plot")] if plot is not None else [])
+    for key, value, what in outputs:
+        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            raise ConfigError(key, value, f"expected the path of the {what} file to write (e.g. 'trace.json')")
+        try:
+            Path(value).parent.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # named below: a file where a folder should be, a folder that cannot be created
+        problem = target_problem(value)
+        if problem is not None:
+            raise TraceError(f"{key}: cannot write the {what} to {os.fspath(value)!r}: {problem} (checked before "
+                             f"running the model)")
+    if plot is not None and os.path.abspath(path) == os.path.abspath(plot):
+        raise ConfigError(names[1], os.fspath(plot), f"the same file as {names[0]}: the plot would overwrite the trace")
 
 
 def trace(compiled: Callable, *inputs: Any, path: str | os.PathLike[str] = "trace.json",
@@ -287,7 +306,8 @@ def trace(compiled: Callable, *inputs: Any, path: str | os.PathLike[str] = "trac
     https://ui.perfetto.dev or chrome://tracing): the profiler's events plus a range per call, trap,
     load (on the offload worker's track), wait and eviction. With ``plot`` also draw the timeline as a
     PNG of ``plot_size`` pixels (needs ``pip install 'graphpass[plot]'``). Returns a :class:`TraceReport`."""
-    _check_args(path, calls, warmup, plot_size)
+    _check_args(calls, warmup, plot_size)
+    check_outputs(path, plot)
     target = Path(path)
     if plot is not None:  # without matplotlib, fail before running anything
         from .trace_plot import load_pyplot
@@ -306,7 +326,6 @@ def trace(compiled: Callable, *inputs: Any, path: str | os.PathLike[str] = "trac
     from .atomic_files import write_bytes_atomic
 
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(target, json.dumps(doc).encode("utf-8"))
     except OSError as exc:
         raise TraceError(f"cannot write the trace to {str(target)!r}: {exc}") from None

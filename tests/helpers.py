@@ -25,7 +25,8 @@ class CountingBackend:
 
 class StrictAtenBackend:
     """Stand-in for AWS Neuron's compiler: it cannot run host code, so it accepts only graphs whose
-    every op is a plain aten/prims op (plus getitem on their tuple results), and, like TorchNeuron
+    every op is a plain aten/prims op (plus getitem on their tuple results, and tensor constants such as
+    the ``torch.tensor([])`` of transformers' default cache: data, not host code), and, like TorchNeuron
     (which rejects ``dynamic=True``), only static shapes: a symbolic size anywhere is refused."""
 
     __name__ = "strict_aten"
@@ -44,6 +45,8 @@ class StrictAtenBackend:
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "output"):
                 continue
+            if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.Tensor):
+                continue  # a constant tensor (e.g. torch.tensor([]) in the model's code): data, not host code
             if node.op != "call_function":
                 raise RuntimeError(f"strict backend: {node.op} node {node.name} refused")
             target = node.target

@@ -22,7 +22,8 @@ AUDIT_DIM_KEYS = {"input", "dim", "example", "min", "max", "symbol", "range"}
 AUDIT_ROW_KEYS = {"graph", "node", "op", "source", "shape", "bound_elems", "bound_bytes", "verdict", "reason", "rule",
                   "code", "example_elems"}
 COMPARE_KEYS = {"ref_dir", "test_dir", "rtol", "atol", "passed", "counts", "first_failure", "summary", "notes", "rows"}
-COMPARE_ROW_KEYS = {"step", "module", "rank", "key", "status", "max_abs", "rel_l2", "rel_linf", "note"}
+COMPARE_ROW_KEYS = {"step", "module", "rank", "key", "status", "max_abs", "rel_l2", "rel_linf", "note", "missing"}
+COMPARE_COUNT_KEYS = {"total", "pass", "fail", "missing_in_test", "missing_in_ref", "missing_in_both"}
 
 
 def test_version(capsys):
@@ -78,6 +79,6 @@ def test_compare_json_schema(tmp_path, capsys):
     code = main(["compare", str(tmp_path / "ref"), str(tmp_path / "test"), "--json", str(summary)])
     doc = json.loads(summary.read_text())
     assert set(doc) == COMPARE_KEYS
-    assert set(doc["counts"]) == {"total", "pass", "fail"}
+    assert set(doc["counts"]) == COMPARE_COUNT_KEYS
     assert doc["rows"] and all(set(r) == COMPARE_ROW_KEYS for r in doc["rows"])
     assert code == 1 and doc["passed"] is False and set(doc["first_failure"]) == COMPARE_ROW_KEYS

@@ -19,8 +19,9 @@ Step = dict[str, dict[int, dict[str, torch.Tensor]]]  # module -> rank -> key ->
 
 
 def write_step(root: Path, step: str, modules: Step, *, dp: int = 0, order: list[str] | None = None,
-               subdir: str = "", meta: bool = True) -> Path:
-    """Write one step the way CaptureWriter lays it out; ``order`` is the meta's module order."""
+               subdir: str = "", meta: bool = True, **fields) -> Path:
+    """Write one step the way CaptureWriter lays it out; ``order`` is the meta's module order,
+    ``fields`` more meta fields (``step_index=3``)."""
     step_dir = root / subdir / f"dp{dp}" / step if subdir else root / f"dp{dp}" / step
     step_dir.mkdir(parents=True, exist_ok=True)
     for module, ranks in modules.items():
@@ -36,7 +37,7 @@ def write_step(root: Path, step: str, modules: Step, *, dp: int = 0, order: list
             "tensors": {m: [{"key": k, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
                             for k, t in ts.items()] for m, ts in first_rank.items()},
             "req_ids": ["r0"], "positions": [0], "dp_rank": dp, "tp_rank": 0,
-            "graphpass_version": graphpass.__version__, "torch_version": torch.__version__,
+            "graphpass_version": graphpass.__version__, "torch_version": torch.__version__, **fields,
         }
         (step_dir / f"{step}_meta.json").write_text(json.dumps(doc))
     return step_dir
@@ -271,7 +272,8 @@ def test_write_json_atomic(dirs, tmp_path):
     write_step(test, "prefill_s8_0", {"m": {0: {"0": torch.ones(2) * 2}}})
     out = compare(ref, test).write_json(tmp_path / "out" / "s.json")
     data = json.loads(out.read_text())
-    assert data["counts"] == {"total": 1, "pass": 0, "fail": 1} and data["passed"] is False
+    assert data["counts"] == {"total": 1, "pass": 0, "fail": 1, "missing_in_test": 0, "missing_in_ref": 0,
+                              "missing_in_both": 0} and data["passed"] is False
     assert data["first_failure"]["module"] == "m" and data["first_failure"]["max_abs"] == 1.0
     assert [p.name for p in out.parent.iterdir()] == ["s.json"]  # no temp file left behind
 
@@ -308,3 +310,122 @@ def test_cli_failure_writes_json(dirs, tmp_path, capsys):
 def test_cli_bad_argument_exits_2(tmp_path, capsys):
     assert main(["compare", str(tmp_path / "missing"), str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# --- issue 22: integers exact, execution order, completeness --------------------------------------
+
+def _one(dirs, ref_value: torch.Tensor, test_value: torch.Tensor, **tol):
+    ref, test = dirs
+    write_step(ref, "prefill_s8_0", {"ids": {0: {"output": ref_value}}})
+    write_step(test, "prefill_s8_0", {"ids": {0: {"output": test_value}}})
+    (row,) = compare(ref, test, **tol).rows
+    return row
+
+
+def test_token_ids_are_compared_exactly(dirs):
+    """32000 vs 32031 is within rtol=1e-3 as floats: as token ids they differ."""
+    row = _one(dirs, torch.tensor([[1, 32000, 7]]), torch.tensor([[1, 32031, 7]]))
+    assert (row.status, row.max_abs) == ("FAIL", 31.0)
+    assert row.note == "compared exactly: 1 of 3 elements differ"
+
+
+def test_int64_above_2_to_53_is_not_rounded_through_float64(dirs):
+    big = 2**53
+    row = _one(dirs, torch.tensor([big, -big - 7, 2**63 - 1]), torch.tensor([big + 1, -big - 7, 2**63 - 1]))
+    assert (row.status, row.max_abs, row.note) == ("FAIL", 1.0, "compared exactly: 1 of 3 elements differ")
+    extremes = torch.tensor([-(2**63), 2**63 - 1])
+    row = _one(dirs, extremes, extremes.flip(0))  # |difference| 2**64 - 1: no int64 overflow in the numbers
+    assert row.status == "FAIL" and row.max_abs == pytest.approx(2.0**64)
+
+
+def test_equal_integers_bools_and_uint64_pass_and_any_difference_fails(dirs):
+    mask = torch.tensor([True, False, True])
+    assert _one(dirs, mask, mask.clone()).status == "pass"
+    row = _one(dirs, mask, ~mask, atol=10.0, rtol=10.0)  # tolerances do not apply
+    assert (row.status, row.note) == ("FAIL", "compared exactly: 3 of 3 elements differ")
+    u = torch.tensor([2**64 - 1, 2**63, 5], dtype=torch.uint64)
+    assert _one(dirs, u, u.clone()).status == "pass"
+    row = _one(dirs, u, torch.tensor([2**64 - 2, 2**63, 5], dtype=torch.uint64))
+    assert (row.status, row.max_abs) == ("FAIL", 1.0)
+
+
+def test_integer_dtype_mismatch_is_reported(dirs):
+    ids = torch.tensor([3, 4, 2**40])
+    row = _one(dirs, ids, ids.to(torch.int32).to(torch.int64))  # same dtype, different values (wrapped)
+    assert row.status == "FAIL"
+    row = _one(dirs, torch.tensor([3, 4], dtype=torch.int64), torch.tensor([3, 4], dtype=torch.int32))
+    assert (row.status, row.note) == ("pass", "dtype int64 vs int32")  # equal values, the dtype noted
+    row = _one(dirs, torch.tensor([3, 4]), torch.tensor([3.0, 4.0]))
+    assert row.status == "FAIL" and row.max_abs is None
+    assert row.note.startswith("dtype int64 vs float32; integer vs floating-point: integer and bool tensors")
+    row = _one(dirs, torch.tensor([1, 0]), torch.tensor([True, False]))
+    assert row.status == "FAIL" and "integer vs bool" in row.note
+
+
+def test_execution_order_comes_from_the_step_index(dirs):
+    """Two generate() calls: prefill_s8_0, decode_b1_0, decode_b1_1, prefill_s8_1, decode_b1_2. The
+    counter k alone would put decode_b1_0 (or prefill_s8_1) before steps that ran earlier."""
+    ref, test = dirs
+    order = ["prefill_s8_0", "decode_b1_0", "decode_b1_1", "prefill_s8_1", "decode_b1_2"]
+    for index, name in enumerate(order):
+        bump = 1.0 if index >= 3 else 0.0  # the second generate() diverges from its prefill on
+        write_step(ref, name, {"m": {0: {"0": torch.zeros(2)}}}, step_index=index)
+        write_step(test, name, {"m": {0: {"0": torch.zeros(2) + bump}}}, step_index=index)
+    report = compare(ref, test)
+    assert [r.step for r in report.rows] == [f"dp0/{name}" for name in order]
+    assert report.first_failure.step == "dp0/prefill_s8_1"
+    assert not report.notes
+
+
+def test_steps_without_an_index_put_a_prefill_before_its_decodes(dirs):
+    ref, test = dirs
+    for name in ("decode_b1_1", "decode_b1_0", "prefill_s8_0"):
+        write_step(ref, name, {"m": {0: {"0": torch.zeros(2)}}})
+        write_step(test, name, {"m": {0: {"0": torch.ones(2)}}})  # every step diverges
+    report = compare(ref, test)
+    assert [r.step for r in report.rows] == ["dp0/prefill_s8_0", "dp0/decode_b1_0", "dp0/decode_b1_1"]
+    assert report.first_failure.step == "dp0/prefill_s8_0"
+    assert any("no step_index" in n and "a prefill before a decode of the same k" in n for n in report.notes)
+
+
+def test_steps_the_runs_ran_in_another_order_are_noted(dirs):
+    ref, test = dirs
+    for name, (ri, ti) in {"prefill_s8_0": (0, 0), "decode_b1_0": (1, 2), "decode_b1_1": (2, 1)}.items():
+        write_step(ref, name, {"m": {0: {"0": torch.zeros(2)}}}, step_index=ri)
+        write_step(test, name, {"m": {0: {"0": torch.zeros(2)}}}, step_index=ti)
+    report = compare(ref, test)
+    assert [r.step for r in report.rows] == ["dp0/prefill_s8_0", "dp0/decode_b1_0", "dp0/decode_b1_1"]
+    assert report.passed
+    (note,) = report.notes
+    assert "another order" in note and "dp0/decode_b1_0 (ref 1, test 2)" in note
+
+
+def test_a_key_the_meta_lists_but_no_file_holds_is_missing(dirs):
+    ref, test = dirs
+    for root in dirs:
+        step = write_step(root, "prefill_s8_0", {"m": {0: {"[0]": torch.ones(2)}}})
+        doc = json.loads((step / "prefill_s8_0_meta.json").read_text())
+        doc["tensors"]["m"].append({"key": "[1]", "dtype": "float32", "shape": [2]})  # lost from both files
+        (step / "prefill_s8_0_meta.json").write_text(json.dumps(doc))
+    report = compare(ref, test)
+    assert [(r.key, r.status, r.missing, r.note) for r in report.rows] == [
+        ("[0]", "pass", None, ""), ("[1]", "FAIL", "both", "key missing in ref and test (listed in its meta file)")]
+
+
+def test_cli_names_what_is_missing_and_exits_1(dirs, tmp_path, capsys):
+    ref, test = dirs
+    step = model_step()
+    write_step(ref, "prefill_s8_0", step, step_index=0)
+    write_step(ref, "decode_b2_0", step, step_index=1)
+    lost = clone(step)
+    del lost["layers.2"]
+    write_step(test, "prefill_s8_0", lost, step_index=0, order=["layers.0", "layers.1", "layers.3", "lm_head"])
+    summary = tmp_path / "s.json"
+    assert main(["compare", str(ref), str(test), "--json", str(summary)]) == 1
+    out = capsys.readouterr().out
+    assert "2 of 7 rows FAIL (rtol=0.001, atol=1e-05; 2 missing in test)" in out
+    assert "first diverging module: layers.2 (step dp0/prefill_s8_0): missing in test" in out
+    data = json.loads(summary.read_text())
+    assert data["passed"] is False and data["counts"]["missing_in_test"] == 2
+    assert [(r["step"], r["module"], r["missing"]) for r in data["rows"] if r["missing"]] == [
+        ("dp0/prefill_s8_0", "layers.2", "test"), ("dp0/decode_b2_0", "", "test")]

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import graphpass
+import graphpass.backends
+import torch._dynamo.backends.common
 from graphpass import ConfigError, GraphpassConfig, GraphpassError, PatternError, PatternMatchError
 from graphpass.models.corpus import build
 
@@ -128,4 +130,39 @@ def test_unknown_inductor_delegate_option_is_refused_at_once():
     with pytest.raises(ConfigError, match=r"'delegate_options.max_autotun'.*did you mean 'max_autotune'"):
         graphpass.backend(then="inductor", delegate_options={"max_autotun": True})
     graphpass.backend(then="inductor", delegate_options={"max_autotune": False, "triton.cudagraphs": False})
-    graphpass.backend(then="aot_eager", delegate_options={"anything": 1})  # a registered backend's own options
+
+
+def _no_options_backend(gm, example_inputs):
+    return gm.forward
+
+
+def _options_backend(gm, example_inputs, options=None):
+    return gm.forward
+
+
+class _OwnDelegate(graphpass.backends.Delegate):
+    name = "own"
+
+    def compile(self, gm, example_inputs):
+        return gm.forward
+
+
+@pytest.mark.parametrize("then", ["eager", "aot_eager", "cudagraphs", _no_options_backend,
+                                  torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda gm, ex: gm),
+                                  _OwnDelegate()], ids=str)
+def test_delegate_options_for_a_delegate_that_takes_none_are_refused_at_once(then):
+    """Issue 22 item 18: eager / aot_eager (and aot_autograd objects) logged "ignoring extra kwargs"
+    at compile time and dropped them, a Delegate instance never saw them, a callable without an
+    ``options`` parameter failed with a TypeError only after the pipeline ran."""
+    with pytest.raises(ConfigError, match=r"'delegate_options\.anything'=1: .*(takes no options=|Delegate instance).*"
+                                          r"\(given: anything, other\)"):
+        graphpass.backend(then=then, delegate_options={"anything": 1, "other": 2})
+    graphpass.backend(then=then)  # without options: fine
+
+
+def test_delegate_options_for_a_delegate_that_takes_them_are_kept(monkeypatch):
+    from helpers import register_temp_backend
+
+    register_temp_backend(monkeypatch, "with_options_backend", _options_backend)
+    for then in ("with_options_backend", _options_backend, graphpass.backend(then="eager")):
+        assert graphpass.backend(then=then, delegate_options={"anything": 1}).config.delegate_options == {"anything": 1}

@@ -5,6 +5,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 
 import graphpass
+from graphpass.backends import Delegate
 from graphpass.models.corpus import build
 
 from helpers import CountingBackend, fresh_inputs, register_temp_backend
@@ -191,3 +192,43 @@ def test_a_fallback_of_a_graph_with_only_trap_boundaries_is_left_to_dynamo_and_l
         assert torch.equal(got, model(*x))  # Dynamo ran the frame eagerly: nothing numerical was lost
     assert any("delegate 'untraceable' could not trace graph 0" in r.getMessage() and "trap" in r.getMessage()
                for r in caplog.records)
+
+
+# ------------------------------------------------------------------ a delegate that fails (issue 22 item 17)
+
+
+def exploding_backend(gm, example_inputs):
+    raise RuntimeError("the compiler crashed")
+
+
+def forgetful_backend(gm, example_inputs):
+    return None  # forgot `return gm.forward`
+
+
+@pytest.mark.parametrize("then, match", [
+    (exploding_backend, r"delegate 'exploding_backend' failed to compile graph 0: RuntimeError: the compiler crashed"),
+    (forgetful_backend, r"delegate 'forgetful_backend' returned None instead of a callable when compiling graph 0"),
+])
+def test_a_delegate_that_raises_or_returns_none_is_a_delegate_error_naming_it(then, match):
+    """Before: Dynamo's generic BackendCompilerFailed naming graphpass, not the delegate (and for
+    None, an error about calling None)."""
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend=graphpass.backend(then=then))
+    with torch.no_grad(), pytest.raises(graphpass.DelegateError, match=match):
+        compiled(*fresh_inputs(inputs))
+
+
+class _PiecesReturningNone(Delegate):
+    name = "pieces_returning_none"
+    host_code = False  # the graph is split at graphpass's nodes, each piece compiled on its first call
+
+    def compile(self, gm, example_inputs):
+        return None
+
+
+def test_a_delegate_without_host_code_returning_none_for_a_piece_is_a_delegate_error():
+    model, inputs = build("mlp_stack")
+    compiled = torch.compile(model, backend=graphpass.backend(then=_PiecesReturningNone()))
+    with torch.no_grad(), pytest.raises(graphpass.DelegateError, match=r"delegate 'pieces_returning_none' returned None "
+                                                                      r"instead of a callable when compiling a piece"):
+        compiled(*fresh_inputs(inputs))

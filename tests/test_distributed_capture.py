@@ -167,6 +167,37 @@ def test_perturbed_shard_is_named_by_layer_and_rank(tp_captures, capsys):
     assert "first diverging module: layers.1.fc1 (step dp0/decode_b4_0, rank 1, key output)" in out
 
 
+def test_a_host_root_left_out_is_named_not_matched(tp_captures):
+    """Issue 22, item 1: host1's root not passed. Nothing of rank 1 is on the test side, but the meta's
+    ``tp_size`` (from the mesh) says the run had two ranks, and the fc1 shards cover half their
+    global tensor. Before, compare checked rank 0 alone and said "all match"."""
+    assert read_step_meta(tp_captures / "host0" / STEP)["tp_size"] == 2
+    report = graphpass.compare(tp_captures / "ref", [tp_captures / "host0"], rtol=1e-4, atol=1e-5)
+    assert not report.passed
+    first = report.first_failure
+    assert (first.step, first.module, first.rank, first.missing) == (STEP, "", 1, "test")
+    assert first.note.startswith("rank 1 missing in test")
+    cover = [r for r in report.rows if r.module == "layers.1.fc1" and not r.passed]
+    assert [(r.rank, r.key, r.missing) for r in cover] == [(None, "output", "test")]
+    assert "the test's pieces (ranks 0) hold 128 of the 256 elements of the global shape [4, 64]" in cover[0].note
+
+
+def test_a_perturbed_rank_whose_file_was_left_out_is_named(tp_captures, tmp_path, capsys):
+    """Rank 1's shard of layers.1.fc1 perturbed, and its rank-1 file of that module left out: before,
+    compare named ``layers.1 (rank 0)`` (the row-parallel output that sums both ranks)."""
+    import shutil
+
+    shutil.copytree(tp_captures / "bad", tmp_path / "bad")
+    (tmp_path / "bad" / STEP / "layers.1.fc1" / "rank1.safetensors").unlink()
+    report = graphpass.compare(tp_captures / "ref", tmp_path / "bad", rtol=1e-4, atol=1e-5)
+    first = report.first_failure
+    assert (first.module, first.rank, first.key, first.missing) == ("layers.1.fc1", 1, None, "test")
+    assert first.note == "rank file missing in test"
+    assert main(["compare", str(tp_captures / "ref"), str(tmp_path / "bad"), "--rtol", "1e-4", "--atol", "1e-5"]) == 1
+    assert ("first diverging module: layers.1.fc1 (step dp0/decode_b4_0, rank 1): rank file missing in test"
+            in capsys.readouterr().out)
+
+
 @pytest.mark.parametrize("then", DELEGATES)
 def test_dtensor_outputs_are_captured_under_aot_delegates(tp_run, then):
     """Under aot_eager and inductor the DTensor outputs (fc1, ``Shard(1)``) are captured from the

@@ -588,3 +588,236 @@ def test_compare_notes_and_ignores_leftover_temporary_files(tmp_path):
     assert "test" in note and "interrupted" in note and "2 " in note
     assert "dp0/prefill_s4_0/layers.0/.graphpass-fedcba9876543210.tmp" in note
     assert main(["compare", str(ref), str(test)]) == 0
+
+
+# --- 10. compare: lost ranks, steps, modules and keys are named failures (issue 22, item 1) --------
+
+LOSS_MODULES = ["layers.0-2", "head"]
+
+
+def _rank_run(root: Path, rank: int, steps: int, bump: float = 0.0) -> None:
+    """One tensor-parallel rank of a (replicated) run, captured for real: the corpus MLP stack,
+    compiled with graphpass, ``steps`` decode steps; ``bump`` perturbs layers.1 on this rank."""
+    torch._dynamo.reset()
+    model, (x,) = build("mlp_stack", seed=0)
+    with torch.no_grad():
+        model.layers[1].fc2.bias.add_(bump)
+    compiled = torch.compile(model, backend="graphpass", options={"then": "eager"})
+    cap = ModelCapture(compiled, modules=LOSS_MODULES, capture_dir=root, dp_rank=0, tp_rank=rank)
+    cap.enable()
+    for _ in range(steps):
+        with cap.step(is_prefill=False, req_ids=["a", "b", "c", "d"]), torch.no_grad():
+            compiled(x)
+
+
+@pytest.fixture(scope="module")
+def rank_runs(tmp_path_factory):
+    """Two-rank runs of two steps each: ``ref``, ``same`` (identical) and ``bad`` (rank 1 perturbed)."""
+    root = tmp_path_factory.mktemp("rank_runs")
+    for name, bump in (("ref", 0.0), ("same", 0.0), ("bad", 0.25)):
+        for rank in (0, 1):
+            _rank_run(root / name, rank, steps=2, bump=bump if rank == 1 else 0.0)
+    return root
+
+
+def _lose(step: Path, what: str) -> None:
+    import shutil
+
+    if what == "step":
+        shutil.rmtree(step)
+    elif what == "module":
+        shutil.rmtree(step / "layers.2")
+    elif what == "rank file":
+        (step / "layers.1" / "rank1.safetensors").unlink()
+    elif what == "rank's step":  # a host whose rank stopped one step early: no file, no meta file
+        for f in step.glob("*/rank1.safetensors"):
+            f.unlink()
+        (step / f"{step.name}_meta.rank1.json").unlink()
+    elif what == "key":
+        save_file({}, str(step / "layers.0" / "rank0.safetensors"))
+
+
+LOSSES = {  # what is lost from step decode_b4_1 of the test run -> the row that must name it
+    "step": ("", None, None, "step missing in test"),
+    "module": ("layers.2", None, None, "missing in test"),
+    "rank file": ("layers.1", 1, None, "rank file missing in test"),
+    "rank's step": ("", 1, None, "rank 1 missing in test: no meta or rank file of it in this step (the test run "
+                                 "has ranks 0-1: its other steps' files or tp_size)"),
+    "key": ("layers.0", 0, "output", "key missing in test"),
+}
+
+
+@pytest.mark.parametrize("what", list(LOSSES))
+def test_compare_names_every_kind_of_loss(rank_runs, tmp_path, capsys, what):
+    import shutil
+
+    test = tmp_path / "test"
+    shutil.copytree(rank_runs / "same", test)
+    _lose(test / "dp0" / "decode_b4_1", what)
+    report = compare(rank_runs / "ref", test)
+    assert not report.passed
+    first = report.first_failure
+    assert (first.step, first.module, first.rank, first.key, first.note) == ("dp0/decode_b4_1", *LOSSES[what])
+    assert first.missing == "test" and first.status == "FAIL"
+    assert [r for r in report.rows if not r.passed] == [first]  # nothing else is wrong
+    assert all(r.passed for r in report.rows if r.step == "dp0/decode_b4_0")
+    assert main(["compare", str(rank_runs / "ref"), str(test), "--json", str(tmp_path / "s.json")]) == 1
+    out = capsys.readouterr().out
+    assert "1 missing in test" in out and "all" not in out.splitlines()[-2]
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["counts"]["missing_in_test"] == 1 and data["first_failure"]["missing"] == "test"
+
+
+def test_a_perturbed_rank_whose_files_were_lost_is_named_missing_not_matched(rank_runs, tmp_path):
+    """Rank 1 diverges (layers.1 on); its rank files were left out, its meta files kept. Before,
+    compare checked rank 0 alone and said "all match"."""
+    import shutil
+
+    test = tmp_path / "test"
+    shutil.copytree(rank_runs / "bad", test)
+    assert not compare(rank_runs / "ref", test).passed  # with rank 1 there: layers.1 differs on rank 1
+    for f in test.glob("dp0/*/*/rank1.safetensors"):
+        f.unlink()
+    report = compare(rank_runs / "ref", test)
+    assert not report.passed
+    lost = [(r.step, r.module, r.rank) for r in report.rows if not r.passed]
+    assert lost == [(f"dp0/decode_b4_{k}", m, 1) for k in (0, 1) for m in ("layers.0", "layers.1", "layers.2", "head")]
+    assert all(r.missing == "test" and r.note == "rank file missing in test" for r in report.rows if not r.passed)
+    assert str(report).splitlines()[-1] == ("first diverging module: layers.0 (step dp0/decode_b4_0, rank 1): "
+                                           "rank file missing in test")
+
+
+def test_a_host_root_not_passed_is_named_through_tp_size(tmp_path):
+    """The writer records tp_size (ModelCapture: from the mesh or process group): with one host's
+    root left out, the ranks it held are missing, though no file of theirs is anywhere."""
+    t = torch.arange(6.0).reshape(2, 3)
+    CaptureWriter(tmp_path / "ref").write([("m", t)], is_prefill=True, size=2, meta={})
+    for rank in (0, 1):
+        CaptureWriter(tmp_path / f"host{rank}", tp_rank=rank, tp_size=2).write([("m", t)], is_prefill=True, size=2,
+                                                                               meta={})
+    assert compare(tmp_path / "ref", [tmp_path / "host0", tmp_path / "host1"]).passed
+    report = compare(tmp_path / "ref", [tmp_path / "host0"])
+    assert not report.passed
+    first = report.first_failure
+    assert (first.step, first.module, first.rank, first.missing) == ("dp0/prefill_s2_0", "", 1, "test")
+    assert first.note.startswith("rank 1 missing in test")
+    back = compare([tmp_path / "host0"], tmp_path / "ref")  # the same loss on the ref side
+    assert not back.passed and back.first_failure.missing == "ref"
+
+
+def test_meta_records_step_index_and_tp_size(tmp_path):
+    torch._dynamo.reset()
+    model, (x,) = build("mlp_stack", seed=0)
+    compiled = torch.compile(model, backend="graphpass", options={"then": "eager"})
+    caps = {"auto": ModelCapture(compiled, modules=["head"], capture_dir=tmp_path / "auto"),
+            "ints": ModelCapture(compiled, modules=["head"], capture_dir=tmp_path / "ints", dp_rank=0, tp_rank=0)}
+    for cap in caps.values():
+        cap.enable()
+        for is_prefill in (True, False, False, True, False):
+            with cap.step(is_prefill=is_prefill, req_ids=["a", "b", "c", "d"]), torch.no_grad():
+                compiled(x)
+    from graphpass.capturing.writer import read_step_meta
+
+    for name, tp_size in (("auto", 1), ("ints", None)):
+        steps = {p.name: read_step_meta(p) for p in (tmp_path / name / "dp0").iterdir()}
+        assert {s: m["step_index"] for s, m in steps.items()} == {
+            "prefill_s8_0": 0, "decode_b4_0": 1, "decode_b4_1": 2, "prefill_s8_1": 3, "decode_b4_2": 4}
+        assert {m["tp_size"] for m in steps.values()} == {tp_size}
+    with pytest.raises(ConfigError, match="tp_size"):
+        CaptureWriter(tmp_path / "w", tp_rank=2, tp_size=2)
+
+
+# --- 11. compare: a tampered meta never makes compare allocate what the disk does not hold (item 14) --
+
+def _shards(root: Path, pieces: dict[int, tuple[torch.Tensor, dict]], module: str = "m") -> None:
+    """A step whose ranks' files hold ``pieces`` (rank -> (tensor, layout fields of its meta entry))."""
+    step = root / "dp0" / "prefill_s4_0"
+    (step / module).mkdir(parents=True, exist_ok=True)
+    for rank, (t, layout) in pieces.items():
+        save_file({"output": t.contiguous()}, str(step / module / f"rank{rank}.safetensors"))
+        entry = dict({"key": "output", "dtype": "float32", "shape": list(t.shape)}, **layout)
+        name = "prefill_s4_0_meta.json" if rank == 0 else f"prefill_s4_0_meta.rank{rank}.json"
+        (step / name).write_text(json.dumps({"modules": [module], "tensors": {module: [entry]}, "tp_rank": rank}))
+
+
+def _shard0(offset, global_shape=(4, 3), placements=("Shard(0)",)):
+    return {"placements": list(placements), "mesh_shape": [2], "global_shape": list(global_shape),
+            "global_offset": list(offset)}
+
+
+WHOLE = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+
+
+@pytest.fixture
+def allocations(monkeypatch):
+    """The number of elements of every torch.empty / torch.zeros call while compare runs."""
+    sizes: list[int] = []
+    for name in ("empty", "zeros"):
+        real = getattr(torch, name)
+
+        def spy(*size, _real=real, **kw):
+            dims = size[0] if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)) else size
+            sizes.append(math.prod(int(d) for d in dims))
+            return _real(*size, **kw)
+
+        monkeypatch.setattr(torch, name, spy)
+    return sizes
+
+
+def test_tampered_global_shape_is_not_allocated(tmp_path, allocations):
+    _shards(tmp_path / "ref", {0: (WHOLE[:2], _shard0([0, 0], (1 << 24, 3))),
+                               1: (WHOLE[2:], _shard0([2, 0], (1 << 24, 3)))})
+    _shards(tmp_path / "test", {0: (WHOLE, {})})
+    report = compare(tmp_path / "ref", tmp_path / "test")
+    assert not report.passed
+    (row,) = report.rows
+    assert (row.module, row.key, row.missing) == ("m", "output", "ref")
+    assert row.note == ("cannot assemble ref: the ref's pieces (ranks 0-1) hold 12 of the 50331648 elements of the "
+                        "global shape [16777216, 3]")
+    assert max(allocations, default=0) <= 12  # nothing sized by the claimed global shape
+
+
+def test_tampered_global_shape_on_the_test_side(tmp_path, allocations):
+    _shards(tmp_path / "ref", {0: (WHOLE, {})})
+    _shards(tmp_path / "test", {0: (WHOLE[:2], _shard0([0, 0])), 1: (WHOLE[2:], _shard0([2, 0], (1 << 24, 3)))})
+    report = compare(tmp_path / "ref", tmp_path / "test")
+    assert not report.passed
+    notes = [r.note for r in report.rows if not r.passed]
+    assert any("ranks disagree on the global shape: [4, 3] and rank 1's [16777216, 3]" in n for n in notes)
+    assert any(n == "shape mismatch [4, 3] vs [16777216, 3] (global)" for n in notes)
+    assert max(allocations, default=0) <= 12
+
+
+@pytest.mark.parametrize("side", ["ref", "test"])
+def test_overlapping_shards_are_refused(tmp_path, side):
+    """Rows 0-1 on rank 0, rows 1-3 on rank 1: together they cover the tensor, and before, the
+    overlap passed (the later rank's copy of row 1 won)."""
+    overlap = {0: (WHOLE[:2], _shard0([0, 0])), 1: (WHOLE[1:], _shard0([1, 0]))}
+    _shards(tmp_path / side, overlap)
+    _shards(tmp_path / ("test" if side == "ref" else "ref"), {0: (WHOLE, {})})
+    report = compare(tmp_path / "ref", tmp_path / "test")
+    assert not report.passed
+    want = "the pieces of rank 0 ([2, 3] at [0, 0]) and rank 1 ([3, 3] at [1, 0]) overlap"
+    assert any(want in r.note for r in report.rows if not r.passed), str(report)
+
+
+def test_two_shards_at_one_place_are_refused_but_replicas_are_not(tmp_path):
+    same = {0: (WHOLE[:2], _shard0([0, 0], (2, 3))), 1: (WHOLE[:2], _shard0([0, 0], (2, 3)))}
+    _shards(tmp_path / "ref", {0: (WHOLE[:2], {})})
+    _shards(tmp_path / "test", same)
+    report = compare(tmp_path / "ref", tmp_path / "test")
+    assert not report.passed and any("overlapping shards" in r.note for r in report.rows)
+    replicas = {r: (WHOLE[:2], _shard0([0, 0], (2, 3), ("Replicate()",))) for r in (0, 1)}
+    _shards(tmp_path / "rep", replicas)
+    assert compare(tmp_path / "ref", tmp_path / "rep").passed
+
+
+@pytest.mark.parametrize("offset", [["a", 0], [-1, 0], [3, 0], [0], None])
+def test_malformed_or_misplaced_test_offsets_are_rows_not_crashes(tmp_path, offset):
+    _shards(tmp_path / "ref", {0: (WHOLE, {})})
+    bad = dict(_shard0([2, 0]), global_offset=offset)
+    _shards(tmp_path / "test", {0: (WHOLE[:2], _shard0([0, 0])), 1: (WHOLE[2:], bad)})
+    report = compare(tmp_path / "ref", tmp_path / "test")
+    assert not report.passed
+    (row,) = [r for r in report.rows if r.rank == 1]
+    assert row.status == "FAIL" and row.note.startswith("test meta: ")

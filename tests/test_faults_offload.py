@@ -46,10 +46,14 @@ def test_offload_file_never_written_through_a_planted_symlink(tmp_path, monkeypa
 import copy
 import errno
 import gc
+import io
 import json
 import linecache
+import pickle
 import random
+import re
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -58,8 +62,9 @@ from pathlib import Path
 
 import pytest
 import torch.nn as nn
+from safetensors.torch import save_file
 
-from graphpass.offloading import install
+from graphpass.offloading import install, safetensors_io
 from graphpass.offloading.runtime import OffloadRuntime
 
 FAULTS: Counter = Counter()
@@ -403,6 +408,35 @@ def test_a_file_that_cannot_be_leased_is_read_not_mapped(tmp_path):
     assert seen and max(seen) > 0  # leased now: mapped again
 
 
+def test_a_rewrite_in_place_with_its_mtime_restored_is_an_offload_error(tmp_path):
+    """Issue 22 item 7: the identity was (size, inode, mtime, device): a file rewritten in place, same
+    size, with its old mtime put back (os.utime, touch -d) was served with its new bytes. The ctime
+    moves with any write and cannot be set back. The file is held open for writing, so it is read
+    (not mapped under a lease): only the identity check stands between the rewrite and the compute."""
+    model, inputs = frozen()
+    ref = model(*inputs)
+    path = tmp_path / "model.safetensors"
+    save_file(model.state_dict(), str(path))
+    writer = open(path, "r+b")
+    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk"), checkpoint=str(path))
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), ref)
+    st = os.stat(path)
+    data = path.read_bytes()
+    header = 8 + struct.unpack("<Q", data[:8])[0]
+    writer.seek(header)
+    writer.write(bytes(len(data) - header))  # every weight zeroed, same size
+    writer.flush()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime put back
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    FAULTS["tried"] += 1
+    with torch.no_grad(), pytest.raises(graphpass.OffloadError, match=re.escape(str(path)) + r" changed .*ctime"):
+        compiled(*inputs)
+    FAULTS["survived"] += 1
+    writer.close()
+
+
 _THREAD_CHILD = textwrap.dedent("""
     import sys, threading, torch, graphpass
     from graphpass.models.corpus import build
@@ -608,6 +642,26 @@ def test_deepcopy_of_an_offloaded_model_is_refused_naming_offload():
     FAULTS["survived"] += 1
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "submodule"])
+def test_pickling_an_offloaded_model_is_an_offload_error(mode, how, tmp_path):
+    """Issue 22 item 11: pickle reached the offload hooks (local functions) before the state and
+    raised AttributeError ("Can't pickle local object") instead of the documented OffloadError."""
+    model, _ = frozen()
+    offload_as(model, mode, tmp_path)
+    holder = model.get_submodule("layers.0.fc1")  # holds streamed weights
+    pickle.dumps(model.get_submodule("proj_in"))  # resident: nothing offloaded, still pickles
+    FAULTS["tried"] += 1
+    with pytest.raises(graphpass.OffloadError, match=r"cannot be pickled or torch\.save\(\)d.*state_dict\(\)"):
+        if how == "pickle":
+            pickle.dumps(model)
+        elif how == "torch.save":
+            torch.save(model, io.BytesIO())
+        else:
+            pickle.dumps(holder)
+    FAULTS["survived"] += 1
+
+
 # ------------------------------------------------------------------ 8. bad index, full disk
 
 
@@ -618,6 +672,60 @@ def test_index_whose_weight_map_is_not_a_mapping_is_an_offload_error(tmp_path):
     FAULTS["tried"] += 1
     with pytest.raises(graphpass.OffloadError, match=r"model\.safetensors\.index\.json: not a safetensors index.*list"):
         graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk"), checkpoint=tmp_path)
+    FAULTS["survived"] += 1
+
+
+def _raw_safetensors(path, header: str, data: bytes) -> None:
+    """A safetensors file with ``header`` written as given (duplicate keys survive)."""
+    raw = header.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize("header, match", [
+    ('{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
+     '"b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}', r"tensors 'a' and 'b' overlap"),
+    ('{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
+     '"a": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}', r"key\(s\) \['a'\] given more than once"),
+])
+def test_a_header_with_overlapping_or_duplicate_tensors_is_an_offload_error(tmp_path, header, match):
+    """Issue 22 item 13: both were accepted (safetensors itself refuses them): a duplicate key kept the
+    last entry, overlapping tensors read each other's bytes."""
+    import safetensors
+
+    path = tmp_path / "bad.safetensors"
+    _raw_safetensors(path, header, bytes(range(32)))
+    with pytest.raises(Exception):
+        safetensors.safe_open(str(path), "pt")  # the reference refuses it too
+    FAULTS["tried"] += 1
+    with pytest.raises(graphpass.OffloadError, match=re.escape(str(path)) + ".*" + match):
+        safetensors_io.index_checkpoint(path)
+    FAULTS["survived"] += 1
+
+
+def test_two_indexes_in_a_checkpoint_folder_are_refused_naming_both(tmp_path):
+    model, _ = frozen()
+    save_file(model.state_dict(), tmp_path / "model.safetensors")
+    for name in ("a.safetensors.index.json", "b.safetensors.index.json"):
+        (tmp_path / name).write_text(json.dumps({"weight_map": {k: "model.safetensors" for k in model.state_dict()}}))
+    FAULTS["tried"] += 1
+    with pytest.raises(graphpass.OffloadError, match=r"2 safetensors indexes \(a\.safetensors\.index\.json, "
+                                                     r"b\.safetensors\.index\.json\)"):
+        graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk"), checkpoint=tmp_path)
+    FAULTS["survived"] += 1
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "/abs/outside.safetensors", "sub/../../outside.safetensors"])
+def test_an_index_naming_a_file_outside_its_folder_is_refused(tmp_path, entry):
+    model, _ = frozen()
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file(model.state_dict(), tmp_path / "outside.safetensors")  # readable: only the index stops it
+    first = next(iter(model.state_dict()))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {first: entry}}))
+    FAULTS["tried"] += 1
+    with pytest.raises(graphpass.OffloadError, match=rf"tensor '{re.escape(first)}' is mapped to '{re.escape(entry)}', "
+                                                     r"outside the checkpoint folder"):
+        safetensors_io.checkpoint_files(folder)
     FAULTS["survived"] += 1
 
 

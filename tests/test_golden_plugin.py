@@ -246,3 +246,60 @@ def test_cli_golden_help_has_an_example(capsys):
         main(["golden", "--help"])
     assert info.value.code == 0
     assert "example:\n  graphpass golden " in capsys.readouterr().out
+
+
+CLASS_TESTS = USER_TEST.replace("def test_net_graph(graphpass_golden):", "def _unused():") + textwrap.dedent(
+    """
+    class TestPlain:
+        def test_graph(self, graphpass_golden):
+            torch.manual_seed(0)
+            graphpass_golden(Net().eval(), torch.randn(2, 8))
+
+
+    class TestRelu:
+        def test_graph(self, graphpass_golden):
+            os.environ["USER_MODEL_VARIANT"] = "relu"  # another graph under the same method name
+            try:
+                torch.manual_seed(0)
+                graphpass_golden(Net().eval(), torch.randn(2, 8))
+            finally:
+                del os.environ["USER_MODEL_VARIANT"]
+
+
+    def test_graph(graphpass_golden):
+        torch.manual_seed(0)
+        graphpass_golden(Net().eval(), torch.randn(2, 8))
+    """
+)
+
+
+def test_tests_in_two_classes_with_one_method_name_have_their_own_goldens(pytester, monkeypatch):
+    """Issue 22 item 12: both classes' test_graph wrote and read golden/test_graph.*, so the second
+    accepted overwrote the first and the first then failed (or passed against the wrong graph)."""
+    monkeypatch.delenv("GRAPHPASS_ACCEPT_GOLDEN", raising=False)
+    monkeypatch.delenv("USER_MODEL_VARIANT", raising=False)
+    pytester.makepyfile(test_user=CLASS_TESTS)
+    golden = pytester.path / "golden"
+    run(pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=3)
+    assert sorted(p.name for p in golden.glob("*.txt")) == ["TestPlain.test_graph.txt", "TestRelu.test_graph.txt",
+                                                            "test_graph.txt"]  # a module-level test keeps its name
+    assert "relu" in (golden / "TestRelu.test_graph.txt").read_text()
+    assert "relu" not in (golden / "TestPlain.test_graph.txt").read_text()
+    run(pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=3)
+
+
+def test_a_golden_recorded_before_class_names_is_still_read_while_its_name_is_unambiguous(pytester, monkeypatch):
+    monkeypatch.delenv("GRAPHPASS_ACCEPT_GOLDEN", raising=False)
+    monkeypatch.delenv("USER_MODEL_VARIANT", raising=False)
+    one_class = CLASS_TESTS.split("class TestRelu")[0]  # TestPlain.test_graph only
+    pytester.makepyfile(test_user=one_class)
+    golden = pytester.path / "golden"
+    run(pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=1)
+    for suffix in (".txt", ".summary.json", ".meta.json"):  # as the plugin named it before
+        (golden / f"TestPlain.test_graph{suffix}").rename(golden / f"test_graph{suffix}")
+    run(pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.makepyfile(test_user=CLASS_TESTS)  # now two classes (and a function) share that name: not read
+    for selected in ("TestPlain", "TestRelu"):  # whatever is selected
+        missing = run(pytester, "-q", "-p", "no:cacheprovider", "-k", selected)
+        missing.assert_outcomes(failed=1)
+        missing.stdout.fnmatch_lines([f"*{selected}.test_graph.summary.json is missing*"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import re
 
 import pytest
 import torch
@@ -366,6 +367,42 @@ def test_sharded_checkpoint_with_index(tmp_path):
     graphpass.offload(empty, graphpass.OffloadConfig(device="cpu", storage="disk"), checkpoint=tmp_path)
     compiled = torch.compile(empty, backend=graphpass.backend(then="aot_eager"))
     assert torch.equal(run(compiled, *inputs), model(*inputs))
+
+
+@pytest.mark.parametrize("storage", ["cpu", "disk"])
+@pytest.mark.parametrize("which", ["one", "none"])
+def test_a_real_model_whose_names_the_checkpoint_lacks_is_refused_naming_them(tmp_path, storage, which):
+    """Issue 22 item 6: a real (not meta) model kept its own weights, silently, for every name the
+    checkpoint lacked, even when no name matched (a difference of 0.5 in the issue's run); with
+    storage="disk" a missing key was reported as a missing disk_path."""
+    from safetensors.torch import save_file
+
+    model, inputs = frozen("mlp_stack")
+    other, _ = frozen("mlp_stack", seed=1)  # the checkpoint's values: the model's own would be wrong
+    sd = {k: v.contiguous() for k, v in other.state_dict().items()}
+    if which == "one":
+        del sd["layers.1.fc2.weight"]
+    else:
+        sd = {f"model.{k}": v for k, v in sd.items()}  # a prefix: no name matches
+    path = tmp_path / "ckpt.safetensors"
+    save_file(sd, str(path))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    want = r"layers\.1\.fc2\.weight" if which == "one" else r"'proj_in\.weight'.* and \d+ more"
+    with pytest.raises(graphpass.OffloadError, match=rf"checkpoint '{re.escape(str(path))}' holds no tensor named .*{want}"):
+        graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage=storage), checkpoint=path)
+    assert getattr(model, "_graphpass_offload", None) is None
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing changed
+
+
+def test_a_real_model_keeps_a_real_buffer_the_checkpoint_lacks(tmp_path):
+    """What the refusal keeps allowed (docs/offload.md): a buffer computed at construction."""
+    from safetensors.torch import save_file
+
+    model, inputs = frozen("mlp_stack")
+    model.register_buffer("scale", torch.ones(1), persistent=False)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "ckpt.safetensors"))
+    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"), checkpoint=tmp_path / "ckpt.safetensors")
+    assert torch.equal(model.scale, torch.ones(1))
 
 
 def test_checkpoint_problems_name_the_tensor_and_change_nothing(tmp_path):

@@ -269,7 +269,7 @@ def test_sdpa_non_causal():
     got = check(SdpaAttention(causal=False), x3())
     assert len(got) == 1
     assert got[0].op == "torch.nn.functional.scaled_dot_product_attention"
-    assert got[0].reason == "attention over the padded sequence"
+    assert got[0].reason == "attention over the padded sequence without is_causal or a mask proven causal"
     assert got[0].dim == 2
 
 
@@ -407,3 +407,148 @@ def test_aten_graph_after_aot_autograd():
         ("aten._softmax.default", 2),
         ("aten.bmm.default", 2),
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# index provenance: position indices and explicit causal masks (transformers' mask functions)
+# --------------------------------------------------------------------------------------------
+
+
+class MaskedSdpa(nn.Module):
+    """SDPA with an explicit boolean mask built the way transformers' ``sdpa_mask`` builds it:
+    ``arange`` indices viewed to [1, 1, L, 1] / [1, 1, 1, L], positions looked up through
+    ``position_ids[batch, q]``, and the mask functions combined with ``&``."""
+
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.variant = variant
+
+    def mask(self, b: int, n: int) -> torch.Tensor:
+        q = (torch.arange(n) + 0)[None, None, :, None]
+        kv = torch.arange(n)[None, None, None, :]
+        v = self.variant
+        if v == "causal":
+            return kv <= q
+        if v == "causal_window":
+            return (kv <= q) & (kv > q - 3)
+        if v == "positions":
+            pos = torch.arange(n).unsqueeze(0).expand(b, -1)
+            batch = torch.arange(b)[:, None, None, None]
+            return torch.ones((), dtype=torch.bool) & (pos[batch, kv] <= pos[batch, q])
+        if v == "strict":
+            return kv < q + 1
+        if v == "lenient":
+            return kv <= q + 1
+        if v == "anti":
+            return q <= kv
+        if v == "or":
+            return (kv <= q) | (kv > q)
+        if v == "shifted_positions":
+            pos = torch.arange(n).unsqueeze(0).expand(b, -1)
+            batch = torch.arange(b)[:, None, None, None]
+            return pos[batch, kv] <= pos[batch, q - 1]  # row 0 reads index -1: the last row, padding
+        raise AssertionError(v)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        h = x.view(b, n, 2, H // 2).transpose(1, 2)
+        out = F.scaled_dot_product_attention(h, h, h, attn_mask=self.mask(b, n))
+        return out.transpose(1, 2).reshape(b, n, H)
+
+
+@pytest.mark.parametrize("variant", ["causal", "causal_window", "positions", "strict"])
+def test_an_explicit_mask_proven_causal_lets_attention_over_the_padding(variant):
+    assert check(MaskedSdpa(variant), x3()) == []
+    got = check(MaskedSdpa(variant), x3(), causal_ok=False)  # causal proofs off: refused as before
+    assert [v.reason for v in got] == ["attention over the padded sequence"]
+
+
+@pytest.mark.parametrize("variant", ["lenient", "anti", "or"])
+def test_a_mask_that_lets_a_row_see_a_later_row_is_refused(variant):
+    got = check(MaskedSdpa(variant), x3())
+    assert [(v.op, v.reason) for v in got] == [(
+        "torch.nn.functional.scaled_dot_product_attention",
+        "attention over the padded sequence without is_causal or a mask proven causal")]
+
+
+def test_a_tensor_index_that_is_not_the_identity_is_refused():
+    got = check(MaskedSdpa("shifted_positions"), x3())
+    assert got and got[0].op == "operator.getitem"
+    assert "indexes the padded dim with an index that is a tensor" in got[0].reason
+
+
+def test_identity_index_and_causal_mask_bucket_exactly_through_graphpass(strict_backend):
+    from graphpass.backends import NeuronDelegate
+
+    strict = strict_backend
+    model = MaskedSdpa("positions")
+    then = NeuronDelegate(registered_name="strict_aten_standin", module=None)
+    gp = graphpass.backend(then=then, static_shapes={"dims": {"x": 1}, "buckets": [8, 16]})
+    compiled = torch.compile(model, backend=gp)
+    for n in (3, 5, 7, 9, 12, 16):
+        x = torch.randn(B, n, H)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+    lengths = {shape[1] for shapes in strict.shapes for shape in shapes if len(shape) == 3 and shape[0] == B}
+    assert lengths == {3, 8, 16}  # the first exact call, then one shape per bucket, never another length
+    assert len(strict.graphs) == 3
+
+
+class PaddingMaskedSdpa(nn.Module):
+    """Bidirectional attention whose mask is the (zero-padded) attention mask read in place, as
+    transformers' bidirectional mask builds it: ``attention_mask[batch, kv]`` ANDed in."""
+
+    def __init__(self, read: str = "in_place") -> None:
+        super().__init__()
+        self.read = read
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        pm = attention_mask.to(torch.bool)
+        kv = torch.arange(n)[None, None, None, :]
+        if self.read == "shifted":
+            kv = kv - 1  # key j reads the mask of key j - 1: the first padding key reads a real row's True
+        mask = torch.ones((), dtype=torch.bool) & pm[torch.arange(b)[:, None, None, None], kv]
+        h = x.view(b, n, 2, H // 2).transpose(1, 2)
+        out = F.scaled_dot_product_attention(h, h, h, attn_mask=mask.expand(b, 1, n, n))
+        return out.transpose(1, 2).reshape(b, n, H)
+
+
+def _bidirectional_check(read, pad_value):
+    from graphpass.static_shapes.padding_safety import check_padding_safety
+
+    graphs = []
+    model = PaddingMaskedSdpa(read)
+    f = torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
+    f(torch.randn(B, L, H), torch.ones(B, L, dtype=torch.long))
+    gm = graphs[0]
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]
+    syms = {n.meta["example_value"].shape[1].node.expr for n in gm.graph.nodes if n.name in names}
+    zero = [n for n in names if "attention_mask" in n] if pad_value == 0 else []
+    return check_padding_safety(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms})
+
+
+def test_a_mask_read_in_place_from_a_zero_padded_attention_mask_hides_the_padding_keys():
+    assert _bidirectional_check("in_place", 0) == []
+
+
+@pytest.mark.parametrize("read,pad_value", [("in_place", 1), ("shifted", 0)])
+def test_a_mask_that_may_keep_a_padding_key_is_refused(read, pad_value):
+    got = _bidirectional_check(read, pad_value)
+    assert got and any("scaled_dot_product_attention" in v.op or "getitem" in v.op for v in got)
+
+
+class CausalConv(nn.Module):
+    def __init__(self, padding: int, kernel: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(H, H, kernel, groups=H, padding=padding)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        return self.conv(x.transpose(1, 2))[..., :n].transpose(1, 2)
+
+
+def test_a_causal_conv1d_along_the_padded_dim_is_safe_and_a_centered_one_is_not():
+    assert check(CausalConv(padding=3), x3()) == []
+    got = check(CausalConv(padding=1), x3())
+    assert [v.reason for v in got] == [
+        "conv1d along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"]

@@ -195,6 +195,39 @@ def test_bad_arguments_name_the_option_or_path(tmp_path):
     assert main(["trace", "test_trace:small_stack", "--plot-size", "big"]) == 2
 
 
+@pytest.mark.parametrize("bad, problem", [
+    ("/proc/missing/t.json", r"its folder '/proc/missing' does not exist"),  # and cannot be created
+    ("folder", r"it is a folder, not a file"),
+    ("file/t.json", r"its folder '.*file' is not a folder"),
+    ("/proc/t.json", r"its folder '/proc' is not writable"),  # root may write anywhere chmod allows: /proc refuses
+])
+@pytest.mark.parametrize("which", ["path", "plot"])
+def test_output_paths_are_checked_before_the_model_runs(tmp_path, capsys, bad, problem, which):
+    """Issue 22 item 15: the paths were checked only when the trace was written, after the model ran.
+    (A missing folder that can be created is created, now before the run: see the tests above.)"""
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("not a folder")
+    target = bad if bad.startswith("/") else str(tmp_path / bad)
+    calls = []
+    outputs = {"path": tmp_path / "t.json", "plot": None, which: target}
+    if which == "plot":
+        pytest.importorskip("matplotlib")
+    with pytest.raises(TraceError, match=f"{which}: cannot write the .* to '{re.escape(target)}': {problem}"):
+        graphpass.trace(lambda x: calls.append(x), torch.ones(1), **outputs)
+    assert calls == [] and not (tmp_path / "t.json").exists()  # nothing ran, nothing was written
+    flag = {"path": "--out", "plot": "--plot"}[which]
+    argv = ["trace", "test_trace:missing_factory", "--out", str(tmp_path / "c.json"), flag, target]
+    assert main(argv) == 2  # refused before the factory is even looked up
+    err = capsys.readouterr().err
+    assert err.startswith(f"graphpass: error: {flag}: cannot write") and not (tmp_path / "c.json").exists()
+
+
+def test_the_plot_and_the_trace_in_one_file_are_refused(tmp_path):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(graphpass.ConfigError, match=r"'plot'.*the same file as path"):
+        graphpass.trace(lambda x: x, torch.ones(1), path=tmp_path / "t.json", plot=tmp_path / "t.json")
+
+
 def test_a_model_without_offload_has_trap_ranges_only(tmp_path):
     model, inputs = small_stack()
     compiled = torch.compile(model, backend=graphpass.backend(then="eager", traps=["layers.*"]))

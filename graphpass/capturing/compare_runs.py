@@ -6,12 +6,16 @@ A capture directory (written by ``CaptureWriter``) looks like::
     capture_dir/[subdirectory/]dp{d}/{step}/{module}/rank{r}.safetensors
 
 ``compare(ref_dir, test_dir)`` walks every step of both trees (steps in execution order: by the
-numeric ``_k`` suffix, then name; modules in the order of the ref meta's ``"modules"``), compares
-every tensor of every rank file in float64 (in chunks of at most ``CHUNK_ELEMS`` elements read from the
-memory-mapped files, so memory stays a small multiple of one chunk) and returns a :class:`CompareReport` whose
-``first_failure`` is the first diverging module. Missing, corrupt or mismatched files never raise:
-each becomes a ``FAIL`` row with a note, and so does a module folder or file in a step that the
-step's meta file does not list (left over from another run). Temporary files an interrupted capture
+meta's ``step_index``, :func:`graphpass.capturing.completeness.execution_order`; modules in the
+order of the ref meta's ``"modules"``), compares every tensor of every rank file in float64 (in
+chunks of at most ``CHUNK_ELEMS`` elements read from the memory-mapped files, so memory stays a
+small multiple of one chunk; integer and bool tensors exactly) and returns a
+:class:`CompareReport` whose ``first_failure`` is the first diverging module. Corrupt or
+mismatched files never raise: each becomes a ``FAIL`` row with a note, and so does a module
+folder or file in a step that the step's meta file does not list (left over from another run).
+Every step, module, rank and key of either side must be in the other (the completeness contract,
+:mod:`graphpass.capturing.completeness`): what is absent is a ``FAIL`` row naming it, whose
+``missing`` says on which side. Temporary files an interrupted capture
 left behind (``.graphpass-*.tmp``, :func:`graphpass.atomic_files.is_temp_name`) are never read: a
 note lists them. Only bad arguments raise :class:`CompareError`.
 Tensors are taken in output order (the meta's key order). A module the two runs hold in different
@@ -42,7 +46,8 @@ from tabulate import tabulate
 from .. import progress
 from ..atomic_files import is_temp_name, write_bytes_atomic
 from ..errors import GraphpassError
-from .writer import meta_file_rank, read_step_meta
+from .completeness import StepScan, execution_order, fmt_ranks, natural, run_ranks, tree_of
+from .writer import meta_file_rank
 
 __all__ = ["CompareError", "CompareRow", "CompareReport", "compare"]
 
@@ -50,10 +55,9 @@ PASS, FAIL = "pass", "FAIL"
 _EPS = 1e-30  # guards relative errors against an all-zero reference
 # always used with fullmatch (`$` would accept a trailing newline); [0-9], not \d (no Unicode digits)
 _DP_RE = re.compile(r"dp[0-9]+")
-_RANK_RE = re.compile(r"rank([0-9]+)\.safetensors")
-_STEP_K_RE = re.compile(r"(.*)_([0-9]+)")
 CHUNK_ELEMS = 1 << 20  # elements per compared chunk (float64: 8 MiB per temporary)
 HEADERS = ["step", "module", "rank", "key", "status", "max abs", "rel L2", "rel L∞", "note"]
+MISSING_SIDES = ("test", "ref", "both")  # CompareRow.missing: the side(s) that lack the row's item
 
 
 class CompareError(GraphpassError, ValueError):
@@ -73,6 +77,7 @@ class CompareRow:
     rel_l2: float | None = None
     rel_linf: float | None = None
     note: str = ""
+    missing: str | None = None  # "test", "ref" or "both": the item is missing there (always a FAIL row)
 
     @property
     def passed(self) -> bool:
@@ -125,8 +130,14 @@ class CompareReport:
         if bad.note:
             what = f"{what}; {bad.note}" if what else bad.note
         n_fail = sum(not r.passed for r in self.rows)
-        return (f"{n_fail} of {len(self.rows)} rows FAIL (rtol={self.rtol:g}, atol={self.atol:g})\n"
+        missing = self.missing_counts()
+        lost = "".join(f"; {n} missing in {side}" for side, n in missing.items() if n)
+        return (f"{n_fail} of {len(self.rows)} rows FAIL (rtol={self.rtol:g}, atol={self.atol:g}{lost})\n"
                 f"first diverging module: {bad.module or '<step>'} ({bad.where()}): {what}")
+
+    def missing_counts(self) -> dict[str, int]:
+        """How many rows name something missing in the test run, in the ref run, in both."""
+        return {side: sum(r.missing == side for r in self.rows) for side in MISSING_SIDES}
 
     def __str__(self) -> str:
         parts = [self.table()] if self.rows else []
@@ -143,7 +154,8 @@ class CompareReport:
             "rtol": self.rtol,
             "atol": self.atol,
             "passed": self.passed,
-            "counts": {"total": len(self.rows), "pass": n_pass, "fail": len(self.rows) - n_pass},
+            "counts": {"total": len(self.rows), "pass": n_pass, "fail": len(self.rows) - n_pass,
+                       **{f"missing_in_{side}": n for side, n in self.missing_counts().items()}},
             "first_failure": first.to_dict() if first is not None else None,
             "summary": self.summary_line(),
             "notes": list(self.notes),
@@ -176,9 +188,10 @@ def compare(ref_dir: "str | os.PathLike[str] | list", test_dir: "str | os.PathLi
     """Compare every captured tensor under ``test_dir`` with the same one under ``ref_dir``.
 
     A tensor passes iff the shapes match and ``torch.allclose(test, ref, rtol, atol, equal_nan=True)``
-    holds in float64. Either side may be a list of roots: the captures one run's ranks wrote on
-    several hosts, read as one tree (``ref_dir`` / ``test_dir`` of the report join them with
-    ``os.pathsep``). A module the two runs hold in different pieces (other ranks, other shards) is
+    holds in float64; an integer or bool tensor iff every element is equal. Anything one side holds
+    and the other lacks is a ``FAIL`` row naming it (``CompareRow.missing``). Either side may be a
+    list of roots: the captures one run's ranks wrote on several hosts, read as one tree (``ref_dir``
+    / ``test_dir`` of the report join them with ``os.pathsep``). A module the two runs hold in different pieces (other ranks, other shards) is
     compared against the reference's assembled global tensor (:mod:`graphpass.capturing.shards`).
     Raises :class:`CompareError` only for bad arguments.
     """
@@ -212,16 +225,20 @@ def _root(name: str, value: Any, stack: contextlib.ExitStack) -> tuple[Path, str
 
 
 def _compare_trees(report: CompareReport, ref: Path, test: Path) -> None:
-    ref_steps, test_steps = _find_steps(ref), _find_steps(test)
-    steps = sorted(set(ref_steps) | set(test_steps), key=_step_sort_key)
+    scans = ({rel: StepScan.read(ref / rel) for rel in _find_steps(ref)},
+             {rel: StepScan.read(test / rel) for rel in _find_steps(test)})
+    steps, notes = execution_order(set(scans[0]) | set(scans[1]), *scans)
+    report.notes.extend(notes)
+    run = (run_ranks(scans[0]), run_ranks(scans[1]))  # the ranks each run had, per tree
     with progress.bar(len(steps), "graphpass compare", unit="step") as shown:
         for rel in steps:
-            if rel not in test_steps:
-                report.rows.append(CompareRow(rel, "", None, None, FAIL, note="step missing in test"))
-            elif rel not in ref_steps:
-                report.rows.append(CompareRow(rel, "", None, None, FAIL, note="step missing in ref"))
+            lost = [side for side, found in zip(("ref", "test"), scans) if rel not in found]
+            if lost:
+                report.rows.append(CompareRow(rel, "", None, None, FAIL, note=f"step missing in {lost[0]}",
+                                              missing=lost[0]))
             else:
-                _compare_step(report, rel, ref / rel, test / rel)
+                _compare_step(report, rel, (("ref", scans[0][rel], run[0].get(tree_of(rel), set())),
+                                            ("test", scans[1][rel], run[1].get(tree_of(rel), set()))))
             shown.update(1)
 
 
@@ -283,47 +300,29 @@ def _find_steps(root: Path) -> set[str]:
     return steps
 
 
-def _natural(text: str) -> tuple:
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", text) if p)
+_natural = natural  # shards imports it from here
 
 
-def _step_sort_key(rel: str) -> tuple:
-    *parents, step = rel.split("/")
-    m = _STEP_K_RE.fullmatch(step)
-    step_key = (0, int(m.group(2)), _natural(step)) if m else (1, 0, _natural(step))
-    return (tuple(_natural(p) for p in parents), step_key)
+def _module_order(report: CompareReport, rel: str, side: str, scan: StepScan) -> list[str]:
+    """The meta's ``modules`` (execution order), then module folders it does not list, sorted;
+    a note when there is no readable meta."""
+    if scan.meta is None:
+        report.notes.append(f"{rel}: {scan.meta_problem.replace('meta file', f'{side} meta file', 1)}; "
+                            "module order from sorted directory names")
+    listed = scan.listed or []
+    return listed + sorted(set(scan.files) - set(listed), key=_natural)
 
 
-def _module_order(step_dir: Path, report: CompareReport, rel: str,
-                  side: str) -> tuple[list[str], set[str], list[str] | None]:
-    """(order, present, listed): order from the meta's ``modules`` then unlisted dirs sorted;
-    present = dirs; listed = the meta's modules, None without a readable meta file."""
-    present = {d.name for d in step_dir.iterdir() if d.is_dir() and not d.name.startswith(".")}
-    listed: list[str] = []
-    ok = False
-    try:
-        modules = read_step_meta(step_dir)["modules"]
-        if not all(isinstance(m, str) for m in modules):
-            raise ValueError("no 'modules' list")
-        listed = list(dict.fromkeys(modules))
-        ok = True
-    except FileNotFoundError:
-        report.notes.append(f"{rel}: no {side} meta file; module order from sorted directory names")
-    except (OSError, ValueError) as exc:
-        report.notes.append(f"{rel}: unreadable {side} meta file ({exc}); module order from sorted directory names")
-    order = listed + sorted((present - set(listed)), key=_natural)
-    return order, present, (listed if ok else None)
-
-
-def _unlisted(report: CompareReport, rel: str, step_dir: Path, listed: list[str] | None, side: str) -> set[str]:
+def _unlisted(report: CompareReport, rel: str, scan: StepScan, side: str) -> set[str]:
     """FAIL rows for what a step holds that its meta file does not list (an earlier run's leftovers):
     module folders, and files other than the meta file. Returns the unlisted module folders."""
+    listed = scan.listed
     if listed is None:
         return set()
     extra: set[str] = set()
-    for entry in sorted(step_dir.iterdir(), key=lambda p: _natural(p.name)):
+    for entry in sorted(scan.dir.iterdir(), key=lambda p: _natural(p.name)):
         name = entry.name
-        if name.startswith(".") or meta_file_rank(step_dir.name, name) is not None or name in listed:
+        if name.startswith(".") or meta_file_rank(scan.dir.name, name) is not None or name in listed:
             continue
         what = "module folder" if entry.is_dir() else "file"
         if entry.is_dir():
@@ -333,46 +332,40 @@ def _unlisted(report: CompareReport, rel: str, step_dir: Path, listed: list[str]
     return extra
 
 
+def _missing_ranks(report: CompareReport, rel: str, sides: tuple) -> None:
+    """A FAIL row per side for the ranks its run had (:func:`completeness.run_ranks`) of which this
+    step holds nothing: no meta file, no rank file (a lost host, a rank that stopped early)."""
+    for side, scan, had in sides:
+        lost = had - scan.ranks
+        if lost:
+            what = f"rank {fmt_ranks(lost)}" if len(lost) == 1 else f"ranks {fmt_ranks(lost)}"
+            report.rows.append(CompareRow(
+                rel, "", next(iter(lost)) if len(lost) == 1 else None, None, FAIL, missing=side,
+                note=f"{what} missing in {side}: no meta or rank file of {'it' if len(lost) == 1 else 'them'} in "
+                     f"this step (the {side} run has ranks {fmt_ranks(had)}: its other steps' files or tp_size)"))
+
+
 # --- comparison --------------------------------------------------------------------------------
 
-def _compare_step(report: CompareReport, rel: str, ref_step: Path, test_step: Path) -> None:
-    ref_order, ref_present, ref_listed = _module_order(ref_step, report, rel, "ref")
-    test_order, test_present, test_listed = _module_order(test_step, report, rel, "test")
-    stale = _unlisted(report, rel, ref_step, ref_listed, "ref") | _unlisted(report, rel, test_step, test_listed, "test")
+def _compare_step(report: CompareReport, rel: str, sides: tuple) -> None:
+    """``sides``: ("ref", scan, the run's ranks) and ("test", ...)."""
+    (_, ref, _), (_, test, _) = sides
+    ref_order, test_order = (_module_order(report, rel, side, scan) for side, scan, _ in sides)
+    _missing_ranks(report, rel, sides)
+    stale = _unlisted(report, rel, ref, "ref") | _unlisted(report, rel, test, "test")
     seen = set(ref_order)
-    order = ref_order + [m for m in test_order if m not in seen]
-    for module in order:
+    for module in ref_order + [m for m in test_order if m not in seen]:
         if module in stale:
             continue  # already a FAIL row: its files are not this run's
-        in_ref, in_test = module in ref_present, module in test_present
+        in_ref, in_test = module in ref.files, module in test.files
         if not in_ref and not in_test:
-            report.rows.append(CompareRow(rel, module, None, None, FAIL, note="listed in meta but no directory"))
-        elif not in_test:
-            report.rows.append(CompareRow(rel, module, None, None, FAIL, note="missing in test"))
-        elif not in_ref:
-            report.rows.append(CompareRow(rel, module, None, None, FAIL, note="missing in ref"))
+            report.rows.append(CompareRow(rel, module, None, None, FAIL, note="listed in meta but no directory",
+                                          missing="both"))
+        elif not in_test or not in_ref:
+            side = "test" if not in_test else "ref"
+            report.rows.append(CompareRow(rel, module, None, None, FAIL, note=f"missing in {side}", missing=side))
         else:
-            order = _key_order(ref_step, module) + _key_order(test_step, module)
-            layouts = (_layouts(ref_step, module), _layouts(test_step, module))
-            _compare_module(report, rel, module, ref_step / module, test_step / module, order, layouts)
-
-
-def _layouts(step_dir: Path, module: str) -> dict[int, dict[str, dict]]:
-    """rank -> key -> the meta entry of ``module``'s tensors in each rank's meta file ({} if none)."""
-    try:
-        per_rank = read_step_meta(step_dir)["rank_tensors"]
-        return {int(r): {str(e["key"]): e for e in docs.get(module, []) if isinstance(e, dict)}
-                for r, docs in per_rank.items() if isinstance(docs, dict)}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-
-
-def _key_order(step_dir: Path, module: str) -> list[str]:
-    """The keys of ``module``'s files in the order the step's meta lists them (output order), or []."""
-    try:
-        return [str(e["key"]) for e in read_step_meta(step_dir)["tensors"][module]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+            _compare_module(report, rel, module, ref, test)
 
 
 def _ordered_keys(keys: set[str], order: list[str]) -> list[str]:
@@ -392,12 +385,16 @@ def _note_old_keys(report: CompareReport, rel: str, module: str, ref_keys: set[s
         report.notes.append(note)
 
 
-def _resharded(ref_ranks: dict, test_ranks: dict, ref_layout: dict, test_layout: dict) -> bool:
+def _resharded(files: tuple[dict, dict], want: tuple[set, set], layouts: tuple[dict, dict]) -> bool:
     """Do the two runs hold ``module`` in different pieces (other ranks, other shards)? Then the
-    pieces are compared against the reference's assembled global tensor, not rank against rank."""
-    if not (set(ref_ranks) <= set(ref_layout) and set(test_ranks) <= set(test_layout)):
+    pieces are compared against the reference's assembled global tensor, not rank against rank.
+    The ranks of a side are those with a file and those it must hold (a lost file does not make
+    a run another sharding)."""
+    ref_ranks, test_ranks = set(files[0]) | want[0], set(files[1]) | want[1]
+    ref_layout, test_layout = layouts
+    if not (ref_ranks <= set(ref_layout) and test_ranks <= set(test_layout)):
         return False  # rank files no meta file of theirs vouches for (older captures): rank against rank
-    if set(ref_ranks) != set(test_ranks):
+    if ref_ranks != test_ranks:
         return True
 
     def pieces(layout: dict) -> dict:
@@ -405,15 +402,6 @@ def _resharded(ref_ranks: dict, test_ranks: dict, ref_layout: dict, test_layout:
                 for r, keys in layout.items()}
 
     return pieces(ref_layout) != pieces(test_layout)
-
-
-def _rank_files(module_dir: Path) -> dict[int, Path]:
-    found = {}
-    for f in module_dir.iterdir():
-        m = _RANK_RE.fullmatch(f.name)
-        if m and f.is_file():
-            found[int(m.group(1))] = f
-    return found
 
 
 class _Tensor:
@@ -481,48 +469,70 @@ def _open(path: Path, stack: Any) -> tuple[Any, str]:
         return None, f"{type(exc).__name__}: {exc}".strip()
 
 
-def _compare_module(report: CompareReport, rel: str, module: str, ref_mod: Path, test_mod: Path,
-                    key_order: list[str] = (), layouts: tuple = ({}, {})) -> None:
-    import contextlib
-
-    ref_ranks, test_ranks = _rank_files(ref_mod), _rank_files(test_mod)
-    if not ref_ranks and not test_ranks:
-        report.rows.append(CompareRow(rel, module, None, None, FAIL, note="no rank*.safetensors files"))
+def _compare_module(report: CompareReport, rel: str, module: str, ref: StepScan, test: StepScan) -> None:
+    """Rows for one module both steps hold: rank against rank, or across shardings
+    (:mod:`graphpass.capturing.shards`) when the two runs hold it in different pieces. Every rank
+    a side must hold (:meth:`StepScan.expected_ranks`) that has no file is a row."""
+    files = (ref.files[module], test.files[module])
+    want = (ref.expected_ranks(module), test.expected_ranks(module))
+    layouts = (ref.layouts(module), test.layouts(module))
+    key_order = ref.key_order(module) + test.key_order(module)
+    if not files[0] and not files[1] and not (want[0] | want[1]):
+        report.rows.append(CompareRow(rel, module, None, None, FAIL, note="no rank*.safetensors files",
+                                      missing="both"))
         return
-    if ref_ranks and test_ranks and _resharded(ref_ranks, test_ranks, *layouts):
+    resharded = bool(files[0] and files[1]) and _resharded(files, want, layouts)
+    every = set(files[0]) | set(files[1]) | want[0] | want[1]
+    for rank in sorted(every):
+        # across shardings a side need hold only its own run's ranks; rank against rank, both sides every rank
+        lost = [side for side, have, must in zip(("ref", "test"), files, want)
+                if rank not in have and (rank in must or not resharded)]
+        if lost:
+            report.rows.append(CompareRow(rel, module, rank, None, FAIL, missing=_side(lost),
+                                          note=f"rank file missing in {' and '.join(lost)}"))
+        elif not resharded and rank in files[0] and rank in files[1]:
+            _compare_rank(report, rel, module, rank, (files[0][rank], files[1][rank]), key_order,
+                          (layouts[0].get(rank, {}), layouts[1].get(rank, {})))
+    if resharded:
         from .shards import compare_resharded
 
-        compare_resharded(report, rel, module, (ref_ranks, test_ranks), layouts, list(key_order))
-        return
-    for rank in sorted(set(ref_ranks) | set(test_ranks)):
-        if rank not in test_ranks or rank not in ref_ranks:
-            side = "test" if rank not in test_ranks else "ref"
-            report.rows.append(CompareRow(rel, module, rank, None, FAIL, note=f"rank file missing in {side}"))
-            continue
-        with contextlib.ExitStack() as stack:
-            ref_f, ref_err = _open(ref_ranks[rank], stack)
-            test_f, test_err = _open(test_ranks[rank], stack)
-            if ref_f is None or test_f is None:
-                notes = [f"cannot read {side} file: {err}" for side, err in (("ref", ref_err), ("test", test_err)) if err]
-                report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="; ".join(notes)))
+        compare_resharded(report, rel, module, files, layouts, key_order)
+
+
+def _side(lost: list[str]) -> str:
+    """``CompareRow.missing`` for the sides that lack an item: "ref", "test" or "both"."""
+    return lost[0] if len(lost) == 1 else "both"
+
+
+def _compare_rank(report: CompareReport, rel: str, module: str, rank: int, paths: tuple[Path, Path],
+                  key_order: list[str], listed: tuple[dict, dict]) -> None:
+    """Rows for every key of one rank's two files: the keys either file holds or either meta lists."""
+    with contextlib.ExitStack() as stack:
+        ref_f, ref_err = _open(paths[0], stack)
+        test_f, test_err = _open(paths[1], stack)
+        if ref_f is None or test_f is None:
+            notes = [f"cannot read {side} file: {err}" for side, err in (("ref", ref_err), ("test", test_err)) if err]
+            report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="; ".join(notes)))
+            return
+        ref_keys, test_keys = set(ref_f.keys()), set(test_f.keys())
+        keys = _ordered_keys(ref_keys | test_keys | set(listed[0]) | set(listed[1]), list(key_order))
+        _note_old_keys(report, rel, module, ref_keys, test_keys)
+        if not keys:
+            report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="rank files hold no tensors"))
+        for key in keys:
+            lost = [side for side, have in (("ref", ref_keys), ("test", test_keys)) if key not in have]
+            if lost:
+                report.rows.append(CompareRow(rel, module, rank, key, FAIL, missing=_side(lost),
+                                              note=f"key missing in {' and '.join(lost)}"
+                                                   + (" (listed in its meta file)" if len(lost) == 2 else "")))
                 continue
-            ref_keys, test_keys = set(ref_f.keys()), set(test_f.keys())
-            keys = _ordered_keys(ref_keys | test_keys, list(key_order))
-            _note_old_keys(report, rel, module, ref_keys, test_keys)
-            if not keys:
-                report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="rank files hold no tensors"))
-            for key in keys:
-                if key not in test_keys or key not in ref_keys:
-                    side = "test" if key not in test_keys else "ref"
-                    report.rows.append(CompareRow(rel, module, rank, key, FAIL, note=f"key missing in {side}"))
-                    continue
-                try:
-                    ref_t, test_t = _Tensor.from_slice(ref_f.get_slice(key)), _Tensor.from_slice(test_f.get_slice(key))
-                except Exception as exc:
-                    report.rows.append(CompareRow(rel, module, rank, key, FAIL,
-                                                  note=f"cannot read tensor: {type(exc).__name__}: {exc}"))
-                    continue
-                report.rows.append(_compare_tensors(rel, module, rank, key, ref_t, test_t, report.rtol, report.atol))
+            try:
+                ref_t, test_t = _Tensor.from_slice(ref_f.get_slice(key)), _Tensor.from_slice(test_f.get_slice(key))
+            except Exception as exc:
+                report.rows.append(CompareRow(rel, module, rank, key, FAIL,
+                                              note=f"cannot read tensor: {type(exc).__name__}: {exc}"))
+                continue
+            report.rows.append(_compare_tensors(rel, module, rank, key, ref_t, test_t, report.rtol, report.atol))
 
 
 def _nanhypot(a: float, b: float) -> float:
@@ -547,12 +557,19 @@ def _compare_tensors(rel: str, module: str, rank: int, key: str, ref: "torch.Ten
     ref = ref if isinstance(ref, _Tensor) else _Tensor.from_tensor(ref.detach())
     test = test if isinstance(test, _Tensor) else _Tensor.from_tensor(test.detach())
     notes = []
+    kinds = (_kind(ref.dtype), _kind(test.dtype))
     if ref.dtype != test.dtype:
         notes.append(f"dtype {_dtype(ref.dtype)} vs {_dtype(test.dtype)}")
     if ref.shape != test.shape:
         notes.insert(0, f"shape mismatch {list(ref.shape)} vs {list(test.shape)}")
         return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
+    if kinds[0] != kinds[1] and _EXACT & set(kinds):
+        notes.append(f"{kinds[0]} vs {kinds[1]}: integer and bool tensors are compared exactly, and only with "
+                     "tensors of their own kind")
+        return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
     limit = CHUNK_ELEMS if chunk_elems is None else chunk_elems
+    if kinds[0] in _EXACT:
+        return _compare_exact(CompareRow(rel, module, rank, key, PASS), ref, test, limit, notes)
     try:
         wide = torch.complex128 if ref.dtype.is_complex or test.dtype.is_complex else torch.float64
         ok, any_nan, n = True, False, 0
@@ -585,6 +602,60 @@ def _compare_tensors(rel: str, module: str, rank: int, key: str, ref: "torch.Ten
     if not ok and any_nan:
         notes.append("NaN in only one of ref/test")
     return CompareRow(rel, module, rank, key, PASS if ok else FAIL, max_abs, rel_l2, rel_linf, "; ".join(notes))
+
+
+_EXACT = {"integer", "bool"}  # kinds compared exactly, whatever the tolerances
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_floating_point or dtype.is_complex:
+        return "floating-point"
+    return "integer"
+
+
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (any integer or bool dtype) as int64 high and low 32-bit halves of its value, so two
+    values are equal iff both halves are, and ``hi * 2**32 + lo`` is the value (uint64 included)."""
+    if x.dtype == torch.uint64:
+        bits = x.view(torch.int64)
+        return (bits >> 32) & 0xFFFFFFFF, bits & 0xFFFFFFFF
+    wide = x.to(torch.int64)
+    return wide >> 32, wide & 0xFFFFFFFF
+
+
+def _as_float(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """``hi * 2**32 + lo`` in float64, correctly rounded (both terms are exact in float64)."""
+    return hi.to(torch.float64) * 4294967296.0 + lo.to(torch.float64)
+
+
+def _compare_exact(row: CompareRow, ref: "_Tensor", test: "_Tensor", limit: int, notes: list[str]) -> CompareRow:
+    """Integer / bool tensors: pass iff every element is equal (never through float64, which cannot
+    tell 2**53 from 2**53 + 1). The error numbers are the float64 roundings of the exact ones."""
+    differ, n, max_abs, ref_max, diff_l2, ref_l2 = 0, 0, 0.0, 0.0, 0.0, 0.0
+    try:
+        for rc, tc in zip(ref.chunks(limit), test.chunks(limit)):
+            (rh, rl), (th, tl) = _halves(rc.reshape(-1)), _halves(tc.reshape(-1))
+            if rh.numel() == 0:
+                continue
+            n += rh.numel()
+            differ += int(((rh != th) | (rl != tl)).sum())
+            diff = _as_float(th - rh, tl - rl).abs()
+            r_abs = _as_float(rh, rl).abs()
+            max_abs, ref_max = max(max_abs, diff.max().item()), max(ref_max, r_abs.max().item())
+            diff_l2 = math.hypot(diff_l2, torch.linalg.vector_norm(diff).item())
+            ref_l2 = math.hypot(ref_l2, torch.linalg.vector_norm(r_abs).item())
+    except Exception as exc:  # never crash the whole report
+        notes.append(f"comparison failed: {type(exc).__name__}: {exc}")
+        row.status, row.note = FAIL, "; ".join(notes)
+        return row
+    if differ:
+        notes.append(f"compared exactly: {differ} of {n} elements differ")
+    row.status = FAIL if differ else PASS
+    row.max_abs, row.rel_l2, row.rel_linf = max_abs, diff_l2 / max(ref_l2, _EPS), max_abs / max(ref_max, _EPS)
+    row.note = "; ".join(notes)
+    return row
 
 
 # --- formatting ---------------------------------------------------------------------------------

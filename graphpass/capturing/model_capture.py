@@ -160,8 +160,9 @@ class ModelCapture:
                 f"ModelCapture was created after graphpass already compiled another {type(self.model).__name__} "
                 f"instance. {_shared_graph_advice(self.model)}"
             )
+        tp_size = resolve_tp_size(self.model, tp_rank, mesh, dp_dim, tp_dim)
         dp_rank, tp_rank = resolve_ranks(self.model, dp_rank, tp_rank, mesh, dp_dim, tp_dim)
-        self.writer = CaptureWriter(capture_dir, subdirectory, dp_rank, tp_rank, capture_filter)
+        self.writer = CaptureWriter(capture_dir, subdirectory, dp_rank, tp_rank, capture_filter, tp_size)
         self._switch = Switch(False)  # enable()/disable() apply to every thread's registry
         self._registry = TensorRegistry(patterns=self.patterns, switch=self._switch, model=self.model)  # outside any step
         _SPECS.setdefault(self.model, []).append(weakref.ref(self))
@@ -332,6 +333,29 @@ def resolve_ranks(model: torch.nn.Module, dp_rank: Any, tp_rank: Any, mesh: Any 
         return dp, tp
     spread = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     return (dist.get_rank() if spread else 0) if dp is unset else dp, 0 if tp is unset else tp
+
+
+def resolve_tp_size(model: torch.nn.Module, tp_rank: Any, mesh: Any = None, dp_dim: str = "dp",
+                    tp_dim: str = "tp") -> int | None:
+    """How many tensor-parallel ranks the run has, as far as :func:`resolve_ranks` can tell (the
+    meta's ``tp_size``: ``compare`` expects every one of them in every step): the size of a
+    ``ProcessGroup`` given as ``tp_rank``; under ``AUTO`` the size of the mesh's ``tp_dim`` dimension
+    (a 1-D mesh named neither ``tp_dim`` nor ``dp_dim``: its size), 1 when the mesh has no such
+    dimension or there is no mesh; None (unknown) when ``tp_rank`` is an int."""
+    import torch.distributed as dist
+
+    if dist.is_available() and isinstance(tp_rank, dist.ProcessGroup):
+        return dist.get_world_size(tp_rank)
+    if not (isinstance(tp_rank, str) and tp_rank == AUTO):
+        return None
+    mesh = mesh if mesh is not None else _model_mesh(model)
+    if mesh is None:
+        return 1
+    names = tuple(mesh.mesh_dim_names or ())
+    shape = tuple(int(n) for n in mesh.shape)
+    if mesh.ndim == 1 and tp_dim not in names and dp_dim not in names:
+        return shape[0]
+    return shape[names.index(tp_dim)] if tp_dim in names else 1
 
 
 # Classes whose instances' outputs get ``output_key`` markers (the capture pass names captured

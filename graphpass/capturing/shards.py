@@ -11,11 +11,20 @@ shard diverges is named. Pieces at the same place on several ranks (``Replicate(
 replicated plain outputs of a row-parallel layer) are also checked against the lowest such rank's
 copy: a copy that differs is a ``FAIL`` row naming its rank. Assembling loads one tensor's pieces
 into memory; the compared pieces stay chunked (:func:`compare_runs._compare_tensors`).
+
+The meta is not trusted (:func:`piece_boxes`): before anything is allocated, each side's pieces
+must lie inside the global shape, must not overlap (only ``Replicate()`` copies may share a
+place), and must cover it exactly. So the global tensor has as many elements as the pieces on disk
+hold, whatever ``global_shape`` a meta file claims. Pieces that do not cover the global tensor are
+a ``FAIL`` row that says what is missing, on either side.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
+import numbers
 import os
 import tempfile
 from pathlib import Path
@@ -25,8 +34,13 @@ import torch
 
 from ..atomic_files import is_temp_name
 from .compare_runs import FAIL, CompareError, CompareReport, CompareRow, _compare_tensors, _natural, _open, _Tensor
+from .completeness import fmt_ranks
 
-__all__ = ["compare_resharded", "merge_roots"]
+__all__ = ["compare_resharded", "merge_roots", "piece_boxes"]
+
+
+class Incomplete(ValueError):
+    """A side's pieces do not cover the global tensor: something of it is missing."""
 
 
 def compare_resharded(report: CompareReport, rel: str, module: str, files: tuple[dict, dict],
@@ -39,7 +53,8 @@ def compare_resharded(report: CompareReport, rel: str, module: str, files: tuple
             for rank, path in sorted(ranks.items()):
                 f, err = _open(path, stack)
                 if f is None:
-                    report.rows.append(CompareRow(rel, module, rank, None, FAIL, note=f"cannot read {side} file: {err}"))
+                    report.rows.append(CompareRow(rel, module, rank, None, FAIL,
+                                                  note=f"cannot read {side} file: {err}"))
                 else:
                     handles[rank] = f
             opened.append(handles)
@@ -47,6 +62,8 @@ def compare_resharded(report: CompareReport, rel: str, module: str, files: tuple
         if not ref or not test:
             return
         keys = set().union(*(f.keys() for f in ref.values()), *(f.keys() for f in test.values()))
+        for handles, layout in zip(opened, layouts):  # keys a rank's meta lists must be in its file too
+            keys |= {k for r in handles for k in layout.get(r, {})}
         rank_of = {k: i for i, k in reversed(list(enumerate(key_order)))}
         for key in sorted(keys, key=lambda k: (0, rank_of[k], ()) if k in rank_of else (1, 0, _natural(k))):
             _compare_key(report, rel, module, key, (ref, test), layouts)
@@ -59,20 +76,25 @@ def _compare_key(report: CompareReport, rel: str, module: str, key: str, handles
     try:
         whole, how = _assemble(ref, ref_layout, key)
     except Exception as exc:
-        report.rows.append(CompareRow(rel, module, None, key, FAIL, note=f"cannot assemble ref: {exc}"))
+        report.rows.append(CompareRow(rel, module, None, key, FAIL, note=f"cannot assemble ref: {exc}",
+                                      missing="ref" if isinstance(exc, Incomplete) else None))
         return
     for side, h, layout in (("ref", ref, ref_layout), ("test", test, test_layout)):
         _check_copies(report, rel, module, key, side, h, layout)
+    _check_test_cover(report, rel, module, key, test, test_layout)
     for rank, f in sorted(test.items()):
         if key not in f.keys():
-            report.rows.append(CompareRow(rel, module, rank, key, FAIL, note="key missing in test"))
+            report.rows.append(CompareRow(rel, module, rank, key, FAIL, note="key missing in test", missing="test"))
             continue
         piece = _Tensor.from_slice(f.get_slice(key))
         entry = layout_entry(test_layout, rank, key)
-        offset = entry.get("global_offset") or [0] * len(piece.shape)
-        global_shape = entry.get("global_shape") or list(piece.shape)
+        try:
+            offset, global_shape = _place(entry, piece.shape)
+        except ValueError as exc:
+            report.rows.append(CompareRow(rel, module, rank, key, FAIL, note=f"test meta: {exc}"))
+            continue
         where = f"{_placements(entry)} at {list(offset)} of {list(global_shape)}; ref {how}"
-        if list(global_shape) != list(whole.shape):
+        if global_shape != tuple(whole.shape):
             report.rows.append(CompareRow(rel, module, rank, key, FAIL,
                                           note=f"shape mismatch {list(whole.shape)} vs {list(global_shape)} (global)"))
             continue
@@ -83,38 +105,134 @@ def _compare_key(report: CompareReport, rel: str, module: str, key: str, handles
         report.rows.append(row)
 
 
+def _check_test_cover(report: CompareReport, rel: str, module: str, key: str, test: dict, layout: dict) -> None:
+    """A FAIL row when the test's pieces of ``key`` (if it is sharded there) do not tile its global
+    shape: a piece missing (a lost rank, a host's root not passed), overlapping or misplaced."""
+    if not any(key in f.keys() and layout_entry(layout, r, key).get("global_shape") is not None
+               for r, f in test.items()):
+        return
+    try:
+        piece_boxes(test, layout, key, "test")
+    except Incomplete as exc:
+        report.rows.append(CompareRow(rel, module, None, key, FAIL, note=f"missing in test: {exc}", missing="test"))
+    except ValueError as exc:
+        report.rows.append(CompareRow(rel, module, None, key, FAIL, note=f"test pieces: {exc}"))
+
+
 def layout_entry(layout: dict, rank: int, key: str) -> dict:
     return layout.get(rank, {}).get(key) or {}
 
 
 def _placements(entry: dict) -> str:
-    if not entry.get("placements"):
+    placements = entry.get("placements")
+    if not placements:
         return "whole tensor"
-    return "[" + ", ".join(entry["placements"]) + f"] on mesh {entry.get('mesh_shape')}"
+    if not isinstance(placements, list) or not all(isinstance(p, str) for p in placements):
+        return f"placements {placements!r}"
+    return "[" + ", ".join(placements) + f"] on mesh {entry.get('mesh_shape')}"
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    """``value`` as a tuple of ints >= 0, or ValueError naming ``what`` (a meta file may be tampered with)."""
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError(f"{what} {value!r} is not a list of ints >= 0")
+    return tuple(int(v) for v in value)
+
+
+def _place(entry: dict, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offset, global shape) of a piece of ``shape`` with meta ``entry``; a piece without a
+    layout is the whole tensor. ValueError when the layout is malformed or the piece lies outside."""
+    if entry.get("global_shape") is None:
+        return (0,) * len(shape), tuple(shape)
+    global_shape = _ints(entry["global_shape"], "global_shape")
+    offset = _ints(entry.get("global_offset"), "global_offset")
+    if not len(offset) == len(shape) == len(global_shape) or any(
+            o + n > g for o, n, g in zip(offset, shape, global_shape)):
+        raise ValueError(f"the piece {list(shape)} at {list(offset)} lies outside the global shape "
+                         f"{list(global_shape)}")
+    return offset, global_shape
+
+
+def _replica(entry: dict) -> bool:
+    placements = entry.get("placements")
+    return isinstance(placements, list) and any(isinstance(p, str) and p.startswith("Replicate") for p in placements)
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    (ao, an), (bo, bn) = a, b
+    return all(max(x, y) < min(x + m, y + k) for x, m, y, k in zip(ao, an, bo, bn))
+
+
+def piece_boxes(handles: dict, layout: dict, key: str, side: str) -> tuple[tuple[int, ...], dict]:
+    """(global shape, rank -> (offset, shape)) for the sharded pieces of ``key``: one rank per
+    place (the lowest of ``Replicate()`` copies). Raises ValueError for pieces that disagree on the
+    global shape or dtype, lie outside it, or overlap (two ranks at one place whose placements do
+    not replicate it included), and :class:`Incomplete` when they do not cover it; so the pieces on
+    disk hold exactly as many elements as the global shape, which bounds any allocation of it."""
+    boxes, global_shape, dtypes = {}, None, set()
+    for rank in sorted(handles):
+        entry = layout_entry(layout, rank, key)
+        if key not in handles[rank].keys() or entry.get("global_shape") is None:
+            continue
+        sl = handles[rank].get_slice(key)
+        dtypes.add(sl.get_dtype())
+        shape = tuple(int(d) for d in sl.get_shape())
+        offset, _ = _place(entry, shape)
+        g = _ints(entry["global_shape"], "global_shape")
+        if global_shape is not None and g != global_shape:
+            raise ValueError(f"ranks disagree on the global shape: {list(global_shape)} and rank {rank}'s {list(g)}")
+        global_shape, boxes[rank] = g, (offset, shape)
+    if len(dtypes) > 1:
+        raise ValueError(f"the pieces have different dtypes {sorted(dtypes)}")
+    places: dict[tuple, list[int]] = {}
+    for rank, box in boxes.items():
+        places.setdefault(box, []).append(rank)
+    for box, ranks in places.items():
+        if len(ranks) > 1 and not all(_replica(layout_entry(layout, r, key)) for r in ranks):
+            raise ValueError(f"ranks {fmt_ranks(ranks)} hold the same piece {list(box[1])} at {list(box[0])}, but "
+                             "their placements shard the tensor (overlapping shards)")
+    distinct = [(box, ranks[0]) for box, ranks in places.items() if math.prod(box[1]) > 0]
+    for (a, ra), (b, rb) in itertools.combinations(distinct, 2):
+        if _overlap(a, b):
+            raise ValueError(f"the pieces of rank {ra} ({list(a[1])} at {list(a[0])}) and rank {rb} "
+                             f"({list(b[1])} at {list(b[0])}) overlap")
+    covered, total = sum(math.prod(box[1]) for box, _ in distinct), math.prod(global_shape or ())
+    if covered != total:
+        raise Incomplete(f"the {side}'s pieces (ranks {fmt_ranks(boxes)}) hold {covered} of the {total} elements "
+                         f"of the global shape {list(global_shape)}")
+    return global_shape, {rank: box for box, rank in distinct}
 
 
 def _assemble(handles: dict, layout: dict, key: str) -> tuple[torch.Tensor, str]:
-    """The global tensor of ``key`` from the ranks' pieces, and how it was made (for the notes)."""
+    """The global tensor of ``key`` from the ranks' pieces, and how it was made (for the notes).
+    Allocates only after :func:`piece_boxes` has checked the pieces tile the global shape."""
     have = [r for r in sorted(handles) if key in handles[r].keys()]
     if not have:
-        raise ValueError("key missing in ref")
+        raise Incomplete("key missing in ref")
     entries = {r: layout_entry(layout, r, key) for r in have}
-    sharded = [r for r in have if entries[r].get("global_shape")]
+    sharded = [r for r in have if entries[r].get("global_shape") is not None]
     if not sharded:
         return handles[have[0]].get_tensor(key), f"rank {have[0]}"
-    if any(p.startswith("Partial") for r in sharded for p in entries[r].get("placements", [])):
-        raise ValueError("a Partial() placement cannot be assembled (its pieces are unreduced sums)")
-    first = handles[sharded[0]].get_tensor(key)
-    whole = torch.empty(entries[sharded[0]]["global_shape"], dtype=first.dtype)
-    filled = torch.zeros(whole.shape, dtype=torch.bool)
     for r in sharded:
-        piece = handles[r].get_tensor(key)
-        index = tuple(slice(o, o + n) for o, n in zip(entries[r]["global_offset"], piece.shape))
-        whole[index] = piece
-        filled[index] = True
-    if not bool(filled.all()):
-        raise ValueError(f"the pieces of ranks {sharded} do not cover the global shape {list(whole.shape)}")
+        placements = entries[r].get("placements") or []
+        if not isinstance(placements, list):
+            raise ValueError(f"rank {r}'s placements {placements!r} are not a list")
+        if any(str(p).startswith("Partial") for p in placements):
+            raise ValueError("a Partial() placement cannot be assembled (its pieces are unreduced sums)")
+    global_shape, boxes = piece_boxes(handles, layout, key, "ref")
+    first = handles[sharded[0]].get_slice(key)
+    whole = torch.empty(global_shape, dtype=_Tensor.from_slice(first).dtype)
+    for r, (offset, shape) in boxes.items():
+        whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))] = handles[r].get_tensor(key)
     return whole, f"assembled from ranks {sharded}"
+
+
+def _place_key(entry: dict) -> tuple:
+    try:
+        return _ints(entry.get("global_offset") or (), "global_offset")
+    except ValueError:
+        return ("?", repr(entry.get("global_offset")))
 
 
 def _check_copies(report: CompareReport, rel: str, module: str, key: str, side: str, handles: dict,
@@ -126,7 +244,7 @@ def _check_copies(report: CompareReport, rel: str, module: str, key: str, side: 
             continue
         entry = layout_entry(layout, rank, key)
         shape = tuple(handles[rank].get_slice(key).get_shape())
-        groups.setdefault((tuple(entry.get("global_offset") or ()), shape), []).append(rank)
+        groups.setdefault((_place_key(entry), shape), []).append(rank)
     for ranks in groups.values():
         base = ranks[0]
         for rank in ranks[1:]:

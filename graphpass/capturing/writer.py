@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..atomic_files import create_temp, write_bytes_atomic
+from ..atomic_files import probe_writable, write_bytes_atomic
 from ..errors import CaptureError, ConfigError
 from ..patterns import compile_patterns
 
@@ -53,6 +53,19 @@ def check_rank(value: Any, key: str) -> int:
     if len(f"rank{value}.safetensors") > NAME_MAX:
         raise ConfigError(key, value, f"too large: its file name would exceed {NAME_MAX} bytes")
     return value
+
+
+MAX_TP_SIZE = 1 << 16  # tensor-parallel ranks compare expects at most (a larger tp_size in a meta is ignored)
+
+
+def check_tp_size(value: Any, tp_rank: int) -> int | None:
+    """``tp_size``: None (unknown) or a non-bool int > ``tp_rank`` and <= :data:`MAX_TP_SIZE`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not tp_rank < int(value) <= MAX_TP_SIZE:
+        raise ConfigError("tp_size", value, f"must be None or an int in ({tp_rank}, {MAX_TP_SIZE}] (the number of "
+                                            f"tensor-parallel ranks; this writer's tp_rank is {tp_rank})")
+    return int(value)
 
 
 def check_capture_dir(value: Any) -> Path:
@@ -98,16 +111,19 @@ class CaptureWriter:
         dp_rank: int = 0,
         tp_rank: int = 0,
         capture_filter: Sequence[str] | None = None,
+        tp_size: int | None = None,
     ) -> None:
         self.capture_dir = check_capture_dir(capture_dir)
         self.subdirectory = check_subdirectory(subdirectory)
         self.dp_rank = check_rank(dp_rank, "dp_rank")
         self.tp_rank = check_rank(tp_rank, "tp_rank")
+        self.tp_size = check_tp_size(tp_size, self.tp_rank)
         if capture_filter is not None and (isinstance(capture_filter, str)
                                            or not isinstance(capture_filter, (list, tuple))):
             raise ConfigError("capture_filter", capture_filter, "expected a list of module patterns or None")
         self.filter = compile_patterns(list(capture_filter), "capture_filter") if capture_filter is not None else None
         self._counts: dict[str, int] = {}
+        self._index = 0  # steps written, whatever their phase: the meta's step_index (execution order)
         self._own_steps: set[str] = set()  # step folders this writer claimed (it may write them again)
         self._lock = threading.Lock()  # one ModelCapture stepping in several threads: one write at a time
         self._check_writable()
@@ -115,9 +131,7 @@ class CaptureWriter:
     def _check_writable(self) -> None:
         try:
             self.capture_dir.mkdir(parents=True, exist_ok=True)
-            fd, probe = create_temp(self.capture_dir)
-            os.close(fd)
-            os.unlink(probe)
+            probe_writable(self.capture_dir)
         except OSError as exc:
             raise CaptureError(f"capture_dir {str(self.capture_dir)!r} is not writable: {exc}") from None
 
@@ -181,8 +195,9 @@ class CaptureWriter:
                     where = mod_dir / f"rank{self.tp_rank}.safetensors"
                     _atomic(where, encode(payload), new_files)
                     info[name] = [_tensor_info(k, payload[k], entries[i][2]) for k, i in keyed]
-                doc = dict(meta, step=step, phase="prefill" if is_prefill else "decode", size=size, modules=names,
-                           tensors=info, dp_rank=self.dp_rank, tp_rank=self.tp_rank)
+                doc = dict(meta, step=step, step_index=self._index, phase="prefill" if is_prefill else "decode",
+                           size=size, modules=names, tensors=info, dp_rank=self.dp_rank, tp_rank=self.tp_rank,
+                           tp_size=self.tp_size)
                 where = step_dir / meta_file_name(step, self.tp_rank)
                 _atomic(where, json.dumps(doc, indent=2, default=_jsonable).encode("utf-8"), new_files)
                 written.append(step_dir)
@@ -196,6 +211,7 @@ class CaptureWriter:
                                "run the step again (nothing of this step was kept)") from exc
         phase = "prefill" if is_prefill else "decode"
         self._counts[phase] = self._counts.get(phase, 0) + 1
+        self._index += 1
         return written
 
     def _claim(self, step_dir: Path) -> None:

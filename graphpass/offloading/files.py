@@ -35,9 +35,23 @@ _LIVE_LOCK = threading.Lock()
 _SIGTERM = {"installed": False}
 
 
-def identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What must not change in a file graphpass serves from: size, inode, modification time, device."""
-    return (st.st_size, st.st_ino, st.st_mtime_ns, st.st_dev)
+def identity(st: os.stat_result) -> tuple[int, int, int, int, int, int]:
+    """What must not change in a file graphpass serves from: size, inode, modification time, device,
+    status-change time, link count (compared by :func:`same_file`)."""
+    return (st.st_size, st.st_ino, st.st_mtime_ns, st.st_dev, st.st_ctime_ns, st.st_nlink)
+
+
+def same_file(expected: tuple | None, now: tuple) -> bool:
+    """Whether the file of identity ``now`` is the one recorded as ``expected``, unchanged.
+
+    Size, inode, device and mtime must be equal, and the ctime too: a rewrite in place with the old
+    mtime restored (``touch -d``, ``os.utime``) still moves the ctime, which no user can set. A ctime
+    that moved together with the link count is a rename over the file, its removal or a new hard
+    link: the bytes are the same (the open file keeps them), so that is no change. (A chmod or chown
+    moves the ctime alone: it counts as a change.)"""
+    if expected is None or now[:4] != expected[:4]:
+        return False
+    return now[4] == expected[4] or now[5] != expected[5]
 
 
 def _boot_id() -> str:

@@ -111,21 +111,52 @@ class OffloadState:
         return self.runtime.stats()
 
     def __deepcopy__(self, memo):
-        raise OffloadError(
-            "copy.deepcopy of a model offloaded with graphpass.offload() is not supported (the copy would share or "
-            "lose the offload runtime, its files and its streamed weights: model._graphpass_offload): deepcopy the "
-            "model before offload() and offload the copy, or build a second instance and offload it"
-        )
+        raise _deepcopy_error()
 
     def __reduce_ex__(self, protocol):
-        raise OffloadError(
-            "a model offloaded with graphpass.offload() cannot be pickled (model._graphpass_offload holds the offload "
-            "runtime): save model.state_dict() (it returns the real weights) or save before offload()"
-        )
+        raise _pickle_error()
 
     def __repr__(self) -> str:
         return (f"OffloadState(storage={self.config.storage!r}, device={str(self.device)!r}, streamed={len(self.records)} tensors "
                 f"/ {self.streamed_bytes:,} bytes, resident={self.plan.resident_bytes:,} bytes)")
+
+
+def _deepcopy_error(module: str = "") -> OffloadError:
+    where = f"module {module!r} holds streamed weights and offload hooks; " if module else ""
+    return OffloadError(
+        "copy.deepcopy of a model offloaded with graphpass.offload() is not supported (the copy would share or "
+        f"lose the offload runtime, its files and its streamed weights: {where}model._graphpass_offload): deepcopy the "
+        "model before offload() and offload the copy, or build a second instance and offload it"
+    )
+
+
+def _pickle_error(module: str = "") -> OffloadError:
+    where = f"module {module!r} holds streamed weights and offload hooks; " if module else ""
+    return OffloadError(
+        "a model offloaded with graphpass.offload() cannot be pickled or torch.save()d (" + where +
+        "model._graphpass_offload holds the offload runtime): save model.state_dict() (it returns the real weights) "
+        "or save before offload()"
+    )
+
+
+def _refuse_copies(model: nn.Module, streamed: list[_Tensor]) -> None:
+    """Pickling (``torch.save``) or deep-copying the model, or a module holding a streamed tensor,
+    raises :class:`OffloadError` before anything is copied. Without this, pickle reaches the offload
+    hooks (local functions) first and fails with ``AttributeError``. ``Module.__getstate__`` and
+    ``__deepcopy__`` are looked up on the instance first, so only these modules change."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    holders = {id(h): h for rec in streamed for h, _, _ in rec.places if isinstance(h, nn.Module)}
+    for module in [model, *holders.values()]:
+        label = names.get(id(module)) or ""
+
+        def getstate(label=label):
+            raise _pickle_error(label)
+
+        def deepcopy(memo, label=label):
+            raise _deepcopy_error(label)
+
+        object.__setattr__(module, "__getstate__", getstate)
+        object.__setattr__(module, "__deepcopy__", deepcopy)
 
 
 def _release(runtime: OffloadRuntime, records: list, paths: list) -> None:
@@ -221,7 +252,7 @@ def _plan(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], Offlo
 
 def _check_checkpoint(tensors: list[_Tensor], checkpoint: Any, idents: dict[str, tuple]) -> dict[int, TensorLocation]:
     """Resolve every tensor in ``checkpoint`` and check it against the model; return their locations.
-    ``idents`` receives each file's identity (size, inode, mtime, device) as it was resolved."""
+    ``idents`` receives each file's identity (:func:`files.identity`) as it was resolved."""
     locations: dict[int, TensorLocation] = {}
     if checkpoint is not None:
         sharded = next((r.fqns[0] for r in tensors if is_dtensor(r.tensor)), None)
@@ -237,11 +268,14 @@ def _check_checkpoint(tensors: list[_Tensor], checkpoint: Any, idents: dict[str,
                 idents[path] = files.identity(os.stat(path))
             except OSError as exc:
                 raise OffloadError(f"checkpoint file {path}: {exc}") from None
+        missing = []
         for rec in tensors:
             name = next((f for f in rec.fqns if f in index), None)
             if name is None:
                 if rec.tensor.device.type == "meta":
                     raise OffloadError(f"tensor {rec.fqns[0]!r} is on the meta device and not in the checkpoint")
+                if _needs_checkpoint(rec):
+                    missing.append(rec.fqns[0])
                 continue
             loc = index[name]
             if tuple(rec.tensor.shape) != loc.shape or rec.tensor.dtype != loc.dtype:
@@ -250,11 +284,33 @@ def _check_checkpoint(tensors: list[_Tensor], checkpoint: Any, idents: dict[str,
                     f"{list(rec.tensor.shape)} {rec.tensor.dtype} ({loc.path})"
                 )
             locations[id(rec)] = loc
+        if missing:
+            _refuse_missing(missing, tensors, checkpoint)
     else:
         meta = [r.fqns[0] for r in tensors if r.tensor.device.type == "meta"]
         if meta:
             raise OffloadError(f"tensor {meta[0]!r} is on the meta device: pass checkpoint= (safetensors files) to load it")
     return locations
+
+
+def _needs_checkpoint(rec: _Tensor) -> bool:
+    """A real tensor the checkpoint must hold: a parameter (a wrapper's are its inner tensors) or a
+    streamed tensor. A real buffer that is not streamed (a rotary ``inv_freq`` computed at
+    construction) may be absent: it is kept."""
+    if rec.streamed and not rec.resident:
+        return True
+    return any(kind == "parameter" for _, _, kind in rec.places) and not is_wrapper_subclass(local_tensor(rec.tensor))
+
+
+def _refuse_missing(missing: list[str], tensors: list[_Tensor], checkpoint: Any) -> None:
+    where = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else [os.fspath(c) for c in checkpoint]
+    shown = ", ".join(repr(m) for m in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    raise OffloadError(
+        f"checkpoint {where!r} holds no tensor named {shown} ({len(missing)} of the model's "
+        f"{sum(_needs_checkpoint(r) for r in tensors)} parameters and streamed tensors are missing): the model would keep "
+        f"its own values for them, silently. Pass the checkpoint of this model (its names as model.state_dict() "
+        f"prints them), or offload without checkpoint= to stream the model's own weights"
+    )
 
 
 def _prepare_disk_path(config: OffloadConfig, streamed: list[_Tensor], locations: dict[int, TensorLocation]) -> Path | None:
@@ -284,7 +340,7 @@ def _load_value(rec: _Tensor, loc: TensorLocation | None, target: torch.device, 
     if loc is not None:
         host = torch.empty(loc.shape, dtype=loc.dtype, pin_memory=pin)
         with open(loc.path, "rb") as f:
-            if idents and files.identity(os.fstat(f.fileno())) != idents.get(loc.path):
+            if idents and not files.same_file(idents.get(loc.path), files.identity(os.fstat(f.fileno()))):
                 raise OffloadError(f"tensor {rec.fqns[0]!r}: checkpoint file {loc.path} changed while offload() read it")
             read_into(f.fileno(), loc, host)
         return host if target.type == "cpu" else host.to(target)
@@ -589,6 +645,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
                                      config.storage == "disk")
         _install_guards(model, state, [r for r in streamed if id(r) not in sharded])
         _install_state_dict_hooks(model, state, tensors, streamed)
+        _refuse_copies(model, streamed)
         _attach(model, state)
     except BaseException:
         _release(state.runtime, state.records, state.files)  # open files closed, a written file removed

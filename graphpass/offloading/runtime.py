@@ -59,7 +59,7 @@ import torch
 from ..errors import OffloadError
 from ..fx_utils import is_wrapper_subclass, local_tensor, wrapper_fields
 from ..tracing import EVICT, WAIT, active_sink, record_span
-from .files import identity
+from .files import identity, same_file
 from .leases import FileLeases, handler_installed
 from .safetensors_io import TensorLocation, read_into
 
@@ -498,11 +498,11 @@ class OffloadRuntime:
         return getattr(self, attr)
 
     def track_file(self, path: str, expected: tuple | None = None, tensor: str = "") -> None:
-        """Open ``path`` now and record its identity (size, inode, mtime, device); with ``expected``
+        """Open ``path`` now and record its identity (size, inode, mtime, device, ctime); with ``expected``
         (the identity when offload() resolved it) refuse a file that changed since."""
         fd = self._fd(path)
         now = identity(os.fstat(fd))
-        if expected is not None and now != expected:
+        if expected is not None and not same_file(expected, now):
             raise OffloadError(_changed(tensor, path, expected, now, "since offload() read its header"))
         self._ids.setdefault(path, expected if expected is not None else now)
         if self.storage == "disk" and self.device.type != "cuda" and _MAP_FLAGS is not None:
@@ -598,7 +598,7 @@ class OffloadRuntime:
     # ---------------------------------------------------------------- the transfers
     def _checked_fd(self, rec: OffloadedTensor) -> int:
         """The open file of ``rec``'s bytes, checked to be the file offload() resolved, unchanged
-        (same size, inode, mtime, device) and still covering the tensor: a file truncated or
+        (same size, inode, mtime, device, ctime: :func:`same_file`) and still covering the tensor: a file truncated or
         rewritten in place would be read as other bytes, or kill the process with SIGBUS when a
         mapping of it is touched past its new end."""
         loc = rec.location
@@ -610,7 +610,7 @@ class OffloadRuntime:
                 f"tensor {rec.name!r}: {loc.path} is truncated ({now[0]} bytes, its bytes end at {loc.offset + loc.nbytes}); "
                 f"it changed while the model serves from it: restore the file and offload the model again"
             )
-        if now != expected:
+        if not same_file(expected, now):
             raise OffloadError(_changed(rec.name, loc.path, expected, now, "since graphpass.offload() resolved it"))
         return fd
 
@@ -885,10 +885,12 @@ def _changed(tensor: str, path: str, expected: tuple, now: tuple, when: str) -> 
     what = []
     if now[0] != expected[0]:
         what.append(f"size {expected[0]} -> {now[0]} bytes" + (" (truncated)" if now[0] < expected[0] else ""))
-    if now[1:2] != expected[1:2] or now[3:] != expected[3:]:
+    if now[1] != expected[1] or now[3] != expected[3]:
         what.append("another file (inode/device)")
     if now[2] != expected[2]:
         what.append("modified (mtime)")
+    elif now[4] != expected[4]:
+        what.append("status changed (ctime): rewritten with its mtime restored, or chmod/chown")
     name = f"tensor {tensor!r}: " if tensor else ""
     return (f"{name}{path} changed {when} ({', '.join(what) or 'identity differs'}): graphpass reads the bytes "
             f"there at every load and refuses a file rewritten, truncated or replaced in place. Restore it, or "

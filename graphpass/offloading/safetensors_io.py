@@ -68,12 +68,7 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorLocation]:
             raw = f.read(n)
     except OSError as exc:
         raise OffloadError(f"{path}: cannot read the checkpoint file: {exc}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise OffloadError(f"{path}: not a safetensors file (its header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise OffloadError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    header = _parse_header(path, raw)
     base = 8 + n
     out: dict[str, TensorLocation] = {}
     for name, info in header.items():
@@ -98,7 +93,41 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorLocation]:
                 f"{path}: tensor {name!r} is truncated: its bytes end at {base + end} but the file has {size} bytes"
             )
         out[name] = TensorLocation(name, path, base + begin, nbytes, dtype, shape)
+    _refuse_overlaps(path, out)
     return out
+
+
+def _parse_header(path: str, raw: bytes) -> dict:
+    """The header's JSON object; a key given twice (at any level) is refused, as safetensors does."""
+    twice: list[str] = []
+
+    def pairs(items: list) -> dict:
+        seen: dict = {}
+        for k, v in items:
+            if k in seen:
+                twice.append(k)
+            seen[k] = v
+        return seen
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=pairs)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise OffloadError(f"{path}: not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise OffloadError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    if twice:
+        raise OffloadError(f"{path}: invalid safetensors header: key(s) {sorted(set(twice))} given more than once "
+                           f"(safetensors refuses such a file)")
+    return header
+
+
+def _refuse_overlaps(path: str, tensors: dict[str, TensorLocation]) -> None:
+    """Two tensors whose byte ranges overlap (safetensors refuses such a file): an error naming both."""
+    spans = sorted((loc.offset, loc.offset + loc.nbytes, name) for name, loc in tensors.items() if loc.nbytes)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise OffloadError(f"{path}: invalid safetensors header: the bytes of tensors {first!r} and {second!r} "
+                               f"overlap (safetensors refuses such a file)")
 
 
 def checkpoint_files(checkpoint: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
@@ -107,17 +136,12 @@ def checkpoint_files(checkpoint: str | os.PathLike | Iterable[str | os.PathLike]
         p = Path(checkpoint)
         if p.is_dir():
             indexes = sorted(p.glob("*.safetensors.index.json"))
+            if len(indexes) > 1:
+                raise OffloadError(f"checkpoint folder {p} holds {len(indexes)} safetensors indexes "
+                                   f"({', '.join(i.name for i in indexes)}): which one is meant is unclear; remove the "
+                                   f"others, or pass the files as a list")
             if indexes:
-                try:
-                    weight_map = json.loads(indexes[0].read_text())["weight_map"]
-                except (OSError, ValueError, KeyError, TypeError):
-                    raise OffloadError(f"{indexes[0]}: not a safetensors index (no 'weight_map')") from None
-                if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-                    raise OffloadError(
-                        f"{indexes[0]}: not a safetensors index: its 'weight_map' must map tensor names to file "
-                        f"names, found {type(weight_map).__name__}; fix or remove the index file"
-                    )
-                files = [str(p / f) for f in dict.fromkeys(weight_map.values())]
+                files = _index_files(p, indexes[0])
             else:
                 files = [str(f) for f in sorted(p.glob("*.safetensors"))]
             if not files:
@@ -128,6 +152,25 @@ def checkpoint_files(checkpoint: str | os.PathLike | Iterable[str | os.PathLike]
     if not files:
         raise OffloadError("checkpoint: an empty list of files")
     return files
+
+
+def _index_files(folder: Path, index: Path) -> list[str]:
+    """The files an index's ``weight_map`` names, each inside ``folder`` (a ``..`` or absolute
+    entry is refused: an index never makes graphpass read a file outside its folder)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise OffloadError(f"{index}: not a safetensors index (no 'weight_map')") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise OffloadError(
+            f"{index}: not a safetensors index: its 'weight_map' must map tensor names to file "
+            f"names, found {type(weight_map).__name__}; fix or remove the index file"
+        )
+    for name, f in weight_map.items():
+        if not f or os.path.isabs(f) or ".." in Path(f).parts:
+            raise OffloadError(f"{index}: tensor {name!r} is mapped to {f!r}, outside the checkpoint folder: an index "
+                               f"names files in its own folder")
+    return [str(folder / f) for f in dict.fromkeys(weight_map.values())]
 
 
 def index_checkpoint(checkpoint) -> dict[str, TensorLocation]:

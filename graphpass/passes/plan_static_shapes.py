@@ -31,7 +31,7 @@ import torch
 from .. import dynamo_records
 from ..analysis import TensorOwnership
 from ..errors import ConfigError
-from ..fx_utils import example_of, is_symbolic, size_expr
+from ..fx_utils import example_of, is_symbolic, shape_env_hints, size_expr
 from ..torch_compat import source_name
 from .base import GraphPass, PassContext
 
@@ -44,6 +44,7 @@ class BucketPlan:
     size_inputs: dict[int, sympy.Expr]  # placeholder index of a SymInt input -> its expression
     outputs: list[Any]  # per output: None (no padded dim) or per-dim None / (symbol, a, b): size a*L + b
     refused: list[str] = field(default_factory=list)  # why this graph runs dynamic (empty: bucketed)
+    ties: dict[sympy.Symbol, sympy.Symbol] = field(default_factory=dict)  # symbol of another input's dim -> the bucketed symbol it must equal
     unsliced: torch.fx.GraphModule | None = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
 
     @property
@@ -89,8 +90,11 @@ class PlanStaticShapes(GraphPass):
         if found is None:
             return False  # not bucketed; the reason is in ctx.log
         symbols, masked_syms = found
-        plan = BucketPlan(symbols=symbols, pad={}, pad_values={}, size_inputs={}, outputs=[])
-        syms = set(symbols)
+        ties = _tied_symbols(placeholders, symbols)
+        plan = BucketPlan(symbols={**symbols, **{t: where for t, (_, where) in ties.items()}}, pad={}, pad_values={},
+                          size_inputs={}, outputs=[], ties={t: sym for t, (sym, _) in ties.items()})
+        masked_syms |= {t for t, sym in plan.ties.items() if sym in masked_syms}
+        syms = set(plan.symbols)
         _plan_inputs(plan, placeholders, syms, inputs.pad_values(cfg.pad_value))
         if not ctx.roots.is_entry_frame:
             _refuse_unrelated_sizes(plan, placeholders, syms, ctx.roots.frame_name)
@@ -99,15 +103,19 @@ class PlanStaticShapes(GraphPass):
         if unmasked and not plan.refused:
             from ..static_shapes.padding_safety import check_padding_safety
 
-            for v in check_padding_safety(ctx.gm, unmasked):
+            zero = {placeholders[i].name for i, v in plan.pad_values.items() if v == 0}
+            for v in check_padding_safety(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero):
                 plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
-        from ..static_shapes.dispatcher import copy_graph
+        from ..fx_utils import copy_graph
 
         plan.unsliced = copy_graph(ctx.gm)  # the dynamic fallback must not slice fixed-size buffers
         ctx.analysis.bucket_plan = plan
         if plan.active:
             ctx.static_bounds = {sym: cfg.largest for sym in symbols}
         state = "bucketed" if plan.active else "refused: " + plan.refused[0]
+        if plan.ties:
+            ctx.log.append(f"{self.name}: padded with the bucketed dim (equal when traced, checked per call): "
+                           + ", ".join(f"{t} = {sym}" for t, sym in plan.ties.items()))
         ctx.log.append(f"{self.name}: {len(plan.pad)} padded inputs, {len(plan.outputs)} outputs; {state}")
         return False  # a plan: the graph itself is padded per bucket by the dispatcher
 
@@ -151,6 +159,32 @@ class PlanStaticShapes(GraphPass):
         if missing:
             ctx.log.append(f"{self.name}: inputs {missing} not in this graph; bucketing the others")
         return symbols, masked_syms
+
+
+def _tied_symbols(placeholders: list[torch.fx.Node], symbols: dict) -> dict:
+    """Input dims sized by a symbol of their own that had the same value as a bucketed dim when
+    Dynamo traced (transformers' ``attention_mask`` beside ``input_ids``: Dynamo gives each its own
+    symbol). They are padded to the same bucket: symbol -> (the bucketed symbol, (placeholder, dim)).
+    The dispatcher checks the equality on every call and runs the call unpadded when it fails, so a
+    wrong guess costs bucketing, never correctness."""
+    hints = {}
+    for sym, (i, _) in symbols.items():
+        env = getattr(example_of(placeholders[i]), "fake_mode", None)
+        env = getattr(env, "shape_env", None)
+        if env is not None:
+            hints = shape_env_hints(env)
+            break
+    by_value = {hints.get(sym): sym for sym in symbols if hints.get(sym) is not None}
+    ties: dict = {}
+    for i, ph in enumerate(placeholders):
+        val = example_of(ph)
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d, size in enumerate(val.shape):
+            e = _expr(size)
+            if isinstance(e, sympy.Symbol) and e not in symbols and e not in ties and hints.get(e) in by_value:
+                ties[e] = (by_value[hints[e]], (i, d))
+    return ties
 
 
 def _refuse_if_never_dynamic(name: str, d: int, size: int) -> None:

@@ -2,10 +2,12 @@
 
 Modules: ``allocation_audit`` (:func:`audit`: every variable-size allocation with a verdict),
 ``padding_safety`` (may a graph be padded along a dim, with its op tables), ``dispatcher`` (one
-static graph per bucket at run time). The graph passes are
+static graph per bucket at run time), ``buckets`` (:func:`choose_buckets`: the bucket sizes that pad
+a workload's lengths least for a budget of graphs). The graph passes are
 :mod:`graphpass.passes.plan_static_shapes` and :mod:`graphpass.passes.slice_static_buffers`.
 """
 
 from .allocation_audit import AuditReport, audit
+from .buckets import PaddingReport, choose_buckets, padding_report, power_of_two_buckets
 
-__all__ = ["audit", "AuditReport"]
+__all__ = ["audit", "AuditReport", "choose_buckets", "padding_report", "PaddingReport", "power_of_two_buckets"]

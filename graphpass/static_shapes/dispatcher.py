@@ -36,20 +36,9 @@ import torch
 
 from graphpass.backends import Delegate
 
-from ..fx_utils import shape_env_hints
+from ..fx_utils import copy_graph, shape_env_hints
 from ..config import StaticShapesConfig
 from ..ops import CURRENT_BUCKET
-
-
-def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A new GraphModule over a copy of ``gm``'s graph (delegates may mutate what they compile)."""
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    new = torch.fx.GraphModule(gm, graph)
-    if hasattr(gm, "_param_name_to_source"):  # AOTAutograd reads it on Dynamo graphs
-        new._param_name_to_source = dict(gm._param_name_to_source)
-    return new
 
 
 def scalar_items(gm: torch.fx.GraphModule) -> list[int]:
@@ -197,15 +186,16 @@ class BucketDispatcher:
     def __call__(self, *args: Any) -> Any:
         plan = self.plan
         sizes = {sym: int(args[i].shape[d]) for sym, (i, d) in plan.symbols.items()}
+        if any(sizes[t] != sizes[sym] for t, sym in plan.ties.items()):
+            self._warn_untied(sizes)
+            return self._run_unpadded(args, self._shape_key(args))
         buckets = {sym: self.cfg.bucket_for(n) for sym, n in sizes.items()}
         if any(b is None for b in buckets.values()):
             self._warn(
                 f"graphpass static_shapes: size {max(sizes.values())} is larger than the largest bucket "
                 f"{self.cfg.largest}; running it unpadded with dynamic shapes (add a bucket to avoid it)"
             )
-            shape_key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args
-                              if isinstance(a, (torch.Tensor, int)))
-            return self._run_unpadded(args, shape_key)
+            return self._run_unpadded(args, self._shape_key(args))
         subs = {sym: b for sym, b in buckets.items()}
         others = tuple((i, int(a)) for i, a in enumerate(args) if isinstance(a, int) and i not in plan.size_inputs)
         key = (tuple(sorted((str(s), b) for s, b in subs.items())), others,
@@ -225,6 +215,16 @@ class BucketDispatcher:
         finally:
             CURRENT_BUCKET.reset(token)
         return self._slice(outs, sizes)
+
+    @staticmethod
+    def _shape_key(args: Sequence[Any]) -> tuple:
+        return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args if isinstance(a, (torch.Tensor, int)))
+
+    def _warn_untied(self, sizes: dict) -> None:
+        """An input padded with a bucketed dim (equal to it when traced) differs from it in this call."""
+        pairs = ", ".join(f"{t}={sizes[t]} vs {sym}={sizes[sym]}" for t, sym in self.plan.ties.items() if sizes[t] != sizes[sym])
+        self._warn(f"graphpass static_shapes: inputs padded together with the bucketed dim have other lengths in this call "
+                   f"({pairs}); running it unpadded with dynamic shapes")
 
     def _stage(self, key: tuple, i: int, t: torch.Tensor, dims: tuple, subs: dict) -> torch.Tensor:
         """Copy ``t`` into this bucket's persistent buffer for input ``i`` and fill the padding (on a

@@ -40,14 +40,14 @@ OpOverloads arguments are read by their schema names, so aten graphs work for th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import sympy
 import torch
 
-from ..fx_utils import example_of, mentions_symbol, size_expr, source_frame, tensors_of
+from ..fx_utils import example_of, mentions_symbol, ran_inside, size_expr, source_frame, tensors_of
 
 if TYPE_CHECKING:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -92,7 +92,7 @@ POINTWISE: frozenset[str] = frozenset(
     prelu dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout native_dropout
     to type type_as float double half bfloat16 int long short bool byte char cpu cuda detach clone
     contiguous requires_grad_ alias lift_fresh _to_copy fill_ zero_ copy_ tril triu real imag
-    view_as_real view_as_complex""".split()
+    view_as_real view_as_complex polar complex""".split()
 )
 
 #: Dim-wise layout ops: they move or broadcast whole dims, so padding stays at the end of each.
@@ -228,11 +228,28 @@ CONCAT: frozenset[str] = frozenset("cat concat concatenate".split())
 REPEATS: frozenset[str] = frozenset("repeat tile repeat_interleave".split())
 PADS: frozenset[str] = frozenset("pad constant_pad_nd".split())
 EMBEDDINGS: frozenset[str] = frozenset("embedding".split())
+#: 1-d convolutions: causal along the time dim when padded by at least (kernel - 1) * dilation.
+CONVS: frozenset[str] = frozenset({"conv1d"})
 
 _KNOWN: frozenset[str] = (
-    POINTWISE | LAYOUT | RESHAPES | META | ATTENTION | INDEXING | CONCAT | REPEATS | PADS | EMBEDDINGS
+    POINTWISE | LAYOUT | RESHAPES | META | ATTENTION | INDEXING | CONCAT | REPEATS | PADS | EMBEDDINGS | CONVS
     | frozenset(FACTORIES) | frozenset(ALONG_DIM) | frozenset(MATMULS) | frozenset(NORMS)
 )
+
+#: Library functions checked as a whole instead of op by op: every output row of each, along the
+#: padded dim, depends only on the same rows of its inputs, for the reason given. Their inner ops
+#: (a sort of the tokens by expert, gathers, a count per expert, grouped GEMMs, the inverse
+#: permutation) are not row-wise one by one, but the function is. (path suffix, function) -> reason.
+ROW_WISE_FUNCTIONS: Mapping[tuple[str, str], str] = MappingProxyType({
+    ("transformers/integrations/moe.py", "grouped_mm_experts_forward"):
+        "dropless top-k experts: the token-expert pairs are sorted by expert, each row is multiplied by its own "
+        "expert's weights (the group offsets are counted from the same sorted rows), the inverse permutation puts "
+        "every row back, and a token's k results are summed in its own row; no capacity, so no token is dropped "
+        "because of another",
+    ("transformers/integrations/moe.py", "batched_mm_experts_forward"):
+        "dropless top-k experts: each token-expert pair is multiplied by its own gathered expert weights and a "
+        "token's k results are summed in its own row",
+})
 
 #: Namespaces whose OpOverloads are read through the tables above; graphpass's are always safe.
 _TABLE_NAMESPACES = frozenset({"aten", "prims"})
@@ -431,6 +448,11 @@ _Finding = tuple[int | None, str]
 class _Ctx:
     names: frozenset[str]
     causal_ok: bool
+    facts: Mapping[torch.fx.Node, Any] = field(default_factory=dict)  # index provenance (_Positions / _Causal)
+    ties: Mapping[Any, Any] = field(default_factory=dict)  # symbol -> the padded symbol it equals on every call
+
+    def same_size(self, a: Any, b: Any) -> bool:
+        return size_expr(a).xreplace(self.ties) == size_expr(b).xreplace(self.ties)
 
     def padded(self, value: Any) -> tuple[int, ...]:
         t = example_of(value)
@@ -577,11 +599,24 @@ def _check_attention(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
             return t.dim() - 1, f"{name} contracts over the padded head dim"
     for t in (k, v):
         if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.dim() - 2 in ctx.padded(t):
-            causal = _arg(node, 5, "is_causal", False)
-            if causal is True and ctx.causal_ok:
+            mask = _arg(node, 3, "attn_mask", None)
+            causal = _arg(node, 5, "is_causal", False) is True or _causal_mask(mask, ctx)
+            if causal and ctx.causal_ok:
                 break  # row i sees rows <= i; the padding sits after every real row
-            return t.dim() - 2, "attention over the padded sequence"
+            if _pad_keys_masked(mask, ctx):
+                break  # the mask is False at every padding key (ANDed with a zero-padded attention mask)
+            why = " without is_causal or a mask proven causal" if ctx.causal_ok else ""
+            return t.dim() - 2, "attention over the padded sequence" + why
     return _value_use(node, ctx)
+
+
+def _starts_at_zero(start: Any, size: Any, ctx: _Ctx) -> bool:
+    """``x[-n:]`` where ``n`` is the dim's own length (transformers trims a mask to the last
+    ``inputs_embeds.shape[1]`` positions): the slice starts at row 0 whatever the padding."""
+    v = example_of(start)
+    if size is None or not isinstance(v, torch.SymInt):
+        return False
+    return ctx.same_size(-size_expr(v), size)
 
 
 def _bad_start(start: Any, ctx: _Ctx) -> str | None:
@@ -622,7 +657,7 @@ def _check_getitem(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None
         for dd in range(d, d + w):
             if dd not in pads:
                 continue
-            why = _bad_index(item, ctx)
+            why = _bad_index(item, ctx, t.shape[dd])
             if why:
                 verb = "writes" if name == "setitem" else "indexes"
                 return dd, f"{verb} the padded dim with an index that {why}"
@@ -659,11 +694,15 @@ def _index_width(item: Any) -> int:
     return 0 if item is Ellipsis else 1
 
 
-def _bad_index(item: Any, ctx: _Ctx) -> str | None:
-    """Why one item of a subscript, indexing a padded dim, is not row-preserving, or None."""
+def _bad_index(item: Any, ctx: _Ctx, size: Any = None) -> str | None:
+    """Why one item of a subscript, indexing a padded dim of length ``size``, is not row-preserving,
+    or None. A tensor index proven to hold the positions ``0 .. size - 1`` (an identity index, see
+    :func:`index_provenance`) reads row ``i`` into row ``i``."""
     v = example_of(item)
+    if size is not None and _identity_index(item, size, ctx):
+        return None
     if isinstance(item, slice):
-        why = _bad_start(item.start, ctx)
+        why = None if _starts_at_zero(item.start, size, ctx) else _bad_start(item.start, ctx)
         step = example_of(item.step)
         if step is not None and not (isinstance(step, int) and step >= 1):
             why = why or "steps backwards or by a non-static step"
@@ -746,6 +785,29 @@ def _check_embedding(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
     if isinstance(w, torch.Tensor) and w.dim() and 0 in ctx.padded(w):
         return 0, "embedding looks up rows of a table along the padded dim"
     return None
+
+
+def _check_conv1d(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    """``conv1d(x, w, stride=1, padding=p, dilation=d)`` along a padded time dim (the last): output
+    row ``i`` reads input rows ``i - p .. i - p + (k - 1) * d``, so with ``p >= (k - 1) * d`` only
+    rows ``<= i`` (the causal convolution of Mamba-style layers, sliced back to the length)."""
+    x = example_of(_arg(node, 0, "input"))
+    w = example_of(_arg(node, 1, "weight", None))
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
+        return None, f"{name} with unreadable operands: cannot prove row independence"
+    pads = ctx.padded(x)
+    if any(d != x.dim() - 1 for d in pads):
+        return pads[0], f"{name} contracts over the padded dim"
+    if not pads:
+        return _value_use(node, ctx)
+    stride, padding, dilation = (_dims(_arg(node, i, kw, dflt)) for i, kw, dflt in (
+        (3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
+    k = _static_int(w.shape[-1])
+    causal = (ctx.causal_ok and k is not None and stride is not None and padding is not None and dilation is not None
+              and stride[0] == 1 and padding[0] >= (k - 1) * dilation[0])
+    if not causal:
+        return pads[0], f"{name} along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"
+    return _value_use(node, ctx)
 
 
 def _shape_env(t: torch.Tensor) -> ShapeEnv | None:
@@ -858,6 +920,8 @@ def _handler(name: str) -> Callable[[torch.fx.Node, str, _Ctx], _Finding | None]
         return _check_pad
     if name in EMBEDDINGS:
         return _check_embedding
+    if name in CONVS:
+        return _check_conv1d
     return None
 
 
@@ -866,6 +930,8 @@ def _check_node(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
         return None
     if node.op == "call_function" and _namespace(node.target) in _SAFE_NAMESPACES:
         return None  # graphpass's own markers: no outputs, run-time side effects only
+    if any(ran_inside(node, path, fn) for path, fn in ROW_WISE_FUNCTIONS):
+        return None  # inside a library function that is row-wise as a whole
     inputs = [n for n in _iter_nodes((node.args, node.kwargs))]
     tensor_in = [n for n in inputs if tensors_of(n)]
     tensor_out = tensors_of(node)
@@ -882,8 +948,267 @@ def _check_node(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
     return handler(node, name, ctx)
 
 
+# --------------------------------------------------------------------------------------------
+# Index provenance: position tensors and causal masks
+# --------------------------------------------------------------------------------------------
+#
+# transformers builds its attention masks from position indices: ``q = arange(L)[None, None, :, None]``,
+# ``kv = arange(L)[None, None, None, :]``, ``position_ids[batch, q]`` and ``kv <= q``. Two facts,
+# computed in one forward sweep over the graph, let the checks above accept them:
+#
+# * :class:`_Positions`: an integer tensor whose value at index ``i`` along one dim is ``i + offset``
+#   whatever the other indices (``arange``, and what views, ``+ c`` and indexing by positions keep).
+#   Indexing a padded dim of length ``n`` with positions ``0 .. n - 1`` reads row ``i`` into row ``i``.
+# * :class:`_Causal`: a boolean tensor that is true only where the index along dim ``k`` is at most
+#   the index along dim ``q`` (``kv <= q`` on positions with equal offsets, and anything ANDed with
+#   such a mask). As an attention mask (queries on dim -2, keys on dim -1) it lets a real query row
+#   ``i < L`` see keys ``j <= i`` only, so never the padding at the end: the same proof as ``is_causal``.
+
+
+@dataclass(frozen=True)
+class _Positions:
+    dim: int  # value at index i along dim == i + offset, whatever the other indices
+    offset: int
+
+
+@dataclass(frozen=True)
+class _Causal:
+    q: int  # true only where index along k <= index along q
+    k: int
+
+
+@dataclass(frozen=True)
+class _ZeroPad:
+    dim: int  # every padding row along dim holds 0 / False (an input the dispatcher pads with 0, and what keeps that)
+
+
+#: Ops that keep every value and dim (dtype and device conversions, copies).
+_KEEPS = frozenset("to type long int bool clone contiguous detach alias lift_fresh _to_copy".split())
+#: Comparisons as (flip operands, strict): a < b, a <= b, a > b == b < a, a >= b == b <= a.
+_COMPARES = MappingProxyType({"le": (False, False), "lt": (False, True), "ge": (True, False), "gt": (True, True),
+                              "less_equal": (False, False), "less": (False, True), "greater_equal": (True, False),
+                              "greater": (True, True)})
+_ANDS = frozenset("and_ logical_and bitwise_and mul".split())
+
+
+def _moved(fact: Any, where: Callable[[int], int | None]) -> Any:
+    """``fact`` with its dims renumbered by ``where`` (None: a dim that does not survive)."""
+    if isinstance(fact, _Positions):
+        d = where(fact.dim)
+        return None if d is None else _Positions(d, fact.offset)
+    if isinstance(fact, _Causal):
+        q, k = where(fact.q), where(fact.k)
+        return None if q is None or k is None or q == k else _Causal(q, k)
+    if isinstance(fact, _ZeroPad):
+        d = where(fact.dim)
+        return None if d is None else _ZeroPad(d)
+    return None
+
+
+def _aligned(fact: Any, src: Any, out: torch.Tensor) -> Any:
+    """``fact`` of ``src`` on the dims of a broadcast result ``out`` (dims align from the right)."""
+    t = example_of(src)
+    if fact is None or not isinstance(t, torch.Tensor) or t.dim() > out.dim():
+        return None
+    return _moved(fact, lambda d: d + out.dim() - t.dim())
+
+
+def _is_int_tensor(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and not t.dtype.is_floating_point and not t.dtype.is_complex \
+        and t.dtype != torch.bool
+
+
+def _arange_fact(node: torch.fx.Node, out: torch.Tensor) -> Any:
+    """``arange(n)`` / ``arange(c, c + n)`` with a static integer start and step 1."""
+    if out.dim() != 1 or not _is_int_tensor(out):
+        return None
+    args = [a for a in node.args]
+    start = node.kwargs.get("start", args[0] if len(args) >= 2 else 0)
+    step = node.kwargs.get("step", args[2] if len(args) >= 3 else 1)
+    start, step = _static_int(start), _static_int(step)
+    return _Positions(0, start) if start is not None and step == 1 else None
+
+
+def _view_map(items: list[Any], ndim: int) -> Callable[[int], int | None] | None:
+    """For a subscript of None / int / full-prefix slices / Ellipsis: source dim -> result dim."""
+    used = sum(0 if i is None or i is Ellipsis else 1 for i in items)
+    mapping: dict[int, int | None] = {}
+    d = o = 0
+    for item in items:
+        if item is None:
+            o += 1
+        elif item is Ellipsis:
+            for _ in range(ndim - used):
+                mapping[d], d, o = o, d + 1, o + 1
+        elif isinstance(item, slice) and _static_int(item.start or 0) == 0 and item.step in (None, 1):
+            mapping[d], d, o = o, d + 1, o + 1  # a prefix keeps every position it keeps
+        elif _static_int(item) is not None:
+            mapping[d], d = None, d + 1
+        else:
+            return None
+    for rest in range(d, ndim):
+        mapping[rest], o = o, o + 1
+    return mapping.get
+
+
+def _gather_fact(src: torch.fx.Node, items: list[Any], facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+    """``src[i0, i1, ...]`` with integer tensor indices on its leading dims (advanced indexing)."""
+    fact = facts.get(src)
+    lead = 0
+    while lead < len(items) and _is_int_tensor(example_of(items[lead])):
+        lead += 1
+    if not isinstance(fact, (_Positions, _ZeroPad)) or lead == 0 or any(i not in (Ellipsis,) and not (
+            isinstance(i, slice) and i == slice(None)) for i in items[lead:]):
+        return None
+    nb = out.dim() - (example_of(src).dim() - lead)  # the broadcast index dims come first
+    if fact.dim >= lead:
+        return _moved(fact, lambda d: nb + d - lead)
+    index = items[fact.dim]
+    inner = facts.get(index) if isinstance(index, torch.fx.Node) else None
+    if not isinstance(inner, _Positions):
+        return None
+    at = inner.dim + nb - example_of(index).dim()
+    if isinstance(fact, _ZeroPad):  # rows 0 .. n - 1 read in place: the padding rows stay the zero rows
+        same = inner.offset == 0 and size_expr(example_of(index).shape[inner.dim]) == size_expr(example_of(src).shape[fact.dim])
+        return _ZeroPad(at) if same else None
+    return _Positions(at, fact.offset + inner.offset)
+
+
+def _getitem_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+    src = node.args[0]
+    idx = node.args[1] if len(node.args) > 1 else None
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    t = example_of(src)
+    if not isinstance(t, torch.Tensor) or not isinstance(src, torch.fx.Node):
+        return None
+    if any(isinstance(example_of(i), torch.Tensor) for i in items):
+        return _gather_fact(src, items, facts, out)
+    where = _view_map(items, t.dim())
+    return _moved(facts.get(src), where) if where is not None else None
+
+
+def _compare_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+    """``k <= q`` (or ``k < q + 1``) on positions along two different dims."""
+    flip, strict = _COMPARES[name]
+    a, b = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    if flip:
+        a, b = b, a
+    fa = _aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else None
+    fb = _aligned(facts.get(b), b, out) if isinstance(b, torch.fx.Node) else None
+    if not (isinstance(fa, _Positions) and isinstance(fb, _Positions)) or fa.dim == fb.dim:
+        return None
+    # true => j + fa.offset <= i + fb.offset (- 1 when strict) => j <= i when the slack is <= 0
+    slack = fb.offset - fa.offset - (1 if strict else 0)
+    return _Causal(q=fb.dim, k=fa.dim) if slack <= 0 else None
+
+
+def _and_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+    """An AND only removes true entries: causal when any operand is."""
+    if out.dtype != torch.bool:
+        return None
+    found = [_aligned(facts.get(a), a, out) for a in _iter_nodes(node.args)]
+    return next((f for f in found if isinstance(f, _Causal)), None) or next(
+        (f for f in found if isinstance(f, _ZeroPad)), None)
+
+
+def _reshape_fact(src: Any, fact: Any, out: torch.Tensor) -> Any:
+    """A reshape that only adds or drops dims of size 1 keeps the other dims in order."""
+    t = example_of(src)
+    if fact is None or not isinstance(t, torch.Tensor):
+        return None
+    kept_in = [d for d, s in enumerate(t.shape) if not (isinstance(s, int) and s == 1)]
+    kept_out = [d for d, s in enumerate(out.shape) if not (isinstance(s, int) and s == 1)]
+    if [size_expr(t.shape[d]) for d in kept_in] != [size_expr(out.shape[d]) for d in kept_out]:
+        return None
+    return _moved(fact, dict(zip(kept_in, kept_out)).get)
+
+
+def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> Any:
+    out = example_of(node)
+    name = _op_name(node) if node.op in ("call_function", "call_method") else None
+    if name is None or not isinstance(out, torch.Tensor):
+        return None
+    if name == "arange":
+        return _arange_fact(node, out)
+    if name == "getitem":
+        return _getitem_fact(node, facts, out)
+    if name in _COMPARES:
+        return _compare_fact(node, name, facts, out)
+    if name in _ANDS:
+        return _and_fact(node, facts, out)
+    src = node.args[0] if node.args else None
+    fact = facts.get(src) if isinstance(src, torch.fx.Node) else None
+    if fact is None:
+        return None
+    if name in ("add", "sub") and isinstance(fact, _Positions) and _is_int_tensor(out):
+        c = _static_int(node.args[1]) if len(node.args) > 1 else None
+        return None if c is None else _aligned(_Positions(fact.dim, fact.offset + (c if name == "add" else -c)), src, out)
+    if name in _KEEPS:
+        keeps = _is_int_tensor(out) if isinstance(fact, _Positions) else (
+            out.dtype == torch.bool if isinstance(fact, _Causal) else True)
+        return _aligned(fact, src, out) if keeps and example_of(src).dim() == out.dim() else None
+    if name in ("expand", "expand_as", "broadcast_to"):
+        return _aligned(fact, src, out)
+    if name == "unsqueeze":
+        at = _static_int(_arg(node, 1, "dim", None))
+        return None if at is None else _moved(fact, lambda d: d + (d >= at % out.dim()))
+    if name in RESHAPES:
+        return _reshape_fact(src, fact, out)
+    return None
+
+
+def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None
+                     ) -> dict[torch.fx.Node, Any]:
+    """The position and causal-mask facts of ``gm``'s nodes (see the section comment above).
+    ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim."""
+    facts: dict[torch.fx.Node, Any] = {n: _ZeroPad(d) for n, d in (zero_padded or {}).items()}
+    for node in gm.graph.nodes:
+        if node in facts:
+            continue
+        fact = _fact_of(node, facts)
+        if fact is not None:
+            facts[node] = fact
+    return facts
+
+
+def _identity_index(item: Any, size: Any, ctx: _Ctx) -> bool:
+    """``item`` holds ``0 .. size - 1`` along the dim it broadcasts on (row ``i`` reads row ``i``)."""
+    fact = ctx.facts.get(item) if isinstance(item, torch.fx.Node) else None
+    if not isinstance(fact, _Positions) or fact.offset != 0:
+        return False
+    return ctx.same_size(example_of(item).shape[fact.dim], size)
+
+
+def _pad_keys_masked(mask: Any, ctx: _Ctx) -> bool:
+    """A boolean attention mask that is False at every padding key (dim -1): no query reads them."""
+    fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
+    t = example_of(mask)
+    return isinstance(fact, _ZeroPad) and isinstance(t, torch.Tensor) and t.dtype == torch.bool \
+        and fact.dim == t.dim() - 1
+
+
+def _causal_mask(mask: Any, ctx: _Ctx) -> bool:
+    """An attention mask proven true only where key index (dim -1) <= query index (dim -2)."""
+    fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
+    t = example_of(mask)
+    return isinstance(fact, _Causal) and isinstance(t, torch.Tensor) and t.dtype == torch.bool \
+        and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)
+
+
+def _zero_padded(gm: torch.fx.GraphModule, names: set[str], symbols: frozenset[str]) -> dict[torch.fx.Node, int]:
+    """The named placeholders with exactly one padded dim -> that dim."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in names:
+            dims = padded_dims(node, symbols)
+            if len(dims) == 1:
+                out[node] = dims[0]
+    return out
+
+
 def check_padding_safety(
-    gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True
+    gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True,
+    ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -893,9 +1218,15 @@ def check_padding_safety(
     (padding sits at the end, and row i reads rows <= i only): ``scaled_dot_product_attention`` with
     ``is_causal``, prefix scans and ``diff`` without ``append`` (:data:`CAUSAL_SCANS`).
 
+    ``zero_padded``: names of the placeholders whose padding is filled with 0 (so a mask ANDed with
+    such an input, read in place, is False at every padding key).
+    ``ties``: symbols padded together with another one (symbol -> the one it equals on every call,
+    which the caller checks), for the size comparisons of the index-provenance proofs.
+
     Returns the violations in graph order; an empty list means padding is safe.
     """
-    ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok)
+    ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=MappingProxyType(index_provenance(gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)))),
+               ties=MappingProxyType(dict(ties or {})))
     out: list[PaddingViolation] = []
     for node in gm.graph.nodes:
         found = _check_node(node, ctx)
