@@ -24,7 +24,7 @@ import torch
 
 from graphpass.errors import ConfigError, DelegateError
 
-from .base import Delegate
+from .base import Delegate, call_registered
 from .neuron import NEURON_NAMES, NeuronDelegate
 from .xla import XLA_NAMES, XlaDelegate, xla_name_of
 
@@ -76,15 +76,7 @@ class NamedDelegate(Delegate):
         self.options = dict(options or {})
 
     def compile(self, gm, example_inputs):
-        from torch._dynamo.backends.registry import lookup_backend
-
-        fn = lookup_backend(self.name)
-        kwargs: dict[str, Any] = {}
-        if self.options:
-            kwargs["options"] = self.options
-        if self.mode not in (None, "default"):
-            kwargs["mode"] = self.mode
-        return fn(gm, list(example_inputs), **kwargs)
+        return call_registered(self.name, gm, example_inputs, self.options, self.mode)
 
 
 class CallableDelegate(Delegate):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -21,3 +21,18 @@ class Delegate:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+def call_registered(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                    options: Mapping[str, Any] | None = None, mode: str | None = None) -> Callable:
+    """Compile ``gm`` with the Dynamo backend registered as ``name``, passing ``options`` and a
+    non-default ``mode`` the way ``torch.compile`` passes them to a backend."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    fn = lookup_backend(name)
+    kwargs: dict[str, Any] = {}
+    if options:
+        kwargs["options"] = dict(options)
+    if mode not in (None, "default"):
+        kwargs["mode"] = mode
+    return fn(gm, list(example_inputs), **kwargs)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 from graphpass.errors import DelegateUnavailableError
 
-from .base import Delegate
+from .base import Delegate, call_registered
 
 XLA_NAMES = ("openxla", "openxla_eval")
 
@@ -49,15 +49,7 @@ class XlaDelegate(Delegate):
             raise DelegateUnavailableError(INSTALL_HINT.format(name=self.name) + f"Importing 'torch_xla' failed: {exc}") from None
 
     def compile(self, gm, example_inputs) -> Callable:
-        from torch._dynamo.backends.registry import lookup_backend
-
-        fn = lookup_backend(self.name)
-        kwargs: dict[str, Any] = {}
-        if self.options:
-            kwargs["options"] = self.options
-        if self.mode not in (None, "default"):
-            kwargs["mode"] = self.mode
-        return fn(gm, list(example_inputs), **kwargs)
+        return call_registered(self.name, gm, example_inputs, self.options, self.mode)
 
 
 def xla_name_of(fn: Any) -> str | None:
