@@ -18,6 +18,10 @@ Differences handled here:
   ``torch._dynamo.utils.counters["unimplemented"]`` ("graph break in loop ... frame skipped: forward
   (/path/model.py line 187)"), which :mod:`graphpass.dynamo_records` reads; torch 2.9 only logs it at
   INFO. :func:`count_loop_skips` makes 2.9 count it in the same words.
+- The ``forward`` of an inbuilt module (``torch.nn.Linear``) called from a frame running eagerly:
+  later releases compile it as a frame of its own when the module has hooks (graphpass's offload
+  guard is one); torch 2.9's Dynamo skips every frame in ``torch/nn``, so it runs eagerly.
+  :func:`dynamo_compiles_own_frame` says whether a module class's ``forward`` gets its own frame.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from typing import Any
 import torch
 
 __all__ = ["TORCH_RELEASE", "UNBACKED_SAFE_SLICING", "INDUCTOR_KEEPS_MARKED_OPS", "count_loop_skips",
-           "keep_marked_ops_in_inductor", "source_name", "torch_release_tuple"]
+           "dynamo_compiles_own_frame", "keep_marked_ops_in_inductor", "source_name", "torch_release_tuple"]
 
 
 def torch_release_tuple(version: str | None = None) -> tuple[int, int]:
@@ -143,4 +147,22 @@ class _LoopSkipCounter:
             counters["unimplemented"][
                 "graph break in loop\n  Explanation: torch.compile detected a graph break in a for/while loop. "
                 f"Skipping the frame and falling back to eager.\n\n  Developer debug context: frame skipped: {where}"] += 1
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1  # the record names Dynamo's line, not this one
         self._log.info(msg, *args, **kwargs)
+
+
+_INBUILT_MODULES = ("torch.nn.", "torch.ao.")
+
+
+def dynamo_compiles_own_frame(module_class: type) -> bool:
+    """Whether Dynamo compiles ``module_class.forward`` as a frame of its own when a hooked instance is
+    called from code running eagerly (a frame Dynamo skipped). True for user classes; for inbuilt
+    ones (``torch.nn.*``, ``torch.ao.*``) only where Dynamo's trace rules look at the frame's module
+    (``trace_rules.check_verbose(..., frame=)``, after torch 2.9)."""
+    if not module_class.__module__.startswith(_INBUILT_MODULES):
+        return True
+    import inspect
+
+    from torch._dynamo import trace_rules
+
+    return "frame" in inspect.signature(trace_rules.check_verbose).parameters

@@ -12,6 +12,7 @@ import torch
 import graphpass
 from graphpass.cli import main
 from graphpass.models.corpus import build
+from graphpass.torch_compat import dynamo_compiles_own_frame
 
 from helpers import CountingBackend, register_temp_backend
 
@@ -158,6 +159,9 @@ def test_explain_says_when_dynamo_skipped_the_frame():
     assert "What to do" in text and "layer loop" in text
 
 
+@pytest.mark.skipif(not dynamo_compiles_own_frame(torch.nn.Linear), reason=f"torch {torch.__version__}'s Dynamo "
+                    "compiles no frame of its own for nn.Linear.forward called eagerly: the layers cannot stream "
+                    "(test_inbuilt_layers_a_skipped_frame_calls_run_eagerly_and_say_so checks what happens instead)")
 def test_offloaded_model_whose_frame_dynamo_skipped():
     """Dynamo skips the frame with the layer loop and compiles each layer's call on its own: the
     hooks' graph (the offload guard alone) and the layer's forward (its loads) are two graphs. The
@@ -174,3 +178,29 @@ def test_offloaded_model_whose_frame_dynamo_skipped():
     assert graphpass.memory_stats(model).groups_loaded == 2
     with pytest.raises(graphpass.OffloadError, match=r"(?s)ran outside a graph.*Dynamo skipped the whole frame.*What to do"):
         torch.ops.graphpass.offload_guard("layers.0")  # as when a hook runs eagerly
+
+
+@pytest.mark.skipif(dynamo_compiles_own_frame(torch.nn.Linear), reason="this torch compiles the layers' forward on its own")
+def test_inbuilt_layers_a_skipped_frame_calls_run_eagerly_and_say_so():
+    """torch 2.9: the layers (nn.Linear, in Dynamo's skip list) that the skipped frame calls run
+    eagerly; only their hooks are a graph. That used to pass silently (with device stand-ins, a wrong
+    result): with host copies it is a warning naming the module, with stand-ins a refusal."""
+    from graphpass.offloading.install import device_stand_ins_on_host
+
+    torch.manual_seed(0)
+    model = _Chatty(2).eval().requires_grad_(False)
+    x = torch.randn(2, 8)
+    ref = model(x)
+    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
+    compiled = torch.compile(model, backend=graphpass.backend(then="eager"))
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"module 'layers.0' \(Linear\).*called from code running "
+                                                          r"eagerly.*not streamed \(results are right"):
+        assert torch.equal(compiled(x), ref)
+    torch._dynamo.reset()
+    model = _Chatty(2).eval().requires_grad_(False)
+    with device_stand_ins_on_host():
+        graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
+    compiled = torch.compile(model, backend=graphpass.backend(then="eager"))
+    with torch.no_grad(), pytest.raises(graphpass.OffloadError, match=r"module 'layers.0' \(Linear\).*reads the "
+                                                                       r"device stand-ins.*exclude_patterns=\['layers.0'\]"):
+        compiled(x)

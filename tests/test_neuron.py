@@ -66,7 +66,9 @@ def test_training_through_the_adapter(strict_backend):
     torch.compile(model, backend=graphpass.backend(then=delegate))(*x).sum().backward()
     ref(*x).sum().backward()
     for (n, p), r in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6, msg=n)
+        # atol 1e-5: on torch 2.9 the embedding's backward (the aten decomposition the pieces run) sums
+        # the token gradients in another order than eager's kernel (3e-6 off on one of 2048 entries)
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-5, msg=n)
 
 
 def test_then_neuronx_cc_uses_the_installed_package(monkeypatch):

@@ -42,10 +42,11 @@ from .. import progress
 from ..dynamo_records import code_span, has_compiled_code
 from ..errors import ConfigError, OffloadError
 from ..fx_utils import flatten_wrappers, is_dtensor, is_wrapper_subclass, local_tensor, unflatten_wrappers, with_spec_of
+from ..torch_compat import dynamo_compiles_own_frame
 from . import files, fsdp2
 from .config import OffloadConfig
 from .planning import OffloadPlan, _Tensor, plan_budget, plan_units
-from .runtime import REGISTRY, MemoryStats, OffloadedTensor, OffloadRuntime
+from .runtime import REGISTRY, GuardedCode, MemoryStats, OffloadedTensor, OffloadRuntime
 from .safetensors_io import TensorLocation, index_checkpoint, read_header, read_into, write_file
 
 _STORAGES = ("pinned", "cpu", "disk")
@@ -486,8 +487,24 @@ def _install_guards(model: nn.Module, state: OffloadState, streamed: list[_Tenso
     modules = dict(model.named_modules(remove_duplicate=False))
     for name in guarded:
         state.hooks.append(modules[name].register_forward_pre_hook(_guard_hook(name or type(model).__name__)))
-        # where its forward's code is: a frame of it Dynamo skips runs eagerly (the offload pass checks)
-        state.runtime.guarded_code[name] = (type(modules[name]).__name__, code_span(type(modules[name]).forward))
+        # where the code that runs it eagerly when Dynamo skips a frame of it is (the offload pass checks)
+        state.runtime.guarded_code[name] = _guarded_code(name, modules)
+
+
+def _guarded_code(name: str, modules: dict[str, nn.Module]) -> GuardedCode:
+    """The module's own forward, or, where Dynamo compiles no frame of its own for that (an inbuilt
+    ``torch.nn`` module on torch 2.9), the forward of the nearest enclosing module whose frame it does
+    compile, which calls it: a skip there runs it eagerly."""
+    cls = type(modules[name])
+    if dynamo_compiles_own_frame(cls):
+        return GuardedCode(cls.__name__, code_span(cls.forward), "its forward", True)
+    parent = name
+    while parent:
+        parent = parent.rpartition(".")[0]
+        if dynamo_compiles_own_frame(type(modules[parent])):
+            return GuardedCode(cls.__name__, code_span(type(modules[parent]).forward),
+                               f"the forward of {parent or 'the model'!r}, which calls it", False)
+    return GuardedCode(cls.__name__, None, "its forward", False)
 
 
 @dataclass(eq=False)

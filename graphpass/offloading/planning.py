@@ -129,6 +129,23 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
+def _units_of(rec: _Tensor, config: OffloadConfig, children: set[str]) -> list[str]:
+    """The units (streamed modules) that hold ``rec``, first the one it streams with; ``[]`` when no
+    holder is in one, or one is excluded (a tied tensor one excluded module holds stays on the device)."""
+    unit_names: list[str] = []
+    for holder in rec.holders:
+        chain = _ancestors(holder)
+        if any(any(p.matches(a) for p in config._exclude) for a in chain):
+            return []
+        if config._include is None:
+            matched = [a for a in chain if a in children]
+        else:
+            matched = [a for a in chain if any(p.matches(a) for p in config._include)]
+        if matched:
+            unit_names.append(next((a for a in chain if a in children), matched[0]))
+    return list(dict.fromkeys(unit_names))
+
+
 def plan_units(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], list[OffloadUnit]]:
     """Mark which tensors stream and group them into budget units (no data moves)."""
     names = [n for n, _ in model.named_modules() if n]
@@ -146,26 +163,13 @@ def plan_units(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], 
     children = set(auto_children or _repeated_children(model, tensors))
     units: dict[str, OffloadUnit] = {}
     for rec in tensors:
-        if rec.nbytes == 0:
-            continue  # nothing to move (and no storage address to know it by)
-        unit_names: list[str] = []
-        excluded = False
-        for holder in rec.holders:
-            chain = _ancestors(holder)
-            if any(any(p.matches(a) for p in config._exclude) for a in chain):
-                excluded = True  # a tied tensor one excluded module holds stays on the device
-                break
-            if include is None:
-                matched = [a for a in chain if a in children]
-            else:
-                matched = [a for a in chain if any(p.matches(a) for p in include)]
-            if matched:
-                unit_names.append(next((a for a in chain if a in children), matched[0]))
-        if excluded or not unit_names:
+        unit_names = _units_of(rec, config, children)
+        if not unit_names:
             continue
-        rec.streamed = True
-        unit_names = list(dict.fromkeys(unit_names))
         rec.unit = unit_names[0]
+        if rec.nbytes == 0:
+            continue  # nothing to move (a wrapper: its inner tensors stream in its place, _check_wrappers)
+        rec.streamed = True
         # a tensor several units hold (tied) is streamed once per unit reading it: keeping it
         # resident saves all those loads, so its unit is credited with each of them
         entry = units.setdefault(rec.unit, OffloadUnit(rec.unit, 0, 0))
@@ -185,14 +189,14 @@ def _check_wrappers(tensors: list[_Tensor]) -> None:
     by_id = {id(r.tensor): r for r in tensors}
     for rec in tensors:
         t = rec.tensor
-        if not is_wrapper_subclass(t):
-            continue
+        if not is_wrapper_subclass(t) or any(p[2].startswith("inner:") for p in rec.places):
+            continue  # one nested in another wrapper is checked as part of that one (its fields have no records)
         inner = [(n, by_id[id(v)]) for n, v in wrapper_fields(t)]
-        streamed = [n for n, r in inner if r.streamed]
-        if not streamed:
-            continue
         nested = [n for n, r in inner if is_wrapper_subclass(r.tensor)]
-        kept = [n for n, r in inner if not r.streamed]
+        streamed = [n for n, r in inner if r.streamed]
+        if not streamed and not (nested and rec.unit is not None):  # nothing of it streams, nor would
+            continue
+        kept = [n for n, r in inner if not r.streamed and n not in nested]
         if nested or kept:
             why = (f"inner tensor {nested[0]!r} is itself a tensor subclass" if nested
                    else f"inner tensor{'s' if len(kept) > 1 else ''} {', '.join(kept)} would stay where "

@@ -52,7 +52,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -129,6 +129,17 @@ class _Registry:
             return None
         return rec
 
+    def runtimes(self) -> list["OffloadRuntime"]:
+        """The runtimes of the live records (one per offloaded model)."""
+        with self._lock:
+            refs = list(self._by_ptr.values())
+        found = {}
+        for ref in refs:
+            runtime = getattr(ref(), "runtime", None)
+            if runtime is not None:
+                found[id(runtime)] = runtime
+        return list(found.values())
+
 
 # Process-wide on purpose: a storage address names one tensor in the whole process, so one table
 # answers for every model (each record points at its own model's runtime); entries are weak and
@@ -139,6 +150,22 @@ REGISTRY = _Registry()
 def lookup(t: Any) -> OffloadedTensor | None:
     """The offload record of ``t`` if ``t`` is a tensor graphpass.offload() moved off the device."""
     return REGISTRY.lookup(t)
+
+
+class GuardedCode(NamedTuple):
+    """Where a module holding streamed tensors runs when Dynamo skips a frame: ``span`` (file, first,
+    last line) of ``what``, its forward or, where Dynamo compiles no frame of its own for that
+    forward (``own_frame`` False: an inbuilt module on torch 2.9), the forward that calls it."""
+
+    cls: str
+    span: tuple | None
+    what: str
+    own_frame: bool
+
+
+def runtimes_guarding(module: str) -> list["OffloadRuntime"]:
+    """The live runtimes of offloaded models with a guarded module of that name (its FQN)."""
+    return [rt for rt in REGISTRY.runtimes() if module in rt.guarded_code]
 
 
 @dataclass(eq=False)
@@ -420,10 +447,10 @@ class OffloadRuntime:
         self._stats = dict(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0,
                            peak_streamed_bytes=0, wait_seconds=0.0)
         self.resident_bytes = resident_bytes
-        # Set by offload(): guarded module name -> (class name, code span of its forward), and whether
+        # Set by offload(): guarded module name -> its GuardedCode, and whether
         # the model holds the weights' real bytes (host copies, mapped files) rather than stand-ins:
         # what a frame Dynamo skips, run eagerly, would read (insert_offload_schedule checks).
-        self.guarded_code: dict[str, tuple] = {}
+        self.guarded_code: dict[str, GuardedCode] = {}
         self.eager_reads_real = True
         self.eager_warned: set[str] = set()
         self._closed = False

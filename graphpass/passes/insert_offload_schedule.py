@@ -41,7 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .. import dynamo_records
 from ..errors import OffloadError
 from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, is_guard, let_dtensors_through, let_wrappers_through
-from ..offloading.runtime import OffloadedTensor, WrappedOffload, lookup_input, plain_records
+from ..offloading.runtime import OffloadedTensor, WrappedOffload, lookup_input, plain_records, runtimes_guarding
 from ..fx_utils import (AliasIndex, example_of, find_write, flatten_wrappers, is_dtensor, is_graphpass_node, is_view,
                         is_wrapper_subclass, node_order, unflatten_wrappers, views_of)
 from ..ops import is_enter, is_exit
@@ -123,6 +123,7 @@ class InsertOffloadSchedule(GraphPass):
                     f"offload() (.half(), .to(), or a new parameter assigned). Change the model before offloading it, or "
                     f"offload it again on a fresh instance"
                 )
+            _check_hooks_alone(guards)
             for node in guards:  # a graph of the module's hooks alone (its forward is another graph)
                 graph.erase_node(node)
             return bool(guards)
@@ -256,30 +257,51 @@ def _prepare_cuda_graphs(runtime, groups: list, config) -> None:
 def _check_skipped_frames(runtime) -> None:
     """A module holding streamed tensors whose forward Dynamo skipped (a graph break inside a loop)
     runs eagerly, outside every graph graphpass schedules: no load serves it, and its pre-hook guard
-    ran inside a compiled caller. It reads what the model holds: with device stand-ins (or a disk
-    region that could not be mapped) that is not the weights, so the result would be wrong: refused,
-    naming the module and Dynamo's record; with the real bytes (host copies, mapped files) the result
-    is right but nothing streams: a warning, once per module. Checked when any later graph of the
-    model compiles (the skip is recorded as the skipped frame first runs)."""
+    ran inside a compiled caller. It reads what the model holds (:func:`_runs_eagerly`). Checked when
+    any later graph of the model compiles (the skip is recorded as the skipped frame first runs)."""
     sites = dynamo_records.skipped_frame_sites()
     if not sites:
         return
-    for name, (cls, span) in runtime.guarded_code.items():
+    for name, code in runtime.guarded_code.items():
+        span = code.span
         hit = next((s for s in sites if span and s.file == span[0] and span[1] <= s.line <= span[2]), None)
         if hit is None or name in runtime.eager_warned:
             continue
-        where = f"module {name!r} ({cls}) holds tensors graphpass.offload() streams, and Dynamo skipped its forward " \
-                f"({hit.name} at {hit.file} line {hit.line}): it runs eagerly, outside every graph graphpass schedules"
         first = next((line.strip() for line in hit.record.strip().splitlines() if line.strip()), "")
-        todo = (f"remove the graph break (Dynamo's record starts: {first!r}; TORCH_LOGS=graph_breaks shows it) or move it "
-                f"out of the loop, or keep the module on the device with exclude_patterns=[{name!r}]")
-        if not runtime.eager_reads_real:
-            raise OffloadError(f"{where}, and reads the device stand-ins the model holds instead of its weights, so its "
-                               f"results would be wrong. What to do: {todo}")
-        runtime.eager_warned.add(name)
-        warnings.warn(f"graphpass offload: {where}; it reads its weights from host memory directly, so they are not "
-                      f"streamed (results are right; memory_stats does not count them). To stream them: {todo}",
-                      UserWarning, stacklevel=2)
+        _runs_eagerly(runtime, name, f"Dynamo skipped {code.what} ({hit.name} at {hit.file} line {hit.line})",
+                      f"remove the graph break (Dynamo's record starts: {first!r}; TORCH_LOGS=graph_breaks shows it) "
+                      f"or move it out of the loop")
+
+
+def _check_hooks_alone(guards: list[torch.fx.Node]) -> None:
+    """A graph of a module's hooks alone: the module was called from code running eagerly, and its
+    forward is meant to be a graph of its own. Where Dynamo compiles no frame of its own for that
+    forward (an inbuilt ``torch.nn`` module on torch 2.9, ``GuardedCode.own_frame``), it runs eagerly."""
+    for name in dict.fromkeys(g.args[0] for g in guards):
+        for runtime in runtimes_guarding(name):
+            if runtime.guarded_code[name].own_frame or name in runtime.eager_warned:
+                continue
+            _runs_eagerly(runtime, name, "it is called from code running eagerly (a frame Dynamo skipped), and this "
+                          "torch's Dynamo compiles no frame of its own for the forward of an inbuilt module",
+                          "remove the graph break in the code that calls it (TORCH_LOGS=graph_breaks shows it)")
+
+
+def _runs_eagerly(runtime, name: str, why: str, fix: str) -> None:
+    """Module ``name`` runs eagerly, outside every graph: with device stand-ins (or a disk region that
+    could not be mapped) it reads no weights, so the result would be wrong: refused, naming the module
+    and why; with the real bytes (host copies, mapped files) the result is right but nothing streams:
+    a warning, once per module."""
+    cls = runtime.guarded_code[name].cls
+    where = (f"module {name!r} ({cls}) holds tensors graphpass.offload() streams, and {why}: it runs eagerly, "
+             f"outside every graph graphpass schedules")
+    todo = f"{fix}, or keep the module on the device with exclude_patterns=[{name!r}]"
+    if not runtime.eager_reads_real:
+        raise OffloadError(f"{where}, and reads the device stand-ins the model holds instead of its weights, so its "
+                           f"results would be wrong. What to do: {todo}")
+    runtime.eager_warned.add(name)
+    warnings.warn(f"graphpass offload: {where}; it reads its weights from host memory directly, so they are not "
+                  f"streamed (results are right; memory_stats does not count them). To stream them: {todo}",
+                  UserWarning, stacklevel=3)
 
 
 def _offloaded_inputs(ctx: PassContext) -> dict[torch.fx.Node, OffloadedTensor | WrappedOffload]:
