@@ -90,6 +90,7 @@ def run_pass(p: GraphPass, ctx: PassContext) -> bool:
         return False
     if _graphs_log.isEnabledFor(logging.DEBUG):
         _graphs_log.debug("%s before %s:\n%s", ctx.graph_name, p.name, _readable(ctx.gm))
+    _trace_graph(ctx, f"before_{p.name}")
     lines = len(ctx.log)
     t0 = time.perf_counter()
     try:
@@ -109,7 +110,18 @@ def run_pass(p: GraphPass, ctx: PassContext) -> bool:
                        "changed the graph" if changed else "graph unchanged", what)
     if changed and _graphs_log.isEnabledFor(logging.DEBUG):
         _graphs_log.debug("%s after %s:\n%s", ctx.graph_name, p.name, _readable(ctx.gm))
+    _trace_graph(ctx, f"after_{p.name}")
     return changed
+
+
+def _trace_graph(ctx: PassContext, when: str) -> None:
+    """The graph as an artifact of torch's structured trace (``TORCH_TRACE``, read by tlparse),
+    named ``graphpass_<graph>_<before|after>_<pass>``; torch builds nothing unless the trace is on."""
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": f"graphpass_{ctx.graph_name}_{when}", "encoding": "string"},
+        payload_fn=lambda: _readable(ctx.gm),
+    )
 
 
 def run_pipeline(
@@ -181,9 +193,13 @@ def _readable(gm: torch.fx.GraphModule) -> str:
 # --------------------------------------------------------------------------------------------
 
 # Logging configuration is process-wide by nature (the logging module's loggers are); this records
-# which GRAPHPASS_LOG value it was configured for, under a lock, so it is done once per value.
+# which GRAPHPASS_LOG value it was configured for and exactly what graphpass itself set (its own
+# handler, and each level it set with the level the logger had before), under a lock. graphpass
+# never changes a level or a handler it did not set: with GRAPHPASS_LOG unset nothing is touched,
+# and when the value changes graphpass undoes only its own settings, and only where the logger
+# still holds what graphpass put there (an application that set a level since keeps it).
 _LOG_LOCK = threading.Lock()
-_LOG_STATE: dict[str, Any] = {"value": None, "handler": None}
+_LOG_STATE: dict[str, Any] = {"value": "", "handler": None, "levels": {}}
 _TOPICS = {"passes": "graphpass", "graphs": "graphpass.graphs", "all": "graphpass"}
 
 
@@ -195,33 +211,49 @@ def configure_logging_from_env() -> None:
     with _LOG_LOCK:
         if value == _LOG_STATE["value"]:
             return
-        handler = _LOG_STATE["handler"]
-        if handler is None:
+        _undo_own_logging()
+        levels = _levels_for(value)
+        if levels:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
-            _LOG_STATE["handler"] = handler
-        for name in set(_TOPICS.values()):
-            logging.getLogger(name).removeHandler(handler)
-            logging.getLogger(name).setLevel(logging.NOTSET)
-        levels: dict[str, int] = {}
-        for token in (t.strip() for t in value.split(",")):
-            if not token:
-                continue
-            debug = token.startswith("+")
-            topic = token.lstrip("+")
-            if topic not in _TOPICS:
-                import warnings
-
-                warnings.warn(f"GRAPHPASS_LOG: unknown topic {topic!r} (known: {', '.join(sorted(_TOPICS))})", stacklevel=2)
-                continue
-            level = logging.DEBUG if debug else logging.INFO
-            levels[_TOPICS[topic]] = min(levels.get(_TOPICS[topic], logging.WARNING), level)
-            if topic == "all":
-                levels["graphpass.graphs"] = level
-        if levels:
             root = logging.getLogger("graphpass")
             root.addHandler(handler)
-            root.setLevel(levels.get("graphpass", logging.WARNING))
-            graphs = logging.getLogger("graphpass.graphs")
-            graphs.setLevel(levels.get("graphpass.graphs", logging.WARNING))
+            _LOG_STATE["handler"] = handler
+            for name in ("graphpass", "graphpass.graphs"):
+                logger = logging.getLogger(name)
+                level = levels.get(name, logging.WARNING)
+                _LOG_STATE["levels"][name] = (logger.level, level)
+                logger.setLevel(level)
         _LOG_STATE["value"] = value
+
+
+def _levels_for(value: str) -> dict[str, int]:
+    """The logger levels a ``GRAPHPASS_LOG`` value asks for, by logger name."""
+    levels: dict[str, int] = {}
+    for token in (t.strip() for t in value.split(",")):
+        if not token:
+            continue
+        topic = token.lstrip("+")
+        if topic not in _TOPICS:
+            import warnings
+
+            warnings.warn(f"GRAPHPASS_LOG: unknown topic {topic!r} (known: {', '.join(sorted(_TOPICS))})", stacklevel=3)
+            continue
+        level = logging.DEBUG if token.startswith("+") else logging.INFO
+        levels[_TOPICS[topic]] = min(levels.get(_TOPICS[topic], logging.WARNING), level)
+        if topic == "all":
+            levels["graphpass.graphs"] = level
+    return levels
+
+
+def _undo_own_logging() -> None:
+    """Remove the handler graphpass added and restore the levels it set, where still its own."""
+    handler = _LOG_STATE["handler"]
+    if handler is not None:
+        logging.getLogger("graphpass").removeHandler(handler)
+        _LOG_STATE["handler"] = None
+    for name, (before, ours) in _LOG_STATE["levels"].items():
+        logger = logging.getLogger(name)
+        if logger.level == ours:
+            logger.setLevel(before)
+    _LOG_STATE["levels"] = {}

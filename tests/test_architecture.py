@@ -225,6 +225,52 @@ def test_graphpass_log_env_prints_graphs_before_and_after_each_pass():
     assert quiet.returncode == 0 and "[graphpass" not in quiet.stderr
 
 
+def test_graphpass_never_changes_logging_an_application_set():
+    # an application that asked for DEBUG on graphpass's logger keeps it through the first compile
+    # (graphpass used to reset it to NOTSET), with GRAPHPASS_LOG unset and after it is set and unset
+    code = (
+        "import logging, os, torch, torch.nn as nn, graphpass\n"
+        "app = logging.StreamHandler(); lg = logging.getLogger('graphpass')\n"
+        "lg.setLevel(logging.DEBUG); lg.addHandler(app)\n"
+        "gl = logging.getLogger('graphpass.graphs'); gl.setLevel(logging.ERROR)\n"
+        "m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))\n"
+        "f = torch.compile(m, backend=graphpass.backend(then='eager')); f(torch.randn(2, 4))\n"
+        "assert lg.level == logging.DEBUG and lg.handlers == [app] and gl.level == logging.ERROR, (lg.level, lg.handlers, gl.level)\n"
+        "os.environ['GRAPHPASS_LOG'] = 'passes'\n"
+        "torch._dynamo.reset(); f = torch.compile(m, backend=graphpass.backend(then='eager')); f(torch.randn(3, 4))\n"
+        "assert lg.level == logging.INFO and len(lg.handlers) == 2, (lg.level, lg.handlers)\n"
+        "os.environ['GRAPHPASS_LOG'] = ''\n"
+        "torch._dynamo.reset(); f = torch.compile(m, backend=graphpass.backend(then='eager')); f(torch.randn(5, 4))\n"
+        "assert lg.level == logging.DEBUG and lg.handlers == [app] and gl.level == logging.ERROR, (lg.level, lg.handlers, gl.level)\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GRAPHPASS_LOG"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_torch_trace_holds_each_pass_graph_before_and_after(tmp_path):
+    # TORCH_TRACE (torch's structured trace, read by tlparse) gets each pass's graph as an artifact
+    code = (
+        "import torch, torch.nn as nn, graphpass\n"
+        "m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))\n"
+        "torch.compile(m, backend=graphpass.backend(then='eager', traps=['0', '1']))(torch.randn(2, 4))\n"
+    )
+    env = dict(os.environ, TORCH_TRACE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    names = []
+    for log in tmp_path.glob("*.log"):
+        for line in log.read_text().splitlines():
+            if '"artifact"' in line and "graphpass_" in line:
+                names.append(line[line.index("graphpass_"):].split('"')[0])
+    assert any(n.endswith("_before_insert_trap_boundaries") for n in names), names
+    after = [n for n in names if n.endswith("_after_insert_trap_boundaries")]
+    assert after, names
+    text = "".join(log.read_text() for log in tmp_path.glob("*.log"))
+    assert "trap_enter" in text  # the payload after the boundaries went in holds them
+
+
 # ------------------------------------------------------------------ registration and code shape
 
 
