@@ -10,10 +10,10 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import ops
-from .capturing import CaptureWriter, CompareReport, ModelCapture, TensorRegistry, capture_tensor, compare
+from .capturing import CompareReport, ModelCapture, capture_tensor, compare
 from .config import GraphpassConfig
-from .dynamo_backend import CompiledGraph, GraphpassBackend, backend, graphpass_backend
-from .errors import (
+from .dynamo_backend import backend
+from .errors import (  # every error class is in graphpass.errors; the subclasses below stay here for `except`
     CaptureError,
     ConfigError,
     DelegateError,
@@ -26,53 +26,45 @@ from .errors import (
     PatternMatchError,
 )
 from .explain_report import ExplainReport, explain
-from .offloading import MemoryStats, OffloadConfig, OffloadPlan, OffloadState, memory_stats, offload
-from .ops import offload_block, trace_traps
-from .patterns import ModulePattern, compile_pattern
-from .pipeline import PIPELINE
+from .offloading import MemoryStats, OffloadConfig, memory_stats, offload
+from .ops import offload_block, trace_traps, trap_block
 from .static_shapes import AuditReport, audit
 from .tracing import TraceReport, trace
 
 ops.register_all()  # every graphpass:: custom op, whatever was imported first
 
+# What users call. Internals (the pipeline, the backend class, the registry, offload state,
+# patterns) stay importable from their modules: graphpass.pipeline.PIPELINE,
+# graphpass.dynamo_backend.GraphpassBackend, graphpass.capturing.TensorRegistry, ...
 __all__ = [
     "__version__",
+    # compile
     "backend",
-    "graphpass_backend",
-    "GraphpassBackend",
     "GraphpassConfig",
-    "CompiledGraph",
+    # inspect
     "explain",
     "ExplainReport",
     "audit",
     "AuditReport",
-    "compare",
-    "CompareReport",
-    "offload_block",
-    "capture_tensor",
-    "ModelCapture",
-    "TensorRegistry",
-    "CaptureWriter",
-    "CaptureError",
-    "trace_traps",
     "trace",
     "TraceReport",
-    "ModulePattern",
-    "compile_pattern",
-    "PIPELINE",
+    "trace_traps",
+    "trap_block",
+    # capture and compare
+    "capture_tensor",
+    "ModelCapture",
+    "compare",
+    "CompareReport",
+    # offload
+    "offload",
+    "OffloadConfig",
+    "memory_stats",
+    "MemoryStats",
+    # errors (all of them, subclasses included, in graphpass.errors)
     "GraphpassError",
     "ConfigError",
     "PatternError",
-    "PatternMatchError",
-    "DelegateError",
-    "DelegateUnavailableError",
-    "DynamicShapesDisabledError",
-    "OwnershipError",
+    "CaptureError",
     "OffloadError",
-    "offload",
-    "OffloadConfig",
-    "OffloadPlan",
-    "OffloadState",
-    "MemoryStats",
-    "memory_stats",
+    "DelegateError",
 ]

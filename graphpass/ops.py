@@ -15,6 +15,7 @@ that two models or threads could share.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import contextvars
 import sys
 import weakref
@@ -197,28 +198,40 @@ def trace_traps(recorder: Any = None) -> Iterator[Any]:
         st.recorders = tuple(r for r in st.recorders if r is not events)
 
 
-class offload_block(contextlib.ContextDecorator):
-    """Mark a manual trap in model code: ``with graphpass.offload_block("encoder"): ...``.
+class trap_block(contextlib.ContextDecorator):
+    """Mark a manual trap in model code: ``with graphpass.trap_block("encoder"): ...``.
 
     Under ``torch.compile`` the enter/exit calls are traced into the graph as boundary nodes and
     every node between them belongs to the trap ``name`` (as do the tensors those nodes read).
-    Run eagerly, it opens the same profiler range.
+    Run eagerly, it opens the same profiler range. A trap is a region, not an offload: weights it
+    reads are offloaded only when ``graphpass.offload`` selects them.
     """
 
     def __init__(self, name: str) -> None:
         if not isinstance(name, str) or not name:
             from .errors import ConfigError
 
-            raise ConfigError("offload_block", name, "a manual trap needs a non-empty string name")
+            raise ConfigError(type(self).__name__, name, "a manual trap needs a non-empty string name")
         self.name = name
 
-    def __enter__(self) -> "offload_block":
+    def __enter__(self) -> "trap_block":
         torch.ops.graphpass.trap_enter(self.name, [])
         return self
 
     def __exit__(self, *exc) -> bool:
         torch.ops.graphpass.trap_exit(self.name, [])
         return False
+
+
+class offload_block(trap_block):
+    """Deprecated alias of :class:`trap_block` (the old name said "offload" for a region that
+    offloads nothing by itself). Warns once per call site outside a compiled region."""
+
+    def __init__(self, name: str) -> None:
+        if not torch.compiler.is_compiling():
+            warnings.warn("graphpass.offload_block is deprecated: use graphpass.trap_block (same arguments); "
+                          "a trap marks a region, offload() chooses what to offload", DeprecationWarning, stacklevel=2)
+        super().__init__(name)
 
 
 # The bucket size of the static-shape graph running now (set by the static-shape bucket

@@ -10,7 +10,8 @@ import torch.nn as nn
 from safetensors.torch import load_file
 
 import graphpass
-from graphpass import CaptureError, ModelCapture, TensorRegistry
+from graphpass import CaptureError, ModelCapture
+from graphpass.capturing import TensorRegistry
 from graphpass.models.corpus import build
 
 from helpers import fresh_inputs

@@ -286,7 +286,7 @@ def test_budget_below_a_graph_trap_window_fails_at_compile():
             self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
 
         def forward(self, x):
-            with graphpass.offload_block("pair"):  # one manual trap over two units
+            with graphpass.trap_block("pair"):  # one manual trap over two units
                 x = self.layers[1](self.layers[0](x))
             return self.layers[2](x)
 

@@ -117,7 +117,7 @@ _CHECK = textwrap.dedent(
 
     (ep,) = [e for e in importlib.metadata.entry_points(group="torch_dynamo_backends") if e.name == "graphpass"
              and e.dist is not None and (str(e.dist.locate_file("")) + "/").startswith(site)]
-    assert ep.load() is graphpass.graphpass_backend
+    assert ep.load() is graphpass.dynamo_backend.graphpass_backend
     assert importlib.metadata.version("graphpass") == graphpass.__version__
     print("ok", len(graphpass.__all__), "names")
     """

@@ -1,6 +1,6 @@
 import pytest
 
-from graphpass import compile_pattern
+from graphpass.patterns import compile_pattern
 from graphpass.errors import PatternError
 
 

@@ -42,7 +42,7 @@ def test_inductor_keeps_the_graphpass_ops_nobody_reads():
     from torch._inductor import config as inductor_config
 
     def fn(x):
-        with graphpass.offload_block("blk"):
+        with graphpass.trap_block("blk"):
             y = x * 2
         return y + 1
 

@@ -98,13 +98,13 @@ class Manual(nn.Module):
         self.head = nn.Linear(8, 2)
 
     def forward(self, x):
-        with graphpass.offload_block("encoder_stage"):
+        with graphpass.trap_block("encoder_stage"):
             x = self.encoder(x)
             x = self.decoder(x)
         return self.head(x)
 
 
-def test_offload_block_marks_a_manual_trap():
+def test_trap_block_marks_a_manual_trap():
     model = Manual()
     x = torch.randn(3, 8)
     gp, compiled = compile_eager(model, (x,), traps=["head"])
@@ -119,11 +119,32 @@ def test_offload_block_marks_a_manual_trap():
     assert events[:2] == [("enter", "encoder_stage"), ("exit", "encoder_stage")]
 
 
-def test_offload_block_runs_eagerly_too():
+def test_trap_block_runs_eagerly_too():
     model = Manual()
     with graphpass.trace_traps() as events:
         model(torch.randn(2, 8))
     assert events == [("enter", "encoder_stage"), ("exit", "encoder_stage")]
+
+
+def test_offload_block_is_a_deprecated_alias_of_trap_block():
+    with pytest.warns(DeprecationWarning, match="use graphpass.trap_block"):
+        block = graphpass.offload_block("encoder")
+    assert isinstance(block, graphpass.trap_block) and block.name == "encoder"
+    with graphpass.trace_traps() as events, block:
+        pass
+    assert events == [("enter", "encoder"), ("exit", "encoder")]
+
+
+def test_public_surface_is_what_users_call():
+    import graphpass.capturing
+    import graphpass.dynamo_backend
+    import graphpass.pipeline
+
+    assert len(graphpass.__all__) <= 25, graphpass.__all__
+    for internal in ("PIPELINE", "CompiledGraph", "GraphpassBackend", "TensorRegistry", "OffloadState", "offload_block"):
+        assert internal not in graphpass.__all__, internal
+    # internals stay importable from their modules
+    assert graphpass.pipeline.PIPELINE and graphpass.dynamo_backend.GraphpassBackend and graphpass.capturing.TensorRegistry
 
 
 def test_boundary_ops_pass_opcheck():

@@ -2,7 +2,7 @@
 
 Three sources of traps, in priority order:
 
-1. manual traps: ``graphpass.offload_block(name)`` in model code leaves ``trap_enter``/``trap_exit``
+1. manual traps: ``graphpass.trap_block(name)`` in model code leaves ``trap_enter``/``trap_exit``
    nodes in the graph; every op between them belongs to trap ``name``. A graph another graphpass
    instance already rewrote (``then=graphpass.backend(...)``) keeps exactly the traps it has;
 2. ``traps=[patterns]``: an op belongs to the outermost module in its ``nn_module_stack`` whose
@@ -77,7 +77,7 @@ class AssignTraps(GraphPass):
 
 
 def _manual_regions(ctx: PassContext) -> dict[str, str]:
-    """Op node -> the innermost manual trap (``offload_block``) open around it; registers those traps."""
+    """Op node -> the innermost manual trap (``trap_block``) open around it; registers those traps."""
     manual: dict[str, str] = {}
     open_labels: list[str] = []
     for node in ctx.gm.graph.nodes:

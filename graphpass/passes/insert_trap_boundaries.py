@@ -16,7 +16,7 @@ One dep each keeps buffer lifetimes as the compiler would have them.
 
 A trap with no anchor on either side falls back to its plain inputs / outputs. Weights are never
 deps, so boundaries do not pin them. Traps that already have boundary nodes (manual
-``offload_block`` traps, or a graph another graphpass instance rewrote) are left as they are, so
+``trap_block`` traps, or a graph another graphpass instance rewrote) are left as they are, so
 the pass is idempotent. Assumes :mod:`assign_traps` ran first.
 
 Under ``torch.distributed`` the deps may be DTensors (tensor parallel, FSDP2): the boundary ops read
