@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/graphpass demo
 
+# The suite over the machine's cores (pytest-xdist, at most 4 workers; TEST_JOBS=0 runs it in one
+# process), a whole test file per worker (--dist loadfile: a file's module state stays together).
+TEST_JOBS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 tests
 
 # The XLA leg: torch 2.9.0 + torch-xla 2.9.0 (XLA on the CPU) in a venv of its own, .venv-xla, about
 # 7 GB, removed afterwards (KEEP_XLA_VENV=1 keeps it); XLA_SUITE=all also runs the rest of the suite there.
