@@ -149,7 +149,8 @@ class _OwnDelegate(graphpass.backends.Delegate):
 
 @pytest.mark.parametrize("then", ["eager", "aot_eager", "cudagraphs", _no_options_backend,
                                   torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda gm, ex: gm),
-                                  _OwnDelegate()], ids=str)
+                                  _OwnDelegate()],
+                         ids=["eager", "aot_eager", "cudagraphs", "function", "aot_autograd", "own_delegate"])
 def test_delegate_options_for_a_delegate_that_takes_none_are_refused_at_once(then):
     """Issue 22 item 18: eager / aot_eager (and aot_autograd objects) logged "ignoring extra kwargs"
     at compile time and dropped them, a Delegate instance never saw them, a callable without an
