@@ -5,7 +5,7 @@ A tiny random-weight causal LM (2 layers, hidden 32; no downloads) is offloaded
 (``OffloadConfig(device="cpu")``), its ``forward`` compiled with ``graphpass.backend(then=<the strict
 stand-in behind NeuronDelegate>, static_shapes=...)``, one decoder layer captured, and greedy
 ``generate()`` run with a :class:`graphpass.static_shapes.BucketedCache` for 64 prompt lengths (2 .. 65)
-x 32 new tokens. The stand-in, like AWS Neuron, refuses any symbolic size. Checked:
+x 32 new tokens (Llama; Qwen3, the second family, every fourth length and 65, to keep the test's time). The stand-in, like AWS Neuron, refuses any symbolic size. Checked:
 
 * the tokens equal eager ``generate()``'s (transformers' dynamic cache, no graphpass) for every length;
 * the static graphs the stand-in compiled are at most ``len(PREFILL) + len(CONTEXT) + 1``: one per
@@ -28,7 +28,8 @@ from graphpass.static_shapes import BucketedCache  # noqa: E402
 
 PREFILL = [16, 32, 64, 80]  # static_shapes buckets: the prompt is padded to these
 CONTEXT = [32, 64, 96, 128]  # the cache's slots: prompt (+ its padding) + new tokens fit in these
-LENGTHS = list(range(2, 66))  # 64 prompt lengths
+LENGTHS = {"llama": list(range(2, 66)),  # 64 prompt lengths
+           "qwen3": list(range(2, 66, 4)) + [65]}  # the second family: 17 of them, over every bucket (test time)
 NEW_TOKENS = 32
 LAYERS = 2
 
@@ -37,7 +38,8 @@ def _model(family: str):
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     common = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  eos_token_id=None)  # no early stop: every prompt gets all its new tokens
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common)).eval()
@@ -71,33 +73,40 @@ def _slot_counts(strict) -> set[int]:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_generate_through_a_static_only_compiler_is_exact_with_bounded_graphs(strict_backend, family, tmp_path,
-                                                                               monkeypatch):
+def test_generate_through_a_static_only_compiler_is_exact_with_bounded_graphs(strict_backend, family, tmp_path):
     # one Dynamo frame holds the prefill graphs (one per cache capacity) and the decode graphs (one
     # per context bucket): more than Dynamo's default of 8 entries per frame
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
+    with torch._dynamo.config.patch(recompile_limit=64):
+        _sweep(strict_backend, family, tmp_path)
+
+
+def _sweep(strict_backend, family, tmp_path):
     eager = _model(family)
     model, gp, capture = _compiled(eager, tmp_path)
     kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     g = torch.Generator().manual_seed(7)
+    lengths = LENGTHS[family]
     with torch.no_grad():
-        for n in LENGTHS:
+        for n in lengths:
             ids = torch.randint(1, 256, (1, n), generator=g)
             want = eager.generate(ids, **kw)
             cache = BucketedCache(model.config, buckets=CONTEXT, prefill_buckets=PREFILL)
             with cache.attach(model), capture.auto_steps():
                 got = model.generate(ids, cache=cache, **kw)
             assert torch.equal(got, want), (n, got[0, n:].tolist(), want[0, n:].tolist())
+            assert got.shape[1] == n + NEW_TOKENS
             assert cache.length == n + NEW_TOKENS - 1  # the last token is generated, never fed back
-    lengths = _compiled_lengths(strict_backend)  # one per static graph of the model
-    assert len(lengths) <= len(PREFILL) + len(CONTEXT) + 1, lengths
-    assert set(lengths) <= set(PREFILL) | {1, LENGTHS[0]}, lengths
+    compiled = _compiled_lengths(strict_backend)  # one per static graph of the model
+    print(f"{family}: {len(lengths)} prompt lengths x {NEW_TOKENS} new tokens, {len(compiled)} static graphs "
+          f"(token counts {sorted(compiled)}), bound {len(PREFILL) + len(CONTEXT) + 1}")
+    assert len(compiled) <= len(PREFILL) + len(CONTEXT) + 1, compiled
+    assert set(compiled) <= set(PREFILL) | {1, lengths[0]}, compiled
     slots = _slot_counts(strict_backend)
     assert slots and slots <= set(CONTEXT), slots
     plans = [g.analysis.bucket_plan for g in gp.graphs if getattr(g.analysis, "bucket_plan", None) is not None]
     assert plans and all(p.active for p in plans), [p.refused for p in plans]
     assert graphpass.memory_stats(model).loads_issued > 0
-    assert len(list((tmp_path / "dp0").iterdir())) == len(LENGTHS) * NEW_TOKENS  # every forward a captured step
+    assert len(list((tmp_path / "dp0").iterdir())) == len(lengths) * NEW_TOKENS  # every forward a captured step
 
 
 def test_bucketed_cache_in_eager_generate_equals_the_dynamic_cache():
