@@ -11,6 +11,9 @@
   by :func:`.steps.engine_step`;
 - capture is enabled only after vLLM's warm-up (``compile_or_warm_up_model``). Enabling it changes
   no graph: the capture nodes are compiled in from the first (warm-up) compilation.
+
+The class is made on first access (``module.__getattr__``), so this module imports without vLLM
+(graphpass's own checks import every module).
 """
 
 from __future__ import annotations
@@ -18,8 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 from typing import Any
-
-from vllm.v1.worker.cpu_worker import CPUWorker
 
 from .config import parse
 from .steps import engine_step
@@ -38,7 +39,20 @@ def _ranks(vllm_config: Any) -> tuple[int, Any]:
     return dp_rank, 0
 
 
-class GraphpassCPUWorker(CPUWorker):
+def __getattr__(name: str) -> Any:
+    if name == "GraphpassCPUWorker":
+        return _worker_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _worker_class() -> type:
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    return type("GraphpassCPUWorker", (_GraphpassWorkerMixin, CPUWorker), {"__module__": __name__})
+
+
+class _GraphpassWorkerMixin:
     """vLLM's CPU worker, capturing each engine step with graphpass (see the module docstring)."""
 
     graphpass_capture: Any = None
