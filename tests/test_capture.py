@@ -446,3 +446,21 @@ def test_an_output_written_by_an_out_variant_op_is_captured_after_the_write(tmp_
     torch.testing.assert_close(tensors["layers.0"]["[0]"], h0, rtol=0, atol=0)
     torch.testing.assert_close(tensors["layers.0"]["[1]"], r0, rtol=0, atol=0)
     torch.testing.assert_close(tensors["layers.1"]["[0]"], h1, rtol=0, atol=0)
+
+
+def test_extra_meta_is_written_and_cannot_replace_graphpass_fields(tmp_path):
+    model = _OutVariantModel()
+    compiled = torch.compile(model, backend="graphpass", options={"then": "eager"})
+    capture = ModelCapture(compiled, modules=["layers.0"], capture_dir=tmp_path)
+    capture.enable()
+    x = torch.randn(3, 4)
+    with pytest.raises(graphpass.ConfigError, match="extra_meta"):
+        with torch.no_grad(), capture.step(positions=torch.arange(3), extra_meta={"req_ids": ["x"]}):
+            compiled(x)
+    assert not step_dirs(tmp_path)
+    with torch.no_grad(), capture.step(positions=torch.arange(3), req_ids=["r"],
+                                       extra_meta={"token_request": [0, 0, 0]}):
+        compiled(x)
+    (step,) = step_dirs(tmp_path)
+    meta, _ = load_step(step)
+    assert meta["token_request"] == [0, 0, 0] and meta["req_ids"] == ["r"]
