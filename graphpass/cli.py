@@ -327,6 +327,26 @@ def _add_trace(add: Any) -> None:
     p.set_defaults(func=_trace)
 
 
+def _reference(args: argparse.Namespace) -> int:
+    from .reference import read_prompts, reference_run
+
+    tokens = reference_run(args.model_dir, read_prompts(args.prompts), args.max_new_tokens, args.modules, args.out)
+    print(f"reference: {len(tokens)} request(s), tokens in {os.path.join(args.out, 'tokens.json')}")
+    return 0
+
+
+def _add_reference(add: Any) -> None:
+    p = add("reference", "transformers, eager, greedy: capture MODULES of each prompt's steps, as an engine run to compare "
+                         "against: graphpass reference MODEL_DIR --prompts P.json --max-new-tokens N --modules ... --out REF",
+            "graphpass reference ./llama --prompts prompts.json --max-new-tokens 4 --modules model.layers.0-1 --out ref")
+    p.add_argument("model_dir", help="a transformers checkpoint folder (config.json, weights)")
+    p.add_argument("--prompts", required=True, help="JSON file: a list of prompts, each a list of token ids")
+    p.add_argument("--max-new-tokens", type=int, required=True, help="greedy tokens generated per prompt")
+    p.add_argument("--modules", nargs="+", required=True, metavar="PATTERN", help="module patterns to capture")
+    p.add_argument("--out", required=True, help="capture folder; also gets tokens.json (tokens per prompt, in order)")
+    p.set_defaults(func=_reference)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from . import __version__
 
@@ -369,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _add_compare_and_golden(add)
     _add_trace(add)
+    _add_reference(add)
 
     args = parser.parse_args(argv)
     try:

@@ -8,7 +8,7 @@
 * copies: :func:`copy_graph`;
 * views and aliases: :func:`is_view`, :func:`returns_alias`, :func:`views_of`, :class:`AliasIndex`;
 * writes: :func:`writes_into` (in place methods and functions, ``out=``, ``operator.i*``,
-  ``inplace=True``, ``copy_``, ``index_put_``, ``x[i] = v``, mutable schemas) and :func:`find_write`;
+  ``inplace=True``, ``copy_``, ``index_put_``, ``x[i] = v``, mutable schemas) and :func:`find_write` / :func:`iter_writes`;
 * the user's source frame of a node: :func:`source_frame`;
 * symbolic sizes: :func:`size_expr`, :func:`mentions_symbol`;
 * model structure: :func:`repeated_blocks` (the container of numbered children, shared by trap
@@ -26,7 +26,7 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable
+from typing import Any, Hashable, Iterable, Iterator
 
 import sympy
 import torch
@@ -290,13 +290,7 @@ def writes_into(user: Node, alias: Node) -> bool:
     if alias in flat_nodes(user.kwargs.get("out")):
         return True
     if user.op == "call_function" and isinstance(user.target, torch._ops.OpOverload):
-        schema = user.target._schema
-        if schema.is_mutable:
-            for i, arg in enumerate(schema.arguments):
-                value = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
-                if alias in flat_nodes(value) and arg.alias_info is not None and arg.alias_info.is_write:
-                    return True
-        return False
+        return _schema_writes(user.target, user, alias)
     if not user.args or user.args[0] is not alias:
         return False
     if user.op == "call_method":
@@ -306,19 +300,41 @@ def writes_into(user: Node, alias: Node) -> bool:
     if user.target in INPLACE_OPERATORS or user.kwargs.get("inplace") is True:
         return True
     if isinstance(user.target, torch._ops.OpOverloadPacket):
-        return False  # a packet says nothing until an overload is chosen; custom ops declare writes in their schema
+        # a packet says nothing until an overload is chosen, unless it has only one (custom ops called as
+        # ``torch.ops.ns.op(out, x)``, as vLLM's are): that one's schema says what it writes
+        only = user.target.overloads()
+        if len(only) == 1:
+            return _schema_writes(getattr(user.target, only[0]), user, alias)
+        return False
     return _inplace_name(getattr(user.target, "__name__", "") or "")
+
+
+def _schema_writes(op: torch._ops.OpOverload, user: Node, alias: Node) -> bool:
+    """Does ``user`` (a call of ``op``) pass ``alias`` as an argument that ``op``'s schema marks written?"""
+    schema = op._schema
+    if schema.is_mutable:
+        for i, arg in enumerate(schema.arguments):
+            value = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+            if alias in flat_nodes(value) and arg.alias_info is not None and arg.alias_info.is_write:
+                return True
+    return False
 
 
 def find_write(node: Node, index: AliasIndex | None = None) -> tuple[Node, Node] | None:
     """The first ``(writer, alias)`` where ``writer`` writes into ``node`` or a view of it, or None.
     With an :class:`AliasIndex`, nodes sharing ``node``'s storage count as views too."""
+    return next(iter_writes(node, index), None)
+
+
+def iter_writes(node: Node, index: AliasIndex | None = None) -> Iterator[tuple[Node, Node]]:
+    """Every ``(writer, alias)`` where ``writer`` writes into ``node`` or a view of it (aliases as for
+    :func:`find_write`), alias by alias: an ``out=`` / mutating op filling a buffer allocated earlier
+    (``torch.empty`` then ``op(out, ...)``), in-place updates, ``x[i] = v``."""
     aliases = index.aliases(node) if index is not None else views_of(node)
     for alias in aliases:
         for user in alias.users:
             if writes_into(user, alias):
-                return user, alias
-    return None
+                yield user, alias
 
 
 # --------------------------------------------------------------------------------------------

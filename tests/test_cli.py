@@ -12,7 +12,7 @@ import torch
 import graphpass
 from graphpass.cli import main
 
-SUBCOMMANDS = ("demo", "explain", "audit", "compare", "trace")
+SUBCOMMANDS = ("demo", "explain", "audit", "compare", "trace", "reference")
 
 EXPLAIN_KEYS = {"graphs", "total_weight_bytes", "traps", "tensors"}
 EXPLAIN_TRAP_KEYS = {"graph", "label", "manual", "first_node", "last_node", "fqns", "tensors", "nbytes"}

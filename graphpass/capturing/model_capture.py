@@ -23,7 +23,7 @@ import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -211,13 +211,16 @@ class ModelCapture:
                 return
 
     def save_tensor_captures(
-        self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None
+        self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None,
+        extra_meta: Mapping[str, Any] | None = None,
     ) -> list[Path]:
-        """Write what was captured since ``setup_tensor_capture`` and restore the previous registry."""
-        return self._save_step(positions, is_prefill, req_ids)
+        """Write what was captured since ``setup_tensor_capture`` and restore the previous registry.
+        ``extra_meta``: more JSON-able fields for the step's meta file (an engine's per-token request
+        index, ...); they cannot replace the fields graphpass writes."""
+        return self._save_step(positions, is_prefill, req_ids, extra_meta=extra_meta)
 
     def _save_step(self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None,
-                   size: int | None = None) -> list[Path]:
+                   size: int | None = None, extra_meta: Mapping[str, Any] | None = None) -> list[Path]:
         """``save_tensor_captures``; ``size``: the step's N / B when the caller knows it (auto steps)."""
         reg = self._current()
         try:
@@ -233,6 +236,7 @@ class ModelCapture:
             import graphpass
 
             meta = {
+                **_check_extra_meta(extra_meta),
                 "req_ids": list(req_ids) if req_ids is not None else [],
                 "positions": positions,
                 "graphpass_version": graphpass.__version__,
@@ -262,7 +266,8 @@ class ModelCapture:
                 "around calls of this model.)")
 
     @contextlib.contextmanager
-    def step(self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None) -> Iterator["ModelCapture"]:
+    def step(self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None,
+             extra_meta: Mapping[str, Any] | None = None) -> Iterator["ModelCapture"]:
         """``with capture.step(...): out = compiled(x)``: set up, run, save. If the body raises,
         nothing is written and the previously active registry is restored."""
         sweep_marking_hook()
@@ -273,7 +278,7 @@ class ModelCapture:
             self._current().clear()
             self._restore()
             raise
-        self.save_tensor_captures(positions=positions, is_prefill=is_prefill, req_ids=req_ids)
+        self.save_tensor_captures(positions=positions, is_prefill=is_prefill, req_ids=req_ids, extra_meta=extra_meta)
 
     def auto_steps(self, module: torch.nn.Module | None = None,
                    step_info: Callable[[tuple, dict], StepInfo | None] | None = None) -> AutoSteps:
@@ -489,3 +494,19 @@ def _step_size(positions: Any, is_prefill: bool, req_ids: Sequence[str] | None, 
             return int(t.shape[1]) if t.dim() >= 2 else int(t.shape[0]) if t.dim() else 1
         return int(t.shape[0]) if t.dim() else 1
     raise ConfigError("positions", positions, "cannot tell the step's size: pass positions or req_ids")
+
+
+# meta fields graphpass itself writes (writer.py adds the rest): extra_meta cannot replace them
+_OWN_META = ("req_ids", "positions", "graphpass_version", "torch_version", "bucket", "step", "step_index",
+             "phase", "size", "modules", "tensors", "dp_rank", "tp_rank", "tp_size")
+
+
+def _check_extra_meta(extra_meta: Mapping[str, Any] | None) -> dict:
+    if extra_meta is None:
+        return {}
+    if not isinstance(extra_meta, Mapping) or not all(isinstance(k, str) for k in extra_meta):
+        raise ConfigError("extra_meta", extra_meta, "must be a mapping with str keys")
+    clash = sorted(set(extra_meta) & set(_OWN_META))
+    if clash:
+        raise ConfigError("extra_meta", clash, "cannot replace the meta fields graphpass writes")
+    return dict(extra_meta)

@@ -13,7 +13,8 @@ Names: each captured value gets its key path in the module's return value (``[0]
 ``.last_hidden_state``, ``output``), read from the ``graphpass::output_key`` markers that the
 global forward hook of :mod:`graphpass.capturing.model_capture` traces after every module of a
 selected class; the markers are removed here. Output leaves are captured in output order right
-after the call's last leaf computed inside the module (inside its trap); values the module
+after the call's last leaf computed inside the module, or after the last write inside the module
+into one of them (an output allocated first and filled by a mutating ``out`` op), inside its trap; values the module
 computed that are read outside it without being returned (a KV cache updated in place) get key
 ``""`` (written as ``other[i]``).
 
@@ -37,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..analysis import module_paths
-from ..fx_utils import is_graphpass_node, is_tensor_node
+from ..fx_utils import is_graphpass_node, is_tensor_node, iter_writes
 from ..capturing.ops import CAPTURE, is_output_key
 from .base import GraphPass, PassContext
 
@@ -64,6 +65,10 @@ def _capture_module(graph: torch.fx.Graph, region: list, marked: list, calls, or
     inserted = 0
     for call in _calls(marked):
         inside = [t for _, t, _ in call if t in members]
+        # after the last write inside the module into any of them: an output allocated first and
+        # filled by a mutating op (``out = torch.empty(..)``, ``op(out, x)``, as vLLM's layers do)
+        # is only its value after that op
+        inside += [w for t in inside for w, _ in iter_writes(t) if w in members]
         anchor = max(inside, key=order.get) if inside else call[-1][0]
         for _, t, key in call:
             anchor = _insert_captures(graph, anchor, t, key, calls)

@@ -1,0 +1,77 @@
+"""The vLLM plugin: graphpass as vLLM's compiler, with tensor capture per engine step (docs/vllm.md).
+
+Registered as ``graphpass = graphpass.integrations.vllm:register`` under vLLM's
+``vllm.general_plugins`` entry point, so vLLM calls :func:`register` in every process it starts
+(the caller's, the engine core, each worker). It does nothing unless the engine's
+``additional_config`` has a ``"graphpass"`` key; then, when vLLM builds its config (before any
+worker starts), :func:`update_config`:
+
+- checks the settings (:mod:`.config`; a ``ConfigError`` naming the key, before serving);
+- makes graphpass the compiler: ``compilation_config.mode = DYNAMO_TRACE_ONCE`` (one Dynamo graph of
+  the whole model) and ``backend`` = :func:`graphpass.integrations.vllm.backend.vllm_backend`,
+  which vLLM resolves by qualified name in each worker (vLLM's CPU platform would otherwise replace
+  any backend with inductor);
+- turns vLLM's compile cache off (``VLLM_DISABLE_COMPILE_CACHE=1`` for the processes it starts): a
+  graph loaded from that cache was never given to graphpass;
+- runs the workers as :class:`.worker.GraphpassCPUWorker`, which passes the ``options`` to graphpass
+  and, with ``tensor_capture``, captures each engine step (:mod:`.steps`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+from ...errors import ConfigError
+from .config import KEY, PREFIX, VllmPluginConfig, parse
+
+log = logging.getLogger("graphpass.integrations.vllm")
+
+BACKEND = "graphpass.integrations.vllm.backend.vllm_backend"
+WORKERS = {"vllm.v1.worker.cpu_worker.CPUWorker": "graphpass.integrations.vllm.worker.GraphpassCPUWorker"}
+
+
+def register() -> None:
+    """vLLM's ``vllm.general_plugins`` entry point: wrap the current platform's
+    ``check_and_update_config`` with :func:`update_config`. Safe to call more than once."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    original = platform.__dict__.get("check_and_update_config")
+    if original is None or getattr(original.__func__, "_graphpass", False):
+        return
+    func = original.__func__
+
+    @functools.wraps(func)
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        settings = parse(vllm_config.additional_config)  # before vLLM changes anything
+        func(cls, vllm_config)
+        if settings is not None:
+            update_config(vllm_config, settings)
+
+    check_and_update_config._graphpass = True
+    platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def update_config(vllm_config: Any, settings: VllmPluginConfig) -> None:
+    """Make graphpass vLLM's compiler and its workers capture (see the module docstring)."""
+    from vllm.config import CompilationMode
+
+    comp = vllm_config.compilation_config
+    if comp.mode == CompilationMode.NONE:
+        raise ConfigError(f"{PREFIX}", KEY, "graphpass needs vLLM to compile the model, but compilation is off "
+                          "(enforce_eager=True, a LoRA adapter, or compilation_config mode 0): turn it back on")
+    if comp.mode != CompilationMode.DYNAMO_TRACE_ONCE or comp.backend != BACKEND:
+        log.info("vLLM compiles with graphpass: compilation mode DYNAMO_TRACE_ONCE (was %s), backend %s (was %r)",
+                 comp.mode, BACKEND, comp.backend)
+    comp.mode = CompilationMode.DYNAMO_TRACE_ONCE
+    comp.backend = BACKEND
+    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    parallel = vllm_config.parallel_config
+    worker = WORKERS.get(parallel.worker_cls)
+    if worker is None and parallel.worker_cls not in WORKERS.values():
+        raise ConfigError(PREFIX, "worker_cls", f"graphpass inside vLLM is supported with vLLM's CPU "
+                          f"worker only; this engine uses {parallel.worker_cls!r}")
+    parallel.worker_cls = worker or parallel.worker_cls

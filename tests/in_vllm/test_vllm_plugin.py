@@ -1,0 +1,154 @@
+"""graphpass's vLLM plugin in vLLM's default (multiprocess) CPU engine: settings checked before serving,
+one capture step per engine step with its meta, no warm-up step, no recompilation, and the captured
+decoder-layer outputs (hidden + residual) equal to transformers' eager ones at every request and position."""
+
+import importlib.metadata
+import json
+
+import pytest
+
+pytest.importorskip("vllm.config")  # vLLM itself, not a folder named vllm on sys.path
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from graphpass.errors import ConfigError  # noqa: E402
+
+from vllm_serving import MAX_NEW_TOKENS, PROMPTS, serve, write_tiny_llama  # noqa: E402
+
+MODULES = ["model.layers.0", "model.layers.1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def test_the_plugin_is_registered_with_vllm():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert "graphpass.integrations.vllm:register" in [e.value for e in eps]
+
+
+@pytest.mark.parametrize("settings, key, words", [
+    ({"tensor_capture": {"modules": "model.layers.0", "capture_dir": "x"}}, "tensor_capture.modules", "list"),
+    ({"tensor_capture": {"modules": ["model.layers.0"]}}, "tensor_capture.capture_dir", "folder"),
+    ({"offload": {"device": "cpu"}}, "offload", "packed oneDNN weights"),
+    ({"options": {"then": "no-such-delegate"}}, "then", ""),
+    ({"tracing": True}, "additional_config.graphpass", "unknown keys"),
+])
+def test_bad_settings_are_refused_before_serving(tiny_llama, settings, key, words):
+    from vllm import LLM
+
+    with pytest.raises(Exception) as info:
+        LLM(model=str(tiny_llama), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
+            additional_config={"graphpass": settings})
+    err = info.value
+    # vLLM's config is a pydantic dataclass: it may wrap the ConfigError; its text must survive
+    text = str(err)
+    assert isinstance(err, ConfigError) or "ConfigError" in text or key in text, text
+    assert key in text and words in text, text
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("served")
+    caps = out / "caps"
+    settings = {"options": {"then": "eager"},
+                "tensor_capture": {"modules": MODULES, "capture_dir": str(caps)}}
+    return serve(tiny_llama, out, settings), caps
+
+
+def _metas(caps):
+    metas = [json.loads(p.read_text()) for p in (caps / "dp0").glob("*/*_meta.json")]
+    return sorted(metas, key=lambda m: m["step_index"])
+
+
+def _req(rid: str) -> str:
+    """vLLM's internal request id is the caller's plus ``-<suffix>``."""
+    return rid.rsplit("-", 1)[0]
+
+
+def test_each_engine_step_is_one_step_named_by_its_phase(served):
+    result, caps = served
+    metas = _metas(served[1])
+    assert [m["step_index"] for m in metas] == list(range(len(metas)))
+    # the first engine step is a prefill of real requests from their first token: no warm-up or profile
+    # step (which prompts vLLM batches into it depends on when they arrive)
+    first = metas[0]
+    assert first["step"] == f"prefill_s{len(first['positions'])}_0"
+    assert {_req(r) for r in first["req_ids"]} <= set(result["request_ids"])
+    assert all(min(p for i, p in zip(first["token_request"], first["positions"]) if i == k) == 0
+               for k in range(len(first["req_ids"])))
+    for m in metas:
+        n = len(m["positions"])
+        assert len(m["token_request"]) == n
+        if m["phase"] == "decode":
+            assert m["step"].startswith(f"decode_b{len(m['req_ids'])}_") and n == len(m["req_ids"])
+        else:
+            assert m["step"].startswith(f"prefill_s{n}_")
+        assert m["modules"] == MODULES and m["tp_rank"] == 0 and m["dp_rank"] == 0
+        for mod in MODULES:
+            assert (caps / "dp0" / m["step"] / mod / "rank0.safetensors").is_file()
+            assert [t["shape"][0] for t in m["tensors"][mod]] == [n, n]  # (hidden, residual) per token
+
+
+def test_every_token_of_every_request_is_captured_once(served):
+    result, caps = served
+    seen = {}
+    for m in _metas(caps):
+        for i, pos in zip(m["token_request"], m["positions"]):
+            seen.setdefault(_req(m["req_ids"][i]), []).append(pos)
+    # a request's last generated token is never fed back: prompt + max_new_tokens - 1 positions
+    want = {rid: list(range(len(p) + MAX_NEW_TOKENS - 1)) for rid, p in zip(result["request_ids"], PROMPTS)}
+    assert {r: sorted(v) for r, v in seen.items()} == want
+
+
+def test_capture_causes_no_recompilation(served):
+    result, _ = served
+    before, after = result["stats_before"][0], result["stats_after"][0]
+    assert before["capture_enabled"] and after["capture_enabled"]
+    assert before["unique_graphs"] >= 1
+    assert after["unique_graphs"] == before["unique_graphs"]
+
+
+def _hf_layer_outputs(model_dir, tokens):
+    """transformers, eager, fp32: each decoder layer's output for the whole sequence ``tokens``."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    outs = {}
+    hooks = [model.model.layers[i].register_forward_hook(
+        lambda mod, a, o, i=i: outs.__setitem__(f"model.layers.{i}", (o[0] if isinstance(o, tuple) else o)[0]))
+        for i in range(len(model.model.layers))]
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    for h in hooks:
+        h.remove()
+    return outs
+
+
+def _hf_greedy(model_dir, prompt, n):
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_tokens_and_layer_outputs_equal_transformers_eager(served, tiny_llama):
+    result, caps = served
+    for prompt, tokens in zip(PROMPTS, result["tokens"]):
+        assert tokens == _hf_greedy(tiny_llama, prompt, MAX_NEW_TOKENS)
+    ref = {rid: _hf_layer_outputs(tiny_llama, p + t[:-1])
+           for rid, p, t in zip(result["request_ids"], PROMPTS, result["tokens"])}
+    compared = 0
+    for m in _metas(caps):
+        for mod in MODULES:
+            t = load_file(caps / "dp0" / m["step"] / mod / "rank0.safetensors")
+            layer_out = t["[0]"] + t["[1]"]  # vLLM's layer returns (hidden, residual): the output is their sum
+            for row, (i, pos) in enumerate(zip(m["token_request"], m["positions"])):
+                want = ref[_req(m["req_ids"][i])][mod][pos]
+                torch.testing.assert_close(layer_out[row], want, rtol=1e-4, atol=1e-4)
+                compared += 1
+    assert compared == 2 * sum(len(p) + MAX_NEW_TOKENS - 1 for p in PROMPTS)

@@ -1,0 +1,47 @@
+"""Helpers of the vLLM leg's tests (tests/in_vllm): a tiny random Llama checkpoint, and serving it with vLLM.
+
+The engine runs in a subprocess (``serve_tiny.py``: vLLM starts its engine core and worker processes
+with ``spawn``), once per test module.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+# the tiny Llama: head_dim 64 (vLLM's CPU attention supports it), 2 layers, fp32
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=256)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
+MAX_NEW_TOKENS = 4
+
+
+def write_tiny_llama(path: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, torch_dtype="float32"))
+    model.save_pretrained(path)
+    return path
+
+
+def serve(model: Path, out: Path, settings: dict, prompts=PROMPTS, max_new_tokens=MAX_NEW_TOKENS,
+          timeout: int = 1200) -> dict:
+    """Run ``serve_tiny.py`` (vLLM's ``LLM`` with ``additional_config={"graphpass": settings}``);
+    returns its result (tokens, request ids, worker stats)."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"model": str(model), "settings": settings, "prompts": prompts, "max_new_tokens": max_new_tokens,
+            "result": str(out / "result.json")}
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env.setdefault("VLLM_CACHE_ROOT", str(out / "vllm-cache"))
+    proc = subprocess.run([sys.executable, str(HERE / "serve_tiny.py"), json.dumps(spec)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    (out / "serve.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"serve_tiny.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    return json.loads((out / "result.json").read_text())
