@@ -123,9 +123,10 @@ class CaptureWriter:
             raise ConfigError("capture_filter", capture_filter, "expected a list of module patterns or None")
         self.filter = compile_patterns(list(capture_filter), "capture_filter") if capture_filter is not None else None
         self._counts: dict[str, int] = {}
-        self._index = 0  # steps written, whatever their phase: the meta's step_index (execution order)
+        self._index = 0  # steps named, whatever their phase: the meta's step_index (execution order)
         self._own_steps: set[str] = set()  # step folders this writer claimed (it may write them again)
         self._lock = threading.Lock()  # one ModelCapture stepping in several threads: one write at a time
+        self._names = threading.Lock()  # step names / indexes (taken while another step is being written)
         self._check_writable()
 
     def _check_writable(self) -> None:
@@ -155,12 +156,49 @@ class CaptureWriter:
         Raises ``CaptureError`` (naming the path) when a step folder holds an earlier run's files or a
         write fails; then nothing of this step is left behind."""
         with self._lock:
-            return self._write(tensors, is_prefill=is_prefill, size=size, meta=meta)
+            step, index = self.reserve(is_prefill, size)
+            try:
+                return self._write(tensors, step=step, index=index, is_prefill=is_prefill, size=size, meta=meta)
+            except BaseException:
+                self._release(is_prefill, index)
+                raise
 
-    def _write(self, tensors: Sequence[tuple], *, is_prefill: bool, size: int, meta: dict) -> list[Path]:
+    def reserve(self, is_prefill: bool, size: int) -> tuple[str, int]:
+        """The next step's folder name and ``step_index``, taken now (a step staged to be written
+        later keeps the name and place of its call, whatever the writer's pace)."""
+        with self._names:
+            step = self.step_name(is_prefill, size)
+            phase = "prefill" if is_prefill else "decode"
+            self._counts[phase] = self._counts.get(phase, 0) + 1
+            self._index += 1
+            return step, self._index - 1
+
+    def _release(self, is_prefill: bool, index: int) -> None:
+        """Give back the reservation ``index`` of a step that failed, when no later step took one
+        (so the next step uses the same name); otherwise its name stays a gap."""
+        with self._names:
+            if self._index == index + 1:
+                phase = "prefill" if is_prefill else "decode"
+                self._counts[phase] -= 1
+                self._index -= 1
+
+    def step_dirs(self, names: Sequence[str], step: str) -> list[Path]:
+        """The step folders :meth:`write` makes for values named ``names`` under ``step`` (what it
+        returns), without writing: a staged step's answer."""
+        bases = dict.fromkeys(self._base(n) for n in dict.fromkeys(names)
+                              if self.filter is None or any(p.matches(n) for p in self.filter))
+        return [base / step for base in bases]
+
+    def write_reserved(self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int,
+                       meta: dict) -> list[Path]:
+        """:meth:`write` under a name taken earlier with :meth:`reserve` (the write-behind thread)."""
+        with self._lock:
+            return self._write(tensors, step=step, index=index, is_prefill=is_prefill, size=size, meta=meta)
+
+    def _write(self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int,
+               meta: dict) -> list[Path]:
         from safetensors.torch import save as encode
 
-        step = self.step_name(is_prefill, size)
         grouped: dict[str, list[tuple[torch.Tensor, str | None, str]]] = {}
         for entry in tensors:
             name, t, key, layout = (*entry, None, "")[:4] if len(entry) == 2 else (*entry, "")[:4]
@@ -195,7 +233,7 @@ class CaptureWriter:
                     where = mod_dir / f"rank{self.tp_rank}.safetensors"
                     _atomic(where, encode(payload), new_files)
                     info[name] = [_tensor_info(k, payload[k], entries[i][2]) for k, i in keyed]
-                doc = dict(meta, step=step, step_index=self._index, phase="prefill" if is_prefill else "decode",
+                doc = dict(meta, step=step, step_index=index, phase="prefill" if is_prefill else "decode",
                            size=size, modules=names, tensors=info, dp_rank=self.dp_rank, tp_rank=self.tp_rank,
                            tp_size=self.tp_size)
                 where = step_dir / meta_file_name(step, self.tp_rank)
@@ -209,9 +247,6 @@ class CaptureWriter:
                 else "check the path and its permissions"
             raise CaptureError(f"cannot write capture file {str(where)!r}: {type(exc).__name__}: {exc}; {hint} and "
                                "run the step again (nothing of this step was kept)") from exc
-        phase = "prefill" if is_prefill else "decode"
-        self._counts[phase] = self._counts.get(phase, 0) + 1
-        self._index += 1
         return written
 
     def _claim(self, step_dir: Path) -> None:
