@@ -223,10 +223,10 @@ class CaptureWriter:
                 _make_dirs(self.capture_dir, step_dir, new_dirs)
                 info: dict[str, list[dict]] = {}
                 for name in names:
+                    # ``name`` is one checked component (_check_component: no separator, no ``..``) and
+                    # step_dir was checked above: only the module folder itself is new (never a link)
                     mod_dir = where = step_dir / name
-                    if not mod_dir.resolve().is_relative_to(root):
-                        raise CaptureError(f"capture name {name!r} would leave capture_dir")
-                    _make_dirs(self.capture_dir, mod_dir, new_dirs)
+                    _make_dirs(step_dir, mod_dir, new_dirs)
                     entries = grouped[name]
                     keyed = file_keys([(t, key) for t, key, _ in entries])
                     payload = {k: entries[i][0].detach().to("cpu").contiguous() for k, i in keyed}

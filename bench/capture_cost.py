@@ -1,0 +1,110 @@
+"""What capture ON costs against capture OFF, per step, on a deep transformers Llama.
+
+One process builds ``LlamaForCausalLM`` (tiny width, ``--layers`` decoder layers, default 32) and
+compiles two copies with graphpass (-> ``--delegate``, default inductor), each with a
+``ModelCapture`` of every decoder layer (``model.layers.0-N``): ``off`` stays disabled (the
+capture nodes are in the graph and return at once), ``on`` is enabled. One step per call
+(``with capture.step(...)``), for two step sizes: decode-sized (1 token) and prefill-sized
+(``--prefill`` tokens), no KV cache.
+
+Variants, measured interleaved in blocks of ``--block`` calls (order reversed every round):
+
+* ``off``: capture off;
+* ``on (write-behind)``: ``step(wait=False)``: the step is staged and written by the capture's
+  writer thread; the block's time includes a final ``flush()``, so every file of the block is
+  on disk when the block's clock stops (per-step figure = block time / block);
+* ``on (wait=True)``: each step written before the call returns (what capture cost before
+  write-behind).
+
+Prints, per step size, the median per-step time over blocks and the ratio to ``off`` measured in
+the same run.
+
+    python bench/capture_cost.py [--layers 32] [--rounds 15] [--block 8] [--prefill 128] [--delegate inductor]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+
+import torch
+from tabulate import tabulate
+
+import graphpass
+
+
+def build(layers: int, hidden: int):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, use_cache=False)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--block", type=int, default=8)
+    ap.add_argument("--delegate", default="inductor")
+    args = ap.parse_args()
+    base = build(args.layers, args.hidden)
+    modules = [f"model.layers.0-{args.layers - 1}"]
+    tmp = tempfile.TemporaryDirectory(prefix="gp-capture-cost-")
+    models, caps = {}, {}
+    for name in ("off", "on"):
+        m = torch.compile(copy.deepcopy(base), backend=graphpass.backend(then=args.delegate))
+        models[name] = m
+        caps[name] = graphpass.ModelCapture(m, modules=modules, capture_dir=f"{tmp.name}/{name}")
+    caps["on"].enable()
+    sizes = {"decode (1 token)": 1, f"prefill ({args.prefill} tokens)": args.prefill}
+    rows = []
+    with torch.no_grad():
+        for label, n in sizes.items():
+            rows += measure(label, n, models, caps, args)
+    print(f"LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, every decoder layer captured "
+          f"({args.layers} files a step), graphpass -> {args.delegate}, torch {torch.__version__}, "
+          f"{args.rounds} rounds x {args.block} calls per variant, interleaved, one step per call")
+    print(tabulate(rows, headers=["step", "variant", "median ms / step", "min ms / step", "ratio to off (median)"]))
+    tmp.cleanup()
+
+
+def measure(label: str, n: int, models: dict, caps: dict, args) -> list[list]:
+    ids = torch.randint(0, 1024, (1, n))
+    is_prefill = n > 1
+    pos = torch.arange(n)
+
+    def call(which: str, wait: bool) -> None:
+        with caps[which].step(is_prefill=is_prefill, positions=pos, wait=wait):
+            models[which](ids)
+
+    def block(which: str, wait: bool) -> float:
+        t = time.perf_counter()
+        for _ in range(args.block):
+            call(which, wait)
+        caps[which].flush()
+        return (time.perf_counter() - t) / args.block
+
+    variants = {"off": lambda: block("off", True), "on (write-behind)": lambda: block("on", False),
+                "on (wait=True)": lambda: block("on", True)}
+    for f in variants.values():  # compile and warm up
+        f()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(args.rounds):
+        order = list(variants.items()) if r % 2 == 0 else list(variants.items())[::-1]
+        for k, f in order:
+            times[k].append(f())
+    off = statistics.median(times["off"])
+    return [[label, k, f"{statistics.median(v) * 1e3:.2f}", f"{min(v) * 1e3:.2f}",
+             f"{statistics.median(v) / off:.3f}"] for k, v in times.items()]
+
+
+if __name__ == "__main__":
+    main()
