@@ -16,8 +16,10 @@ Variants, measured interleaved in blocks of ``--block`` calls (order reversed ev
 * ``on (wait=True)``: each step written before the call returns (what capture cost before
   write-behind).
 
-Prints, per step size, the median per-step time over blocks and the ratio to ``off`` measured in
-the same run.
+Prints, per step size, the median per-step wall time over blocks and its ratio to ``off``
+measured in the same run, and the calling thread's CPU time per step (``time.thread_time``, less
+disturbed by other processes on a shared machine; it leaves out the writer thread's work, which
+the wall time of a block, flush included, does not).
 
     python bench/capture_cost.py [--layers 32] [--rounds 15] [--block 8] [--prefill 128] [--delegate inductor]
 """
@@ -54,7 +56,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--delegate", default="inductor")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: steadier on a small shared machine; the writer thread is extra)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     base = build(args.layers, args.hidden)
     modules = [f"model.layers.0-{args.layers - 1}"]
     tmp = tempfile.TemporaryDirectory(prefix="gp-capture-cost-")
@@ -71,8 +76,10 @@ def main() -> None:
             rows += measure(label, n, models, caps, args)
     print(f"LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, every decoder layer captured "
           f"({args.layers} files a step), graphpass -> {args.delegate}, torch {torch.__version__}, "
-          f"{args.rounds} rounds x {args.block} calls per variant, interleaved, one step per call")
-    print(tabulate(rows, headers=["step", "variant", "median ms / step", "min ms / step", "ratio to off (median)"]))
+          f"{args.threads} intra-op thread(s); {args.rounds} rounds x {args.block} calls per variant, interleaved "
+          "(order reversed every round), one step per call; block time includes the final flush()")
+    print(tabulate(rows, headers=["step", "variant", "wall ms / step (median)", "wall min", "wall ratio to off",
+                                  "caller CPU ms / step", "CPU ratio to off"]))
     tmp.cleanup()
 
 
@@ -85,25 +92,29 @@ def measure(label: str, n: int, models: dict, caps: dict, args) -> list[list]:
         with caps[which].step(is_prefill=is_prefill, positions=pos, wait=wait):
             models[which](ids)
 
-    def block(which: str, wait: bool) -> float:
-        t = time.perf_counter()
+    def block(which: str, wait: bool) -> tuple[float, float]:
+        t, c = time.perf_counter(), time.thread_time()
         for _ in range(args.block):
             call(which, wait)
+        c = time.thread_time() - c  # CPU time of the calling thread (not the writer's), before the flush
         caps[which].flush()
-        return (time.perf_counter() - t) / args.block
+        return (time.perf_counter() - t) / args.block, c / args.block
 
     variants = {"off": lambda: block("off", True), "on (write-behind)": lambda: block("on", False),
                 "on (wait=True)": lambda: block("on", True)}
     for f in variants.values():  # compile and warm up
         f()
-    times: dict[str, list[float]] = {k: [] for k in variants}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
     for r in range(args.rounds):
         order = list(variants.items()) if r % 2 == 0 else list(variants.items())[::-1]
         for k, f in order:
             times[k].append(f())
-    off = statistics.median(times["off"])
-    return [[label, k, f"{statistics.median(v) * 1e3:.2f}", f"{min(v) * 1e3:.2f}",
-             f"{statistics.median(v) / off:.3f}"] for k, v in times.items()]
+    wall = {k: [w for w, _ in v] for k, v in times.items()}
+    cpu = {k: [c for _, c in v] for k, v in times.items()}
+    off, off_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
+    return [[label, k, f"{statistics.median(wall[k]) * 1e3:.2f}", f"{min(wall[k]) * 1e3:.2f}",
+             f"{statistics.median(wall[k]) / off:.3f}", f"{statistics.median(cpu[k]) * 1e3:.2f}",
+             f"{statistics.median(cpu[k]) / off_cpu:.3f}"] for k in variants]
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import ops
-from .capturing import CaptureWriter, CompareReport, ModelCapture, TensorRegistry, capture_tensor, compare
+from .capturing import CaptureWriter, CompareReport, ModelCapture, StagingConfig, TensorRegistry, capture_tensor, compare
 from .config import GraphpassConfig
 from .dynamo_backend import CompiledGraph, GraphpassBackend, backend, graphpass_backend
 from .errors import (
@@ -51,6 +51,7 @@ __all__ = [
     "offload_block",
     "capture_tensor",
     "ModelCapture",
+    "StagingConfig",
     "TensorRegistry",
     "CaptureWriter",
     "CaptureError",
