@@ -74,6 +74,7 @@ def main() -> None:
     with torch.no_grad():
         for label, n in sizes.items():
             rows += measure(label, n, models, caps, args)
+            print(tabulate(rows[-3:]), flush=True)  # partial results as they come (the full table follows)
     print(f"LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, every decoder layer captured "
           f"({args.layers} files a step), graphpass -> {args.delegate}, torch {torch.__version__}, "
           f"{args.threads} intra-op thread(s); {args.rounds} rounds x {args.block} calls per variant, interleaved "
