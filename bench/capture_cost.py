@@ -70,6 +70,8 @@ def main() -> None:
         caps[name] = graphpass.ModelCapture(m, modules=modules, capture_dir=f"{tmp.name}/{name}")
     caps["on"].enable()
     sizes = {"decode (1 token)": 1, f"prefill ({args.prefill} tokens)": args.prefill}
+    if args.prefill <= 1:  # --prefill 0: decode only
+        sizes.pop(f"prefill ({args.prefill} tokens)")
     rows = []
     with torch.no_grad():
         for label, n in sizes.items():

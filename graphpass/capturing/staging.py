@@ -15,9 +15,6 @@ on the saving thread: the ring never holds more than the bound); ``"drop"`` drop
 name is skipped, so later steps keep their names and compare reports the dropped one missing),
 counts it (:attr:`WriteBehind.dropped`, each step's meta ``dropped_steps``) and logs a warning.
 
-The writer thread runs at a lower CPU priority (Linux: ``nice`` +10 for that thread only), so on
-a machine short of cores the threads computing the model get them first.
-
 Nothing completed is lost: :meth:`WriteBehind.flush` waits until every staged step is on disk
 (``ModelCapture.flush``, ``disable``, a step saved with ``wait=True``, ``auto_steps``' exit),
 and a ``weakref.finalize`` flushes at interpreter exit (or when the ``ModelCapture`` is
@@ -32,7 +29,6 @@ import collections
 import dataclasses
 import logging
 import numbers
-import os
 import threading
 from typing import Any, Callable, Literal
 
@@ -186,7 +182,6 @@ class WriteBehind:
 
     # -- writer thread -----------------------------------------------------------------------------
     def _run(self) -> None:
-        _lower_priority()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._ring or self._closed)
@@ -208,15 +203,3 @@ class WriteBehind:
                     self._busy -= 1
                     self._cond.notify_all()
 
-
-WRITER_NICE = 10  # the writer thread's niceness increment (Linux): compute threads go first for a core
-
-
-def _lower_priority() -> None:
-    """Let the threads computing the model go first when cores are short (Linux: per-thread nice;
-    elsewhere nothing). The writer then fills idle time; if it falls too far behind, the ring's
-    bound stops the saving side (``block``) or drops steps (``drop``)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-    except (AttributeError, OSError):  # no per-thread priority here: run at the process's
-        pass
