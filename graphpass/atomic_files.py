@@ -25,11 +25,16 @@ def temp_names() -> Iterator[str]:
         yield f"{TMP_PREFIX}{secrets.token_hex(8)}{TMP_SUFFIX}"
 
 
-def create_temp(folder: str | os.PathLike) -> tuple[int, Path]:
-    """Create a new file exclusively in ``folder``: never opens an existing file or follows a link."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+
+
+def create_temp(folder: str | os.PathLike) -> tuple[int, str]:
+    """Create a new file exclusively in ``folder``: never opens an existing file or follows a link.
+    Returns its descriptor and path (a str: capture writes many small files, pathlib costs)."""
+    flags = _CREATE
+    folder = os.fspath(folder)
     for _, name in zip(range(100), temp_names()):
-        path = Path(folder) / name
+        path = os.path.join(folder, name)
         try:
             return os.open(path, flags, 0o666), path
         except FileExistsError:
@@ -71,9 +76,9 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
 def write_atomic(path: str | os.PathLike, write: Callable[[int], None], fsync: bool = False) -> bool:
     """Create or replace ``path`` with what ``write(fd)`` writes, atomically. Returns whether
     ``path`` is new (it did not exist before)."""
-    path = Path(path)
+    path = os.fspath(path)
     existed = os.path.lexists(path)
-    fd, tmp = create_temp(path.parent)
+    fd, tmp = create_temp(os.path.dirname(path) or ".")
     try:
         try:
             write(fd)

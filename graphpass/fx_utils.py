@@ -600,30 +600,62 @@ def tensor_keys(t: Any) -> list[Hashable]:
 def owned_tensors(model: torch.nn.Module) -> dict[Hashable, list[str]]:
     """key -> FQNs for every parameter and buffer of ``model`` (tied ones under each name) and the
     inner tensors of tensor subclasses (a DTensor's local shard)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     out: dict[Hashable, list[str]] = {}
 
-    def add(t: Any, fqn: str, depth: int = 0) -> None:
-        if not isinstance(t, torch.Tensor):
-            return
-        for k in tensor_keys(t):
+    def add(t: Any, fqn: str) -> None:
+        for k in held_keys(t):
             names = out.setdefault(k, [])
             if fqn not in names:
                 names.append(fqn)
-        if depth < 4 and is_traceable_wrapper_subclass(t):
-            try:
-                attrs, _ = t.__tensor_flatten__()
-            except Exception:
-                return
-            for a in attrs:
-                add(getattr(t, a, None), fqn, depth + 1)
 
     for fqn, p in model.named_parameters(remove_duplicate=False):
         add(p, fqn)
     for fqn, b in model.named_buffers(remove_duplicate=False):
         add(b, fqn)
     return out
+
+
+def held_keys(t: Any, depth: int = 0) -> list[Hashable]:
+    """:func:`tensor_keys` of a parameter or buffer ``t`` and of its inner tensors (a tensor
+    subclass: a DTensor's local shard), nested up to 4 deep; ``[]`` for a non-tensor."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not isinstance(t, torch.Tensor):
+        return []
+    keys = tensor_keys(t)
+    if depth < 4 and is_traceable_wrapper_subclass(t):
+        try:
+            attrs, _ = t.__tensor_flatten__()
+        except Exception:
+            return keys
+        for a in attrs:
+            keys += held_keys(getattr(t, a, None), depth + 1)
+    return keys
+
+
+def tensor_at(model: torch.nn.Module, fqn: str) -> torch.Tensor | None:
+    """The parameter or buffer ``model`` holds at ``fqn`` now (plain dict look-ups, no
+    ``__getattr__``: cheap enough for every call of a capture op), or None."""
+    *path, leaf = fqn.split(".")
+    mod: Any = model
+    for part in path:
+        mod = mod._modules.get(part)
+        if mod is None:
+            return None
+    t = mod._parameters.get(leaf)
+    return t if t is not None else mod._buffers.get(leaf)
+
+
+def holds_at(model: torch.nn.Module, fqn: str, t: torch.Tensor) -> bool:
+    """Does ``model`` hold ``t`` (itself, or a tensor over the same memory, or as the inner tensor
+    of a subclass) at ``fqn`` now? ``owned_tensors(model)[key]`` for one FQN, without the walk."""
+    held = tensor_at(model, fqn)
+    if held is None:
+        return False
+    if held is t:
+        return True
+    mine = held_keys(held)
+    return any(k in mine for k in tensor_keys(t))
 
 
 def relocated(name: str, owner_fqn: str, fqns: list[str]) -> list[str]:

@@ -8,7 +8,8 @@ batch of ``B``. See docs/capture.md ("Automatic steps: generate()").
 
 How: a forward pre-hook on the module that is called (the ``torch.compile`` wrapper when
 ``ModelCapture`` was given one, else the model) opens a step (``setup_tensor_capture``) and a
-forward hook writes it (``always_call``: a forward that raises, which torch reports to the hook as a
+forward hook saves it (staged and written behind the compute unless ``wait=True``; leaving the
+``with`` or ``remove()`` waits until every step is on disk) (``always_call``: a forward that raises, which torch reports to the hook as a
 ``None`` result, writes nothing and closes the step; so does one that returns ``None``).
 The hooks run outside the compiled code (``torch._dynamo.disable``): opening, naming and writing
 a step never enter a graph and never cause a recompilation.
@@ -17,6 +18,7 @@ a step never enter a graph and never cause a recompilation.
 from __future__ import annotations
 
 import contextvars
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -27,6 +29,8 @@ from ..errors import CaptureError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .model_capture import ModelCapture
+
+log = logging.getLogger("graphpass.capturing.auto_steps")
 
 # keyword arguments that hold the step's tokens / embeddings (transformers' names), in that order
 INPUT_KEYS = ("input_ids", "inputs_embeds", "hidden_states", "x")
@@ -89,12 +93,13 @@ class AutoSteps:
     :meth:`ModelCapture.auto_steps`; a context manager (``with``), or call :meth:`remove`."""
 
     def __init__(self, capture: "ModelCapture", module: torch.nn.Module,
-                 step_info: Callable[[tuple, dict], StepInfo | None] | None = None) -> None:
+                 step_info: Callable[[tuple, dict], StepInfo | None] | None = None, wait: bool = False) -> None:
         if not isinstance(module, torch.nn.Module):
             raise CaptureError(f"auto_steps needs an nn.Module to hook, got {type(module).__name__}")
         self.capture = capture
         self.module = module
         self.step_info = step_info or default_step_info
+        self.wait = bool(wait)  # False: steps are written behind the compute; remove() / exit waits
         self.steps = 0  # steps written
         self._warned = False
         # this context's open steps of these hooks: (StepInfo or None when the call is not captured), innermost last
@@ -136,17 +141,25 @@ class AutoSteps:
                 "(model.forward = torch.compile(model.forward, backend=graphpass.backend(...))). "
                 "Warned once per auto_steps.", stacklevel=2)
         written = self.capture._save_step(positions=info.positions, is_prefill=info.is_prefill,
-                                          req_ids=info.req_ids, size=info.size)
+                                          req_ids=info.req_ids, size=info.size, wait=self.wait)
         self.steps += bool(written)
 
     def remove(self) -> None:
-        """Remove the hooks; later forwards are not captured. Idempotent."""
+        """Remove the hooks (later forwards are not captured) and wait until every step is on disk
+        (raises ``CaptureError`` for a step whose background write failed). Idempotent."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.capture.flush()
 
     def __enter__(self) -> "AutoSteps":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.remove()
+            return
+        try:  # the body raised: its error wins, the completed steps are still written
+            self.remove()
+        except CaptureError as err:
+            log.error("%s", err)

@@ -6,7 +6,9 @@ When graphpass compiles the model, the ``insert_capture_nodes`` pass puts a
 node clones the value into this instance's :class:`TensorRegistry` only while the registry is
 active in the current context (``setup_tensor_capture`` / ``step``) and enabled; otherwise it
 returns at once. Toggling never recompiles. ``save_tensor_captures`` writes safetensors files
-(atomically) and restores the previously active registry.
+(atomically) and restores the previously active registry; saved with ``wait=False`` (every
+``auto_steps`` step by default) the step is staged and written behind the compute
+(:mod:`graphpass.capturing.staging`): ``flush()`` / ``disable()`` wait for it.
 
 On disk::
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import logging
 import os
 import weakref
 from dataclasses import dataclass
@@ -31,11 +34,14 @@ from ..dynamo_records import has_compiled_code
 from ..errors import CaptureError, ConfigError
 from .auto_steps import AutoSteps, StepInfo
 from .ops import ACTIVE_CAPTURES, capture_eager_outputs, capture_tensor, mark_output_keys
-from .registry import Switch, TensorRegistry
+from .registry import CaptureSites, Switch, TensorRegistry
+from .staging import StagingConfig, WriteBehind, check_staging, staged_bytes, to_host
 from .writer import CaptureWriter, _check_component
 from ..patterns import ModulePattern, check_all_match, compile_patterns
 
 __all__ = ["TensorRegistry", "CaptureWriter", "ModelCapture", "CaptureSpec", "capture_tensor"]
+
+log = logging.getLogger("graphpass.capturing")
 
 AUTO = "auto"  # dp_rank / tp_rank default: from the mesh / process group (resolve_ranks)
 
@@ -139,7 +145,9 @@ class ModelCapture:
         mesh: Any = None,
         dp_dim: str = "dp",
         tp_dim: str = "tp",
+        staging: StagingConfig | dict | None = None,
     ) -> None:
+        self.staging = check_staging(staging)
         self.model = _unwrap(model)
         # what the user calls: the torch.compile wrapper if given one (auto_steps hooks it, outside the graph)
         self._called = model if isinstance(model, torch.nn.Module) else self.model
@@ -164,7 +172,11 @@ class ModelCapture:
         dp_rank, tp_rank = resolve_ranks(self.model, dp_rank, tp_rank, mesh, dp_dim, tp_dim)
         self.writer = CaptureWriter(capture_dir, subdirectory, dp_rank, tp_rank, capture_filter, tp_size)
         self._switch = Switch(False)  # enable()/disable() apply to every thread's registry
-        self._registry = TensorRegistry(patterns=self.patterns, switch=self._switch, model=self.model)  # outside any step
+        self._sites = CaptureSites()  # resolved capture sites, shared by this capture's registries only
+        self._registry = self._new_registry()  # outside any step
+        writer = self.writer
+        self._behind = WriteBehind(self.staging, lambda job: writer.write_reserved(job[0], **job[1]))
+        weakref.finalize(self, self._behind.close)  # on collection and at interpreter exit: flush
         _SPECS.setdefault(self.model, []).append(weakref.ref(self))
         _mark_classes(self, [type(self.model.get_submodule(n)) for n in selected])
 
@@ -180,11 +192,31 @@ class ModelCapture:
                 return reg
         return self._registry
 
+    def _new_registry(self) -> TensorRegistry:
+        return TensorRegistry(patterns=self.patterns, switch=self._switch, model=self.model, sites=self._sites)
+
     def enable(self) -> None:
         self._registry.configure(enabled=True)
 
     def disable(self) -> None:
+        """Stop capturing; returns once every step saved so far is on disk (see :meth:`flush`)."""
         self._registry.configure(enabled=False)
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait until every step saved so far is on disk. Raises ``CaptureError`` for a step written
+        in the background that failed since the last flush (its files were rolled back)."""
+        self._behind.flush()
+
+    @property
+    def dropped_steps(self) -> int:
+        """Steps dropped because the writer fell behind (``StagingConfig(when_full="drop")``)."""
+        return self._behind.dropped
+
+    @property
+    def pending_steps(self) -> int:
+        """Steps saved and not yet on disk."""
+        return self._behind.pending
 
     @property
     def enabled(self) -> bool:
@@ -196,7 +228,7 @@ class ModelCapture:
 
     def setup_tensor_capture(self) -> None:
         """Make a fresh registry of this capture the active one in the current context (thread / task)."""
-        reg = TensorRegistry(patterns=self.patterns, switch=self._switch, model=self.model)
+        reg = self._new_registry()
         ACTIVE_CAPTURES.set(ACTIVE_CAPTURES.get() + (reg,))
         _FRAMES.set(_FRAMES.get() + ((self, reg),))
 
@@ -212,15 +244,17 @@ class ModelCapture:
 
     def save_tensor_captures(
         self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None,
-        extra_meta: Mapping[str, Any] | None = None,
+        extra_meta: Mapping[str, Any] | None = None, wait: bool = True,
     ) -> list[Path]:
         """Write what was captured since ``setup_tensor_capture`` and restore the previous registry.
         ``extra_meta``: more JSON-able fields for the step's meta file (an engine's per-token request
-        index, ...); they cannot replace the fields graphpass writes."""
-        return self._save_step(positions, is_prefill, req_ids, extra_meta=extra_meta)
+        index, ...); they cannot replace the fields graphpass writes. ``wait=False``: stage the step
+        and return at once (written behind the compute; the step dirs it will have are returned)."""
+        return self._save_step(positions, is_prefill, req_ids, extra_meta=extra_meta, wait=wait)
 
     def _save_step(self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None,
-                   size: int | None = None, extra_meta: Mapping[str, Any] | None = None) -> list[Path]:
+                   size: int | None = None, extra_meta: Mapping[str, Any] | None = None,
+                   wait: bool = True) -> list[Path]:
         """``save_tensor_captures``; ``size``: the step's N / B when the caller knows it (auto steps)."""
         reg = self._current()
         try:
@@ -242,11 +276,44 @@ class ModelCapture:
                 "graphpass_version": graphpass.__version__,
                 "torch_version": torch.__version__,
                 "bucket": bucket,
+                "dropped_steps": self._behind.dropped,
             }
-            return self.writer.write(tensors, is_prefill=is_prefill, size=size, meta=meta)
         finally:
             reg.clear()
             self._restore()
+        if not wait:
+            return self._stage(tensors, is_prefill, size, meta)
+        self._behind.wait_idle()  # earlier steps first: "on disk when this returns" holds for all
+        written = self.writer.write(tensors, is_prefill=is_prefill, size=size, meta=meta)
+        self._behind.raise_errors()
+        return written
+
+    def _stage(self, tensors: list, is_prefill: bool, size: int, meta: dict) -> list[Path]:
+        """Hand a step to the write-behind ring (:mod:`graphpass.capturing.staging`)."""
+        tensors = [(name, to_host(t), key, layout) for name, t, key, layout in tensors]
+        positions = meta["positions"]
+        if isinstance(positions, torch.Tensor):
+            meta["positions"] = to_host(positions.detach()).clone()  # the caller may reuse its tensor
+        reserved: list = []
+
+        def job() -> tuple:
+            step, index = self.writer.reserve(is_prefill, size)
+            reserved.append(step)
+            return tensors, dict(step=step, index=index, is_prefill=is_prefill, size=size, meta=meta)
+
+        outcome = self._behind.submit(staged_bytes(tensors), job)
+        if outcome == "caller":  # larger than max_staged_bytes on its own: written here, the ring empty
+            written = self.writer.write(tensors, is_prefill=is_prefill, size=size, meta=meta)
+        elif outcome == "dropped":
+            written = []
+            if self._behind.dropped == 1 or self._behind.dropped % 100 == 0:
+                log.warning("capture step %s dropped: the writer is behind and staging's when_full is 'drop' "
+                            "(%d dropped so far; max_staged_bytes=%d, max_staged_steps=%d)", reserved[0],
+                            self._behind.dropped, self.staging.max_staged_bytes, self.staging.max_staged_steps)
+        else:
+            written = self.writer.step_dirs([e[0] for e in tensors], reserved[0])
+        self._behind.raise_errors()  # an earlier step's background failure surfaces at the next save
+        return written
 
     def _check_step(self, reg: TensorRegistry) -> None:
         """Refuse, with the reason, a step whose captures cannot be trusted: values this model
@@ -267,9 +334,10 @@ class ModelCapture:
 
     @contextlib.contextmanager
     def step(self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None,
-             extra_meta: Mapping[str, Any] | None = None) -> Iterator["ModelCapture"]:
+             extra_meta: Mapping[str, Any] | None = None, wait: bool = True) -> Iterator["ModelCapture"]:
         """``with capture.step(...): out = compiled(x)``: set up, run, save. If the body raises,
-        nothing is written and the previously active registry is restored."""
+        nothing is written and the previously active registry is restored. ``wait=False``: the
+        step is staged and written behind the compute (``flush()`` waits for it)."""
         sweep_marking_hook()
         self.setup_tensor_capture()
         try:
@@ -278,18 +346,21 @@ class ModelCapture:
             self._current().clear()
             self._restore()
             raise
-        self.save_tensor_captures(positions=positions, is_prefill=is_prefill, req_ids=req_ids, extra_meta=extra_meta)
+        self.save_tensor_captures(positions=positions, is_prefill=is_prefill, req_ids=req_ids, extra_meta=extra_meta,
+                                  wait=wait)
 
     def auto_steps(self, module: torch.nn.Module | None = None,
-                   step_info: Callable[[tuple, dict], StepInfo | None] | None = None) -> AutoSteps:
+                   step_info: Callable[[tuple, dict], StepInfo | None] | None = None,
+                   wait: bool = False) -> AutoSteps:
         """Make every forward of ``module`` one step, named from its input: ``prefill_s{N}_{k}`` for
         ``N > 1`` tokens per sequence, ``decode_b{B}_{k}`` for one token per sequence of a batch of
         ``B`` (``with capture.auto_steps(): model.generate(...)``). ``module``: the module whose calls
         are steps; default the one given to ``ModelCapture`` (its ``torch.compile`` wrapper if it was
         given one). ``step_info(args, kwargs)``: name the step yourself (a :class:`StepInfo`, or None
-        to leave that call uncaptured). Returns an :class:`AutoSteps`: use it in ``with``, or
-        ``remove()`` it."""
-        return AutoSteps(self, self._called if module is None else module, step_info)
+        to leave that call uncaptured). ``wait``: write each step before the forward returns
+        (default: written behind the compute; leaving the ``with`` or ``remove()`` waits for all).
+        Returns an :class:`AutoSteps`: use it in ``with``, or ``remove()`` it."""
+        return AutoSteps(self, self._called if module is None else module, step_info, wait=wait)
 
 
 def _model_mesh(model: torch.nn.Module) -> Any:

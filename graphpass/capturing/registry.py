@@ -2,7 +2,11 @@
 
 A registry made for a ``ModelCapture`` knows that capture's module (``model``): the capture op
 asks it (:meth:`TensorRegistry.resolve`) whether the weights a capture node passes as its owner
-are that model's, and under which module name. See :mod:`graphpass.capturing.ops`.
+are that model's, and under which module name. See :mod:`graphpass.capturing.ops`. The answer
+for one capture site (node name, traced owner FQN, owner tensor objects) is kept in the
+:class:`CaptureSites` the ``ModelCapture`` shares with all its registries, and checked on each
+later call with two dict look-ups per owner (does ``model`` still hold that tensor at that FQN?):
+the full look-up (a table of every weight of the model) runs once per site, not once per call.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from ..fx_utils import owned_tensors, relocated, tensor_keys
+from ..fx_utils import holds_at, owned_tensors, relocated, tensor_keys
 from ..patterns import ModulePattern
 
 
@@ -24,6 +28,27 @@ class Switch:
         self.on = bool(on)
 
 
+class CaptureSites:
+    """Per ``ModelCapture`` (never shared by two models): resolved capture sites and which names
+    its patterns accept. ``sites``: ``(name, owner_fqn, id(owner)...) -> (resolved name, the FQN
+    of each owner tensor in the model)``; an entry is used only while the model still holds each
+    owner tensor at its FQN (:func:`graphpass.fx_utils.holds_at`), so a weight swapped or a
+    different instance running the same graph falls back to the full look-up."""
+
+    MAX_SITES = 4096  # tensor objects made per call would add entries: start over past this
+
+    __slots__ = ("sites", "accepted")
+
+    def __init__(self) -> None:
+        self.sites: dict[tuple, tuple[str, tuple[str, ...]]] = {}
+        self.accepted: dict[str, bool] = {}
+
+    def remember(self, key: tuple, resolved: str, fqns: tuple[str, ...]) -> None:
+        if len(self.sites) >= self.MAX_SITES:
+            self.sites.clear()
+        self.sites[key] = (resolved, fqns)
+
+
 class TensorRegistry:
     """Holds the tensors captured during one forward, in registration order.
 
@@ -32,8 +57,10 @@ class TensorRegistry:
     """
 
     def __init__(self, enabled: bool = True, patterns: Sequence[ModulePattern] = (), *,
-                 switch: Switch | None = None, model: torch.nn.Module | None = None) -> None:
+                 switch: Switch | None = None, model: torch.nn.Module | None = None,
+                 sites: CaptureSites | None = None) -> None:
         self._switch = switch if switch is not None else Switch(enabled)
+        self._sites = sites if sites is not None else CaptureSites()  # shared by a ModelCapture's registries
         self.patterns = tuple(patterns)  # module captures this registry accepts (empty: all)
         self.bucket: int | None = None  # static-shape bucket the captured tensors were padded to
         self._entries: list[tuple[str, torch.Tensor, bool, str, str]] = []  # (name, value, manual, key, layout)
@@ -45,7 +72,10 @@ class TensorRegistry:
         self._names: dict[int, str] | None = None  # id(module) -> its FQN in ``model`` (eager captures)
 
     def accepts(self, name: str) -> bool:
-        return not self.patterns or any(p.matches(name) for p in self.patterns)
+        known = self._sites.accepted.get(name)
+        if known is None:
+            known = self._sites.accepted[name] = not self.patterns or any(p.matches(name) for p in self.patterns)
+        return known
 
     # -- owner routing ---------------------------------------------------------------------------
     def owner_fqns(self, t: torch.Tensor) -> list[str] | None:
@@ -74,6 +104,17 @@ class TensorRegistry:
         ``name``; None when ``model`` does not hold every owner tensor (another model's value)."""
         if self.model is None:
             return name
+        key = (name, owner_fqn, *map(id, owner))
+        hit = self._sites.sites.get(key)
+        if hit is not None and all(holds_at(self.model, f, o) for f, o in zip(hit[1], owner)):
+            return hit[0]
+        resolved = self._resolve(name, owner, owner_fqn)
+        if resolved is not None:
+            self._sites.remember(key, resolved, tuple(self.owner_fqns(o)[0] for o in owner))
+        return resolved
+
+    def _resolve(self, name: str, owner: Sequence[torch.Tensor], owner_fqn: str) -> str | None:
+        """:meth:`resolve` from the table of every weight of ``model`` (the first call of a site)."""
         fqns = self.owner_fqns(owner[0])
         if fqns is None or any(self.owner_fqns(o) is None for o in owner[1:]):
             return None

@@ -19,6 +19,8 @@ import json
 import numbers
 import os
 import re
+import struct
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -123,9 +125,10 @@ class CaptureWriter:
             raise ConfigError("capture_filter", capture_filter, "expected a list of module patterns or None")
         self.filter = compile_patterns(list(capture_filter), "capture_filter") if capture_filter is not None else None
         self._counts: dict[str, int] = {}
-        self._index = 0  # steps written, whatever their phase: the meta's step_index (execution order)
+        self._index = 0  # steps named, whatever their phase: the meta's step_index (execution order)
         self._own_steps: set[str] = set()  # step folders this writer claimed (it may write them again)
         self._lock = threading.Lock()  # one ModelCapture stepping in several threads: one write at a time
+        self._names = threading.Lock()  # step names / indexes (taken while another step is being written)
         self._check_writable()
 
     def _check_writable(self) -> None:
@@ -155,12 +158,48 @@ class CaptureWriter:
         Raises ``CaptureError`` (naming the path) when a step folder holds an earlier run's files or a
         write fails; then nothing of this step is left behind."""
         with self._lock:
-            return self._write(tensors, is_prefill=is_prefill, size=size, meta=meta)
+            step, index = self.reserve(is_prefill, size)
+            try:
+                return self._write(tensors, step=step, index=index, is_prefill=is_prefill, size=size, meta=meta)
+            except BaseException:
+                self._release(is_prefill, index)
+                raise
 
-    def _write(self, tensors: Sequence[tuple], *, is_prefill: bool, size: int, meta: dict) -> list[Path]:
-        from safetensors.torch import save as encode
+    def reserve(self, is_prefill: bool, size: int) -> tuple[str, int]:
+        """The next step's folder name and ``step_index``, taken now (a step staged to be written
+        later keeps the name and place of its call, whatever the writer's pace)."""
+        with self._names:
+            step = self.step_name(is_prefill, size)
+            phase = "prefill" if is_prefill else "decode"
+            self._counts[phase] = self._counts.get(phase, 0) + 1
+            self._index += 1
+            return step, self._index - 1
 
-        step = self.step_name(is_prefill, size)
+    def _release(self, is_prefill: bool, index: int) -> None:
+        """Give back the reservation ``index`` of a step that failed, when no later step took one
+        (so the next step uses the same name); otherwise its name stays a gap."""
+        with self._names:
+            if self._index == index + 1:
+                phase = "prefill" if is_prefill else "decode"
+                self._counts[phase] -= 1
+                self._index -= 1
+
+    def step_dirs(self, names: Sequence[str], step: str) -> list[Path]:
+        """The step folders :meth:`write` makes for values named ``names`` under ``step`` (what it
+        returns), without writing: a staged step's answer."""
+        bases = dict.fromkeys(self._base(n) for n in dict.fromkeys(names)
+                              if self.filter is None or any(p.matches(n) for p in self.filter))
+        return [base / step for base in bases]
+
+    def write_reserved(self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int,
+                       meta: dict) -> list[Path]:
+        """:meth:`write` under a name taken earlier with :meth:`reserve` (the write-behind thread)."""
+        with self._lock:
+            return self._write(tensors, step=step, index=index, is_prefill=is_prefill, size=size, meta=meta)
+
+    def _write(self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int,
+               meta: dict) -> list[Path]:
+        encode = encode_safetensors
         grouped: dict[str, list[tuple[torch.Tensor, str | None, str]]] = {}
         for entry in tensors:
             name, t, key, layout = (*entry, None, "")[:4] if len(entry) == 2 else (*entry, "")[:4]
@@ -184,22 +223,26 @@ class CaptureWriter:
                 self._claim(step_dir)
                 _make_dirs(self.capture_dir, step_dir, new_dirs)
                 info: dict[str, list[dict]] = {}
+                step_text, file_name = os.fspath(step_dir), f"rank{self.tp_rank}.safetensors"
                 for name in names:
-                    mod_dir = where = step_dir / name
-                    if not mod_dir.resolve().is_relative_to(root):
-                        raise CaptureError(f"capture name {name!r} would leave capture_dir")
-                    _make_dirs(self.capture_dir, mod_dir, new_dirs)
+                    # ``name`` is one checked component (_check_component: no separator, no ``..``) and
+                    # step_dir was checked above: only the module folder itself is new (never a link).
+                    # Plain strings here: this loop runs once per module and step (pathlib costs more
+                    # than the system calls).
+                    mod_dir = where = os.path.join(step_text, name)
+                    _make_dir(mod_dir, new_dirs)
                     entries = grouped[name]
                     keyed = file_keys([(t, key) for t, key, _ in entries])
                     payload = {k: entries[i][0].detach().to("cpu").contiguous() for k, i in keyed}
-                    where = mod_dir / f"rank{self.tp_rank}.safetensors"
+                    where = os.path.join(mod_dir, file_name)
                     _atomic(where, encode(payload), new_files)
                     info[name] = [_tensor_info(k, payload[k], entries[i][2]) for k, i in keyed]
-                doc = dict(meta, step=step, step_index=self._index, phase="prefill" if is_prefill else "decode",
+                doc = dict(meta, step=step, step_index=index, phase="prefill" if is_prefill else "decode",
                            size=size, modules=names, tensors=info, dp_rank=self.dp_rank, tp_rank=self.tp_rank,
                            tp_size=self.tp_size)
                 where = step_dir / meta_file_name(step, self.tp_rank)
-                _atomic(where, json.dumps(doc, indent=2, default=_jsonable).encode("utf-8"), new_files)
+                # one line: json's C encoder (an indented dump runs the pure-Python one, 10x slower)
+                _atomic(where, json.dumps(doc, default=_jsonable).encode("utf-8"), new_files)
                 written.append(step_dir)
         except BaseException as exc:
             _roll_back(new_files, new_dirs)
@@ -209,9 +252,6 @@ class CaptureWriter:
                 else "check the path and its permissions"
             raise CaptureError(f"cannot write capture file {str(where)!r}: {type(exc).__name__}: {exc}; {hint} and "
                                "run the step again (nothing of this step was kept)") from exc
-        phase = "prefill" if is_prefill else "decode"
-        self._counts[phase] = self._counts.get(phase, 0) + 1
-        self._index += 1
         return written
 
     def _claim(self, step_dir: Path) -> None:
@@ -226,6 +266,38 @@ class CaptureWriter:
                 "mixes two runs in one folder (compare would read the old files as current): pass a new capture_dir "
                 f"(or subdirectory), or delete {str(self.capture_dir)!r} before capturing again")
         self._own_steps.add(key)
+
+
+# safetensors dtype names (the format's spec); a dtype not here goes through safetensors.torch.save
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def encode_safetensors(payload: dict[str, torch.Tensor]) -> bytes:
+    """The bytes ``safetensors.torch.save(payload)`` would give a reader (same format: an 8-byte
+    little-endian header length, the JSON header with each tensor's dtype, shape and
+    ``data_offsets``, padded with spaces to 8 bytes, then the tensors' bytes back to back, wider
+    dtypes first so each is aligned), made
+    here for the common dtypes on a little-endian host because ``save``'s Python side costs several
+    times the encoding itself for the small values of a decode step. Contiguous CPU tensors."""
+    if sys.byteorder != "little" or any(t.dtype not in _ST_DTYPES for t in payload.values()):
+        from safetensors.torch import save
+
+        return save(payload)
+    header: dict[str, dict] = {}
+    chunks: list = []
+    offset = 0
+    # safetensors' order: wider dtypes first, then by name, so every tensor's bytes are aligned
+    for key, t in sorted(payload.items(), key=lambda kv: (-kv[1].element_size(), kv[0])):
+        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        size = t.numel() * t.element_size()
+        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        chunks.append(data)
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return b"".join([struct.pack("<Q", len(text)), text, *chunks])
 
 
 def _local(t: torch.Tensor, key: str | None, layout: str) -> tuple[torch.Tensor, str | None, str]:
@@ -343,25 +415,31 @@ def _earlier_run_file(step_dir: Path, tp_rank: int) -> Path | None:
     return None
 
 
-def _make_dirs(capture_dir: Path, path: Path, created: list[Path]) -> None:
+def _make_dirs(capture_dir: Path, path: Path, created: list) -> None:
     """mkdir -p below ``capture_dir``, refusing any existing component that is a symbolic link."""
     current = capture_dir
     for part in path.relative_to(capture_dir).parts:
         current = current / part
-        if os.path.islink(current):
-            raise CaptureError(f"{str(current)!r} is a symbolic link graphpass did not create; refusing to write "
-                               "through it: remove it or use a new capture_dir")
-        try:
-            os.mkdir(current)
-        except FileExistsError:
-            if not current.is_dir():
-                raise CaptureError(f"{str(current)!r} exists and is not a directory: remove it or use a new "
-                                   "capture_dir") from None
-        else:
-            created.append(current)
+        _make_dir(current, created)
 
 
-def _roll_back(files: list[Path], dirs: list[Path]) -> None:
+def _make_dir(path: str | Path, created: list) -> None:
+    """mkdir ``path`` (appended to ``created`` when new); an existing one must be a real folder, not a
+    symbolic link (``mkdir`` fails on a link too, so the check costs nothing for a new folder)."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if os.path.islink(path):
+            raise CaptureError(f"{str(path)!r} is a symbolic link graphpass did not create; refusing to write "
+                               "through it: remove it or use a new capture_dir") from None
+        if not os.path.isdir(path):
+            raise CaptureError(f"{str(path)!r} exists and is not a directory: remove it or use a new "
+                               "capture_dir") from None
+    else:
+        created.append(path)
+
+
+def _roll_back(files: list, dirs: list) -> None:
     for f in reversed(files):
         try:
             os.unlink(f)
@@ -380,7 +458,7 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _atomic(path: Path, data: bytes, created: list[Path] | None = None) -> None:
+def _atomic(path: str | Path, data: bytes, created: list | None = None) -> None:
     """Write ``data`` onto ``path`` (:func:`graphpass.atomic_files.write_bytes_atomic`); ``path`` is
     appended to ``created`` when it did not exist before."""
     if write_bytes_atomic(path, data) and created is not None:
