@@ -458,5 +458,47 @@ def case_fsdp2_disk_backward(rank, world, model_name):
     return {"refused": ""}
 
 
+class SkipStack(torch.nn.Module):
+    """Three linear blocks; ``skip`` names one the forward leaves out (a data-dependent early exit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x, skip: int = -1):
+        for i, layer in enumerate(self.layers):
+            if i != skip:
+                x = torch.tanh(layer(x))
+        return x
+
+
+def case_fsdp2_skipped_block(rank, world, storage="cpu"):
+    """Issue 22 item 4: block 0's unshard starts block 1's load ahead; block 1 is skipped in that
+    forward, its weights change (in place, on the host copies) before the next, which must
+    compute with the new ones, not with the shard loaded ahead. Against eager on a plain copy."""
+    import graphpass
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = SkipStack().eval().requires_grad_(False)
+    model = copy.deepcopy(ref)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage=storage, include_patterns=[r"layers\.\d+"],
+                                                     prefetch_distance=1))
+    compiled, _ = _compile(model, "aot_eager")
+    x = torch.randn(4, 16)
+    diffs = []
+    with torch.no_grad():
+        diffs.append((compiled(x, skip=1) - ref(x, skip=1)).abs().max().item())
+        for m in (ref, model):  # an optimizer-like in-place update of block 1's weights (the host copies)
+            for p in m.layers[1].parameters():
+                p.add_(0.25)
+        diffs.append((compiled(x) - ref(x)).abs().max().item())
+        diffs.append((compiled(x) - ref(x)).abs().max().item())
+    return {"diffs": diffs, "stats": graphpass.memory_stats(compiled)}
+
+
 CASES.update(tp_offload=case_tp_offload, fsdp2_offload=case_fsdp2_offload, fsdp2_own_offload=case_fsdp2_own_offload,
-             fsdp2_disk_backward=case_fsdp2_disk_backward)
+             fsdp2_disk_backward=case_fsdp2_disk_backward, fsdp2_skipped_block=case_fsdp2_skipped_block)

@@ -466,6 +466,135 @@ def test_offload_from_a_thread_before_any_lease_reads_instead_of_mapping(tmp_pat
     assert out.stdout.split()[-2:] == ["True", "0"], out.stdout
 
 
+# ------------------------------------------------------------------ 4b. files changed under eager readers
+#
+# Issue 22 item 5. Code Dynamo runs eagerly (a frame it skipped, a weight read outside the graph)
+# reads the private mappings the model holds on a host device with storage="disk". They held no
+# lease: a checkpoint rewritten in place fed the next forward its new bytes with no error, and a
+# truncated one killed the process with SIGBUS (-7). They are now mapped under the file's read lease
+# and privatized by its break: the eager readers keep the bytes offload() found.
+
+_EAGER_READER_CHILD = textwrap.dedent("""
+    import os, random, subprocess, sys, threading, time, warnings, torch, torch.nn as nn, graphpass
+    from safetensors.torch import save_file
+    folder, how, when, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+
+    class LoopExperts(nn.Module):  # the expert loop breaks the graph inside a loop: Dynamo skips the frame
+        def __init__(self, n=3, d=8):
+            super().__init__()
+            self.router = nn.Linear(d, n, bias=False)
+            self.experts = nn.Parameter(torch.randn(n, d, d) / d**0.5)
+        def forward(self, x):
+            top = self.router(x).argmax(-1)
+            out = torch.zeros_like(x)
+            for e in top.unique():
+                i = int(e.item())
+                out = out + (top == i).unsqueeze(-1) * (x @ self.experts[i])
+            return x + out
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(LoopExperts() for _ in range(2))
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(seed)
+    model = Stack().eval().requires_grad_(False)
+    x = torch.randn(1, 6, 8)
+    with torch.no_grad():
+        ref = model(x)
+    path = os.path.join(folder, "model.safetensors")
+    save_file(model.state_dict(), path)
+    size = os.path.getsize(path)
+    # the routers stay: every streamed byte is read eagerly (no graph load checks the file first)
+    state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", exclude_patterns=[r".*router"]),
+                              checkpoint=path)
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    warnings.simplefilter("ignore")  # "Dynamo skipped its forward ... not streamed" (tested elsewhere)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), ref)
+    experts = model.layers[1].experts.clone()
+    # the change, made by another process (a writer of the file waits for graphpass's lease break)
+    change = {
+        "rewrite": "st = os.stat(p); f = open(p, 'r+b'); f.seek(size - 4 * 64 * 3); f.write(os.urandom(4 * 64 * 3)); "
+                   "f.close(); os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))",  # in place, the old mtime put back
+        "truncate": "os.truncate(p, size // 3)",
+        "truncate0": "os.truncate(p, 0)",
+        "replace": "open(p + '.new', 'wb').write(os.urandom(size)); os.replace(p + '.new', p)",
+        "append": "open(p, 'ab').write(os.urandom(4096))",
+    }[how]
+    cmd = [sys.executable, "-c", "import os, sys; p, size = sys.argv[1], int(sys.argv[2]); " + change, path, str(size)]
+    results = []
+    def forward():
+        try:
+            with torch.no_grad():
+                results.append("same" if torch.equal(compiled(x), ref) else "WRONG")
+        except graphpass.OffloadError as exc:
+            assert path in str(exc), str(exc)
+            results.append("error")
+    if when == "between":
+        subprocess.run(cmd, check=True, timeout=120)
+        forward()
+    else:  # at a random point of a loop of eager forwards
+        timer = threading.Timer(random.Random(seed).uniform(0.0, 0.2), subprocess.run, (cmd,),
+                                {"check": True, "timeout": 120})
+        timer.start()
+        t0 = time.monotonic()
+        while not results or time.monotonic() - t0 < 0.4:
+            forward()
+        timer.join(120)
+        forward()
+    # a weight read outside every graph: the bytes offload() found
+    results.append("same" if torch.equal(model.layers[1].experts, experts) else "WRONG")
+    held = getattr(state.runtime._leases, "held_regions", lambda: (0, 0))  # (the code before: none held)
+    print("held", *held(), "results", *results)
+""")
+
+EAGER_CHANGES = ["rewrite", "truncate", "truncate0", "replace", "append"]
+
+
+@pytest.mark.parametrize("how", EAGER_CHANGES)
+def test_a_file_changed_between_forwards_never_reaches_eager_readers(how, tmp_path):
+    """Before: "rewrite" (in place, mtime restored) served the new bytes (WRONG), "truncate" and
+    "truncate0" died of SIGBUS (-7). Now every forward and a direct read of a weight see the bytes
+    offload() found; the regions the model held were mapped (under a lease) and, for a change made
+    by opening the file for writing, privatized by the break."""
+    out = subprocess.run([sys.executable, "-c", _EAGER_READER_CHILD, str(tmp_path), how, "between", "0"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    FAULTS["tried"] += 1
+    FAULTS["eager_file_changes_tried"] += 1
+    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])  # -7: SIGBUS
+    words = out.stdout.split()
+    held = words[words.index("held") + 1: words.index("results")]
+    results = words[words.index("results") + 1:]
+    assert "WRONG" not in results and results, out.stdout
+    assert int(held[0]) + int(held[1]) > 0, "the model held no mapped region: the test would prove nothing"
+    if how != "replace":  # a writer opened the file: the break privatized what the model held
+        assert int(held[1]) > 0, out.stdout
+    FAULTS["survived"] += 1
+    FAULTS["eager_file_changes_survived"] += 1
+
+
+def test_a_file_changed_during_eager_forwards_never_reaches_eager_readers(tmp_path):
+    """The same changes at random points of a loop of forwards whose streamed weights are all read
+    eagerly (a timer thread starts the writer): never SIGBUS, never the new bytes."""
+    for i, how in enumerate(EAGER_CHANGES):
+        sub = tmp_path / how
+        sub.mkdir()
+        out = subprocess.run([sys.executable, "-c", _EAGER_READER_CHILD, str(sub), how, "during", str(i)],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        FAULTS["tried"] += 1
+        FAULTS["eager_file_changes_tried"] += 1
+        assert out.returncode == 0, (how, out.returncode, out.stderr[-3000:])
+        results = out.stdout.split()[out.stdout.split().index("results") + 1:]
+        assert results and "WRONG" not in results, (how, out.stdout)
+        FAULTS["survived"] += 1
+        FAULTS["eager_file_changes_survived"] += 1
+
+
 # ------------------------------------------------------------------ 5. files left behind
 
 _WRITER_CHILD = textwrap.dedent("""

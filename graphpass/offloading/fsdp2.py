@@ -24,7 +24,11 @@ in the backward), so it runs on the worker while this block computes. Loads, wai
 are therefore ordered with FSDP2's collectives by construction (load, wait, copy-in and
 all-gather, evict), the same on every rank, and at most one block's shards (plus the one in
 flight ahead) exist outside their home at once. The compiled graphs themselves are unchanged: their
-inputs are the gathered parameters FSDP2 owns and frees.
+inputs are the gathered parameters FSDP2 owns and frees. A load started ahead is used only for the
+pass it was started for and while the host copies it read keep the versions they had
+(``Tensor._version``): a block skipped in the pass that started its load (an early exit), whose weights
+are then updated in place (an optimizer step, ``load_state_dict``), is loaded again. (A write through
+``.data`` bypasses the version counter and is not seen.)
 
 Refused (``OffloadError``, before the model is touched): FSDP2's own CPU offload
 (``offload_policy=CPUOffloadPolicy()``: both would own the shard's host copy), a device other than
@@ -165,7 +169,8 @@ class BlockStream:
         self.group, self.label, self.params, self.srcs = group, label, params, srcs
         self.device, self.order, self.prefetch, self.disk = device, order, prefetch, disk
         self.orig = group.unshard  # the bound method of the group's class
-        self.ahead: tuple[bool, torch.Tensor] | None = None  # (for the backward?, ticket) of a load started early
+        # (for the backward?, ticket, versions of srcs when it started) of a load started early
+        self.ahead: tuple[bool, torch.Tensor, tuple[int, ...]] | None = None
 
     def _backward(self) -> bool:
         """Whether FSDP2 runs this group's backward now (its pre-backward unshard)."""
@@ -183,10 +188,20 @@ class BlockStream:
     def _start(self) -> torch.Tensor:
         return torch.ops.graphpass.load_start(self.srcs, self.label, self.device, [])
 
+    def _versions(self) -> tuple[int, ...]:
+        """The version counters of the host copies the loads read and of the sharded parameters over
+        them: an in-place write bumps one of them (one through the DTensor, an optimizer step or
+        ``load_state_dict``, bumps the DTensor's own counter, not its local tensor's)."""
+        return tuple(s._version for s in self.srcs) + tuple(fp.sharded_param._version for fp in self.params)
+
     def _loaded(self) -> list[torch.Tensor]:
         ahead, self.ahead = self.ahead, None
-        ticket = ahead[1] if ahead is not None and ahead[0] == self._backward() else None
-        del ahead  # a load started for the other pass (forward vs backward) is dropped with its ticket
+        usable = ahead is not None and ahead[0] == self._backward() and ahead[2] == self._versions()
+        ticket = ahead[1] if usable else None
+        # dropped with its ticket: a load started for the other pass (forward vs backward), or one
+        # whose host copies were written since it started (the block was skipped in the pass that
+        # started it, and an optimizer step or load_state_dict changed it before this one)
+        del ahead
         if ticket is None:
             ticket = self._start()
         return torch.ops.graphpass.load_wait(ticket, self.srcs, self.label, self.device, [])
@@ -199,7 +214,7 @@ class BlockStream:
         if 0 <= i + step < len(self.order):
             other = self.order[i + step]
             if other.ahead is None and not other.group.is_unsharded:
-                other.ahead = (self._backward(), other._start())
+                other.ahead = (self._backward(), other._start(), other._versions())
 
     def unshard(self, async_op: bool = False) -> Any:
         if not self._gathers():

@@ -412,10 +412,13 @@ def _map_disk_stand_ins(state: OffloadState, streamed: list[_Tensor], placement:
         loc, value = placement.locations.get(id(rec)), placement.new_values.get(id(rec))
         if loc is not None and value is not None:
             mapped = state.runtime.map_stand_in(loc, value)
-            if mapped is not None:  # else (misaligned region, no mmap) the empty stand-in stays
+            if mapped is not None:  # else (misaligned region, no mmap, no read lease) the empty stand-in stays
                 placement.new_values[id(rec)] = mapped
             else:
                 state.runtime.eager_reads_real = False
+                state.runtime.stand_ins_are = (
+                    f"the empty stand-in the model holds for {rec.fqns[0]!r} (storage='disk': its file region could not "
+                    f"be mapped under a read lease of {loc.path}, see docs/reliability.md)")
 
 
 def _swap_into_model(tensors: list[_Tensor], config: OffloadConfig, device: torch.device, placement: _Placement,

@@ -15,6 +15,14 @@ every leased file into anonymous memory and moves the copy over the mapping in o
 compute keeps reading the bytes it had; the writer proceeds; the next load checks the file's
 identity and raises ``OffloadError`` naming tensor and file.
 
+The same holds for the regions the model itself holds on a host device (``runtime.map_private``:
+the stand-in of each streamed tensor, which code Dynamo runs eagerly reads, a skipped frame or a
+weight read outside the graph): they are mapped under the lease of their file too (taken when
+``offload()`` maps them, kept for the model's life) and privatized by the same break. Eager readers
+then keep reading the bytes of the file as ``offload()`` found it, never the new ones and never a
+page past a new end (``SIGBUS``); the price is a private copy of every such region in memory, made
+once, at the first break.
+
 Without a lease the runtime reads a copy of the region instead of mapping it (slower, never a
 fault): not Linux, a file of another user or on a filesystem without leases, a file open for
 writing anywhere, a ``SIGIO`` handler other than graphpass's (one installed over it later), or
@@ -120,6 +128,7 @@ class FileLeases:
         self._lock = threading.RLock()
         self._leased: set[int] = set()
         self._regions: dict[int, tuple[int, int, int]] = {}  # address -> (length, fd, file offset of its end)
+        self._held: dict[int, tuple[int, int, int]] = {}  # the same, for the regions the model holds (stand-ins)
         self._breaking: int | None = None  # the thread inside break_leases
         self._deferred: list[tuple[int, int]] = []  # unmaps asked for by that thread meanwhile
         self.breaks = 0  # lease breaks handled (the tests read it)
@@ -158,9 +167,10 @@ class FileLeases:
         return fd in self._leased
 
     # ---------------------------------------------------------------- regions
-    def register(self, addr: int, length: int, fd: int, end: int) -> None:
-        """A region of ``length`` bytes at ``addr`` mapping ``fd`` up to file offset ``end``."""
-        self._regions[addr] = (length, fd, end)
+    def register(self, addr: int, length: int, fd: int, end: int, held: bool = False) -> None:
+        """A region of ``length`` bytes at ``addr`` mapping ``fd`` up to file offset ``end``; ``held``:
+        one the model holds for its life (a stand-in eager code reads), not a load's."""
+        (self._held if held else self._regions)[addr] = (length, fd, end)
 
     def unmap(self, addr: int, length: int) -> None:
         """The finalizer of a mapped region: unmap it (deferred while this thread privatizes)."""
@@ -169,22 +179,30 @@ class FileLeases:
                 self._deferred.append((addr, length))
                 return
             self._regions.pop(addr, None)
+            self._held.pop(addr, None)
             self._libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(length))
 
     def live_regions(self) -> int:
+        """Regions the loads have mapped and that are alive (not counting the stand-ins the model holds)."""
         return len(self._regions)
+
+    def held_regions(self) -> tuple[int, int]:
+        """(stand-in regions the model holds that still map a file, those privatized by a break)."""
+        mapped = sum(1 for _, fd, _ in self._held.values() if fd >= 0)
+        return mapped, len(self._held) - mapped
 
     def break_leases(self) -> None:
         """Privatize every registered region, then release every lease (see the module docstring)."""
         with self._lock:
-            if not self._leased and not self._regions:
+            if not self._leased and not self._regions and not self._held:
                 return
             self._breaking = threading.get_ident()
             try:
-                for addr, (length, fd, end) in list(self._regions.items()):
-                    if addr in self._regions and fd in self._leased and self._covers(fd, end):
-                        self._privatize(addr, length)
-                        self._regions[addr] = (length, -1, 0)  # anonymous memory now: nothing to break
+                for regions in (self._regions, self._held):
+                    for addr, (length, fd, end) in list(regions.items()):
+                        if addr in regions and fd in self._leased and self._covers(fd, end):
+                            self._privatize(addr, length)
+                            regions[addr] = (length, -1, 0)  # anonymous memory now: nothing to break
                 for fd in list(self._leased):
                     self.release(fd)
             finally:

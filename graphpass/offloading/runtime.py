@@ -392,14 +392,16 @@ def _over_region(addr: int, length: int, delta: int, nbytes: int, dtype: torch.d
     return flat.view(dtype).view(shape)
 
 
-def map_private(fd: int, loc: TensorLocation, dtype: torch.dtype, shape) -> torch.Tensor | None:
+def map_private(fd: int, loc: TensorLocation, dtype: torch.dtype, shape, leases: FileLeases) -> torch.Tensor | None:
     """``loc``'s bytes as a tensor over a private, copy-on-write mapping of its file region: no page
     is read until something reads it, a write lands in a private copy (never in the file), and it
-    is unmapped when the tensor dies. None where it cannot map: no libc ``mmap``, an empty region,
-    one misaligned for ``dtype``, or a failed call. What a host-device model holds for a tensor
-    streamed from disk (``install._map_disk_stand_ins``): only code Dynamo runs eagerly reads it, so
-    it is mapped without a lease (held for the model's life, a lease would block every writer of the
-    file); the scheduled loads map and check their own regions under one (``_map``)."""
+    is unmapped when the tensor dies. What a host-device model holds for a tensor streamed from disk
+    (``install._map_disk_stand_ins``): only code Dynamo runs eagerly reads it (a skipped frame, a
+    weight read outside the graph). It is mapped only under a read lease of the file and registered
+    with ``leases`` (held for the model's life): a writer of the file waits while the break copies
+    it, so an eager reader keeps the bytes ``offload()`` found, never the new ones, never ``SIGBUS``.
+    None where it cannot map: no libc ``mmap``, an empty region, one misaligned for ``dtype``, no
+    lease (see ``leases.py``), or a failed call."""
     if _MAP_FLAGS is None or loc.nbytes == 0:
         return None
     start = loc.offset - loc.offset % mmap.ALLOCATIONGRANULARITY
@@ -407,10 +409,14 @@ def map_private(fd: int, loc: TensorLocation, dtype: torch.dtype, shape) -> torc
     if delta % dtype.itemsize:
         return None
     length = delta + loc.nbytes
-    addr = _LIBC.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, _MAP_FLAGS, fd, start)
-    if addr in (None, ctypes.c_void_p(-1).value):
-        return None
-    return _over_region(addr, length, delta, loc.nbytes, dtype, shape, _LIBC.munmap)
+    with leases.lock:  # a lease break waits until the region is registered
+        if not leases.lease(fd):
+            return None
+        addr = _LIBC.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, _MAP_FLAGS, fd, start)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        leases.register(addr, length, fd, loc.offset + loc.nbytes, held=True)
+    return _over_region(addr, length, delta, loc.nbytes, dtype, shape, leases.unmap)
 
 
 class OffloadRuntime:
@@ -452,6 +458,7 @@ class OffloadRuntime:
         # what a frame Dynamo skips, run eagerly, would read (insert_offload_schedule checks).
         self.guarded_code: dict[str, GuardedCode] = {}
         self.eager_reads_real = True
+        self.stand_ins_are = "the device stand-ins the model holds"  # what it reads when not (the refusal says)
         self.eager_warned: set[str] = set()
         self._closed = False
 
@@ -648,8 +655,17 @@ class OffloadRuntime:
         return out
 
     def map_stand_in(self, loc: TensorLocation, like: torch.Tensor) -> torch.Tensor | None:
-        """A tensor shaped as ``like`` over a private mapping of ``loc`` (:func:`map_private`), or None."""
-        return map_private(self._fd(loc.path), loc, like.dtype, like.shape)
+        """A tensor shaped as ``like`` over a private mapping of ``loc`` held under the file's read
+        lease (:func:`map_private`), or None (then the model holds an empty stand-in, and a frame
+        Dynamo skips that reads it is refused: ``eager_reads_real``). The file is checked unchanged
+        since ``offload()`` resolved it once the lease is held (it cannot change after that)."""
+        fd = self._fd(loc.path)
+        with self._leases.lock:
+            mapped = map_private(fd, loc, like.dtype, like.shape, self._leases)
+            expected, now = self._ids.get(loc.path), identity(os.fstat(fd))
+            if mapped is not None and expected is not None and not same_file(expected, now):
+                raise OffloadError(_changed("", loc.path, expected, now, "while graphpass.offload() mapped it"))
+        return mapped
 
     def _read(self, rec: OffloadedTensor, dst: torch.Tensor) -> None:
         read_into(self._checked_fd(rec), rec.location, dst)

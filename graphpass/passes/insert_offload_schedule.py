@@ -296,7 +296,7 @@ def _runs_eagerly(runtime, name: str, why: str, fix: str) -> None:
              f"outside every graph graphpass schedules")
     todo = f"{fix}, or keep the module on the device with exclude_patterns=[{name!r}]"
     if not runtime.eager_reads_real:
-        raise OffloadError(f"{where}, and reads the device stand-ins the model holds instead of its weights, so its "
+        raise OffloadError(f"{where}, and reads {runtime.stand_ins_are} instead of its weights, so its "
                            f"results would be wrong. What to do: {todo}")
     runtime.eager_warned.add(name)
     warnings.warn(f"graphpass offload: {where}; it reads its weights from host memory directly, so they are not "
