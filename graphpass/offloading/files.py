@@ -160,6 +160,23 @@ def untrack(path: str) -> None:
         _LIVE.discard(str(path))
 
 
+def written_here(path: str) -> bool:
+    """Was ``path`` written by this process (its pid in the name)? A child made by fork() shares its
+    parent's models but not their files: it must not remove them when its copy of a model goes."""
+    m = _NAME.match(os.path.basename(str(path)))
+    return m is not None and int(m.group("pid")) == os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _LIVE_LOCK
+    _LIVE_LOCK = threading.Lock()
+    _LIVE.clear()  # the parent's files: a SIGTERM of the child leaves them alone
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def remove_all() -> None:
     """Remove every file this process still serves from (SIGTERM)."""
     with _LIVE_LOCK:

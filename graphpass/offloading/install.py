@@ -166,6 +166,8 @@ def _release(runtime: OffloadRuntime, records: list, paths: list) -> None:
         REGISTRY.remove(rec)
     for f in paths:
         files.untrack(f)
+        if not files.written_here(f):  # a child made by fork(): the file is its parent's
+            continue
         try:
             os.unlink(f)
         except OSError:

@@ -31,7 +31,21 @@ from another thread maps nothing until one made from the main thread installs it
 
 What is process-wide here, and why: a signal's handler is one per process, so the handler and
 the set of lease holders it notifies are module-level. Each holder (one per offload runtime)
-keeps its own leases and regions; the set holds it weakly.
+keeps its own leases and regions; the set holds it weakly. So is the *service thread*: it
+runs the lease breaks the handler asks for and unmaps the regions whose tensors died. Both
+reach it through a C ``SimpleQueue`` (``put`` is one C call): the handler and a region's
+weak-reference callback (:class:`RegionRef`, whose callback *is* ``SimpleQueue.put``) run no
+Python code an interrupt could split, so a ``KeyboardInterrupt`` can neither leak a mapping and
+its table entry nor print "Exception ignored in finalize" (issue 22, item 16), and no
+``threading.Thread`` is started inside a signal handler. A region may outlive its model, so the
+references are kept by the module until reaped.
+
+After ``fork()`` the child starts its own service thread, and each runtime reopens its files
+(:meth:`FileLeases.after_fork`): a lease belongs to an open file description, which ``fork``
+shares, and its break signal goes to the thread ``F_SETOWN_EX`` named, the parent's main thread.
+With the parent's descriptions a child's mappings were protected by the parent's lease, whose
+break the parent handled (or, stopped, did not: the writer waited the 45 s lease-break time)
+without privatizing the child's regions: the child died of ``SIGBUS`` (issue 22, item 10).
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ import fcntl
 import logging
 import mmap
 import os
+import queue
 import signal
 import struct
 import threading
@@ -58,6 +73,60 @@ _MAP_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", 0x20)
 _HOLDERS: "weakref.WeakSet[FileLeases]" = weakref.WeakSet()
 _INSTALL_LOCK = threading.Lock()
 _PREVIOUS: list[Any] = []  # the handler graphpass's replaced (called after graphpass's own work)
+_BREAK = "break"  # a service request: break every holder's leases
+_REQUESTS: queue.SimpleQueue = queue.SimpleQueue()  # lease breaks and dead regions, for the service thread
+_KEPT: dict[int, "RegionRef"] = {}  # id -> the weak reference of a live mapped region (until reaped)
+_SERVICE: dict[str, Any] = {"pid": None, "thread": None}
+_MAIN_TID: dict[int, int] = {}  # pid -> native id of its main thread, set in a child made by fork
+
+
+class RegionRef(weakref.ref):
+    """A weak reference to a mapped region (the ctypes array tensors are made over); when the region
+    dies its callback, ``_REQUESTS.put`` (C), queues it for the service thread, which unmaps it."""
+
+    __slots__ = ("addr", "length", "holder")
+
+
+def track_region(region: Any, addr: int, length: int, holder: "FileLeases") -> RegionRef:
+    """Unmap ``addr`` (``length`` bytes) on the service thread once ``region`` dies."""
+    _ensure_service()
+    ref = RegionRef(region, _REQUESTS.put)
+    ref.addr, ref.length, ref.holder = addr, length, holder
+    _KEPT[id(ref)] = ref
+    return ref
+
+
+def reap(ref: RegionRef) -> None:
+    """Unmap a dead region once (the service thread; or any thread once the service is gone)."""
+    if _KEPT.pop(id(ref), None) is ref:
+        ref.holder.unmap(ref.addr, ref.length, ref)
+
+
+def _serve(requests: queue.SimpleQueue) -> None:
+    while True:
+        item = requests.get()
+        try:
+            if item is _BREAK:
+                _break_all(list(_HOLDERS))
+            elif isinstance(item, RegionRef):
+                reap(item)
+        except Exception:  # noqa: BLE001 - the service must outlive one failure
+            log.exception("graphpass lease service: %r failed", item)
+        del item
+
+
+def _ensure_service() -> None:
+    """Start this process's service thread (again in a child made by fork, where it is gone)."""
+    if _SERVICE["pid"] != os.getpid():
+        with _INSTALL_LOCK:
+            _ensure_service_locked()
+
+
+def _ensure_service_locked() -> None:
+    if _SERVICE["pid"] != os.getpid():
+        thread = threading.Thread(target=_serve, args=(_REQUESTS,), name="graphpass-lease-service", daemon=True)
+        thread.start()
+        _SERVICE.update(pid=os.getpid(), thread=thread)
 
 
 def _libc_calls(libc):
@@ -71,9 +140,7 @@ def _libc_calls(libc):
 def _on_sigio(signum, frame):
     """Runs in the main thread between two bytecodes: hand the work to a thread (the main thread
     may be inside a critical section of a runtime right now) and chain to the replaced handler."""
-    holders = list(_HOLDERS)
-    if holders:
-        threading.Thread(target=_break_all, args=(holders,), name="graphpass-lease-break", daemon=True).start()
+    _REQUESTS.put(_BREAK)  # one C call: nothing here an interrupt could leave half done
     previous = _PREVIOUS[0] if _PREVIOUS else None
     if callable(previous):
         previous(signum, frame)
@@ -98,6 +165,7 @@ def handler_installed() -> bool:
             signal.signal(_SIGIO, _on_sigio)
         except (ValueError, OSError):  # not the main thread
             return False
+        _ensure_service_locked()
         # SIG_DFL for SIGIO terminates the process and SIG_IGN drops it: neither is chained
         _PREVIOUS.append(current if callable(current) else None)
         return True
@@ -111,7 +179,7 @@ def _signal_main_thread(fd: int) -> None:
     retried), where one delivered to another thread would leave it waiting out the whole
     lease-break time."""
     try:
-        fcntl.fcntl(fd, _F_SETOWN_EX, struct.pack("ii", _F_OWNER_TID, threading.main_thread().native_id))
+        fcntl.fcntl(fd, _F_SETOWN_EX, struct.pack("ii", _F_OWNER_TID, _MAIN_TID.get(os.getpid()) or threading.main_thread().native_id))
     except (OSError, AttributeError, TypeError):  # older kernels: the process, as F_SETLEASE set it
         pass
 
@@ -125,12 +193,12 @@ class FileLeases:
 
     def __init__(self, libc) -> None:
         self._libc = _libc_calls(libc)
+        self._munmap = getattr(libc, "munmap", None)
         self._lock = threading.RLock()
         self._leased: set[int] = set()
-        self._regions: dict[int, tuple[int, int, int]] = {}  # address -> (length, fd, file offset of its end)
-        self._held: dict[int, tuple[int, int, int]] = {}  # the same, for the regions the model holds (stand-ins)
-        self._breaking: int | None = None  # the thread inside break_leases
-        self._deferred: list[tuple[int, int]] = []  # unmaps asked for by that thread meanwhile
+        self._unleasable: set[int] = set()  # fds a child made by fork shares with its parent: never leased
+        self._regions: dict[int, tuple[int, int, int, Any]] = {}  # address -> (length, fd, file offset of its end, ref)
+        self._held: dict[int, tuple[int, int, int, Any]] = {}  # the same, for the regions the model holds (stand-ins)
         self.breaks = 0  # lease breaks handled (the tests read it)
 
     # ---------------------------------------------------------------- leases
@@ -138,7 +206,7 @@ class FileLeases:
         """Hold (or take) a read lease on ``fd``; False when it cannot be had (read a copy)."""
         if fd in self._leased:
             return True
-        if self._libc is None or not handler_installed():
+        if self._libc is None or fd in self._unleasable or not handler_installed():
             return False
         try:
             fcntl.fcntl(fd, F_SETLEASE, fcntl.F_RDLCK)
@@ -166,21 +234,36 @@ class FileLeases:
     def leased(self, fd: int) -> bool:
         return fd in self._leased
 
-    # ---------------------------------------------------------------- regions
-    def register(self, addr: int, length: int, fd: int, end: int, held: bool = False) -> None:
-        """A region of ``length`` bytes at ``addr`` mapping ``fd`` up to file offset ``end``; ``held``:
-        one the model holds for its life (a stand-in eager code reads), not a load's."""
-        (self._held if held else self._regions)[addr] = (length, fd, end)
+    def after_fork(self, reopened: dict[int, int]) -> None:
+        """In a child made by fork: the leases held are the parent's (its open file descriptions):
+        forget them without releasing them; regions follow their file to the fd the child reopened
+        (``reopened``: inherited fd -> new fd), or are left unprotected (-1) where it could not."""
+        self._lock = threading.RLock()  # another thread of the parent may have held it at the fork
+        self._unleasable |= {fd for fd in self._leased if fd not in reopened}
+        self._leased = set()
+        for regions in (self._regions, self._held):
+            for a, (n, fd, end, ref) in list(regions.items()):
+                regions[a] = (n, reopened.get(fd, -1), end, ref)
 
-    def unmap(self, addr: int, length: int) -> None:
-        """The finalizer of a mapped region: unmap it (deferred while this thread privatizes)."""
+    # ---------------------------------------------------------------- regions
+    def register(self, addr: int, length: int, fd: int, end: int, region: Any, held: bool = False) -> None:
+        """A region of ``length`` bytes at ``addr`` mapping ``fd`` up to file offset ``end``, over which
+        ``region`` (the ctypes array tensors are made over) was made: unmapped once it dies. ``held``:
+        one the model holds for its life (a stand-in eager code reads), not a load's."""
+        (self._held if held else self._regions)[addr] = (length, fd, end, track_region(region, addr, length, self))
+
+    def track(self, region: Any, addr: int, length: int) -> None:
+        """A mapping held without a lease (not registered for lease breaks): unmapped once ``region`` dies."""
+        track_region(region, addr, length, self)
+
+    def unmap(self, addr: int, length: int, ref: Any = None) -> None:
+        """Unmap a region whose tensors died (the service thread); its entry goes if it is still ``ref``'s."""
         with self._lock:
-            if self._breaking == threading.get_ident():
-                self._deferred.append((addr, length))
-                return
-            self._regions.pop(addr, None)
-            self._held.pop(addr, None)
-            self._libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(length))
+            for regions in (self._regions, self._held):
+                entry = regions.get(addr)
+                if entry is not None and entry[3] is ref:
+                    del regions[addr]
+            self._munmap(ctypes.c_void_p(addr), ctypes.c_size_t(length))
 
     def live_regions(self) -> int:
         """Regions the loads have mapped and that are alive (not counting the stand-ins the model holds)."""
@@ -188,7 +271,7 @@ class FileLeases:
 
     def held_regions(self) -> tuple[int, int]:
         """(stand-in regions the model holds that still map a file, those privatized by a break)."""
-        mapped = sum(1 for _, fd, _ in self._held.values() if fd >= 0)
+        mapped = sum(1 for _, fd, _, _ in self._held.values() if fd >= 0)
         return mapped, len(self._held) - mapped
 
     def break_leases(self) -> None:
@@ -196,20 +279,13 @@ class FileLeases:
         with self._lock:
             if not self._leased and not self._regions and not self._held:
                 return
-            self._breaking = threading.get_ident()
-            try:
-                for regions in (self._regions, self._held):
-                    for addr, (length, fd, end) in list(regions.items()):
-                        if addr in regions and fd in self._leased and self._covers(fd, end):
-                            self._privatize(addr, length)
-                            regions[addr] = (length, -1, 0)  # anonymous memory now: nothing to break
-                for fd in list(self._leased):
-                    self.release(fd)
-            finally:
-                self._breaking = None
-                deferred, self._deferred = self._deferred, []
-            for addr, length in deferred:
-                self.unmap(addr, length)
+            for regions in (self._regions, self._held):
+                for addr, (length, fd, end, ref) in list(regions.items()):
+                    if addr in regions and fd in self._leased and self._covers(fd, end):
+                        self._privatize(addr, length)
+                        regions[addr] = (length, -1, 0, ref)  # anonymous memory now: nothing to break
+            for fd in list(self._leased):
+                self.release(fd)
             self.breaks += 1
         log.info("a file graphpass maps is being written: mapped regions copied, read leases released")
 
@@ -238,3 +314,18 @@ class FileLeases:
         if moved != addr:
             libc.munmap(ctypes.c_void_p(copy), ctypes.c_size_t(length))
             log.error("lease break: mremap over a mapped region failed (errno %d)", ctypes.get_errno())
+
+
+def _after_fork_in_child() -> None:
+    """The child starts its own service thread when it next needs one; a lock another thread of
+    the parent held at the fork is not held in the child. Its main thread is the thread that
+    forked (Python runs signal handlers there), whose id ``threading`` does not update: the
+    parent's ``native_id`` stays, and the child's lease-break signals went to the parent."""
+    global _INSTALL_LOCK
+    _INSTALL_LOCK = threading.Lock()
+    _MAIN_TID.clear()
+    _MAIN_TID[os.getpid()] = threading.get_native_id()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

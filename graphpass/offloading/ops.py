@@ -5,7 +5,6 @@ is imported; every module that inserts or matches these ops imports them from he
 
 from __future__ import annotations
 
-import weakref
 from typing import List
 
 import torch
@@ -51,10 +50,10 @@ def _load_start(srcs: List[torch.Tensor], group: str, device: torch.device, afte
     # synchronize, and cannot be captured.
     out = torch.empty((), dtype=torch.int64, device=device)
     out._graphpass_ticket = ticket
-    # a call that raises between the start and the wait drops its ticket: the load goes with it.
-    # The finalizer is a bare deque append (no Python frame an interrupt could split); the runtime
-    # drops the load at its next start or stats read (OffloadRuntime.abandon).
-    weakref.finalize(out, runtime._abandoned.append, ticket)
+    # a call that raises between the start and the wait drops its ticket: the load goes with it
+    # (a weak reference whose callback is a bare deque append; the runtime drops the load at its
+    # next start or stats read: OffloadRuntime.watch_ticket)
+    runtime.watch_ticket(out, ticket)
     return out
 
 

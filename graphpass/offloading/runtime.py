@@ -49,8 +49,7 @@ import threading
 import time
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+import queue
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
@@ -60,7 +59,7 @@ from ..errors import OffloadError
 from ..fx_utils import is_wrapper_subclass, local_tensor, wrapper_fields
 from ..tracing import EVICT, WAIT, active_sink, record_span
 from .files import identity, same_file
-from .leases import FileLeases, handler_installed
+from .leases import FileLeases, RegionRef, handler_installed, reap
 from .safetensors_io import TensorLocation, read_into
 
 _log = logging.getLogger("graphpass.offloading.runtime")
@@ -139,6 +138,16 @@ class _Registry:
             if runtime is not None:
                 found[id(runtime)] = runtime
         return list(found.values())
+
+
+# The live runtimes, for the fork hook below (process-wide on purpose: fork is; weak).
+_RUNTIMES: "weakref.WeakSet[OffloadRuntime]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    REGISTRY._lock = threading.Lock()
+    for runtime in list(_RUNTIMES):
+        runtime.after_fork_in_child()
 
 
 # Process-wide on purpose: a storage address names one tensor in the whole process, so one table
@@ -266,13 +275,97 @@ class MemoryStats:
         return tabulate(rows, headers=("graphpass offload", "value"))
 
 
+class _Job:
+    """One job of a :class:`_Worker`; its outcome comes back through a C ``SimpleQueue``."""
+
+    __slots__ = ("fn", "args", "done", "worker")
+
+    def __init__(self, fn, args, worker: "_Worker") -> None:
+        self.fn, self.args, self.done, self.worker = fn, args, queue.SimpleQueue(), worker
+
+    def run(self) -> None:
+        try:
+            outcome = (True, self.fn(*self.args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            outcome = (False, exc)
+        self.done.put(outcome)
+
+    def result(self, timeout: float):
+        """The job's return value (its exception re-raised); OffloadError when the worker is gone or
+        it does not finish in ``timeout`` seconds. Polled in short slices: a dead worker is seen at once."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ok, value = self.done.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                break
+            except queue.Empty:
+                if not self.worker.alive():
+                    raise OffloadError(f"the offload worker of this load is gone ({self.worker.why_dead()}): "
+                                       f"nothing was computed with partial weights") from None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError from None
+        if not ok:
+            raise value
+        return value
+
+
+class _Worker:
+    """The offload worker: one daemon thread running jobs in order from a C ``SimpleQueue``.
+
+    Not a ``ThreadPoolExecutor``: its ``submit`` and ``Future.result`` go through Python-level
+    locks (``threading.Condition``, ``Semaphore``) whose ``__enter__`` a ``KeyboardInterrupt`` can
+    split right after the lock was taken, leaking it: the next ``submit`` blocked forever, or the
+    worker blocked in ``set_result`` and every later load waited out ``LOAD_TIMEOUT_S`` (issue 22,
+    item 8). Here the compute thread only calls ``SimpleQueue.put``/``get`` (C, atomic for Python)
+    and the worker blocks on nothing the compute thread holds. Signals never run Python code on
+    the worker (Python runs handlers in the main thread only)."""
+
+    def __init__(self, name: str) -> None:
+        self.pid = os.getpid()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(self._jobs,), name=name, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue) -> None:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            job.run()
+            del job
+
+    def submit(self, fn, *args) -> _Job:
+        job = _Job(fn, args, self)
+        self._jobs.put(job)
+        return job
+
+    def alive(self) -> bool:
+        return self.pid == os.getpid() and self._thread.is_alive()
+
+    def why_dead(self) -> str:
+        if self.pid != os.getpid():
+            return f"it ran in process {self.pid}, and this is a child made by fork()"
+        return "its thread exited"
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self._jobs.put(None)
+        if self.alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+
+class _TicketRef(weakref.ref):
+    __slots__ = ("ticket",)
+
+
 @dataclass
 class _Pending:
     dsts: Optional[list]  # None while the worker maps them (disk -> host device)
-    future: Optional[Future] = None
+    future: Optional[_Job] = None
     event: Any = None  # torch.cuda.Event the compute stream waits on
     owner: tuple = ()
     mapped: tuple = ()  # the records whose file regions are mapped: their files are checked again at the wait
+    ticket_ref: Any = None  # a weak reference to the ticket tensor: its death (no wait) drops this load
 
 
 class _StagingPool:
@@ -381,11 +474,12 @@ def _spare_core() -> bool:
     return cores > torch.get_num_threads()
 
 
-def _over_region(addr: int, length: int, delta: int, nbytes: int, dtype: torch.dtype, shape, unmap) -> torch.Tensor:
-    """A tensor over ``nbytes`` of the mapping at ``addr`` (from byte ``delta``); ``unmap(addr, length)``
-    runs when the last tensor over it is freed."""
+def _over_region(addr: int, length: int, delta: int, nbytes: int, dtype: torch.dtype, shape, track) -> torch.Tensor:
+    """A tensor over ``nbytes`` of the mapping at ``addr`` (from byte ``delta``); ``track(region)`` arranges
+    the unmapping once the last tensor over it is freed (no ``weakref.finalize``: its Python frame is
+    a place a ``KeyboardInterrupt`` lands, printing "Exception ignored" and leaking the mapping)."""
     region = (ctypes.c_char * length).from_address(addr)
-    weakref.finalize(region, unmap, addr, length)
+    track(region)
     with warnings.catch_warnings():  # torch warns for read-only buffers (a populated mapping)
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=delta)
@@ -415,8 +509,8 @@ def map_private(fd: int, loc: TensorLocation, dtype: torch.dtype, shape, leases:
         addr = _LIBC.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, _MAP_FLAGS, fd, start)
         if addr in (None, ctypes.c_void_p(-1).value):
             return None
-        leases.register(addr, length, fd, loc.offset + loc.nbytes, held=True)
-    return _over_region(addr, length, delta, loc.nbytes, dtype, shape, leases.unmap)
+        return _over_region(addr, length, delta, loc.nbytes, dtype, shape,
+                            lambda region: leases.register(addr, length, fd, loc.offset + loc.nbytes, region, held=True))
 
 
 class OffloadRuntime:
@@ -432,7 +526,7 @@ class OffloadRuntime:
         self._tickets = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._latest: dict[tuple, int] = {}  # (thread, group) -> ticket: an aborted call's loads are dropped
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: _Worker | None = None
         self._stream = None
         self._fds: dict[str, int] = {}
         self._ids: dict[str, tuple] = {}  # path -> identity() when offload() resolved it
@@ -440,7 +534,7 @@ class OffloadRuntime:
         self._leases = FileLeases(_LIBC)  # read leases on mapped files (a writer waits, see leases.py)
         self._pool: dict[int, list] = {}  # nbytes -> storages of reused load buffers (host devices)
         self._retired: list = []  # evicted tensors the worker releases at its next job
-        self._grads_pending: list[Future] = []  # gradient additions of the running backward pass (CUDA)
+        self._grads_pending: list[_Job] = []  # gradient additions of the running backward pass (CUDA)
         self._grad_stream = None
         self._grad_task = -1  # the backward pass (autograd graph task) whose end waits for them
         self._slots: list[_GraphSlots] = []  # CUDA graph capture: fixed slots (older sets serve graphs captured with them)
@@ -461,6 +555,8 @@ class OffloadRuntime:
         self.stand_ins_are = "the device stand-ins the model holds"  # what it reads when not (the refusal says)
         self.eager_warned: set[str] = set()
         self._closed = False
+        self._forked_cuda = 0  # the parent's pid in a child made by fork() of a CUDA runtime (refused)
+        _RUNTIMES.add(self)
 
     # ---------------------------------------------------------------- counters
     def stats(self) -> MemoryStats:
@@ -500,25 +596,66 @@ class OffloadRuntime:
         """Drop the loads of tickets that died without a wait (a call that raised between the two)."""
         while True:
             try:
-                ticket = self._abandoned.popleft()
+                ref = self._abandoned.popleft()
             except IndexError:
                 return
-            self._take(ticket)
+            self._take(ref.ticket)
+
+    def watch_ticket(self, out: torch.Tensor, ticket: int) -> None:
+        """Drop the load of ``ticket`` if ``out`` (its ticket tensor) dies without a wait: a weak reference
+        whose callback is ``_abandoned.append`` (a C call: no Python frame an interrupt could split,
+        unlike ``weakref.finalize``), held by the pending load, so it goes unheard once waited."""
+        ref = _TicketRef(out, self._abandoned.append)
+        ref.ticket = ticket
+        pending = self._pending.get(ticket)
+        if pending is not None:
+            pending.ticket_ref = ref
+
+    def after_fork_in_child(self) -> None:
+        """In a child made by ``fork()``: the parent's worker thread, its loads in flight and the locks
+        other threads held are not the child's. Start afresh (a new worker on first use), and reopen
+        the files, so that the child's leases are its own (see ``leases.py``). A CUDA runtime is
+        refused at its next load (CUDA does not survive fork)."""
+        parent = self._executor.pid if self._executor is not None else 0
+        self._lock = threading.RLock()
+        self._staging = _StagingPool()
+        self._executor = None
+        self._pending, self._latest, self._retired = {}, {}, []
+        self._abandoned = collections.deque()
+        self._evict_events, self._grads_pending, self._grad_task = {}, [], -1
+        if self.device.type == "cuda":
+            self._forked_cuda = parent or -1
+        reopened = {}
+        for path, fd in list(self._fds.items()):
+            try:
+                new = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            if same_file(self._ids.get(path), identity(os.fstat(new))):
+                reopened[fd] = self._fds[path] = new
+                os.close(fd)  # the parent's description (and its lease) stays the parent's
+            else:  # replaced since (renamed over): keep reading the inherited description, never lease it
+                os.close(new)
+        self._leases.after_fork(reopened)
 
     # ---------------------------------------------------------------- resources
-    def _submit(self, group: str, job: Any, recs: list, *args: Any) -> Future:
+    def _submit(self, group: str, job: Any, recs: list, *args: Any) -> _Job:
         """Run ``job(recs, *args)`` on the worker; while graphpass.trace() records, as a load range there."""
         sink = active_sink()  # read here, on the compute thread: the worker does not share its context
         if sink is not None:
             job = sink.worker_job(group, job, tensors=len(recs), nbytes=sum(r.nbytes for r in recs))
         return self._worker().submit(job, recs, *args)
 
-    def _worker(self) -> ThreadPoolExecutor:
-        if self._executor is None:
+    def _worker(self) -> _Worker:
+        """The worker, started on first use, and again where it is gone (a child made by fork, whose
+        copy of the parent's worker has no thread; ``after_fork_in_child`` drops it there first)."""
+        worker = self._executor
+        if worker is None or not worker.alive():
             with self._lock:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphpass-offload")
-        return self._executor
+                worker = self._executor
+                if worker is None or not worker.alive():
+                    worker = self._executor = _Worker("graphpass-offload")
+        return worker
 
     def _side_stream(self):
         return self._lazy_stream("_stream")
@@ -561,7 +698,7 @@ class OffloadRuntime:
             return
         self._closed = True
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(timeout=LOAD_TIMEOUT_S)
         for fd in self._fds.values():
             self._leases.release(fd)
             try:
@@ -623,8 +760,8 @@ class OffloadRuntime:
         with self._lock:
             pending, self._grads_pending = self._grads_pending, []
             self._grad_task = -1
-        for future in pending:
-            future.result(timeout=LOAD_TIMEOUT_S)
+        for job in pending:
+            job.result(LOAD_TIMEOUT_S)
 
     def _d2h_stream(self):
         return self._lazy_stream("_grad_stream")
@@ -703,8 +840,8 @@ class OffloadRuntime:
             addr = _LIBC.mmap(None, length, prot, flags, fd, start)  # ctypes: the GIL is released
             if addr in (None, ctypes.c_void_p(-1).value):
                 raise OffloadError(f"tensor {rec.name!r}: cannot map {loc.path}: {os.strerror(ctypes.get_errno())}")
-            leases.register(addr, length, fd, loc.offset + loc.nbytes)
-        return _over_region(addr, length, delta, loc.nbytes, rec.dtype, rec.shape, leases.unmap)
+            return _over_region(addr, length, delta, loc.nbytes, rec.dtype, rec.shape,
+                                lambda region: leases.register(addr, length, fd, loc.offset + loc.nbytes, region))
 
     def _map_job(self, recs: list) -> list:
         self._drop_retired()
@@ -802,6 +939,11 @@ class OffloadRuntime:
     def start(self, recs: list, group: str) -> int:
         if self._closed:
             raise OffloadError("this model's offload runtime was closed (graphpass.offload state released)")
+        if self._forked_cuda:
+            raise OffloadError(
+                f"this model was offloaded to {self.device} in process {self._forked_cuda}, and this is a child it "
+                f"made with fork(): CUDA does not work in a forked child. Start workers with the 'spawn' or "
+                f"'forkserver' method (multiprocessing.set_start_method) and offload the model in each")
         self._drain_abandoned()
         device = self.device
         nbytes = sum(r.nbytes for r in recs)
@@ -863,8 +1005,8 @@ class OffloadRuntime:
         t0 = time.perf_counter()
         if pending.future is not None:
             try:  # re-raises the worker's OffloadError naming the tensor
-                mapped = pending.future.result(timeout=LOAD_TIMEOUT_S)
-            except FutureTimeout:
+                mapped = pending.future.result(LOAD_TIMEOUT_S)
+            except TimeoutError:
                 raise OffloadError(
                     f"trap {group!r}: its load did not finish in {LOAD_TIMEOUT_S} s (the offload worker is stuck: "
                     f"a file on a hung mount, or a bug); nothing was computed with partial weights"
@@ -882,11 +1024,6 @@ class OffloadRuntime:
         record_span(WAIT, group, t0)  # graphpass.trace: the compute waited from t0 to now
         return pending.dsts
 
-    def abandon(self, ticket: int) -> None:
-        """Drop a load whose ticket died without a wait (no-op once waited). The ticket's finalizer
-        only appends to ``_abandoned`` (a C call no interrupt can split); the drop happens at the
-        next load or stats read, outside any finalizer."""
-        self._abandoned.append(ticket)
 
     def evicted(self, group: str, loaded: list | None = None) -> None:
         t0 = time.perf_counter()
@@ -939,3 +1076,7 @@ def _changed(tensor: str, path: str, expected: tuple, now: tuple, when: str) -> 
             f"there at every load and refuses a file rewritten, truncated or replaced in place. Restore it, or "
             f"offload a fresh model from the new file; to update a checkpoint in use, write the new file "
             f"under another name and rename it over the old one")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
