@@ -351,7 +351,7 @@ _DURING_FORWARD_CHILD = textwrap.dedent("""
                 compiled(*inputs)
             results.append("served a changed file")
         except graphpass.OffloadError:
-            pass
+            results.append("error")  # the change landed (late, on a slow machine: after the loop) and is seen
         assert "WRONG" not in results and "served a changed file" not in results, Counter(results)
         assert results[-1] == "error", Counter(results)
         outcomes.append(runtime._leases.breaks)
@@ -984,9 +984,22 @@ _SIGINT_CHILD = textwrap.dedent("""
     kw = dict(device="cpu", storage=mode, **({"disk_path": folder} if mode == "disk" else {}))
     state = graphpass.offload(model, graphpass.OffloadConfig(**kw))
     compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+    # SIGINT raises KeyboardInterrupt while a forward runs (graphpass, torch, the stdlib's lock code,
+    # this function's own lines); in the loop's bookkeeping between forwards it is only counted, so a
+    # signal at the loop's back edge (where Python runs handlers, outside any try) cannot end the run
+    armed, idle = [False], [0]
+    def on_sigint(signum, frame):
+        if armed[0]:
+            raise KeyboardInterrupt
+        idle[0] += 1
+    signal.signal(signal.SIGINT, on_sigint)
     def fwd():
-        with torch.no_grad():
-            return compiled(*inputs)
+        armed[0] = True
+        try:
+            with torch.no_grad():
+                return compiled(*inputs)
+        finally:
+            armed[0] = False
     assert torch.equal(fwd(), ref)
     t0 = time.perf_counter(); fwd(); dt = time.perf_counter() - t0
     main, sent = threading.main_thread().ident, [0]
@@ -1020,7 +1033,7 @@ _SIGINT_CHILD = textwrap.dedent("""
     assert torch.equal(fwd(), ref), "wrong result after the interrupts"
     gc.collect(); time.sleep(0.2)
     assert graphpass.memory_stats(model).streamed_bytes_now == 0
-    print("result", sent[0], caught, forwards, state.runtime._leases.live_regions(), flush=True)
+    print("result", sent[0], caught + idle[0], forwards, state.runtime._leases.live_regions(), flush=True)
 """)
 
 
