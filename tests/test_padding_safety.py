@@ -552,3 +552,52 @@ def test_a_causal_conv1d_along_the_padded_dim_is_safe_and_a_centered_one_is_not(
     got = check(CausalConv(padding=1), x3())
     assert [v.reason for v in got] == [
         "conv1d along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"]
+
+
+# --------------------------------------------------------------------------------------------
+# padding rows written into a buffer that is not padded (a key/value cache's slots)
+# --------------------------------------------------------------------------------------------
+
+SLOTS = 32  # the buffer's slot count (static); the padded rows land in slots length + L ..
+
+
+class SlotCache(nn.Module):
+    """A static key/value cache in miniature: ``x``'s rows written at slots ``length + i`` of buffers
+    that outlive the call, then read as the keys and values of an attention. ``read``: how they are read."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.read = read
+        self.keys = torch.zeros(B, 1, SLOTS, H)
+        self.length = torch.tensor(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        q = x[:, None]  # [B, 1, n, H]
+        slots = torch.arange(n) + self.length
+        self.keys.index_copy_(2, slots, q)
+        keys = self.keys[:, :, None].expand(B, 1, 2, SLOTS, H).reshape(B, 2, SLOTS, H)
+        q2 = q.expand(B, 2, n, H)
+        if self.read == "sum":
+            return self.keys.sum(2) + x.sum(-1, keepdim=True)  # every slot read as data
+        q_pos = torch.arange(n) + self.length.to(torch.long)
+        if self.read == "other_offset":
+            q_pos = torch.arange(n) + 4  # positions that do not start where the rows were written
+        mask = torch.arange(SLOTS)[None, None, None, :] <= q_pos[None, None, :, None]
+        if self.read == "no_mask":
+            return F.scaled_dot_product_attention(q2, keys, keys)
+        return F.scaled_dot_product_attention(q2, keys, keys, attn_mask=mask.expand(B, 1, n, SLOTS))
+
+
+def test_padding_rows_written_to_slots_an_attention_mask_hides_are_safe():
+    """Real query ``i`` (position ``length + i``) sees slots ``<= length + i``; the padding rows sit at
+    slots ``length + L ..``: no real row reads them."""
+    assert check(SlotCache("masked"), x3()) == []
+
+
+@pytest.mark.parametrize("read", ["sum", "no_mask", "other_offset"])
+def test_padding_rows_written_to_slots_that_are_read_as_data_are_refused(read):
+    """Before the check these graphs passed: the write's destination is not padded, so nothing
+    downstream looked padded, and summing the slots (or attending to all of them) read the padding."""
+    got = check(SlotCache(read), x3())
+    assert got and "writes padding rows into" in got[0].reason, got

@@ -925,6 +925,100 @@ def _handler(name: str) -> Callable[[torch.fx.Node, str, _Ctx], _Finding | None]
     return None
 
 
+# --------------------------------------------------------------------------------------------
+# Padding rows written into a tensor that is not padded (a key/value cache's slots)
+# --------------------------------------------------------------------------------------------
+
+#: Ops that write rows of a tensor into another one: name -> (position, keyword) of the written rows.
+ROW_WRITES: Mapping[str, tuple[int, str]] = MappingProxyType({
+    "index_copy": (3, "source"), "index_add": (3, "source"), "index_put": (2, "values"), "scatter": (3, "src"),
+    "scatter_add": (3, "src"), "scatter_reduce": (3, "src"), "setitem": (2, "value"), "masked_scatter": (2, "source"),
+})
+#: Ops a read of the written slots may go through before the attention that masks them: they keep the
+#: slot dim and the last dim as the last two (views, broadcasts, copies).
+_SLOT_KEEPS = frozenset("contiguous clone to _to_copy detach alias".split())
+
+
+def _check_row_write(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding:
+    """``buf.index_copy_(d, slots, rows)`` with ``rows`` padded along ``d`` and ``buf`` not: the padding
+    rows land in slots of a tensor that outlives them in this graph. Safe only when ``slots`` are the
+    positions ``X + i`` (``X`` a 0-d run-time offset, or 0) and every later read of ``buf`` is the
+    keys or values of an attention whose mask is proven true only where ``slot <= query index + X``:
+    a real query row ``i < L`` then sees slots ``<= X + i < X + L``, never the padding rows' slots
+    ``X + L ..``. Anything else is a violation (the rows would be read as data)."""
+    dst, src = node.args[0], _arg(node, *ROW_WRITES[name], None)
+    dim = _static_int(_arg(node, 1, "dim", None)) if name == "index_copy" else None
+    t_dst, t_src = example_of(dst), example_of(src)
+    if dim is None or not isinstance(t_dst, torch.Tensor) or ctx.padded(src) != (dim % t_src.dim(),):
+        return None, f"{_label(node)} writes padding rows into {_label(dst)}, which is not padded: later reads may see them"
+    index = _arg(node, 2, "index", None)
+    fact = ctx.facts.get(index) if isinstance(index, torch.fx.Node) else None
+    if not isinstance(fact, _Positions) or fact.offset != 0 or dim % t_dst.dim() != t_dst.dim() - 2:
+        return dim, (f"{_label(node)} writes padding rows into {_label(dst)} at slots not proven to be "
+                     f"positions after the real rows' (an arange plus a run-time offset, along the slot dim -2)")
+    bad = _unmasked_slot_read(node, dst, fact.base, ctx)
+    if bad is not None:
+        return dim, (f"{_label(node)} writes padding rows into {_label(dst)}, and {_label(bad)} reads those slots "
+                     f"without an attention mask proven to hide every slot past a query's position")
+    return None
+
+
+def _unmasked_slot_read(write: torch.fx.Node, buf: torch.fx.Node, shift: str | None, ctx: _Ctx) -> torch.fx.Node | None:
+    """The first read of ``buf`` after ``write`` that is not proven blind to the slots past each real
+    query's position, or None. Reads before the write see none of the written rows."""
+    order = {n: i for i, n in enumerate(write.graph.nodes)}
+    todo = [u for u in list(buf.users) + list(write.users) if u is not write and order[u] > order[write]]
+    seen: set[torch.fx.Node] = set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        name = _op_name(node) if node.op in ("call_function", "call_method") else None
+        if name in ATTENTION:
+            if not _masks_slots(node, seen, shift, ctx):
+                return node
+            continue
+        if not _keeps_slots(node, name):
+            return node
+        todo.extend(node.users)
+    return None
+
+
+def _keeps_slots(node: torch.fx.Node, name: str | None) -> bool:
+    """``node`` keeps its input's last two dims (slots, features) as its own last two, row for row."""
+    src, out = node.args[0] if node.args else None, example_of(node)
+    t = example_of(src)
+    if not isinstance(t, torch.Tensor) or not isinstance(out, torch.Tensor) or t.dim() < 2 or out.dim() < 2:
+        return False
+    same_tail = [size_expr(s) for s in t.shape[-2:]] == [size_expr(s) for s in out.shape[-2:]]
+    if name in _SLOT_KEEPS or name in ("expand", "expand_as", "broadcast_to"):
+        return same_tail and out.dim() >= t.dim()
+    if name in RESHAPES and name not in ("transpose", "permute", "movedim", "swapaxes", "t"):
+        return same_tail  # row-major: equal trailing sizes => only the leading dims are regrouped
+    if name == "getitem":
+        idx = node.args[1] if len(node.args) > 1 else None
+        items = list(idx) if isinstance(idx, tuple) else [idx]
+        if not all(i is None or i is Ellipsis or i == slice(None) for i in items):
+            return False
+        where = _view_map(items, t.dim())
+        return where is not None and (where(t.dim() - 2), where(t.dim() - 1)) == (out.dim() - 2, out.dim() - 1)
+    return False
+
+
+def _masks_slots(node: torch.fx.Node, reached: set[torch.fx.Node], shift: str | None, ctx: _Ctx) -> bool:
+    """An attention reading the slots (as keys or values only) with a boolean mask proven true only
+    where ``key slot <= query index + shift``."""
+    if _arg(node, 0, "query") in reached:
+        return False
+    mask = _arg(node, 3, "attn_mask", None)
+    fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
+    t = example_of(mask)
+    return isinstance(fact, _Causal) and fact.shift == shift and isinstance(t, torch.Tensor) \
+        and t.dtype == torch.bool and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1) \
+        and _arg(node, 5, "is_causal", False) is not True
+
+
 def _check_node(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
     if node.op in ("placeholder", "output", "get_attr"):
         return None
@@ -942,6 +1036,8 @@ def _check_node(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
     if not padded_in and not padded_out and _value_use(node, ctx) is None:
         return None  # nothing padded goes in, comes out, or is used as a value
     name = _op_name(node)
+    if name in ROW_WRITES and ctx.padded(_arg(node, *ROW_WRITES[name], None)) and not ctx.padded(node.args[0]):
+        return _check_row_write(node, name, ctx)
     handler = _handler(name) if name is not None else None
     if handler is None:
         return None, f"unknown op {_label(node)}: cannot prove row independence"
@@ -967,14 +1063,16 @@ def _check_node(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
 
 @dataclass(frozen=True)
 class _Positions:
-    dim: int  # value at index i along dim == i + offset, whatever the other indices
+    dim: int  # value at index i along dim == i + offset (+ base), whatever the other indices
     offset: int
+    base: str | None = None  # a 0-d integer tensor (node name) added to every position: a run-time offset
 
 
 @dataclass(frozen=True)
 class _Causal:
-    q: int  # true only where index along k <= index along q
+    q: int  # true only where index along k <= index along q (+ the value of shift)
     k: int
+    shift: str | None = None  # a 0-d integer tensor (node name): the query's positions start there
 
 
 @dataclass(frozen=True)
@@ -995,10 +1093,10 @@ def _moved(fact: Any, where: Callable[[int], int | None]) -> Any:
     """``fact`` with its dims renumbered by ``where`` (None: a dim that does not survive)."""
     if isinstance(fact, _Positions):
         d = where(fact.dim)
-        return None if d is None else _Positions(d, fact.offset)
+        return None if d is None else _Positions(d, fact.offset, fact.base)
     if isinstance(fact, _Causal):
         q, k = where(fact.q), where(fact.k)
-        return None if q is None or k is None or q == k else _Causal(q, k)
+        return None if q is None or k is None or q == k else _Causal(q, k, fact.shift)
     if isinstance(fact, _ZeroPad):
         d = where(fact.dim)
         return None if d is None else _ZeroPad(d)
@@ -1099,7 +1197,12 @@ def _compare_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, 
         return None
     # true => j + fa.offset <= i + fb.offset (- 1 when strict) => j <= i when the slack is <= 0
     slack = fb.offset - fa.offset - (1 if strict else 0)
-    return _Causal(q=fb.dim, k=fa.dim) if slack <= 0 else None
+    if slack > 0:
+        return None
+    if fa.base == fb.base:  # the same run-time offset on both sides cancels
+        return _Causal(q=fb.dim, k=fa.dim)
+    # key slots from 0 against query positions that start at a run-time offset X: j <= i + X
+    return _Causal(q=fb.dim, k=fa.dim, shift=fb.base) if fa.base is None else None
 
 
 def _and_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
@@ -1142,7 +1245,11 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> Any:
         return None
     if name in ("add", "sub") and isinstance(fact, _Positions) and _is_int_tensor(out):
         c = _static_int(node.args[1]) if len(node.args) > 1 else None
-        return None if c is None else _aligned(_Positions(fact.dim, fact.offset + (c if name == "add" else -c)), src, out)
+        if c is None and name == "add" and fact.base is None and len(node.args) > 1:
+            base = _scalar_tensor_root(node.args[1])  # + a 0-d integer tensor (a cache's length)
+            return None if base is None else _aligned(_Positions(fact.dim, fact.offset, base), src, out)
+        return None if c is None else _aligned(
+            _Positions(fact.dim, fact.offset + (c if name == "add" else -c), fact.base), src, out)
     if name in _KEEPS:
         keeps = _is_int_tensor(out) if isinstance(fact, _Positions) else (
             out.dtype == torch.bool if isinstance(fact, _Causal) else True)
@@ -1154,6 +1261,20 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> Any:
         return None if at is None else _moved(fact, lambda d: d + (d >= at % out.dim()))
     if name in RESHAPES:
         return _reshape_fact(src, fact, out)
+    return None
+
+
+def _scalar_tensor_root(value: Any) -> str | None:
+    """The node a 0-d integer tensor is a copy of (through dtype / device conversions), by name: the
+    identity of a run-time offset (two conversions of one length are the same offset)."""
+    while isinstance(value, torch.fx.Node):
+        t = example_of(value)
+        if not (_is_int_tensor(t) and t.dim() == 0):
+            return None
+        name = _op_name(value) if value.op in ("call_function", "call_method") else None
+        if name not in _KEEPS or not value.args:
+            return value.name
+        value = value.args[0]
     return None
 
 
@@ -1191,8 +1312,8 @@ def _causal_mask(mask: Any, ctx: _Ctx) -> bool:
     """An attention mask proven true only where key index (dim -1) <= query index (dim -2)."""
     fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
     t = example_of(mask)
-    return isinstance(fact, _Causal) and isinstance(t, torch.Tensor) and t.dtype == torch.bool \
-        and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)
+    return isinstance(fact, _Causal) and fact.shift is None and isinstance(t, torch.Tensor) \
+        and t.dtype == torch.bool and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)
 
 
 def _zero_padded(gm: torch.fx.GraphModule, names: set[str], symbols: frozenset[str]) -> dict[torch.fx.Node, int]:
