@@ -552,3 +552,93 @@ def test_a_causal_conv1d_along_the_padded_dim_is_safe_and_a_centered_one_is_not(
     got = check(CausalConv(padding=1), x3())
     assert [v.reason for v in got] == [
         "conv1d along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"]
+
+
+class EagerMaskedAttention(nn.Module):
+    """Eager attention as transformers' ``eager_attention_forward`` runs it: scores plus the additive mask
+    ``eager_mask`` builds (``where(bool_mask, 0, finfo.min)`` of ``and_masks(causal, padding)``), a softmax over
+    the keys, a product with the values. Unsafe variants change one step."""
+
+    def __init__(self, variant: str = "causal") -> None:
+        super().__init__()
+        self.variant = variant
+
+    def bool_mask(self, b: int, n: int, attention_mask: torch.Tensor) -> torch.Tensor:
+        q = torch.arange(n)[None, None, :, None]
+        kv = torch.arange(n)[None, None, None, :]
+        v = self.variant
+        rule = {"strict": kv < q, "anti": q <= kv, "window": (kv <= q) & (kv > q - 3)}.get(v, kv <= q)
+        pad = attention_mask.to(torch.bool)[torch.arange(b)[:, None, None, None], kv]
+        return torch.ones((), dtype=torch.bool) & rule & pad
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        h = x.view(b, n, 2, H // 2).transpose(1, 2)
+        fill = -1.0 if self.variant == "small_fill" else torch.finfo(x.dtype).min
+        mask = torch.where(self.bool_mask(b, n, attention_mask), torch.zeros((), dtype=x.dtype), fill)
+        scores = h @ h.transpose(2, 3) * 0.25
+        if self.variant == "softcap":
+            scores = torch.tanh(scores / 5.0) * 5.0
+        if self.variant == "masked_scores":  # a fill value already in the scores: a row may be all fill values
+            scores = torch.where(torch.rand(n, n) > 0.5, scores, torch.tensor(torch.finfo(x.dtype).min))
+        w = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(x.dtype)
+        w = F.dropout(w, p=0.0, training=False)
+        return (w @ h).transpose(1, 2).reshape(b, n, H)
+
+
+def _eager_mask_check(variant, pad_value=0):
+    from graphpass.static_shapes.padding_safety import check_padding_safety
+
+    graphs = []
+    f = torch.compile(EagerMaskedAttention(variant), backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
+    with torch.no_grad():
+        f(torch.randn(B, L, H), torch.ones(B, L, dtype=torch.long))
+    gm = graphs[0]
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]
+    syms = {n.meta["example_value"].shape[1].node.expr for n in gm.graph.nodes if n.name in names}
+    zero = [n for n in names if "attention_mask" in n] if pad_value == 0 else []
+    relied: set[str] = set()
+    got = check_padding_safety(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms}, relied_on=relied)
+    return got, relied, zero
+
+
+@pytest.mark.parametrize("variant", ["causal", "window", "softcap"])
+def test_softmax_of_scores_plus_an_additive_causal_mask_is_safe_when_the_mask_is_all_ones(variant):
+    got, relied, zero = _eager_mask_check(variant)
+    assert got == []
+    assert relied == set(zero)  # the proof needs the attention mask to be 1 on every real position (checked per call)
+
+
+@pytest.mark.parametrize("variant,pad_value", [
+    ("strict", 0),  # kv < q: row 0 has no key, its softmax is uniform over the (padded) length
+    ("anti", 0),  # q <= kv: rows see later keys
+    ("small_fill", 0),  # -1 does not vanish from a softmax
+    ("masked_scores", 0),  # the scores may already hold fill values on the diagonal
+    ("causal", 1),  # the attention mask padded with 1: the padding keys are not masked
+])
+def test_an_additive_mask_not_proven_causal_with_a_key_per_row_is_refused(variant, pad_value):
+    got, _, _ = _eager_mask_check(variant, pad_value)
+    ops = {v.op for v in got}
+    assert "torch.nn.functional.softmax" in ops or "torch.nn.functional.scaled_dot_product_attention" in ops, got
+    assert any(v.reason == "softmax along the padded dim mixes rows" for v in got)
+    assert any(v.reason == "matmul contracts over the padded dim" for v in got)
+
+
+def test_additive_mask_buckets_exactly_and_a_mask_with_zeros_runs_unpadded(strict_backend):
+    from graphpass.backends import NeuronDelegate
+
+    model = EagerMaskedAttention("causal")
+    then = NeuronDelegate(registered_name="strict_aten_standin", module=None)
+    gp = graphpass.backend(then=then, static_shapes={"dims": {"x": 1}, "buckets": [8, 16]})
+    compiled = torch.compile(model, backend=gp)
+    with torch.no_grad():
+        for n in (3, 5, 7, 9, 12, 16):
+            x, am = torch.randn(B, n, H), torch.ones(B, n, dtype=torch.long)
+            torch.testing.assert_close(compiled(x, am), model(x, am), rtol=1e-5, atol=1e-6)
+        lengths = {shape[1] for shapes in strict_backend.shapes for shape in shapes if len(shape) == 3 and shape[0] == B}
+        assert lengths == {3, 8, 16}
+        x, am = torch.randn(B, 6, H), torch.ones(B, 6, dtype=torch.long)
+        am[0, :2] = 0  # left padding: rows 0 and 1 of sequence 0 see no key
+        with pytest.warns(UserWarning, match="is not 1 everywhere in this call"):
+            got = compiled(x, am)
+        torch.testing.assert_close(got, model(x, am), rtol=1e-5, atol=1e-6)

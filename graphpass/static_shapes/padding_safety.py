@@ -40,7 +40,7 @@ OpOverloads arguments are read by their schema names, so aten graphs work for th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
@@ -450,6 +450,7 @@ class _Ctx:
     causal_ok: bool
     facts: Mapping[torch.fx.Node, Any] = field(default_factory=dict)  # index provenance (_Positions / _Causal)
     ties: Mapping[Any, Any] = field(default_factory=dict)  # symbol -> the padded symbol it equals on every call
+    relied_on: set[str] = field(default_factory=set)  # zero-padded inputs an accepted proof needs to hold 1 (filled)
 
     def same_size(self, a: Any, b: Any) -> bool:
         return size_expr(a).xreplace(self.ties) == size_expr(b).xreplace(self.ties)
@@ -499,7 +500,7 @@ def _check_along_dim(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
         return None, f"{name} over every dim includes the padded dim {pads[0]} and mixes rows"
     for d in dims:
         d = _norm_dim(d, t.dim())
-        if d in pads and not _causal_scan(node, name, ctx):
+        if d in pads and not _causal_scan(node, name, ctx) and not _masked_softmax(node, name, d, ctx):
             return d, f"{name} {spec.what}"
     return None
 
@@ -511,10 +512,39 @@ def _causal_scan(node: torch.fx.Node, name: str, ctx: _Ctx) -> bool:
     return name != "diff" or _arg(node, 4, "append", None) is None
 
 
+def _masked_softmax(node: torch.fx.Node, name: str, d: int, ctx: _Ctx) -> bool:
+    """A softmax over the keys ``d`` of scores plus an additive causal mask (a :class:`_NegMask` on ``d``): every
+    real row's later keys, the padding among them, get exactly 0, so the row equals the unpadded one."""
+    x = _arg(node, 0, "input")
+    fact = ctx.facts.get(x) if isinstance(x, torch.fx.Node) else None
+    t = example_of(x)
+    if not (ctx.causal_ok and name in _SOFTMAXES and isinstance(fact, _NegMask) and fact.k == d
+            and ctx.same_size(t.shape[fact.q], t.shape[fact.k])):
+        return False
+    ctx.relied_on.update(fact.needs)
+    return True
+
+
+def _causal_product(node: torch.fx.Node, name: str, ctx: _Ctx) -> bool:
+    """``matmul`` / ``bmm`` of attention weights that are 0 at every key after the query (a :class:`_ZeroAbove`
+    on dims -2, -1) with the values: a real row reads value rows up to its own only."""
+    a, b = _arg(node, 0, "input"), _arg(node, 1, "other" if name == "matmul" else "mat2", None)
+    fact = ctx.facts.get(a) if isinstance(a, torch.fx.Node) else None
+    ta, tb = example_of(a), example_of(b)
+    if not (ctx.causal_ok and name in ("matmul", "bmm") and isinstance(fact, _ZeroAbove) and isinstance(tb, torch.Tensor)
+            and tb.dim() >= 2 and (fact.q, fact.k) == (ta.dim() - 2, ta.dim() - 1)
+            and ctx.same_size(ta.shape[-2], ta.shape[-1])):
+        return False
+    ctx.relied_on.update(fact.needs)
+    return True
+
+
 def _check_matmul(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     spec = MATMULS[name]
     if name == "einsum":
         return _check_einsum(node, ctx)
+    if _causal_product(node, name, ctx):
+        return _value_use(node, ctx)
     pairs: list[tuple[torch.Tensor, int]] = []
     if spec is None:  # matmul: by rank
         a, b = example_of(_arg(node, 0, "input")), example_of(_arg(node, 1, "other"))
@@ -975,11 +1005,56 @@ class _Positions:
 class _Causal:
     q: int  # true only where index along k <= index along q
     k: int
+    # true on the diagonal (k == q) of every real row when the named zero-padded inputs hold 1 at every real
+    # position (checked per call by the dispatcher); None: not proven
+    diag: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class _Diag:
+    a: int  # true on the diagonal (index along a == index along b), when the named inputs hold 1 (as _Causal.diag)
+    b: int
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class _AllTrue:
+    """A boolean tensor true everywhere (``new_ones((), dtype=torch.bool)``, where transformers' ``and_masks`` starts)."""
 
 
 @dataclass(frozen=True)
 class _ZeroPad:
     dim: int  # every padding row along dim holds 0 / False (an input the dispatcher pads with 0, and what keeps that)
+    source: str | None = None  # the placeholder whose values it holds, read in place (None: combined with others)
+
+
+@dataclass(frozen=True)
+class _NegMask:
+    """A float tensor (scores plus an additive mask) whose every real row ``i`` along ``q`` holds a value
+    ``<= -1e30`` at each key ``j > i`` along ``k`` and a moderate one (a finite score, not a fill value) at
+    ``j == i`` when the ``needs`` inputs hold 1: a softmax over ``k`` gives exactly 0 at ``j > i``."""
+    q: int
+    k: int
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class _ZeroAbove:
+    """A float tensor exactly 0 at every key ``j > i`` along ``k`` of every real row ``i`` along ``q`` (a softmax
+    of a :class:`_NegMask`): a product contracting ``k`` reads no row after ``i``."""
+    q: int
+    k: int
+    needs: frozenset[str] = frozenset()
+
+
+#: Each fact's dim fields, renumbered by :func:`_moved`.
+_FACT_DIMS: Mapping[type, tuple[str, ...]] = MappingProxyType({
+    _Positions: ("dim",), _Causal: ("q", "k"), _Diag: ("a", "b"), _AllTrue: (), _ZeroPad: ("dim",),
+    _NegMask: ("q", "k"), _ZeroAbove: ("q", "k")})
+#: Facts about two different dims (they must stay different).
+_PAIR_FACTS = (_Causal, _Diag, _NegMask, _ZeroAbove)
+#: A fill value this negative (or -inf) vanishes from a softmax next to any finite score, in fp32 and bf16.
+_HUGE = 1e30
 
 
 #: Ops that keep every value and dim (dtype and device conversions, copies).
@@ -993,16 +1068,15 @@ _ANDS = frozenset("and_ logical_and bitwise_and mul".split())
 
 def _moved(fact: Any, where: Callable[[int], int | None]) -> Any:
     """``fact`` with its dims renumbered by ``where`` (None: a dim that does not survive)."""
-    if isinstance(fact, _Positions):
-        d = where(fact.dim)
-        return None if d is None else _Positions(d, fact.offset)
-    if isinstance(fact, _Causal):
-        q, k = where(fact.q), where(fact.k)
-        return None if q is None or k is None or q == k else _Causal(q, k)
-    if isinstance(fact, _ZeroPad):
-        d = where(fact.dim)
-        return None if d is None else _ZeroPad(d)
-    return None
+    fields = _FACT_DIMS.get(type(fact))
+    if fields is None:
+        return None
+    dims = {f: where(getattr(fact, f)) for f in fields}
+    if any(d is None for d in dims.values()):
+        return None
+    if isinstance(fact, _PAIR_FACTS) and len(set(dims.values())) < 2:
+        return None
+    return replace(fact, **dims)
 
 
 def _aligned(fact: Any, src: Any, out: torch.Tensor) -> Any:
@@ -1051,7 +1125,8 @@ def _view_map(items: list[Any], ndim: int) -> Callable[[int], int | None] | None
     return mapping.get
 
 
-def _gather_fact(src: torch.fx.Node, items: list[Any], facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+def _gather_fact(src: torch.fx.Node, items: list[Any], facts: Mapping[torch.fx.Node, Any], out: torch.Tensor,
+                 ties: Mapping[Any, Any] = MappingProxyType({})) -> Any:
     """``src[i0, i1, ...]`` with integer tensor indices on its leading dims (advanced indexing)."""
     fact = facts.get(src)
     lead = 0
@@ -1069,12 +1144,14 @@ def _gather_fact(src: torch.fx.Node, items: list[Any], facts: Mapping[torch.fx.N
         return None
     at = inner.dim + nb - example_of(index).dim()
     if isinstance(fact, _ZeroPad):  # rows 0 .. n - 1 read in place: the padding rows stay the zero rows
-        same = inner.offset == 0 and size_expr(example_of(index).shape[inner.dim]) == size_expr(example_of(src).shape[fact.dim])
-        return _ZeroPad(at) if same else None
+        same = inner.offset == 0 and size_expr(example_of(index).shape[inner.dim]).xreplace(ties) == size_expr(
+            example_of(src).shape[fact.dim]).xreplace(ties)
+        return _ZeroPad(at, fact.source) if same else None
     return _Positions(at, fact.offset + inner.offset)
 
 
-def _getitem_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+def _getitem_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor,
+                  ties: Mapping[Any, Any] = MappingProxyType({})) -> Any:
     src = node.args[0]
     idx = node.args[1] if len(node.args) > 1 else None
     items = list(idx) if isinstance(idx, tuple) else [idx]
@@ -1082,7 +1159,7 @@ def _getitem_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: 
     if not isinstance(t, torch.Tensor) or not isinstance(src, torch.fx.Node):
         return None
     if any(isinstance(example_of(i), torch.Tensor) for i in items):
-        return _gather_fact(src, items, facts, out)
+        return _gather_fact(src, items, facts, out, ties)
     where = _view_map(items, t.dim())
     return _moved(facts.get(src), where) if where is not None else None
 
@@ -1099,31 +1176,145 @@ def _compare_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, 
         return None
     # true => j + fa.offset <= i + fb.offset (- 1 when strict) => j <= i when the slack is <= 0
     slack = fb.offset - fa.offset - (1 if strict else 0)
-    return _Causal(q=fb.dim, k=fa.dim) if slack <= 0 else None
+    # on the diagonal (j == i) it is true exactly when the slack is >= 0
+    if slack <= 0:
+        return _Causal(q=fb.dim, k=fa.dim, diag=frozenset() if slack == 0 else None)
+    return _Diag(fa.dim, fb.dim)
+
+
+def _diag_needs(fact: Any, pair: frozenset[int]) -> frozenset[str] | None:
+    """The inputs that must hold 1 for ``fact``'s tensor to be true on the diagonal of the dims ``pair``,
+    or None when that is not proven."""
+    if isinstance(fact, _AllTrue):
+        return frozenset()
+    if isinstance(fact, _Causal) and fact.diag is not None and {fact.q, fact.k} == pair:
+        return fact.diag
+    if isinstance(fact, _Diag) and {fact.a, fact.b} == pair:
+        return fact.needs
+    if isinstance(fact, _ZeroPad) and fact.source is not None and fact.dim in pair:
+        return frozenset({fact.source})  # holds the input's value at (.., i): true there when it is 1
+    return None
 
 
 def _and_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
-    """An AND only removes true entries: causal when any operand is."""
+    """An AND only removes true entries: causal when any operand is (zero at the padding when any operand
+    is); true on the diagonal when every operand is."""
     if out.dtype != torch.bool:
         return None
-    found = [_aligned(facts.get(a), a, out) for a in _iter_nodes(node.args)]
-    return next((f for f in found if isinstance(f, _Causal)), None) or next(
-        (f for f in found if isinstance(f, _ZeroPad)), None)
+    operands = list(_leaves(node.args))
+    found = [_aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else (_AllTrue() if a is True else None)
+             for a in operands]
+    causal = next((f for f in found if isinstance(f, _Causal)), None)
+    pairs = {frozenset({f.q, f.k}) if isinstance(f, _Causal) else frozenset({f.a, f.b})
+             for f in found if isinstance(f, (_Causal, _Diag))}
+    diag: frozenset[str] | None = None
+    if len(pairs) == 1:
+        needs = [_diag_needs(f, next(iter(pairs))) for f in found]
+        diag = frozenset().union(*needs) if all(n is not None for n in needs) else None
+    if causal is not None:
+        return _Causal(causal.q, causal.k, diag)
+    zero = next((f for f in found if isinstance(f, _ZeroPad)), None)
+    if zero is not None:
+        return _ZeroPad(zero.dim)
+    if diag is not None:
+        a, b = sorted(next(iter(pairs)))
+        return _Diag(a, b, diag)
+    return _AllTrue() if found and all(isinstance(f, _AllTrue) for f in found) else None
 
 
 def _reshape_fact(src: Any, fact: Any, out: torch.Tensor) -> Any:
-    """A reshape that only adds or drops dims of size 1 keeps the other dims in order."""
+    """A reshape that only adds or drops dims of size 1 keeps the other dims in order; one that keeps the
+    trailing dims from the fact's first dim on (merging or splitting only dims before them) keeps those."""
     t = example_of(src)
     if fact is None or not isinstance(t, torch.Tensor):
         return None
     kept_in = [d for d, s in enumerate(t.shape) if not (isinstance(s, int) and s == 1)]
     kept_out = [d for d, s in enumerate(out.shape) if not (isinstance(s, int) and s == 1)]
-    if [size_expr(t.shape[d]) for d in kept_in] != [size_expr(out.shape[d]) for d in kept_out]:
+    if [size_expr(t.shape[d]) for d in kept_in] == [size_expr(out.shape[d]) for d in kept_out]:
+        return _moved(fact, dict(zip(kept_in, kept_out)).get)
+    dims = [getattr(fact, f) for f in _FACT_DIMS.get(type(fact), ())]
+    if not dims:
         return None
-    return _moved(fact, dict(zip(kept_in, kept_out)).get)
+    tail = t.dim() - min(dims)  # the trailing dims the fact is about
+    if tail > out.dim() or [size_expr(s) for s in t.shape[t.dim() - tail:]] != [
+            size_expr(s) for s in out.shape[out.dim() - tail:]]:
+        return None
+    return _moved(fact, lambda d: d + out.dim() - t.dim())
 
 
-def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> Any:
+_NEG_MASK_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # float16 overflows a mask value plus a score to -inf
+_ALL_TRUE_FACTORIES = frozenset("new_ones ones ones_like".split())
+_SOFTMAXES = frozenset("softmax _softmax".split())
+
+
+def _huge_value(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and (v != v or abs(v) >= _HUGE)
+
+
+def _huge_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Nodes that may hold a fill value (a constant of magnitude >= 1e30, or not finite) or a sum with one: a
+    mask, not a score. A softmax ends it (its values lie in [0, 1])."""
+    huge: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or _op_name(node) in _SOFTMAXES:
+            continue
+        leaves = list(_leaves((node.args, node.kwargs)))
+        if any(_huge_value(v) or (isinstance(v, torch.fx.Node) and v in huge) for v in leaves):
+            huge.add(node)
+    return huge
+
+
+def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node],
+               out: torch.Tensor) -> Any:
+    """The additive-mask facts: ``where(causal, score, fill)`` and ``score + mask`` (a :class:`_NegMask`), a softmax
+    of one over its keys (a :class:`_ZeroAbove`)."""
+    if name == "where" and len(node.args) == 3 and out.dtype in _NEG_MASK_DTYPES:
+        cond, keep, fill = (_aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else None for a in node.args)
+        fill_value = node.args[2]
+        huge_fill = (isinstance(fill_value, (int, float)) and not isinstance(fill_value, bool)
+                     and fill_value <= -_HUGE) or (isinstance(fill_value, torch.fx.Node) and fill_value in huge
+                                                   and fill_value.op == "call_function" and _is_negative_constant(fill_value))
+        keep_ok = not (isinstance(node.args[1], torch.fx.Node) and node.args[1] in huge) and not _huge_value(node.args[1])
+        if isinstance(cond, _Causal) and cond.diag is not None and huge_fill and keep_ok:
+            return _NegMask(cond.q, cond.k, cond.diag)
+        return None
+    if name == "add" and len(node.args) == 2 and out.dtype in _NEG_MASK_DTYPES and "alpha" not in node.kwargs:
+        for m, x in (node.args, node.args[::-1]):
+            fact = _aligned(facts.get(m), m, out) if isinstance(m, torch.fx.Node) else None
+            if isinstance(fact, _NegMask) and isinstance(x, torch.fx.Node) and x not in huge \
+                    and isinstance(example_of(x), torch.Tensor) and example_of(x).dtype.is_floating_point:
+                return fact
+        return None
+    if name in _SOFTMAXES:
+        src = node.args[0]
+        fact = facts.get(src) if isinstance(src, torch.fx.Node) else None
+        dim = _static_int(_arg(node, 1, "dim", None))
+        if isinstance(fact, _NegMask) and dim is not None and _norm_dim(dim, out.dim()) == fact.k:
+            return _ZeroAbove(fact.q, fact.k, fact.needs)
+    return None
+
+
+def _is_negative_constant(node: torch.fx.Node) -> bool:
+    """``torch.tensor(v)`` / ``full(..., v)`` with a static ``v <= -1e30``: a fill value."""
+    values = [v for v in _leaves((node.args, node.kwargs)) if isinstance(v, float)]
+    return _op_name(node) in ("tensor", "full", "scalar_tensor") and bool(values) and all(v <= -_HUGE for v in values)
+
+
+def _keeps(fact: Any, out: torch.Tensor) -> bool:
+    """Whether a dtype conversion to ``out``'s dtype keeps ``fact``."""
+    if isinstance(fact, _Positions):
+        return _is_int_tensor(out)
+    if isinstance(fact, (_Causal, _Diag, _AllTrue)):
+        return out.dtype == torch.bool
+    if isinstance(fact, _NegMask):
+        return out.dtype in _NEG_MASK_DTYPES
+    if isinstance(fact, _ZeroAbove):
+        return out.dtype.is_floating_point
+    return True
+
+
+def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node] = frozenset(),
+             ties: Mapping[Any, Any] = MappingProxyType({})) -> Any:
     out = example_of(node)
     name = _op_name(node) if node.op in ("call_function", "call_method") else None
     if name is None or not isinstance(out, torch.Tensor):
@@ -1131,11 +1322,17 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> Any:
     if name == "arange":
         return _arange_fact(node, out)
     if name == "getitem":
-        return _getitem_fact(node, facts, out)
+        return _getitem_fact(node, facts, out, ties)
     if name in _COMPARES:
         return _compare_fact(node, name, facts, out)
     if name in _ANDS:
         return _and_fact(node, facts, out)
+    if name in _ALL_TRUE_FACTORIES and out.dtype == torch.bool:
+        return _AllTrue()
+    if name in ("where", "add") or name in _SOFTMAXES:
+        found = _mask_fact(node, name, facts, huge, out)
+        if found is not None or name != "add":
+            return found
     src = node.args[0] if node.args else None
     fact = facts.get(src) if isinstance(src, torch.fx.Node) else None
     if fact is None:
@@ -1143,10 +1340,8 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> Any:
     if name in ("add", "sub") and isinstance(fact, _Positions) and _is_int_tensor(out):
         c = _static_int(node.args[1]) if len(node.args) > 1 else None
         return None if c is None else _aligned(_Positions(fact.dim, fact.offset + (c if name == "add" else -c)), src, out)
-    if name in _KEEPS:
-        keeps = _is_int_tensor(out) if isinstance(fact, _Positions) else (
-            out.dtype == torch.bool if isinstance(fact, _Causal) else True)
-        return _aligned(fact, src, out) if keeps and example_of(src).dim() == out.dim() else None
+    if name in _KEEPS or (name == "dropout" and isinstance(fact, _ZeroAbove)):  # dropout keeps zeros zero
+        return _aligned(fact, src, out) if _keeps(fact, out) and example_of(src).dim() == out.dim() else None
     if name in ("expand", "expand_as", "broadcast_to"):
         return _aligned(fact, src, out)
     if name == "unsqueeze":
@@ -1157,15 +1352,18 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> Any:
     return None
 
 
-def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None
-                     ) -> dict[torch.fx.Node, Any]:
+def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None,
+                     ties: Mapping[Any, Any] | None = None) -> dict[torch.fx.Node, Any]:
     """The position and causal-mask facts of ``gm``'s nodes (see the section comment above).
-    ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim."""
-    facts: dict[torch.fx.Node, Any] = {n: _ZeroPad(d) for n, d in (zero_padded or {}).items()}
+    ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim; ``ties``: size symbols padded
+    together (symbol -> the one it equals on every call)."""
+    ties = MappingProxyType(dict(ties or {}))
+    facts: dict[torch.fx.Node, Any] = {n: _ZeroPad(d, n.name) for n, d in (zero_padded or {}).items()}
+    huge = _huge_nodes(gm)
     for node in gm.graph.nodes:
         if node in facts:
             continue
-        fact = _fact_of(node, facts)
+        fact = _fact_of(node, facts, huge, ties)
         if fact is not None:
             facts[node] = fact
     return facts
@@ -1209,6 +1407,7 @@ def _zero_padded(gm: torch.fx.GraphModule, names: set[str], symbols: frozenset[s
 def check_padding_safety(
     gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True,
     ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
+    relied_on: set[str] | None = None,
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -1222,10 +1421,13 @@ def check_padding_safety(
     such an input, read in place, is False at every padding key).
     ``ties``: symbols padded together with another one (symbol -> the one it equals on every call,
     which the caller checks), for the size comparisons of the index-provenance proofs.
+    ``relied_on``: when given, filled with the ``zero_padded`` inputs that an accepted additive-mask proof needs
+    to hold 1 at every real position (no real query row fully masked); the caller checks that on every call.
 
     Returns the violations in graph order; an empty list means padding is safe.
     """
-    ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=MappingProxyType(index_provenance(gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)))),
+    ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=MappingProxyType(index_provenance(
+        gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)), ties)),
                ties=MappingProxyType(dict(ties or {})))
     out: list[PaddingViolation] = []
     for node in gm.graph.nodes:
@@ -1234,4 +1436,6 @@ def check_padding_safety(
             continue
         dim, reason = found
         out.append(PaddingViolation(node=node.name, op=_label(node), dim=dim, reason=reason, source=_source(node)))
+    if relied_on is not None:
+        relied_on.update(ctx.relied_on)
     return out
