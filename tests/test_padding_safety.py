@@ -575,8 +575,12 @@ class EagerMaskedAttention(nn.Module):
         b, n, _ = x.shape
         h = x.view(b, n, 2, H // 2).transpose(1, 2)
         fill = -1.0 if self.variant == "small_fill" else torch.finfo(x.dtype).min
-        mask = torch.where(self.bool_mask(b, n, attention_mask), torch.zeros((), dtype=x.dtype), fill)
+        allowed = self.bool_mask(b, n, attention_mask)
+        mask = torch.where(allowed, torch.zeros((), dtype=x.dtype), fill)
         scores = h @ h.transpose(2, 3) * 0.25
+        if self.variant in ("masked_fill", "mpt", "masked_fill_allowed"):  # masked_fill takes the masked entries
+            masked = {"masked_fill": ~allowed, "mpt": mask.to(torch.bool), "masked_fill_allowed": allowed}[self.variant]
+            scores, mask = scores.masked_fill(masked, torch.finfo(x.dtype).min), torch.zeros((), dtype=x.dtype)
         if self.variant == "softcap":
             scores = torch.tanh(scores / 5.0) * 5.0
         if self.variant == "masked_scores":  # a fill value already in the scores: a row may be all fill values
@@ -602,7 +606,7 @@ def _eager_mask_check(variant, pad_value=0):
     return got, relied, zero
 
 
-@pytest.mark.parametrize("variant", ["causal", "window", "softcap"])
+@pytest.mark.parametrize("variant", ["causal", "window", "softcap", "masked_fill", "mpt"])
 def test_softmax_of_scores_plus_an_additive_causal_mask_is_safe_when_the_mask_is_all_ones(variant):
     got, relied, zero = _eager_mask_check(variant)
     assert got == []
@@ -615,6 +619,7 @@ def test_softmax_of_scores_plus_an_additive_causal_mask_is_safe_when_the_mask_is
     ("small_fill", 0),  # -1 does not vanish from a softmax
     ("masked_scores", 0),  # the scores may already hold fill values on the diagonal
     ("causal", 1),  # the attention mask padded with 1: the padding keys are not masked
+    ("masked_fill_allowed", 0),  # masked_fill of the allowed entries: every row sees the later keys only
 ])
 def test_an_additive_mask_not_proven_causal_with_a_key_per_row_is_refused(variant, pad_value):
     got, _, _ = _eager_mask_check(variant, pad_value)

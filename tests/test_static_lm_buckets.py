@@ -32,10 +32,12 @@ BUCKETS = [16, 32, 64]
 LENGTHS = [2, 5, 9, 16, 17, 23, 31, 33, 40, 47, 58, 63]  # 12 lengths over all three buckets
 # dense families with both ways of calling, and a mixture of experts (transformers' grouped-GEMM experts,
 # checked as a row-wise function), eager attention with transformers' additive mask (gemma2: softcapped scores,
-# sliding-window layers; bloom: ALiBi scores through baddbmm and bmm); bench/conformance.py's static column covers
+# sliding-window layers; bloom: ALiBi scores through baddbmm and bmm; mpt: masked_fill with the mask
+# converted to bool); bench/conformance.py's static column covers
 # every causal-LM architecture
 CASES = [("llama", "attention_mask"), ("gpt2", "no_cache"), ("qwen3", "attention_mask"), ("olmo2", "no_cache"),
-         ("mixtral", "attention_mask"), ("gemma2", "attention_mask"), ("bloom", "attention_mask")]
+         ("mixtral", "attention_mask"), ("gemma2", "attention_mask"), ("bloom", "attention_mask"),
+         ("mpt", "attention_mask")]
 CALLS = {
     "attention_mask": lambda ids: {"attention_mask": torch.ones_like(ids)},
     "no_cache": lambda ids: {"use_cache": False},

@@ -1036,6 +1036,16 @@ class _NegMask:
     q: int
     k: int
     needs: frozenset[str] = frozenset()
+    pure: bool = False  # the mask alone (where(mask, 0, fill)): exactly 0 on the diagonal, given needs
+
+
+@dataclass(frozen=True)
+class _MaskedAbove:
+    """A boolean tensor true at every key ``j > i`` along ``k`` of every real row ``i`` along ``q`` and false on
+    the diagonal when the ``needs`` inputs hold 1: the negation of a :class:`_Causal` mask, as ``masked_fill`` takes it."""
+    q: int
+    k: int
+    needs: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -1050,15 +1060,15 @@ class _ZeroAbove:
 #: Each fact's dim fields, renumbered by :func:`_moved`.
 _FACT_DIMS: Mapping[type, tuple[str, ...]] = MappingProxyType({
     _Positions: ("dim",), _Causal: ("q", "k"), _Diag: ("a", "b"), _AllTrue: (), _ZeroPad: ("dim",),
-    _NegMask: ("q", "k"), _ZeroAbove: ("q", "k")})
+    _NegMask: ("q", "k"), _MaskedAbove: ("q", "k"), _ZeroAbove: ("q", "k")})
 #: Facts about two different dims (they must stay different).
-_PAIR_FACTS = (_Causal, _Diag, _NegMask, _ZeroAbove)
+_PAIR_FACTS = (_Causal, _Diag, _NegMask, _MaskedAbove, _ZeroAbove)
 #: A fill value this negative (or -inf) vanishes from a softmax next to any finite score, in fp32 and bf16.
 _HUGE = 1e30
 
 
 #: Ops that keep every value and dim (dtype and device conversions, copies).
-_KEEPS = frozenset("to type long int bool clone contiguous detach alias lift_fresh _to_copy".split())
+_KEEPS = frozenset("to type long int bool float double bfloat16 half clone contiguous detach alias lift_fresh _to_copy".split())
 #: Comparisons as (flip operands, strict): a < b, a <= b, a > b == b < a, a >= b == b <= a.
 _COMPARES = MappingProxyType({"le": (False, False), "lt": (False, True), "ge": (True, False), "gt": (True, True),
                               "less_equal": (False, False), "less": (False, True), "greater_equal": (True, False),
@@ -1244,6 +1254,15 @@ def _reshape_fact(src: Any, fact: Any, out: torch.Tensor) -> Any:
 
 _NEG_MASK_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # float16 overflows a mask value plus a score to -inf
 _ALL_TRUE_FACTORIES = frozenset("new_ones ones ones_like".split())
+_NOTS = frozenset("logical_not bitwise_not invert not_".split())
+
+
+def _is_zero(value: Any) -> bool:
+    """A constant 0: a Python 0 or a ``zeros`` / ``zeros_like`` / ``new_zeros`` node."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    return isinstance(value, torch.fx.Node) and value.op in ("call_function", "call_method") \
+        and _op_name(value) in ("zeros", "zeros_like", "new_zeros")
 _SOFTMAXES = frozenset("softmax _softmax".split())
 
 
@@ -1276,7 +1295,14 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
                                                    and fill_value.op == "call_function" and _is_negative_constant(fill_value))
         keep_ok = not (isinstance(node.args[1], torch.fx.Node) and node.args[1] in huge) and not _huge_value(node.args[1])
         if isinstance(cond, _Causal) and cond.diag is not None and huge_fill and keep_ok:
-            return _NegMask(cond.q, cond.k, cond.diag)
+            return _NegMask(cond.q, cond.k, cond.diag, pure=_is_zero(node.args[1]))
+        return None
+    if name == "masked_fill" and len(node.args) == 3 and out.dtype in _NEG_MASK_DTYPES:
+        x, cond, fill = node.args
+        fact = _aligned(facts.get(cond), cond, out) if isinstance(cond, torch.fx.Node) else None
+        x_ok = isinstance(x, torch.fx.Node) and x not in huge
+        if isinstance(fact, _MaskedAbove) and x_ok and isinstance(fill, (int, float)) and fill <= -_HUGE:
+            return _NegMask(fact.q, fact.k, fact.needs)
         return None
     if name == "add" and len(node.args) == 2 and out.dtype in _NEG_MASK_DTYPES and "alpha" not in node.kwargs:
         for m, x in (node.args, node.args[::-1]):
@@ -1304,7 +1330,7 @@ def _keeps(fact: Any, out: torch.Tensor) -> bool:
     """Whether a dtype conversion to ``out``'s dtype keeps ``fact``."""
     if isinstance(fact, _Positions):
         return _is_int_tensor(out)
-    if isinstance(fact, (_Causal, _Diag, _AllTrue)):
+    if isinstance(fact, (_Causal, _Diag, _AllTrue, _MaskedAbove)):
         return out.dtype == torch.bool
     if isinstance(fact, _NegMask):
         return out.dtype in _NEG_MASK_DTYPES
@@ -1329,7 +1355,7 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
         return _and_fact(node, facts, out)
     if name in _ALL_TRUE_FACTORIES and out.dtype == torch.bool:
         return _AllTrue()
-    if name in ("where", "add") or name in _SOFTMAXES:
+    if name in ("where", "add", "masked_fill") or name in _SOFTMAXES:
         found = _mask_fact(node, name, facts, huge, out)
         if found is not None or name != "add":
             return found
@@ -1340,6 +1366,10 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
     if name in ("add", "sub") and isinstance(fact, _Positions) and _is_int_tensor(out):
         c = _static_int(node.args[1]) if len(node.args) > 1 else None
         return None if c is None else _aligned(_Positions(fact.dim, fact.offset + (c if name == "add" else -c)), src, out)
+    if isinstance(fact, _Causal) and fact.diag is not None and name in _NOTS:
+        return _MaskedAbove(fact.q, fact.k, fact.diag)
+    if isinstance(fact, _NegMask) and fact.pure and out.dtype == torch.bool and name in _KEEPS:
+        return _aligned(_MaskedAbove(fact.q, fact.k, fact.needs), src, out)  # nonzero: the fill values
     if name in _KEEPS or (name == "dropout" and isinstance(fact, _ZeroAbove)):  # dropout keeps zeros zero
         return _aligned(fact, src, out) if _keeps(fact, out) and example_of(src).dim() == out.dim() else None
     if name in ("expand", "expand_as", "broadcast_to"):
