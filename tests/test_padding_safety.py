@@ -567,7 +567,8 @@ class EagerMaskedAttention(nn.Module):
         q = torch.arange(n)[None, None, :, None]
         kv = torch.arange(n)[None, None, None, :]
         v = self.variant
-        rule = {"strict": kv < q, "anti": q <= kv, "window": (kv <= q) & (kv > q - 3)}.get(v, kv <= q)
+        rule = {"strict": kv < q, "anti": q <= kv, "window": (kv <= q) & (kv > q - 3),
+                "bidirectional": q >= 0, "bidirectional_shifted": q >= 1}.get(v, kv <= q)
         pad = attention_mask.to(torch.bool)[torch.arange(b)[:, None, None, None], kv]
         return torch.ones((), dtype=torch.bool) & rule & pad
 
@@ -606,7 +607,7 @@ def _eager_mask_check(variant, pad_value=0):
     return got, relied, zero
 
 
-@pytest.mark.parametrize("variant", ["causal", "window", "softcap", "masked_fill", "mpt"])
+@pytest.mark.parametrize("variant", ["causal", "window", "softcap", "masked_fill", "mpt", "bidirectional"])
 def test_softmax_of_scores_plus_an_additive_causal_mask_is_safe_when_the_mask_is_all_ones(variant):
     got, relied, zero = _eager_mask_check(variant)
     assert got == []
@@ -620,6 +621,8 @@ def test_softmax_of_scores_plus_an_additive_causal_mask_is_safe_when_the_mask_is
     ("masked_scores", 0),  # the scores may already hold fill values on the diagonal
     ("causal", 1),  # the attention mask padded with 1: the padding keys are not masked
     ("masked_fill_allowed", 0),  # masked_fill of the allowed entries: every row sees the later keys only
+    ("bidirectional", 1),  # a bidirectional mask whose padding keys are not masked
+    ("bidirectional_shifted", 0),  # q >= 1: row 0 sees no key
 ])
 def test_an_additive_mask_not_proven_causal_with_a_key_per_row_is_refused(variant, pad_value):
     got, _, _ = _eager_mask_check(variant, pad_value)

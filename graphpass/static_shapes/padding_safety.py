@@ -518,6 +518,9 @@ def _masked_softmax(node: torch.fx.Node, name: str, d: int, ctx: _Ctx) -> bool:
     x = _arg(node, 0, "input")
     fact = ctx.facts.get(x) if isinstance(x, torch.fx.Node) else None
     t = example_of(x)
+    if isinstance(fact, _NegKeys) and name in _SOFTMAXES and fact.k == d:
+        ctx.relied_on.update(fact.needs)
+        return True  # every row's padding keys get exactly 0 (no causality needed)
     if not (ctx.causal_ok and name in _SOFTMAXES and isinstance(fact, _NegMask) and fact.k == d
             and ctx.same_size(t.shape[fact.q], t.shape[fact.k])):
         return False
@@ -531,6 +534,10 @@ def _causal_product(node: torch.fx.Node, name: str, ctx: _Ctx) -> bool:
     a, b = _arg(node, 0, "input"), _arg(node, 1, "other" if name == "matmul" else "mat2", None)
     fact = ctx.facts.get(a) if isinstance(a, torch.fx.Node) else None
     ta, tb = example_of(a), example_of(b)
+    if isinstance(fact, _ZeroKeys) and name in ("matmul", "bmm") and isinstance(tb, torch.Tensor) and tb.dim() >= 2 \
+            and fact.k == ta.dim() - 1:
+        ctx.relied_on.update(fact.needs)
+        return True  # the padding value rows are multiplied by exact zeros
     if not (ctx.causal_ok and name in ("matmul", "bmm") and isinstance(fact, _ZeroAbove) and isinstance(tb, torch.Tensor)
             and tb.dim() >= 2 and (fact.q, fact.k) == (ta.dim() - 2, ta.dim() - 1)
             and ctx.same_size(ta.shape[-2], ta.shape[-1])):
@@ -1049,6 +1056,29 @@ class _MaskedAbove:
 
 
 @dataclass(frozen=True)
+class _KeysOnly:
+    """A boolean tensor false at every padding row along ``dim`` (the keys) and true at every real one when the
+    ``needs`` inputs hold 1: a bidirectional mask of a zero-padded attention mask."""
+    dim: int
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class _NegKeys:
+    """A float tensor holding a value ``<= -1e30`` at every padding key along ``k`` and a finite score at every
+    real key when the ``needs`` inputs hold 1 (scores plus the additive form of a :class:`_KeysOnly`)."""
+    k: int
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class _ZeroKeys:
+    """A float tensor exactly 0 at every padding key along ``k`` (a softmax over ``k`` of a :class:`_NegKeys`)."""
+    k: int
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class _ZeroAbove:
     """A float tensor exactly 0 at every key ``j > i`` along ``k`` of every real row ``i`` along ``q`` (a softmax
     of a :class:`_NegMask`): a product contracting ``k`` reads no row after ``i``."""
@@ -1060,7 +1090,8 @@ class _ZeroAbove:
 #: Each fact's dim fields, renumbered by :func:`_moved`.
 _FACT_DIMS: Mapping[type, tuple[str, ...]] = MappingProxyType({
     _Positions: ("dim",), _Causal: ("q", "k"), _Diag: ("a", "b"), _AllTrue: (), _ZeroPad: ("dim",),
-    _NegMask: ("q", "k"), _MaskedAbove: ("q", "k"), _ZeroAbove: ("q", "k")})
+    _NegMask: ("q", "k"), _MaskedAbove: ("q", "k"), _ZeroAbove: ("q", "k"), _KeysOnly: ("dim",), _NegKeys: ("k",),
+    _ZeroKeys: ("k",)})
 #: Facts about two different dims (they must stay different).
 _PAIR_FACTS = (_Causal, _Diag, _NegMask, _MaskedAbove, _ZeroAbove)
 #: A fill value this negative (or -inf) vanishes from a softmax next to any finite score, in fp32 and bf16.
@@ -1182,6 +1213,8 @@ def _compare_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, 
         a, b = b, a
     fa = _aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else None
     fb = _aligned(facts.get(b), b, out) if isinstance(b, torch.fx.Node) else None
+    if isinstance(fb, _Positions) and _static_int(a) is not None:  # c <= i + offset for every i >= 0
+        return _AllTrue() if _static_int(a) <= fb.offset - (1 if strict else 0) else None
     if not (isinstance(fa, _Positions) and isinstance(fb, _Positions)) or fa.dim == fb.dim:
         return None
     # true => j + fa.offset <= i + fb.offset (- 1 when strict) => j <= i when the slack is <= 0
@@ -1206,6 +1239,18 @@ def _diag_needs(fact: Any, pair: frozenset[int]) -> frozenset[str] | None:
     return None
 
 
+def _keys_only(found: list[Any], dim: int) -> Any:
+    """The AND of all-true tensors and zero-padded inputs read in place along ``dim`` (transformers' bidirectional
+    mask): false at every padding key, true at every real one when those inputs hold 1."""
+    needs: set[str] = set()
+    for f in found:
+        if isinstance(f, (_ZeroPad, _KeysOnly)) and f.dim == dim and getattr(f, "source", "") is not None:
+            needs |= {f.source} if isinstance(f, _ZeroPad) else f.needs
+        elif not isinstance(f, _AllTrue):
+            return None
+    return _KeysOnly(dim, frozenset(needs))
+
+
 def _and_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
     """An AND only removes true entries: causal when any operand is (zero at the padding when any operand
     is); true on the diagonal when every operand is."""
@@ -1223,9 +1268,9 @@ def _and_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torc
         diag = frozenset().union(*needs) if all(n is not None for n in needs) else None
     if causal is not None:
         return _Causal(causal.q, causal.k, diag)
-    zero = next((f for f in found if isinstance(f, _ZeroPad)), None)
+    zero = next((f for f in found if isinstance(f, (_ZeroPad, _KeysOnly))), None)
     if zero is not None:
-        return _ZeroPad(zero.dim)
+        return _keys_only(found, zero.dim) or _ZeroPad(zero.dim)
     if diag is not None:
         a, b = sorted(next(iter(pairs)))
         return _Diag(a, b, diag)
@@ -1296,6 +1341,8 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
         keep_ok = not (isinstance(node.args[1], torch.fx.Node) and node.args[1] in huge) and not _huge_value(node.args[1])
         if isinstance(cond, _Causal) and cond.diag is not None and huge_fill and keep_ok:
             return _NegMask(cond.q, cond.k, cond.diag, pure=_is_zero(node.args[1]))
+        if isinstance(cond, _KeysOnly) and huge_fill and keep_ok:
+            return _NegKeys(cond.dim, cond.needs)
         return None
     if name == "masked_fill" and len(node.args) == 3 and out.dtype in _NEG_MASK_DTYPES:
         x, cond, fill = node.args
@@ -1307,7 +1354,7 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
     if name == "add" and len(node.args) == 2 and out.dtype in _NEG_MASK_DTYPES and "alpha" not in node.kwargs:
         for m, x in (node.args, node.args[::-1]):
             fact = _aligned(facts.get(m), m, out) if isinstance(m, torch.fx.Node) else None
-            if isinstance(fact, _NegMask) and isinstance(x, torch.fx.Node) and x not in huge \
+            if isinstance(fact, (_NegMask, _NegKeys)) and isinstance(x, torch.fx.Node) and x not in huge \
                     and isinstance(example_of(x), torch.Tensor) and example_of(x).dtype.is_floating_point:
                 return fact
         return None
@@ -1317,6 +1364,8 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
         dim = _static_int(_arg(node, 1, "dim", None))
         if isinstance(fact, _NegMask) and dim is not None and _norm_dim(dim, out.dim()) == fact.k:
             return _ZeroAbove(fact.q, fact.k, fact.needs)
+        if isinstance(fact, _NegKeys) and dim is not None and _norm_dim(dim, out.dim()) == fact.k:
+            return _ZeroKeys(fact.k, fact.needs)
     return None
 
 
@@ -1330,11 +1379,11 @@ def _keeps(fact: Any, out: torch.Tensor) -> bool:
     """Whether a dtype conversion to ``out``'s dtype keeps ``fact``."""
     if isinstance(fact, _Positions):
         return _is_int_tensor(out)
-    if isinstance(fact, (_Causal, _Diag, _AllTrue, _MaskedAbove)):
+    if isinstance(fact, (_Causal, _Diag, _AllTrue, _MaskedAbove, _KeysOnly)):
         return out.dtype == torch.bool
-    if isinstance(fact, _NegMask):
+    if isinstance(fact, (_NegMask, _NegKeys)):
         return out.dtype in _NEG_MASK_DTYPES
-    if isinstance(fact, _ZeroAbove):
+    if isinstance(fact, (_ZeroAbove, _ZeroKeys)):
         return out.dtype.is_floating_point
     return True
 
@@ -1370,7 +1419,7 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
         return _MaskedAbove(fact.q, fact.k, fact.diag)
     if isinstance(fact, _NegMask) and fact.pure and out.dtype == torch.bool and name in _KEEPS:
         return _aligned(_MaskedAbove(fact.q, fact.k, fact.needs), src, out)  # nonzero: the fill values
-    if name in _KEEPS or (name == "dropout" and isinstance(fact, _ZeroAbove)):  # dropout keeps zeros zero
+    if name in _KEEPS or (name == "dropout" and isinstance(fact, (_ZeroAbove, _ZeroKeys))):  # dropout keeps zeros zero
         return _aligned(fact, src, out) if _keeps(fact, out) and example_of(src).dim() == out.dim() else None
     if name in ("expand", "expand_as", "broadcast_to"):
         return _aligned(fact, src, out)
@@ -1411,7 +1460,7 @@ def _pad_keys_masked(mask: Any, ctx: _Ctx) -> bool:
     """A boolean attention mask that is False at every padding key (dim -1): no query reads them."""
     fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
     t = example_of(mask)
-    return isinstance(fact, _ZeroPad) and isinstance(t, torch.Tensor) and t.dtype == torch.bool \
+    return isinstance(fact, (_ZeroPad, _KeysOnly)) and isinstance(t, torch.Tensor) and t.dtype == torch.bool \
         and fact.dim == t.dim() - 1
 
 
