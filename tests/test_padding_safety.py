@@ -650,3 +650,22 @@ def test_additive_mask_buckets_exactly_and_a_mask_with_zeros_runs_unpadded(stric
         with pytest.warns(UserWarning, match="is not 1 everywhere in this call"):
             got = compiled(x, am)
         torch.testing.assert_close(got, model(x, am), rtol=1e-5, atol=1e-6)
+
+
+def _unused_max(x):
+    seq_len = torch.max(x) + 1  # phimoe's rotary embedding: computed, then unused with the default rope type
+    return x * 2
+
+
+def _max_written_into_a_scratch(x):
+    scratch = x.clone()
+    scratch[:, 0] = scratch.amax(1)  # a write: its ancestors count, although scratch reaches no output
+    return x * 2
+
+
+def test_dead_code_over_the_padded_dim_is_not_a_violation_but_a_write_still_is():
+    assert check(_unused_max, x3()) == []
+    got = check(lambda x: x * (torch.max(x) + 1), x3())
+    assert [v.reason for v in got] == ["max over every dim includes the padded dim 1 and mixes rows"]
+    got = check(_max_written_into_a_scratch, x3())
+    assert any(v.reason == "amax along the padded dim mixes rows" for v in got), got

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import sympy
 import torch
 
-from ..fx_utils import example_of, mentions_symbol, ran_inside, size_expr, source_frame, tensors_of
+from ..fx_utils import example_of, flat_nodes, mentions_symbol, ran_inside, size_expr, source_frame, tensors_of, writes_into
 
 if TYPE_CHECKING:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -1483,6 +1483,22 @@ def _zero_padded(gm: torch.fx.GraphModule, names: set[str], symbols: frozenset[s
     return out
 
 
+def _live_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes whose values can reach an output: ancestors of the output, of every node that writes into one
+    of its arguments, of graphpass's ops and of module calls. Others (a ``max(position_ids)`` whose result the
+    model's code never uses) are dead: whatever they compute over the padding reaches no result."""
+    roots = [n for n in gm.graph.nodes if n.op in ("output", "call_module") or (
+        n.op in ("call_function", "call_method") and (_namespace(n.target) in _SAFE_NAMESPACES or any(
+            writes_into(n, a) for a in flat_nodes((n.args, n.kwargs)))))]
+    live: set[torch.fx.Node] = set()
+    while roots:
+        n = roots.pop()
+        if n not in live:
+            live.add(n)
+            roots.extend(n.all_input_nodes)
+    return live
+
+
 def check_padding_safety(
     gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True,
     ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
@@ -1503,14 +1519,17 @@ def check_padding_safety(
     ``relied_on``: when given, filled with the ``zero_padded`` inputs that an accepted additive-mask proof needs
     to hold 1 at every real position (no real query row fully masked); the caller checks that on every call.
 
+    Nodes whose values reach no output (dead code the model computes and never uses) are not checked.
+
     Returns the violations in graph order; an empty list means padding is safe.
     """
     ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=MappingProxyType(index_provenance(
         gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)), ties)),
                ties=MappingProxyType(dict(ties or {})))
     out: list[PaddingViolation] = []
+    live = _live_nodes(gm)
     for node in gm.graph.nodes:
-        found = _check_node(node, ctx)
+        found = _check_node(node, ctx) if node in live else None
         if found is None:
             continue
         dim, reason = found
