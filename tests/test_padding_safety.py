@@ -669,3 +669,62 @@ def test_dead_code_over_the_padded_dim_is_not_a_violation_but_a_write_still_is()
     assert [v.reason for v in got] == ["max over every dim includes the padded dim 1 and mixes rows"]
     got = check(_max_written_into_a_scratch, x3())
     assert any(v.reason == "amax along the padded dim mixes rows" for v in got), got
+
+
+class SinkAttention(nn.Module):
+    """gpt-oss's eager attention: a per-head sink logit appended after the keys, the row max subtracted, a softmax,
+    the sink column dropped again, the product with the values. Unsafe variants change one step."""
+
+    def __init__(self, variant: str = "sink") -> None:
+        super().__init__()
+        self.variant = variant
+        self.sinks = nn.Parameter(torch.randn(2))
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        h = x.view(b, n, 2, H // 2).transpose(1, 2)
+        allowed = EagerMaskedAttention().bool_mask(b, n, attention_mask)
+        scores = h @ h.transpose(2, 3) * 0.25 + torch.where(allowed, torch.zeros((), dtype=x.dtype), torch.finfo(x.dtype).min)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, n, -1)
+        pieces = [sinks, scores] if self.variant == "sink_first" else [scores, sinks]
+        logits = torch.cat(pieces, dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)
+        kept = {"sink": probs[..., :-1], "sink_first": probs[..., 1:], "keep_sink": probs[..., :n]}[
+            "sink" if self.variant == "sink_returned" else self.variant]
+        out = (kept @ h).transpose(1, 2).reshape(b, n, H)
+        return (out, logits) if self.variant == "sink_returned" else out
+
+
+def _sink_check(variant):
+    from graphpass.static_shapes.padding_safety import check_padding_safety
+
+    graphs = []
+    f = torch.compile(SinkAttention(variant), backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
+    with torch.no_grad():
+        f(torch.randn(B, L, H), torch.ones(B, L, dtype=torch.long))
+    gm = graphs[0]
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]
+    syms = {n.meta["example_value"].shape[1].node.expr for n in gm.graph.nodes
+            if n.name in names and n.meta["example_value"].dim() > 1}
+    zero = [n for n in names if "attention_mask" in n]
+    relied: set[str] = set()
+    got = check_padding_safety(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms}, relied_on=relied)
+    return got, relied, zero
+
+
+def test_attention_sinks_appended_after_the_masked_keys_and_dropped_again_are_safe():
+    got, relied, zero = _sink_check("sink")
+    assert got == []
+    assert relied == set(zero)
+
+
+@pytest.mark.parametrize("variant", [
+    "sink_first",  # the sink before the keys: the slice [..., 1:] is not the key dim's prefix
+    "keep_sink",  # [..., :n] keeps the first padding key (or the sink) instead of dropping the sink
+    "sink_returned",  # the logits with the sink column after the padding are an output: sliced back wrongly
+])
+def test_attention_sinks_anywhere_else_are_refused(variant):
+    got, _, _ = _sink_check(variant)
+    assert got, variant
+    assert any(v.op == "torch.cat" for v in got) or any("matmul" in v.op for v in got), got

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
+import operator
+
 import sympy
 import torch
 
@@ -518,11 +520,14 @@ def _masked_softmax(node: torch.fx.Node, name: str, d: int, ctx: _Ctx) -> bool:
     x = _arg(node, 0, "input")
     fact = ctx.facts.get(x) if isinstance(x, torch.fx.Node) else None
     t = example_of(x)
+    if isinstance(fact, _NegMask) and name in ("max", "amax") and fact.k == d and ctx.causal_ok:
+        ctx.relied_on.update(fact.needs)
+        return True  # a real row's max is a finite score (its diagonal): the fill values never win
     if isinstance(fact, _NegKeys) and name in _SOFTMAXES and fact.k == d:
         ctx.relied_on.update(fact.needs)
         return True  # every row's padding keys get exactly 0 (no causality needed)
     if not (ctx.causal_ok and name in _SOFTMAXES and isinstance(fact, _NegMask) and fact.k == d
-            and ctx.same_size(t.shape[fact.q], t.shape[fact.k])):
+            and ctx.same_size(t.shape[fact.q], size_expr(t.shape[fact.k]) - fact.tail)):
         return False
     ctx.relied_on.update(fact.needs)
     return True
@@ -538,7 +543,8 @@ def _causal_product(node: torch.fx.Node, name: str, ctx: _Ctx) -> bool:
             and fact.k == ta.dim() - 1:
         ctx.relied_on.update(fact.needs)
         return True  # the padding value rows are multiplied by exact zeros
-    if not (ctx.causal_ok and name in ("matmul", "bmm") and isinstance(fact, _ZeroAbove) and isinstance(tb, torch.Tensor)
+    if not (ctx.causal_ok and name in ("matmul", "bmm") and isinstance(fact, _ZeroAbove) and fact.tail == 0
+            and isinstance(tb, torch.Tensor)
             and tb.dim() >= 2 and (fact.q, fact.k) == (ta.dim() - 2, ta.dim() - 1)
             and ctx.same_size(ta.shape[-2], ta.shape[-1])):
         return False
@@ -752,7 +758,34 @@ def _bad_index(item: Any, ctx: _Ctx, size: Any = None) -> str | None:
     return _bad_start(item, ctx)
 
 
+def _tail_closed(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> bool:
+    """Every use of the sink columns ``node`` appends after the padded keys is a fact-carrying step (the row max,
+    the subtraction of it, the softmax) until a slice drops them: no other op sees the padding in the middle."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            f = facts.get(u)
+            if isinstance(f, (_NegMask, _ZeroAbove)):
+                if f.tail > 0:
+                    todo.append(u)
+                continue  # tail 0: the slice that dropped the sink columns
+            if _op_name(u) in ("max", "amax") and all(
+                    all(isinstance(facts.get(w), _NegMask) and facts[w].tail > 0 for w in g.users)
+                    for g in (list(u.users) if _op_name(u) == "max" else [u])):
+                continue  # the row max, subtracted from the same rows
+            return False
+    return True
+
+
 def _check_cat(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    fact = ctx.facts.get(node)
+    if isinstance(fact, _NegMask) and fact.tail > 0 and ctx.causal_ok and _tail_closed(node, ctx.facts):
+        ctx.relied_on.update(fact.needs)
+        return None  # sink columns after the masked keys, dropped again after the softmax
     pieces = _arg(node, 0, "tensors", ())
     if not isinstance(pieces, (list, tuple)):
         return None, f"{name} of an unreadable list: cannot prove row independence"
@@ -1044,6 +1077,7 @@ class _NegMask:
     k: int
     needs: frozenset[str] = frozenset()
     pure: bool = False  # the mask alone (where(mask, 0, fill)): exactly 0 on the diagonal, given needs
+    tail: int = 0  # static columns of finite values (attention sinks) appended after the keys along k
 
 
 @dataclass(frozen=True)
@@ -1085,6 +1119,7 @@ class _ZeroAbove:
     q: int
     k: int
     needs: frozenset[str] = frozenset()
+    tail: int = 0  # as _NegMask.tail: dropped by a slice [..., :-tail] before any product
 
 
 #: Each fact's dim fields, renumbered by :func:`_moved`.
@@ -1202,7 +1237,33 @@ def _getitem_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: 
     if any(isinstance(example_of(i), torch.Tensor) for i in items):
         return _gather_fact(src, items, facts, out, ties)
     where = _view_map(items, t.dim())
-    return _moved(facts.get(src), where) if where is not None else None
+    fact = facts.get(src)
+    if getattr(fact, "tail", 0) > 0:
+        return _drop_tail(fact, items, t.dim(), where)
+    return _moved(fact, where) if where is not None else None
+
+
+def _drop_tail(fact: Any, items: list[Any], ndim: int, where: Callable[[int], int | None] | None) -> Any:
+    """A subscript of a tensor with sink columns after its keys: ``[..., :-tail]`` drops them (tail 0), a full
+    slice keeps them; any other subscript of the key dim loses the fact."""
+    if where is None or sum(1 for i in items if i is Ellipsis) > 1:
+        return None
+    used = sum(0 if i is None or i is Ellipsis else 1 for i in items)
+    d, item = 0, slice(None)
+    for i in items:  # the item that subscripts dim fact.k
+        if i is Ellipsis:
+            d += ndim - used
+        elif i is not None:
+            if d == fact.k:
+                item = i
+                break
+            d += 1
+    moved = _moved(fact, where)
+    if moved is None or not isinstance(item, slice) or item.step not in (None, 1) or _static_int(item.start or 0) != 0:
+        return None
+    if item.stop is None:
+        return moved
+    return replace(moved, tail=0) if _static_int(item.stop) == -fact.tail else None
 
 
 def _compare_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
@@ -1351,6 +1412,13 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
         if isinstance(fact, _MaskedAbove) and x_ok and isinstance(fill, (int, float)) and fill <= -_HUGE:
             return _NegMask(fact.q, fact.k, fact.needs)
         return None
+    if name == "cat":
+        return _sink_cat_fact(node, facts, huge, out)
+    if name == "sub" and len(node.args) == 2 and isinstance(node.args[0], torch.fx.Node):
+        fact = facts.get(node.args[0])
+        if isinstance(fact, _NegMask) and _row_max_of(node.args[1], node.args[0], fact.k):
+            return fact  # minus the row's own max (finite for a real row): the fill values stay <= -1e30
+        return None
     if name == "add" and len(node.args) == 2 and out.dtype in _NEG_MASK_DTYPES and "alpha" not in node.kwargs:
         for m, x in (node.args, node.args[::-1]):
             fact = _aligned(facts.get(m), m, out) if isinstance(m, torch.fx.Node) else None
@@ -1363,10 +1431,41 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
         fact = facts.get(src) if isinstance(src, torch.fx.Node) else None
         dim = _static_int(_arg(node, 1, "dim", None))
         if isinstance(fact, _NegMask) and dim is not None and _norm_dim(dim, out.dim()) == fact.k:
-            return _ZeroAbove(fact.q, fact.k, fact.needs)
+            return _ZeroAbove(fact.q, fact.k, fact.needs, fact.tail)
         if isinstance(fact, _NegKeys) and dim is not None and _norm_dim(dim, out.dim()) == fact.k:
             return _ZeroKeys(fact.k, fact.needs)
     return None
+
+
+def _row_max_of(value: Any, src: torch.fx.Node, k: int) -> bool:
+    """``value`` is ``src.max(dim=k, keepdim=True).values`` (or ``amax``)."""
+    if not isinstance(value, torch.fx.Node):
+        return False
+    if value.op == "call_function" and value.target in (operator.getitem, getattr) and len(value.args) == 2 \
+            and value.args[1] in (0, "values") and isinstance(value.args[0], torch.fx.Node):
+        value = value.args[0]
+        if _op_name(value) != "max":
+            return False
+    elif _op_name(value) != "amax":
+        return False
+    t = example_of(src)
+    dim = _static_int(_arg(value, 1, "dim", None))
+    return value.args[0] is src and dim is not None and _norm_dim(dim, t.dim()) == k and _arg(value, 2, "keepdim", False) is True
+
+
+def _sink_cat_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node], out: torch.Tensor) -> Any:
+    """``cat([scores + mask, sinks], dim=k)``: static columns of finite values after the masked keys."""
+    pieces = _arg(node, 0, "tensors", ())
+    d = _static_int(_arg(node, 1, "dim", 0))
+    if not isinstance(pieces, (list, tuple)) or len(pieces) < 2 or d is None or not isinstance(pieces[0], torch.fx.Node):
+        return None
+    fact = facts.get(pieces[0])
+    if not (isinstance(fact, _NegMask) and fact.tail == 0 and _norm_dim(d, out.dim()) == fact.k):
+        return None
+    widths = [_static_int(example_of(p).shape[fact.k]) if isinstance(example_of(p), torch.Tensor) else None for p in pieces[1:]]
+    if any(w is None for w in widths) or any(p in huge for p in pieces[1:]):
+        return None
+    return replace(fact, tail=sum(widths), pure=False)
 
 
 def _is_negative_constant(node: torch.fx.Node) -> bool:
@@ -1404,9 +1503,9 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
         return _and_fact(node, facts, out)
     if name in _ALL_TRUE_FACTORIES and out.dtype == torch.bool:
         return _AllTrue()
-    if name in ("where", "add", "masked_fill") or name in _SOFTMAXES:
+    if name in ("where", "add", "sub", "masked_fill", "cat") or name in _SOFTMAXES:
         found = _mask_fact(node, name, facts, huge, out)
-        if found is not None or name != "add":
+        if found is not None or name not in ("add", "sub"):
             return found
     src = node.args[0] if node.args else None
     fact = facts.get(src) if isinstance(src, torch.fx.Node) else None
