@@ -586,7 +586,10 @@ class EagerMaskedAttention(nn.Module):
             scores = torch.tanh(scores / 5.0) * 5.0
         if self.variant == "masked_scores":  # a fill value already in the scores: a row may be all fill values
             scores = torch.where(torch.rand(n, n) > 0.5, scores, torch.tensor(torch.finfo(x.dtype).min))
-        w = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(x.dtype)
+        scores = scores + mask
+        if self.variant == "clamped":  # xglm: max(scores + mask, finfo.min)
+            scores = torch.max(scores, torch.full((), torch.finfo(x.dtype).min))
+        w = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
         w = F.dropout(w, p=0.0, training=False)
         return (w @ h).transpose(1, 2).reshape(b, n, H)
 
@@ -607,7 +610,7 @@ def _eager_mask_check(variant, pad_value=0):
     return got, relied, zero
 
 
-@pytest.mark.parametrize("variant", ["causal", "window", "softcap", "masked_fill", "mpt", "bidirectional"])
+@pytest.mark.parametrize("variant", ["causal", "window", "softcap", "masked_fill", "mpt", "bidirectional", "clamped"])
 def test_softmax_of_scores_plus_an_additive_causal_mask_is_safe_when_the_mask_is_all_ones(variant):
     got, relied, zero = _eager_mask_check(variant)
     assert got == []

@@ -1414,6 +1414,12 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
         return None
     if name == "cat":
         return _sink_cat_fact(node, facts, huge, out)
+    if name in ("max", "maximum") and len(node.args) == 2 and all(isinstance(a, torch.fx.Node) for a in node.args):
+        for m, c in (node.args, node.args[::-1]):  # max(scores + mask, full((), finfo.min)): xglm's clamp
+            fact = _aligned(facts.get(m), m, out)
+            if isinstance(fact, _NegMask) and _is_negative_constant(c):
+                return fact  # the fill values stay <= -1e30, the finite scores are unchanged
+        return None
     if name == "sub" and len(node.args) == 2 and isinstance(node.args[0], torch.fx.Node):
         fact = facts.get(node.args[0])
         if isinstance(fact, _NegMask) and _row_max_of(node.args[1], node.args[0], fact.k):
@@ -1503,9 +1509,9 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
         return _and_fact(node, facts, out)
     if name in _ALL_TRUE_FACTORIES and out.dtype == torch.bool:
         return _AllTrue()
-    if name in ("where", "add", "sub", "masked_fill", "cat") or name in _SOFTMAXES:
+    if name in ("where", "add", "sub", "masked_fill", "cat", "max", "maximum") or name in _SOFTMAXES:
         found = _mask_fact(node, name, facts, huge, out)
-        if found is not None or name not in ("add", "sub"):
+        if found is not None or name not in ("add", "sub", "max"):
             return found
     src = node.args[0] if node.args else None
     fact = facts.get(src) if isinstance(src, torch.fx.Node) else None
