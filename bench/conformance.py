@@ -21,6 +21,7 @@ cannot become n/a) and reported in the JSON.
 
     python bench/conformance.py --jobs 2                       # every architecture, aot_eager
     python bench/conformance.py --only llama,gpt2 --jobs 1      # a subset
+    python bench/conformance.py --after minimax --columns static  # the model types after minimax
     python bench/conformance.py --delegate inductor --only llama,mixtral,...
     python bench/conformance.py --one llama --json-out /tmp/llama.json   # one architecture, in process
 
@@ -801,6 +802,8 @@ def main(argv=None):
     p.add_argument("--one", help="run one architecture in this process")
     p.add_argument("--json-out", help="where to write the JSON")
     p.add_argument("--only", help="comma-separated model types (default: the whole causal-LM mapping)")
+    p.add_argument("--after", help="only the model types after this one in the mapping's (alphabetical) order: "
+                   "resume a run that stopped there")
     p.add_argument("--delegate", default="aot_eager", help="graphpass then= for every column (aot_eager, inductor, ...)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--timeout", type=int, default=None, help="seconds per architecture (default 150; 400 for inductor; x SLOW[arch] for the rows listed there)")
@@ -832,6 +835,10 @@ def main(argv=None):
     archs = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     if args.only:
         archs = [a.strip() for a in args.only.split(",") if a.strip()]
+    if args.after:
+        if args.after not in archs:
+            p.error(f"--after {args.after!r}: not a model type of the causal-LM mapping")
+        archs = archs[archs.index(args.after) + 1:]
     suffix = "" if args.delegate == "aot_eager" else f"_{args.delegate}"
     log_dir = Path(args.log_dir) if args.log_dir else OUT / f"conformance_logs{suffix}"
     log_dir.mkdir(parents=True, exist_ok=True)

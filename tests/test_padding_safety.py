@@ -601,3 +601,237 @@ def test_padding_rows_written_to_slots_that_are_read_as_data_are_refused(read):
     downstream looked padded, and summing the slots (or attending to all of them) read the padding."""
     got = check(SlotCache(read), x3())
     assert got and "writes padding rows into" in got[0].reason, got
+
+
+class EagerMaskedAttention(nn.Module):
+    """Eager attention as transformers' ``eager_attention_forward`` runs it: scores plus the additive mask
+    ``eager_mask`` builds (``where(bool_mask, 0, finfo.min)`` of ``and_masks(causal, padding)``), a softmax over
+    the keys, a product with the values. Unsafe variants change one step."""
+
+    def __init__(self, variant: str = "causal") -> None:
+        super().__init__()
+        self.variant = variant
+
+    def bool_mask(self, b: int, n: int, attention_mask: torch.Tensor) -> torch.Tensor:
+        q = torch.arange(n)[None, None, :, None]
+        kv = torch.arange(n)[None, None, None, :]
+        v = self.variant
+        rule = {"strict": kv < q, "anti": q <= kv, "window": (kv <= q) & (kv > q - 3),
+                "bidirectional": q >= 0, "bidirectional_shifted": q >= 1}.get(v, kv <= q)
+        pad = attention_mask.to(torch.bool)[torch.arange(b)[:, None, None, None], kv]
+        return torch.ones((), dtype=torch.bool) & rule & pad
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        h = x.view(b, n, 2, H // 2).transpose(1, 2)
+        fill = -1.0 if self.variant == "small_fill" else torch.finfo(x.dtype).min
+        allowed = self.bool_mask(b, n, attention_mask)
+        mask = torch.where(allowed, torch.zeros((), dtype=x.dtype), fill)
+        scores = h @ h.transpose(2, 3) * 0.25
+        if self.variant in ("masked_fill", "mpt", "masked_fill_allowed"):  # masked_fill takes the masked entries
+            masked = {"masked_fill": ~allowed, "mpt": mask.to(torch.bool), "masked_fill_allowed": allowed}[self.variant]
+            scores, mask = scores.masked_fill(masked, torch.finfo(x.dtype).min), torch.zeros((), dtype=x.dtype)
+        if self.variant == "softcap":
+            scores = torch.tanh(scores / 5.0) * 5.0
+        if self.variant == "masked_scores":  # a fill value already in the scores: a row may be all fill values
+            scores = torch.where(torch.rand(n, n) > 0.5, scores, torch.tensor(torch.finfo(x.dtype).min))
+        scores = scores + mask
+        if self.variant == "clamped":  # xglm: max(scores + mask, finfo.min)
+            scores = torch.max(scores, torch.full((), torch.finfo(x.dtype).min))
+        w = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+        w = F.dropout(w, p=0.0, training=False)
+        return (w @ h).transpose(1, 2).reshape(b, n, H)
+
+
+def _eager_mask_check(variant, pad_value=0):
+    from graphpass.static_shapes.padding_safety import check_padding_safety
+
+    graphs = []
+    f = torch.compile(EagerMaskedAttention(variant), backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
+    with torch.no_grad():
+        f(torch.randn(B, L, H), torch.ones(B, L, dtype=torch.long))
+    gm = graphs[0]
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]
+    syms = {n.meta["example_value"].shape[1].node.expr for n in gm.graph.nodes if n.name in names}
+    zero = [n for n in names if "attention_mask" in n] if pad_value == 0 else []
+    relied: set[str] = set()
+    got = check_padding_safety(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms}, relied_on=relied)
+    return got, relied, zero
+
+
+@pytest.mark.parametrize("variant", ["causal", "window", "softcap", "masked_fill", "mpt", "bidirectional", "clamped"])
+def test_softmax_of_scores_plus_an_additive_causal_mask_is_safe_when_the_mask_is_all_ones(variant):
+    got, relied, zero = _eager_mask_check(variant)
+    assert got == []
+    assert relied == set(zero)  # the proof needs the attention mask to be 1 on every real position (checked per call)
+
+
+@pytest.mark.parametrize("variant,pad_value", [
+    ("strict", 0),  # kv < q: row 0 has no key, its softmax is uniform over the (padded) length
+    ("anti", 0),  # q <= kv: rows see later keys
+    ("small_fill", 0),  # -1 does not vanish from a softmax
+    ("masked_scores", 0),  # the scores may already hold fill values on the diagonal
+    ("causal", 1),  # the attention mask padded with 1: the padding keys are not masked
+    ("masked_fill_allowed", 0),  # masked_fill of the allowed entries: every row sees the later keys only
+    ("bidirectional", 1),  # a bidirectional mask whose padding keys are not masked
+    ("bidirectional_shifted", 0),  # q >= 1: row 0 sees no key
+])
+def test_an_additive_mask_not_proven_causal_with_a_key_per_row_is_refused(variant, pad_value):
+    got, _, _ = _eager_mask_check(variant, pad_value)
+    ops = {v.op for v in got}
+    assert "torch.nn.functional.softmax" in ops or "torch.nn.functional.scaled_dot_product_attention" in ops, got
+    assert any(v.reason == "softmax along the padded dim mixes rows" for v in got)
+    assert any(v.reason == "matmul contracts over the padded dim" for v in got)
+
+
+def test_additive_mask_buckets_exactly_and_a_mask_with_zeros_runs_unpadded(strict_backend):
+    from graphpass.backends import NeuronDelegate
+
+    model = EagerMaskedAttention("causal")
+    then = NeuronDelegate(registered_name="strict_aten_standin", module=None)
+    gp = graphpass.backend(then=then, static_shapes={"dims": {"x": 1}, "buckets": [8, 16]})
+    compiled = torch.compile(model, backend=gp)
+    with torch.no_grad():
+        for n in (3, 5, 7, 9, 12, 16):
+            x, am = torch.randn(B, n, H), torch.ones(B, n, dtype=torch.long)
+            torch.testing.assert_close(compiled(x, am), model(x, am), rtol=1e-5, atol=1e-6)
+        lengths = {shape[1] for shapes in strict_backend.shapes for shape in shapes if len(shape) == 3 and shape[0] == B}
+        assert lengths == {3, 8, 16}
+        x, am = torch.randn(B, 6, H), torch.ones(B, 6, dtype=torch.long)
+        am[0, :2] = 0  # left padding: rows 0 and 1 of sequence 0 see no key
+        with pytest.warns(UserWarning, match="is not 1 everywhere in this call"):
+            got = compiled(x, am)
+        torch.testing.assert_close(got, model(x, am), rtol=1e-5, atol=1e-6)
+
+
+def _unused_max(x):
+    seq_len = torch.max(x) + 1  # phimoe's rotary embedding: computed, then unused with the default rope type
+    return x * 2
+
+
+def _max_written_into_a_scratch(x):
+    scratch = x.clone()
+    scratch[:, 0] = scratch.amax(1)  # a write: its ancestors count, although scratch reaches no output
+    return x * 2
+
+
+def test_dead_code_over_the_padded_dim_is_not_a_violation_but_a_write_still_is():
+    assert check(_unused_max, x3()) == []
+    got = check(lambda x: x * (torch.max(x) + 1), x3())
+    assert [v.reason for v in got] == ["max over every dim includes the padded dim 1 and mixes rows"]
+    got = check(_max_written_into_a_scratch, x3())
+    assert any(v.reason == "amax along the padded dim mixes rows" for v in got), got
+
+
+class SinkAttention(nn.Module):
+    """gpt-oss's eager attention: a per-head sink logit appended after the keys, the row max subtracted, a softmax,
+    the sink column dropped again, the product with the values. Unsafe variants change one step."""
+
+    def __init__(self, variant: str = "sink") -> None:
+        super().__init__()
+        self.variant = variant
+        self.sinks = nn.Parameter(torch.randn(2))
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        h = x.view(b, n, 2, H // 2).transpose(1, 2)
+        allowed = EagerMaskedAttention().bool_mask(b, n, attention_mask)
+        scores = h @ h.transpose(2, 3) * 0.25 + torch.where(allowed, torch.zeros((), dtype=x.dtype), torch.finfo(x.dtype).min)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, n, -1)
+        pieces = [sinks, scores] if self.variant == "sink_first" else [scores, sinks]
+        logits = torch.cat(pieces, dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)
+        kept = {"sink": probs[..., :-1], "sink_first": probs[..., 1:], "keep_sink": probs[..., :n]}[
+            "sink" if self.variant == "sink_returned" else self.variant]
+        out = (kept @ h).transpose(1, 2).reshape(b, n, H)
+        return (out, logits) if self.variant == "sink_returned" else out
+
+
+def _sink_check(variant):
+    from graphpass.static_shapes.padding_safety import check_padding_safety
+
+    graphs = []
+    f = torch.compile(SinkAttention(variant), backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
+    with torch.no_grad():
+        f(torch.randn(B, L, H), torch.ones(B, L, dtype=torch.long))
+    gm = graphs[0]
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]
+    syms = {n.meta["example_value"].shape[1].node.expr for n in gm.graph.nodes
+            if n.name in names and n.meta["example_value"].dim() > 1}
+    zero = [n for n in names if "attention_mask" in n]
+    relied: set[str] = set()
+    got = check_padding_safety(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms}, relied_on=relied)
+    return got, relied, zero
+
+
+def test_attention_sinks_appended_after_the_masked_keys_and_dropped_again_are_safe():
+    got, relied, zero = _sink_check("sink")
+    assert got == []
+    assert relied == set(zero)
+
+
+@pytest.mark.parametrize("variant", [
+    "sink_first",  # the sink before the keys: the slice [..., 1:] is not the key dim's prefix
+    "keep_sink",  # [..., :n] keeps the first padding key (or the sink) instead of dropping the sink
+    "sink_returned",  # the logits with the sink column after the padding are an output: sliced back wrongly
+])
+def test_attention_sinks_anywhere_else_are_refused(variant):
+    got, _, _ = _sink_check(variant)
+    assert got, variant
+    assert any(v.op == "torch.cat" for v in got) or any("matmul" in v.op for v in got), got
+
+
+# --------------------------------------------------------------------------------------------
+# run-time offsets (static-generate) meeting the diagonal / additive-mask facts (static-archs)
+# --------------------------------------------------------------------------------------------
+
+
+class OffsetMasks(nn.Module):
+    """Positions with a run-time offset ``X`` (a 0-d length tensor) used where only offset-free positions
+    are sound: as an index into the padded dim, through a gather, or as the queries of an additive mask."""
+
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.variant = variant
+        self.length = torch.tensor(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        if self.variant == "index":  # x[:, X + i]: row i reads row X + i, not itself
+            return x[:, torch.arange(n) + self.length] * 2
+        h = x.view(b, n, 2, H // 2).transpose(1, 2)
+        kv = torch.arange(n)[None, None, None, :]
+        if self.variant == "gathered":  # table[X + i] == X + i: the offset survives the gather
+            q = torch.arange(SLOTS)[torch.arange(n) + self.length][None, None, :, None]
+            return F.scaled_dot_product_attention(h, h, h, attn_mask=kv <= q)
+        q = (torch.arange(n) + self.length)[None, None, :, None]  # row i sees keys <= X + i: padding
+        mask = torch.where(kv <= q, torch.zeros(()), torch.finfo(x.dtype).min)
+        w = F.softmax(h @ h.transpose(2, 3) + mask, dim=-1)
+        return w @ h
+
+
+@pytest.mark.parametrize("variant", ["index", "gathered", "additive"])
+def test_positions_with_a_run_time_offset_are_not_offset_free(variant):
+    """``index``: an offset index is not the identity; ``gathered``: a gather keeps the index's offset, so
+    ``kv <= table[X + i]`` is not a plain causal mask; ``additive``: a causal fact with an offset is not
+    proven true on its diagonal and never makes an additive-mask softmax over the padded keys safe."""
+    got = check(OffsetMasks(variant), x3())
+    assert got, variant
+
+
+def test_an_offset_causal_mask_anded_with_all_true_keeps_its_offset():
+    """transformers' ``and_masks`` starts from ``new_ones((), bool)``: the AND must keep the offset, so the
+    cache write whose slots start at the same offset stays proven hidden."""
+
+    class AndedSlotCache(SlotCache):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n = x.shape[1]
+            q = x[:, None]
+            self.keys.index_copy_(2, torch.arange(n) + self.length, q)
+            keys = self.keys.expand(B, 2, SLOTS, H)
+            q_pos = torch.arange(n) + self.length
+            mask = torch.ones((), dtype=torch.bool) & (torch.arange(SLOTS)[None, None, None, :] <= q_pos[None, None, :, None])
+            return F.scaled_dot_product_attention(q.expand(B, 2, n, H), keys, keys, attn_mask=mask.expand(B, 1, n, SLOTS))
+
+    assert check(AndedSlotCache("masked"), x3()) == []

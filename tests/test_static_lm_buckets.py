@@ -31,9 +31,14 @@ if conformance is None:
 BUCKETS = [16, 32, 64]
 LENGTHS = [2, 5, 9, 16, 17, 23, 31, 33, 40, 47, 58, 63]  # 12 lengths over all three buckets
 # dense families with both ways of calling, and a mixture of experts (transformers' grouped-GEMM experts,
-# checked as a row-wise function); bench/conformance.py's static column covers every causal-LM architecture
+# checked as a row-wise function), eager attention with transformers' additive mask (gemma2: softcapped scores,
+# sliding-window layers; bloom: ALiBi scores through baddbmm and bmm; mpt: masked_fill with the mask
+# converted to bool; megatron-bert: the bidirectional mask of a BERT-style model used as a language model; gpt_oss:
+# attention sinks appended after the keys and dropped after the softmax); bench/conformance.py's static column covers
+# every causal-LM architecture
 CASES = [("llama", "attention_mask"), ("gpt2", "no_cache"), ("qwen3", "attention_mask"), ("olmo2", "no_cache"),
-         ("mixtral", "attention_mask")]
+         ("mixtral", "attention_mask"), ("gemma2", "attention_mask"), ("bloom", "attention_mask"),
+         ("mpt", "attention_mask"), ("megatron-bert", "attention_mask"), ("gpt_oss", "attention_mask")]
 CALLS = {
     "attention_mask": lambda ids: {"attention_mask": torch.ones_like(ids)},
     "no_cache": lambda ids: {"use_cache": False},
@@ -68,6 +73,7 @@ def test_real_lm_pads_to_buckets_through_a_static_only_compiler(strict_backend, 
     compiles, rest = divmod(len(strict_backend.graphs), pieces)
     assert rest == 0 and compiles <= len(BUCKETS) + 1, (len(strict_backend.graphs), pieces)
     seq_lens = {s[1] for shapes in strict_backend.shapes for s in shapes if len(s) == 2 and s[0] == 1}
+    seq_lens.discard(conformance.MAX_POS)  # a [1, max_positions] position-ids buffer (BERT-style), not a length
     assert seq_lens <= set(BUCKETS) | {LENGTHS[0]}, seq_lens  # the compiler never saw another length
 
 

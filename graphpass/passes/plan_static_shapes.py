@@ -45,6 +45,9 @@ class BucketPlan:
     outputs: list[Any]  # per output: None (no padded dim) or per-dim None / (symbol, a, b): size a*L + b
     refused: list[str] = field(default_factory=list)  # why this graph runs dynamic (empty: bucketed)
     ties: dict[sympy.Symbol, sympy.Symbol] = field(default_factory=dict)  # symbol of another input's dim -> the bucketed symbol it must equal
+    # placeholder index -> name of an input that must hold 1 at every position for the padding proof (an additive
+    # attention mask: no real query row may be fully masked); checked per call, else the call runs unpadded
+    ones_inputs: dict[int, str] = field(default_factory=dict)
     unsliced: torch.fx.GraphModule | None = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
 
     @property
@@ -104,8 +107,13 @@ class PlanStaticShapes(GraphPass):
             from ..static_shapes.padding_safety import check_padding_safety
 
             zero = {placeholders[i].name for i, v in plan.pad_values.items() if v == 0}
-            for v in check_padding_safety(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero):
+            relied: set[str] = set()
+            for v in check_padding_safety(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero, relied_on=relied):
                 plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
+            plan.ones_inputs = {i: n.name for i, n in enumerate(placeholders) if n.name in relied}
+            if plan.ones_inputs and not plan.refused:
+                ctx.log.append(f"{self.name}: padded only on calls where {', '.join(plan.ones_inputs.values())} "
+                               "holds 1 everywhere (an additive attention mask must leave every real row a key)")
         from ..fx_utils import copy_graph
 
         plan.unsliced = copy_graph(ctx.gm)  # the dynamic fallback must not slice fixed-size buffers

@@ -123,6 +123,14 @@ def pads_on_host(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type in LAZY_DEVICE_TYPES
 
 
+def _all_ones(t: Any) -> bool:
+    """Every element of ``t`` is 1 (read on the host for a lazy-tensor device, where a device-side reduction
+    would compile a computation per length)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    return bool((t.cpu() if pads_on_host(t) else t).eq(1).all())
+
+
 class BucketDispatcher:
     def __init__(self, gm: torch.fx.GraphModule, plan: Any, cfg: StaticShapesConfig, delegate: Delegate,
                  log: list[str] | None = None) -> None:
@@ -188,6 +196,12 @@ class BucketDispatcher:
         sizes = {sym: int(args[i].shape[d]) for sym, (i, d) in plan.symbols.items()}
         if any(sizes[t] != sizes[sym] for t, sym in plan.ties.items()):
             self._warn_untied(sizes)
+            return self._run_unpadded(args, self._shape_key(args))
+        not_ones = [name for i, name in plan.ones_inputs.items() if not _all_ones(args[i])]
+        if not_ones:
+            self._warn(f"graphpass static_shapes: {', '.join(not_ones)} is not 1 everywhere in this call, and the padding "
+                       "proof of this graph's additive attention mask needs it (a fully masked row's softmax is uniform "
+                       "over the padded length); running it unpadded with dynamic shapes")
             return self._run_unpadded(args, self._shape_key(args))
         buckets = {sym: self.cfg.bucket_for(n) for sym, n in sizes.items()}
         if any(b is None for b in buckets.values()):

@@ -40,14 +40,16 @@ OpOverloads arguments are read by their schema names, so aten graphs work for th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+
+import operator
 
 import sympy
 import torch
 
-from ..fx_utils import example_of, mentions_symbol, ran_inside, size_expr, source_frame, tensors_of
+from ..fx_utils import example_of, flat_nodes, mentions_symbol, ran_inside, size_expr, source_frame, tensors_of, writes_into
 
 if TYPE_CHECKING:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -450,6 +452,7 @@ class _Ctx:
     causal_ok: bool
     facts: Mapping[torch.fx.Node, Any] = field(default_factory=dict)  # index provenance (_Positions / _Causal)
     ties: Mapping[Any, Any] = field(default_factory=dict)  # symbol -> the padded symbol it equals on every call
+    relied_on: set[str] = field(default_factory=set)  # zero-padded inputs an accepted proof needs to hold 1 (filled)
 
     def same_size(self, a: Any, b: Any) -> bool:
         return size_expr(a).xreplace(self.ties) == size_expr(b).xreplace(self.ties)
@@ -499,7 +502,7 @@ def _check_along_dim(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
         return None, f"{name} over every dim includes the padded dim {pads[0]} and mixes rows"
     for d in dims:
         d = _norm_dim(d, t.dim())
-        if d in pads and not _causal_scan(node, name, ctx):
+        if d in pads and not _causal_scan(node, name, ctx) and not _masked_softmax(node, name, d, ctx):
             return d, f"{name} {spec.what}"
     return None
 
@@ -511,10 +514,50 @@ def _causal_scan(node: torch.fx.Node, name: str, ctx: _Ctx) -> bool:
     return name != "diff" or _arg(node, 4, "append", None) is None
 
 
+def _masked_softmax(node: torch.fx.Node, name: str, d: int, ctx: _Ctx) -> bool:
+    """A softmax over the keys ``d`` of scores plus an additive causal mask (a :class:`_NegMask` on ``d``): every
+    real row's later keys, the padding among them, get exactly 0, so the row equals the unpadded one."""
+    x = _arg(node, 0, "input")
+    fact = ctx.facts.get(x) if isinstance(x, torch.fx.Node) else None
+    t = example_of(x)
+    if isinstance(fact, _NegMask) and name in ("max", "amax") and fact.k == d and ctx.causal_ok:
+        ctx.relied_on.update(fact.needs)
+        return True  # a real row's max is a finite score (its diagonal): the fill values never win
+    if isinstance(fact, _NegKeys) and name in _SOFTMAXES and fact.k == d:
+        ctx.relied_on.update(fact.needs)
+        return True  # every row's padding keys get exactly 0 (no causality needed)
+    if not (ctx.causal_ok and name in _SOFTMAXES and isinstance(fact, _NegMask) and fact.k == d
+            and ctx.same_size(t.shape[fact.q], size_expr(t.shape[fact.k]) - fact.tail)):
+        return False
+    ctx.relied_on.update(fact.needs)
+    return True
+
+
+def _causal_product(node: torch.fx.Node, name: str, ctx: _Ctx) -> bool:
+    """``matmul`` / ``bmm`` of attention weights that are 0 at every key after the query (a :class:`_ZeroAbove`
+    on dims -2, -1) with the values: a real row reads value rows up to its own only."""
+    a, b = _arg(node, 0, "input"), _arg(node, 1, "other" if name == "matmul" else "mat2", None)
+    fact = ctx.facts.get(a) if isinstance(a, torch.fx.Node) else None
+    ta, tb = example_of(a), example_of(b)
+    if isinstance(fact, _ZeroKeys) and name in ("matmul", "bmm") and isinstance(tb, torch.Tensor) and tb.dim() >= 2 \
+            and fact.k == ta.dim() - 1:
+        ctx.relied_on.update(fact.needs)
+        return True  # the padding value rows are multiplied by exact zeros
+    if not (ctx.causal_ok and name in ("matmul", "bmm") and isinstance(fact, _ZeroAbove) and fact.tail == 0
+            and isinstance(tb, torch.Tensor)
+            and tb.dim() >= 2 and (fact.q, fact.k) == (ta.dim() - 2, ta.dim() - 1)
+            and ctx.same_size(ta.shape[-2], ta.shape[-1])):
+        return False
+    ctx.relied_on.update(fact.needs)
+    return True
+
+
 def _check_matmul(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     spec = MATMULS[name]
     if name == "einsum":
         return _check_einsum(node, ctx)
+    if _causal_product(node, name, ctx):
+        return _value_use(node, ctx)
     pairs: list[tuple[torch.Tensor, int]] = []
     if spec is None:  # matmul: by rank
         a, b = example_of(_arg(node, 0, "input")), example_of(_arg(node, 1, "other"))
@@ -715,7 +758,34 @@ def _bad_index(item: Any, ctx: _Ctx, size: Any = None) -> str | None:
     return _bad_start(item, ctx)
 
 
+def _tail_closed(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> bool:
+    """Every use of the sink columns ``node`` appends after the padded keys is a fact-carrying step (the row max,
+    the subtraction of it, the softmax) until a slice drops them: no other op sees the padding in the middle."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            f = facts.get(u)
+            if isinstance(f, (_NegMask, _ZeroAbove)):
+                if f.tail > 0:
+                    todo.append(u)
+                continue  # tail 0: the slice that dropped the sink columns
+            if _op_name(u) in ("max", "amax") and all(
+                    all(isinstance(facts.get(w), _NegMask) and facts[w].tail > 0 for w in g.users)
+                    for g in (list(u.users) if _op_name(u) == "max" else [u])):
+                continue  # the row max, subtracted from the same rows
+            return False
+    return True
+
+
 def _check_cat(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    fact = ctx.facts.get(node)
+    if isinstance(fact, _NegMask) and fact.tail > 0 and ctx.causal_ok and _tail_closed(node, ctx.facts):
+        ctx.relied_on.update(fact.needs)
+        return None  # sink columns after the masked keys, dropped again after the softmax
     pieces = _arg(node, 0, "tensors", ())
     if not isinstance(pieces, (list, tuple)):
         return None, f"{name} of an unreadable list: cannot prove row independence"
@@ -1059,6 +1129,10 @@ def _check_node(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
 #   the index along dim ``q`` (``kv <= q`` on positions with equal offsets, and anything ANDed with
 #   such a mask). As an attention mask (queries on dim -2, keys on dim -1) it lets a real query row
 #   ``i < L`` see keys ``j <= i`` only, so never the padding at the end: the same proof as ``is_causal``.
+#
+# Positions may carry a run-time offset (``base``: a 0-d length tensor added to them, a cache's slots); a causal
+# fact then carries it as ``shift`` (``j <= i + X``) and is never plain causal nor proven on its diagonal
+# (``diag``), which the additive-mask facts (:class:`_NegMask` ...) need.
 
 
 @dataclass(frozen=True)
@@ -1073,15 +1147,96 @@ class _Causal:
     q: int  # true only where index along k <= index along q (+ the value of shift)
     k: int
     shift: str | None = None  # a 0-d integer tensor (node name): the query's positions start there
+    # true on the diagonal (k == q) of every real row when the named zero-padded inputs hold 1 at every real
+    # position (checked per call by the dispatcher); None: not proven
+    diag: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class _Diag:
+    a: int  # true on the diagonal (index along a == index along b), when the named inputs hold 1 (as _Causal.diag)
+    b: int
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class _AllTrue:
+    """A boolean tensor true everywhere (``new_ones((), dtype=torch.bool)``, where transformers' ``and_masks`` starts)."""
 
 
 @dataclass(frozen=True)
 class _ZeroPad:
     dim: int  # every padding row along dim holds 0 / False (an input the dispatcher pads with 0, and what keeps that)
+    source: str | None = None  # the placeholder whose values it holds, read in place (None: combined with others)
+
+
+@dataclass(frozen=True)
+class _NegMask:
+    """A float tensor (scores plus an additive mask) whose every real row ``i`` along ``q`` holds a value
+    ``<= -1e30`` at each key ``j > i`` along ``k`` and a moderate one (a finite score, not a fill value) at
+    ``j == i`` when the ``needs`` inputs hold 1: a softmax over ``k`` gives exactly 0 at ``j > i``."""
+    q: int
+    k: int
+    needs: frozenset[str] = frozenset()
+    pure: bool = False  # the mask alone (where(mask, 0, fill)): exactly 0 on the diagonal, given needs
+    tail: int = 0  # static columns of finite values (attention sinks) appended after the keys along k
+
+
+@dataclass(frozen=True)
+class _MaskedAbove:
+    """A boolean tensor true at every key ``j > i`` along ``k`` of every real row ``i`` along ``q`` and false on
+    the diagonal when the ``needs`` inputs hold 1: the negation of a :class:`_Causal` mask, as ``masked_fill`` takes it."""
+    q: int
+    k: int
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class _KeysOnly:
+    """A boolean tensor false at every padding row along ``dim`` (the keys) and true at every real one when the
+    ``needs`` inputs hold 1: a bidirectional mask of a zero-padded attention mask."""
+    dim: int
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class _NegKeys:
+    """A float tensor holding a value ``<= -1e30`` at every padding key along ``k`` and a finite score at every
+    real key when the ``needs`` inputs hold 1 (scores plus the additive form of a :class:`_KeysOnly`)."""
+    k: int
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class _ZeroKeys:
+    """A float tensor exactly 0 at every padding key along ``k`` (a softmax over ``k`` of a :class:`_NegKeys`)."""
+    k: int
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class _ZeroAbove:
+    """A float tensor exactly 0 at every key ``j > i`` along ``k`` of every real row ``i`` along ``q`` (a softmax
+    of a :class:`_NegMask`): a product contracting ``k`` reads no row after ``i``."""
+    q: int
+    k: int
+    needs: frozenset[str] = frozenset()
+    tail: int = 0  # as _NegMask.tail: dropped by a slice [..., :-tail] before any product
+
+
+#: Each fact's dim fields, renumbered by :func:`_moved`.
+_FACT_DIMS: Mapping[type, tuple[str, ...]] = MappingProxyType({
+    _Positions: ("dim",), _Causal: ("q", "k"), _Diag: ("a", "b"), _AllTrue: (), _ZeroPad: ("dim",),
+    _NegMask: ("q", "k"), _MaskedAbove: ("q", "k"), _ZeroAbove: ("q", "k"), _KeysOnly: ("dim",), _NegKeys: ("k",),
+    _ZeroKeys: ("k",)})
+#: Facts about two different dims (they must stay different).
+_PAIR_FACTS = (_Causal, _Diag, _NegMask, _MaskedAbove, _ZeroAbove)
+#: A fill value this negative (or -inf) vanishes from a softmax next to any finite score, in fp32 and bf16.
+_HUGE = 1e30
 
 
 #: Ops that keep every value and dim (dtype and device conversions, copies).
-_KEEPS = frozenset("to type long int bool clone contiguous detach alias lift_fresh _to_copy".split())
+_KEEPS = frozenset("to type long int bool float double bfloat16 half clone contiguous detach alias lift_fresh _to_copy".split())
 #: Comparisons as (flip operands, strict): a < b, a <= b, a > b == b < a, a >= b == b <= a.
 _COMPARES = MappingProxyType({"le": (False, False), "lt": (False, True), "ge": (True, False), "gt": (True, True),
                               "less_equal": (False, False), "less": (False, True), "greater_equal": (True, False),
@@ -1091,16 +1246,15 @@ _ANDS = frozenset("and_ logical_and bitwise_and mul".split())
 
 def _moved(fact: Any, where: Callable[[int], int | None]) -> Any:
     """``fact`` with its dims renumbered by ``where`` (None: a dim that does not survive)."""
-    if isinstance(fact, _Positions):
-        d = where(fact.dim)
-        return None if d is None else _Positions(d, fact.offset, fact.base)
-    if isinstance(fact, _Causal):
-        q, k = where(fact.q), where(fact.k)
-        return None if q is None or k is None or q == k else _Causal(q, k, fact.shift)
-    if isinstance(fact, _ZeroPad):
-        d = where(fact.dim)
-        return None if d is None else _ZeroPad(d)
-    return None
+    fields = _FACT_DIMS.get(type(fact))
+    if fields is None:
+        return None
+    dims = {f: where(getattr(fact, f)) for f in fields}
+    if any(d is None for d in dims.values()):
+        return None
+    if isinstance(fact, _PAIR_FACTS) and len(set(dims.values())) < 2:
+        return None
+    return replace(fact, **dims)
 
 
 def _aligned(fact: Any, src: Any, out: torch.Tensor) -> Any:
@@ -1149,7 +1303,8 @@ def _view_map(items: list[Any], ndim: int) -> Callable[[int], int | None] | None
     return mapping.get
 
 
-def _gather_fact(src: torch.fx.Node, items: list[Any], facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+def _gather_fact(src: torch.fx.Node, items: list[Any], facts: Mapping[torch.fx.Node, Any], out: torch.Tensor,
+                 ties: Mapping[Any, Any] = MappingProxyType({})) -> Any:
     """``src[i0, i1, ...]`` with integer tensor indices on its leading dims (advanced indexing)."""
     fact = facts.get(src)
     lead = 0
@@ -1167,12 +1322,16 @@ def _gather_fact(src: torch.fx.Node, items: list[Any], facts: Mapping[torch.fx.N
         return None
     at = inner.dim + nb - example_of(index).dim()
     if isinstance(fact, _ZeroPad):  # rows 0 .. n - 1 read in place: the padding rows stay the zero rows
-        same = inner.offset == 0 and size_expr(example_of(index).shape[inner.dim]) == size_expr(example_of(src).shape[fact.dim])
-        return _ZeroPad(at) if same else None
-    return _Positions(at, fact.offset + inner.offset)
+        same = inner.offset == 0 and inner.base is None and size_expr(example_of(index).shape[inner.dim]).xreplace(ties) == size_expr(
+            example_of(src).shape[fact.dim]).xreplace(ties)
+        return _ZeroPad(at, fact.source) if same else None
+    if fact.base is not None and inner.base is not None:
+        return None  # two run-time offsets: not one named base
+    return _Positions(at, fact.offset + inner.offset, fact.base or inner.base)
 
 
-def _getitem_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+def _getitem_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor,
+                  ties: Mapping[Any, Any] = MappingProxyType({})) -> Any:
     src = node.args[0]
     idx = node.args[1] if len(node.args) > 1 else None
     items = list(idx) if isinstance(idx, tuple) else [idx]
@@ -1180,9 +1339,35 @@ def _getitem_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: 
     if not isinstance(t, torch.Tensor) or not isinstance(src, torch.fx.Node):
         return None
     if any(isinstance(example_of(i), torch.Tensor) for i in items):
-        return _gather_fact(src, items, facts, out)
+        return _gather_fact(src, items, facts, out, ties)
     where = _view_map(items, t.dim())
-    return _moved(facts.get(src), where) if where is not None else None
+    fact = facts.get(src)
+    if getattr(fact, "tail", 0) > 0:
+        return _drop_tail(fact, items, t.dim(), where)
+    return _moved(fact, where) if where is not None else None
+
+
+def _drop_tail(fact: Any, items: list[Any], ndim: int, where: Callable[[int], int | None] | None) -> Any:
+    """A subscript of a tensor with sink columns after its keys: ``[..., :-tail]`` drops them (tail 0), a full
+    slice keeps them; any other subscript of the key dim loses the fact."""
+    if where is None or sum(1 for i in items if i is Ellipsis) > 1:
+        return None
+    used = sum(0 if i is None or i is Ellipsis else 1 for i in items)
+    d, item = 0, slice(None)
+    for i in items:  # the item that subscripts dim fact.k
+        if i is Ellipsis:
+            d += ndim - used
+        elif i is not None:
+            if d == fact.k:
+                item = i
+                break
+            d += 1
+    moved = _moved(fact, where)
+    if moved is None or not isinstance(item, slice) or item.step not in (None, 1) or _static_int(item.start or 0) != 0:
+        return None
+    if item.stop is None:
+        return moved
+    return replace(moved, tail=0) if _static_int(item.stop) == -fact.tail else None
 
 
 def _compare_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
@@ -1193,40 +1378,231 @@ def _compare_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, 
         a, b = b, a
     fa = _aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else None
     fb = _aligned(facts.get(b), b, out) if isinstance(b, torch.fx.Node) else None
+    if isinstance(fb, _Positions) and fb.base is None and _static_int(a) is not None:  # c <= i + offset, i >= 0
+        return _AllTrue() if _static_int(a) <= fb.offset - (1 if strict else 0) else None
     if not (isinstance(fa, _Positions) and isinstance(fb, _Positions)) or fa.dim == fb.dim:
         return None
     # true => j + fa.offset <= i + fb.offset (- 1 when strict) => j <= i when the slack is <= 0
     slack = fb.offset - fa.offset - (1 if strict else 0)
-    if slack > 0:
-        return None
     if fa.base == fb.base:  # the same run-time offset on both sides cancels
-        return _Causal(q=fb.dim, k=fa.dim)
-    # key slots from 0 against query positions that start at a run-time offset X: j <= i + X
-    return _Causal(q=fb.dim, k=fa.dim, shift=fb.base) if fa.base is None else None
+        # on the diagonal (j == i) it is true exactly when the slack is >= 0
+        if slack <= 0:
+            return _Causal(q=fb.dim, k=fa.dim, diag=frozenset() if slack == 0 else None)
+        return _Diag(fa.dim, fb.dim)
+    # key slots from 0 against query positions that start at a run-time offset X: j <= i + X (the diagonal is
+    # not proven: X's sign is not known here)
+    return _Causal(q=fb.dim, k=fa.dim, shift=fb.base) if fa.base is None and slack <= 0 else None
+
+
+def _diag_needs(fact: Any, pair: frozenset[int]) -> frozenset[str] | None:
+    """The inputs that must hold 1 for ``fact``'s tensor to be true on the diagonal of the dims ``pair``,
+    or None when that is not proven."""
+    if isinstance(fact, _AllTrue):
+        return frozenset()
+    if isinstance(fact, _Causal) and fact.diag is not None and {fact.q, fact.k} == pair:
+        return fact.diag
+    if isinstance(fact, _Diag) and {fact.a, fact.b} == pair:
+        return fact.needs
+    if isinstance(fact, _ZeroPad) and fact.source is not None and fact.dim in pair:
+        return frozenset({fact.source})  # holds the input's value at (.., i): true there when it is 1
+    return None
+
+
+def _keys_only(found: list[Any], dim: int) -> Any:
+    """The AND of all-true tensors and zero-padded inputs read in place along ``dim`` (transformers' bidirectional
+    mask): false at every padding key, true at every real one when those inputs hold 1."""
+    needs: set[str] = set()
+    for f in found:
+        if isinstance(f, (_ZeroPad, _KeysOnly)) and f.dim == dim and getattr(f, "source", "") is not None:
+            needs |= {f.source} if isinstance(f, _ZeroPad) else f.needs
+        elif not isinstance(f, _AllTrue):
+            return None
+    return _KeysOnly(dim, frozenset(needs))
 
 
 def _and_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
-    """An AND only removes true entries: causal when any operand is."""
+    """An AND only removes true entries: causal when any operand is (zero at the padding when any operand
+    is); true on the diagonal when every operand is."""
     if out.dtype != torch.bool:
         return None
-    found = [_aligned(facts.get(a), a, out) for a in _iter_nodes(node.args)]
-    return next((f for f in found if isinstance(f, _Causal)), None) or next(
-        (f for f in found if isinstance(f, _ZeroPad)), None)
+    operands = list(_leaves(node.args))
+    found = [_aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else (_AllTrue() if a is True else None)
+             for a in operands]
+    causal = min((f for f in found if isinstance(f, _Causal)), key=lambda f: f.shift is not None, default=None)
+    pairs = {frozenset({f.q, f.k}) if isinstance(f, _Causal) else frozenset({f.a, f.b})
+             for f in found if isinstance(f, (_Causal, _Diag))}
+    diag: frozenset[str] | None = None
+    if len(pairs) == 1:
+        needs = [_diag_needs(f, next(iter(pairs))) for f in found]
+        diag = frozenset().union(*needs) if all(n is not None for n in needs) else None
+    if causal is not None:
+        return replace(causal, diag=diag)  # an unshifted operand's, when any: the tighter bound
+    zero = next((f for f in found if isinstance(f, (_ZeroPad, _KeysOnly))), None)
+    if zero is not None:
+        return _keys_only(found, zero.dim) or _ZeroPad(zero.dim)
+    if diag is not None:
+        a, b = sorted(next(iter(pairs)))
+        return _Diag(a, b, diag)
+    return _AllTrue() if found and all(isinstance(f, _AllTrue) for f in found) else None
 
 
 def _reshape_fact(src: Any, fact: Any, out: torch.Tensor) -> Any:
-    """A reshape that only adds or drops dims of size 1 keeps the other dims in order."""
+    """A reshape that only adds or drops dims of size 1 keeps the other dims in order; one that keeps the
+    trailing dims from the fact's first dim on (merging or splitting only dims before them) keeps those."""
     t = example_of(src)
     if fact is None or not isinstance(t, torch.Tensor):
         return None
     kept_in = [d for d, s in enumerate(t.shape) if not (isinstance(s, int) and s == 1)]
     kept_out = [d for d, s in enumerate(out.shape) if not (isinstance(s, int) and s == 1)]
-    if [size_expr(t.shape[d]) for d in kept_in] != [size_expr(out.shape[d]) for d in kept_out]:
+    if [size_expr(t.shape[d]) for d in kept_in] == [size_expr(out.shape[d]) for d in kept_out]:
+        return _moved(fact, dict(zip(kept_in, kept_out)).get)
+    dims = [getattr(fact, f) for f in _FACT_DIMS.get(type(fact), ())]
+    if not dims:
         return None
-    return _moved(fact, dict(zip(kept_in, kept_out)).get)
+    tail = t.dim() - min(dims)  # the trailing dims the fact is about
+    if tail > out.dim() or [size_expr(s) for s in t.shape[t.dim() - tail:]] != [
+            size_expr(s) for s in out.shape[out.dim() - tail:]]:
+        return None
+    return _moved(fact, lambda d: d + out.dim() - t.dim())
 
 
-def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> Any:
+_NEG_MASK_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # float16 overflows a mask value plus a score to -inf
+_ALL_TRUE_FACTORIES = frozenset("new_ones ones ones_like".split())
+_NOTS = frozenset("logical_not bitwise_not invert not_".split())
+
+
+def _is_zero(value: Any) -> bool:
+    """A constant 0: a Python 0 or a ``zeros`` / ``zeros_like`` / ``new_zeros`` node."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    return isinstance(value, torch.fx.Node) and value.op in ("call_function", "call_method") \
+        and _op_name(value) in ("zeros", "zeros_like", "new_zeros")
+_SOFTMAXES = frozenset("softmax _softmax".split())
+
+
+def _huge_value(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and (v != v or abs(v) >= _HUGE)
+
+
+def _huge_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Nodes that may hold a fill value (a constant of magnitude >= 1e30, or not finite) or a sum with one: a
+    mask, not a score. A softmax ends it (its values lie in [0, 1])."""
+    huge: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or _op_name(node) in _SOFTMAXES:
+            continue
+        leaves = list(_leaves((node.args, node.kwargs)))
+        if any(_huge_value(v) or (isinstance(v, torch.fx.Node) and v in huge) for v in leaves):
+            huge.add(node)
+    return huge
+
+
+def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node],
+               out: torch.Tensor) -> Any:
+    """The additive-mask facts: ``where(causal, score, fill)`` and ``score + mask`` (a :class:`_NegMask`), a softmax
+    of one over its keys (a :class:`_ZeroAbove`)."""
+    if name == "where" and len(node.args) == 3 and out.dtype in _NEG_MASK_DTYPES:
+        cond, keep, fill = (_aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else None for a in node.args)
+        fill_value = node.args[2]
+        huge_fill = (isinstance(fill_value, (int, float)) and not isinstance(fill_value, bool)
+                     and fill_value <= -_HUGE) or (isinstance(fill_value, torch.fx.Node) and fill_value in huge
+                                                   and fill_value.op == "call_function" and _is_negative_constant(fill_value))
+        keep_ok = not (isinstance(node.args[1], torch.fx.Node) and node.args[1] in huge) and not _huge_value(node.args[1])
+        if isinstance(cond, _Causal) and cond.diag is not None and huge_fill and keep_ok:
+            return _NegMask(cond.q, cond.k, cond.diag, pure=_is_zero(node.args[1]))
+        if isinstance(cond, _KeysOnly) and huge_fill and keep_ok:
+            return _NegKeys(cond.dim, cond.needs)
+        return None
+    if name == "masked_fill" and len(node.args) == 3 and out.dtype in _NEG_MASK_DTYPES:
+        x, cond, fill = node.args
+        fact = _aligned(facts.get(cond), cond, out) if isinstance(cond, torch.fx.Node) else None
+        x_ok = isinstance(x, torch.fx.Node) and x not in huge
+        if isinstance(fact, _MaskedAbove) and x_ok and isinstance(fill, (int, float)) and fill <= -_HUGE:
+            return _NegMask(fact.q, fact.k, fact.needs)
+        return None
+    if name == "cat":
+        return _sink_cat_fact(node, facts, huge, out)
+    if name in ("max", "maximum") and len(node.args) == 2 and all(isinstance(a, torch.fx.Node) for a in node.args):
+        for m, c in (node.args, node.args[::-1]):  # max(scores + mask, full((), finfo.min)): xglm's clamp
+            fact = _aligned(facts.get(m), m, out)
+            if isinstance(fact, _NegMask) and _is_negative_constant(c):
+                return fact  # the fill values stay <= -1e30, the finite scores are unchanged
+        return None
+    if name == "sub" and len(node.args) == 2 and isinstance(node.args[0], torch.fx.Node):
+        fact = facts.get(node.args[0])
+        if isinstance(fact, _NegMask) and _row_max_of(node.args[1], node.args[0], fact.k):
+            return fact  # minus the row's own max (finite for a real row): the fill values stay <= -1e30
+        return None
+    if name == "add" and len(node.args) == 2 and out.dtype in _NEG_MASK_DTYPES and "alpha" not in node.kwargs:
+        for m, x in (node.args, node.args[::-1]):
+            fact = _aligned(facts.get(m), m, out) if isinstance(m, torch.fx.Node) else None
+            if isinstance(fact, (_NegMask, _NegKeys)) and isinstance(x, torch.fx.Node) and x not in huge \
+                    and isinstance(example_of(x), torch.Tensor) and example_of(x).dtype.is_floating_point:
+                return fact
+        return None
+    if name in _SOFTMAXES:
+        src = node.args[0]
+        fact = facts.get(src) if isinstance(src, torch.fx.Node) else None
+        dim = _static_int(_arg(node, 1, "dim", None))
+        if isinstance(fact, _NegMask) and dim is not None and _norm_dim(dim, out.dim()) == fact.k:
+            return _ZeroAbove(fact.q, fact.k, fact.needs, fact.tail)
+        if isinstance(fact, _NegKeys) and dim is not None and _norm_dim(dim, out.dim()) == fact.k:
+            return _ZeroKeys(fact.k, fact.needs)
+    return None
+
+
+def _row_max_of(value: Any, src: torch.fx.Node, k: int) -> bool:
+    """``value`` is ``src.max(dim=k, keepdim=True).values`` (or ``amax``)."""
+    if not isinstance(value, torch.fx.Node):
+        return False
+    if value.op == "call_function" and value.target in (operator.getitem, getattr) and len(value.args) == 2 \
+            and value.args[1] in (0, "values") and isinstance(value.args[0], torch.fx.Node):
+        value = value.args[0]
+        if _op_name(value) != "max":
+            return False
+    elif _op_name(value) != "amax":
+        return False
+    t = example_of(src)
+    dim = _static_int(_arg(value, 1, "dim", None))
+    return value.args[0] is src and dim is not None and _norm_dim(dim, t.dim()) == k and _arg(value, 2, "keepdim", False) is True
+
+
+def _sink_cat_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node], out: torch.Tensor) -> Any:
+    """``cat([scores + mask, sinks], dim=k)``: static columns of finite values after the masked keys."""
+    pieces = _arg(node, 0, "tensors", ())
+    d = _static_int(_arg(node, 1, "dim", 0))
+    if not isinstance(pieces, (list, tuple)) or len(pieces) < 2 or d is None or not isinstance(pieces[0], torch.fx.Node):
+        return None
+    fact = facts.get(pieces[0])
+    if not (isinstance(fact, _NegMask) and fact.tail == 0 and _norm_dim(d, out.dim()) == fact.k):
+        return None
+    widths = [_static_int(example_of(p).shape[fact.k]) if isinstance(example_of(p), torch.Tensor) else None for p in pieces[1:]]
+    if any(w is None for w in widths) or any(p in huge for p in pieces[1:]):
+        return None
+    return replace(fact, tail=sum(widths), pure=False)
+
+
+def _is_negative_constant(node: torch.fx.Node) -> bool:
+    """``torch.tensor(v)`` / ``full(..., v)`` with a static ``v <= -1e30``: a fill value."""
+    values = [v for v in _leaves((node.args, node.kwargs)) if isinstance(v, float)]
+    return _op_name(node) in ("tensor", "full", "scalar_tensor") and bool(values) and all(v <= -_HUGE for v in values)
+
+
+def _keeps(fact: Any, out: torch.Tensor) -> bool:
+    """Whether a dtype conversion to ``out``'s dtype keeps ``fact``."""
+    if isinstance(fact, _Positions):
+        return _is_int_tensor(out)
+    if isinstance(fact, (_Causal, _Diag, _AllTrue, _MaskedAbove, _KeysOnly)):
+        return out.dtype == torch.bool
+    if isinstance(fact, (_NegMask, _NegKeys)):
+        return out.dtype in _NEG_MASK_DTYPES
+    if isinstance(fact, (_ZeroAbove, _ZeroKeys)):
+        return out.dtype.is_floating_point
+    return True
+
+
+def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node] = frozenset(),
+             ties: Mapping[Any, Any] = MappingProxyType({})) -> Any:
     out = example_of(node)
     name = _op_name(node) if node.op in ("call_function", "call_method") else None
     if name is None or not isinstance(out, torch.Tensor):
@@ -1234,11 +1610,17 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> Any:
     if name == "arange":
         return _arange_fact(node, out)
     if name == "getitem":
-        return _getitem_fact(node, facts, out)
+        return _getitem_fact(node, facts, out, ties)
     if name in _COMPARES:
         return _compare_fact(node, name, facts, out)
     if name in _ANDS:
         return _and_fact(node, facts, out)
+    if name in _ALL_TRUE_FACTORIES and out.dtype == torch.bool:
+        return _AllTrue()
+    if name in ("where", "add", "sub", "masked_fill", "cat", "max", "maximum") or name in _SOFTMAXES:
+        found = _mask_fact(node, name, facts, huge, out)
+        if found is not None or name not in ("add", "sub", "max"):
+            return found
     src = node.args[0] if node.args else None
     fact = facts.get(src) if isinstance(src, torch.fx.Node) else None
     if fact is None:
@@ -1250,10 +1632,12 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> Any:
             return None if base is None else _aligned(_Positions(fact.dim, fact.offset, base), src, out)
         return None if c is None else _aligned(
             _Positions(fact.dim, fact.offset + (c if name == "add" else -c), fact.base), src, out)
-    if name in _KEEPS:
-        keeps = _is_int_tensor(out) if isinstance(fact, _Positions) else (
-            out.dtype == torch.bool if isinstance(fact, _Causal) else True)
-        return _aligned(fact, src, out) if keeps and example_of(src).dim() == out.dim() else None
+    if isinstance(fact, _Causal) and fact.diag is not None and name in _NOTS:
+        return _MaskedAbove(fact.q, fact.k, fact.diag)
+    if isinstance(fact, _NegMask) and fact.pure and out.dtype == torch.bool and name in _KEEPS:
+        return _aligned(_MaskedAbove(fact.q, fact.k, fact.needs), src, out)  # nonzero: the fill values
+    if name in _KEEPS or (name == "dropout" and isinstance(fact, (_ZeroAbove, _ZeroKeys))):  # dropout keeps zeros zero
+        return _aligned(fact, src, out) if _keeps(fact, out) and example_of(src).dim() == out.dim() else None
     if name in ("expand", "expand_as", "broadcast_to"):
         return _aligned(fact, src, out)
     if name == "unsqueeze":
@@ -1278,15 +1662,18 @@ def _scalar_tensor_root(value: Any) -> str | None:
     return None
 
 
-def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None
-                     ) -> dict[torch.fx.Node, Any]:
+def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None,
+                     ties: Mapping[Any, Any] | None = None) -> dict[torch.fx.Node, Any]:
     """The position and causal-mask facts of ``gm``'s nodes (see the section comment above).
-    ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim."""
-    facts: dict[torch.fx.Node, Any] = {n: _ZeroPad(d) for n, d in (zero_padded or {}).items()}
+    ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim; ``ties``: size symbols padded
+    together (symbol -> the one it equals on every call)."""
+    ties = MappingProxyType(dict(ties or {}))
+    facts: dict[torch.fx.Node, Any] = {n: _ZeroPad(d, n.name) for n, d in (zero_padded or {}).items()}
+    huge = _huge_nodes(gm)
     for node in gm.graph.nodes:
         if node in facts:
             continue
-        fact = _fact_of(node, facts)
+        fact = _fact_of(node, facts, huge, ties)
         if fact is not None:
             facts[node] = fact
     return facts
@@ -1295,7 +1682,7 @@ def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Nod
 def _identity_index(item: Any, size: Any, ctx: _Ctx) -> bool:
     """``item`` holds ``0 .. size - 1`` along the dim it broadcasts on (row ``i`` reads row ``i``)."""
     fact = ctx.facts.get(item) if isinstance(item, torch.fx.Node) else None
-    if not isinstance(fact, _Positions) or fact.offset != 0:
+    if not isinstance(fact, _Positions) or fact.offset != 0 or fact.base is not None:
         return False
     return ctx.same_size(example_of(item).shape[fact.dim], size)
 
@@ -1304,7 +1691,7 @@ def _pad_keys_masked(mask: Any, ctx: _Ctx) -> bool:
     """A boolean attention mask that is False at every padding key (dim -1): no query reads them."""
     fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
     t = example_of(mask)
-    return isinstance(fact, _ZeroPad) and isinstance(t, torch.Tensor) and t.dtype == torch.bool \
+    return isinstance(fact, (_ZeroPad, _KeysOnly)) and isinstance(t, torch.Tensor) and t.dtype == torch.bool \
         and fact.dim == t.dim() - 1
 
 
@@ -1327,9 +1714,26 @@ def _zero_padded(gm: torch.fx.GraphModule, names: set[str], symbols: frozenset[s
     return out
 
 
+def _live_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes whose values can reach an output: ancestors of the output, of every node that writes into one
+    of its arguments, of graphpass's ops and of module calls. Others (a ``max(position_ids)`` whose result the
+    model's code never uses) are dead: whatever they compute over the padding reaches no result."""
+    roots = [n for n in gm.graph.nodes if n.op in ("output", "call_module") or (
+        n.op in ("call_function", "call_method") and (_namespace(n.target) in _SAFE_NAMESPACES or any(
+            writes_into(n, a) for a in flat_nodes((n.args, n.kwargs)))))]
+    live: set[torch.fx.Node] = set()
+    while roots:
+        n = roots.pop()
+        if n not in live:
+            live.add(n)
+            roots.extend(n.all_input_nodes)
+    return live
+
+
 def check_padding_safety(
     gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True,
     ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
+    relied_on: set[str] | None = None,
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -1343,16 +1747,24 @@ def check_padding_safety(
     such an input, read in place, is False at every padding key).
     ``ties``: symbols padded together with another one (symbol -> the one it equals on every call,
     which the caller checks), for the size comparisons of the index-provenance proofs.
+    ``relied_on``: when given, filled with the ``zero_padded`` inputs that an accepted additive-mask proof needs
+    to hold 1 at every real position (no real query row fully masked); the caller checks that on every call.
+
+    Nodes whose values reach no output (dead code the model computes and never uses) are not checked.
 
     Returns the violations in graph order; an empty list means padding is safe.
     """
-    ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=MappingProxyType(index_provenance(gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)))),
+    ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=MappingProxyType(index_provenance(
+        gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)), ties)),
                ties=MappingProxyType(dict(ties or {})))
     out: list[PaddingViolation] = []
+    live = _live_nodes(gm)
     for node in gm.graph.nodes:
-        found = _check_node(node, ctx)
+        found = _check_node(node, ctx) if node in live else None
         if found is None:
             continue
         dim, reason = found
         out.append(PaddingViolation(node=node.name, op=_label(node), dim=dim, reason=reason, source=_source(node)))
+    if relied_on is not None:
+        relied_on.update(ctx.relied_on)
     return out
