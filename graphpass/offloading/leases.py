@@ -244,6 +244,10 @@ class FileLeases:
         for regions in (self._regions, self._held):
             for a, (n, fd, end, ref) in list(regions.items()):
                 regions[a] = (n, reopened.get(fd, -1), end, ref)
+        # the regions the model holds (stand-ins eager code reads) live on in the child: its own lease on
+        # the reopened file protects them (a writer's break reaches the child, which privatizes them)
+        for fd in {fd for _, fd, _, _ in self._held.values() if fd >= 0}:
+            self.lease(fd)
 
     # ---------------------------------------------------------------- regions
     def register(self, addr: int, length: int, fd: int, end: int, region: Any, held: bool = False) -> None:
