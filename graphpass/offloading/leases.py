@@ -256,10 +256,6 @@ class FileLeases:
         one the model holds for its life (a stand-in eager code reads), not a load's."""
         (self._held if held else self._regions)[addr] = (length, fd, end, track_region(region, addr, length, self))
 
-    def track(self, region: Any, addr: int, length: int) -> None:
-        """A mapping held without a lease (not registered for lease breaks): unmapped once ``region`` dies."""
-        track_region(region, addr, length, self)
-
     def unmap(self, addr: int, length: int, ref: Any = None) -> None:
         """Unmap a region whose tensors died (the service thread); its entry goes if it is still ``ref``'s."""
         with self._lock:
