@@ -39,7 +39,7 @@ test-vllm:
 
 # Re-accept every golden graph after a deliberate change (read the diff before committing).
 golden: $(STAMP)
-	GRAPHPASS_ACCEPT_GOLDEN=1 $(PY) -m pytest -q tests/test_golden.py
+	GRAPHPASS_ACCEPT_GOLDEN=1 $(PY) -m pytest -q tests/goldens/test_golden.py
 
 bench: $(STAMP)
 	$(PY) bench/compile_overhead.py

@@ -2,7 +2,7 @@
 # Device checks for a lent GPU machine: one call, under 8 minutes. Prints every table and writes a
 # copy of each under $OUT when that is set. Sections, most important first (each has its own time
 # cap, and a section that fails or runs out of time does not stop the others):
-#   1. tests/test_offload_cuda.py: offload tiers on the device, training, and offload under CUDA graphs
+#   1. tests/offloading/test_offload_cuda.py: offload tiers on the device, training, and offload under CUDA graphs
 #      (replays equal eager, host updates seen, fixed slots), where pytest is installed
 #   2. decode under CUDA graphs with a quarter of the layers streamed (bench/gpu_decode.py)
 #   3. a training step with offload against its bandwidth bound (bench/train_offload.py --device cuda)
@@ -45,9 +45,9 @@ want() { [[ "$sections" == *" $1 "* ]]; }
 if want tests; then
   if python3 -c "import pytest" 2>/dev/null; then
     section "offload on CUDA: tests" 110 offload_cuda_tests.txt \
-      python3 -m pytest -q -p no:cacheprovider --no-header -rfE tests/test_offload_cuda.py
+      python3 -m pytest -q -p no:cacheprovider --no-header -rfE tests/offloading/test_offload_cuda.py
   else
-    echo "pytest not installed on this machine: tests/test_offload_cuda.py not run" | tee "$out/offload_cuda_tests.txt"
+    echo "pytest not installed on this machine: tests/offloading/test_offload_cuda.py not run" | tee "$out/offload_cuda_tests.txt"
   fi
 fi
 want decode && section "decode under CUDA graphs" 130 decode_gpu.txt python3 bench/gpu_decode.py

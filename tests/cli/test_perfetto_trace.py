@@ -25,7 +25,7 @@ TRACE_KEYS = {"path", "plot", "calls", "call_ms", "traps", "loads", "evictions",
 
 
 def small_stack():
-    """The CLI factory of these tests: ``test_trace:small_stack``."""
+    """The CLI factory of these tests: ``test_perfetto_trace:small_stack``."""
     torch.manual_seed(0)
     model = MLPStack(dim=DIM, depth=DEPTH).eval()
     return model, (torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(1)),)
@@ -126,13 +126,13 @@ def test_disk_storage_maps_on_the_worker(tmp_path):
 
 def test_the_cli_writes_the_same_trace(tmp_path, capsys):
     out = tmp_path / "cli.json"
-    assert main(["trace", "test_trace:small_stack", "--out", str(out), "--calls", "2", "--json"]) == 0
+    assert main(["trace", "test_perfetto_trace:small_stack", "--out", str(out), "--calls", "2", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert set(summary) == TRACE_KEYS  # the schema docs/cli.md documents
     assert (summary["path"], summary["plot"], summary["traps"], summary["loads"]) == (str(out), None, 2 * DEPTH, 2 * DEPTH)
     check_ranges(json.loads(out.read_text()), calls=2)
     torch._dynamo.reset()  # the next offload() of an MLPStack needs the class's compiled code gone
-    assert main(["trace", "test_trace:small_stack", "--out", str(tmp_path / "plain.json"), "--offload", "disk"]) == 0
+    assert main(["trace", "test_perfetto_trace:small_stack", "--out", str(tmp_path / "plain.json"), "--offload", "disk"]) == 0
     text = capsys.readouterr().out
     assert text.startswith(f"trace written to {tmp_path / 'plain.json'}: 1 call(s), {DEPTH} trap ranges, {DEPTH} loads")
 
@@ -159,7 +159,7 @@ def test_the_plot_is_a_png_of_the_requested_size(tmp_path, capsys):
     report.plot_png(tmp_path / "again.png", size=(300, 200))
     assert png_size((tmp_path / "again.png").read_bytes()) == (300, 200)
     torch._dynamo.reset()
-    assert main(["trace", "test_trace:small_stack", "--out", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png"),
+    assert main(["trace", "test_perfetto_trace:small_stack", "--out", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png"),
                  "--plot-size", "500x200"]) == 0
     assert png_size((tmp_path / "c.png").read_bytes()) == (500, 200)
     assert f"plot written to {tmp_path / 'c.png'}" in capsys.readouterr().out
@@ -174,7 +174,7 @@ def test_missing_matplotlib_names_the_extra_before_running(tmp_path, monkeypatch
         graphpass.trace(lambda x: calls.append(x), torch.ones(1), path=tmp_path / "t.json", plot=tmp_path / "t.png")
     assert isinstance(info.value, graphpass.GraphpassError) and "trace timeline" in str(info.value)
     assert calls == [] and not (tmp_path / "t.json").exists()  # nothing ran, nothing was written
-    assert main(["trace", "test_trace:small_stack", "--out", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png")]) == 2
+    assert main(["trace", "test_perfetto_trace:small_stack", "--out", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("graphpass: error: ") and "pip install 'graphpass[plot]'" in err
 
@@ -192,7 +192,7 @@ def test_bad_arguments_name_the_option_or_path(tmp_path):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         with pytest.raises(TraceError, match="already running"):
             graphpass.trace(fn, x, path=tmp_path / "t.json")
-    assert main(["trace", "test_trace:small_stack", "--plot-size", "big"]) == 2
+    assert main(["trace", "test_perfetto_trace:small_stack", "--plot-size", "big"]) == 2
 
 
 @pytest.mark.parametrize("bad, problem", [
@@ -216,7 +216,7 @@ def test_output_paths_are_checked_before_the_model_runs(tmp_path, capsys, bad, p
         graphpass.trace(lambda x: calls.append(x), torch.ones(1), **outputs)
     assert calls == [] and not (tmp_path / "t.json").exists()  # nothing ran, nothing was written
     flag = {"path": "--out", "plot": "--plot"}[which]
-    argv = ["trace", "test_trace:missing_factory", "--out", str(tmp_path / "c.json"), flag, target]
+    argv = ["trace", "test_perfetto_trace:missing_factory", "--out", str(tmp_path / "c.json"), flag, target]
     assert main(argv) == 2  # refused before the factory is even looked up
     err = capsys.readouterr().err
     assert err.startswith(f"graphpass: error: {flag}: cannot write") and not (tmp_path / "c.json").exists()

@@ -24,7 +24,7 @@ from graphpass.capturing.writer import CaptureWriter
 from graphpass.errors import ConfigError, GraphpassError
 from graphpass.models.corpus import build
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def files_under(root: Path) -> list[str]:

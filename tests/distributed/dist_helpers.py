@@ -1,4 +1,4 @@
-"""Multi-process helpers for tests/test_distributed.py: spawn gloo ranks on CPU with a hard timeout,
+"""Multi-process helpers for tests/distributed/test_distributed.py: spawn gloo ranks on CPU with a hard timeout,
 and the cases each rank runs (tensor parallel, FSDP2, DDP, TP x FSDP2) against single-process eager.
 
 Every case builds the same model from the same seed on every rank, keeps an untouched copy as the

@@ -18,7 +18,7 @@ from graphpass.models.corpus import build
 from graphpass.offloading.ops import LOAD_START, LOAD_WAIT
 from graphpass.passes.pin_backward_loads import pin_backward_loads
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "offload_schedule"
+GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "offload_schedule"
 
 
 def _op(node) -> str:

@@ -19,7 +19,7 @@ from graphpass.errors import PassError
 from graphpass.passes.base import GraphPass, PassContext
 from graphpass.pipeline import PIPELINE, POST_GRAD_PASSES, check_pipeline, inductor_post_grad_pass, run_pipeline
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gm():

@@ -16,7 +16,7 @@ from graphpass.torch_compat import dynamo_compiles_own_frame
 
 from helpers import CountingBackend, register_temp_backend
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_explain_returns_objects_and_compiles_nothing(monkeypatch):

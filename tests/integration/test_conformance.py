@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-_PATH = Path(__file__).resolve().parent.parent / "bench" / "conformance.py"
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "conformance.py"
 _spec = importlib.util.spec_from_file_location("graphpass_bench_conformance", _PATH)
 conformance = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = conformance

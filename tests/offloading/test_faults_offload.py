@@ -68,7 +68,7 @@ from graphpass.offloading import install, safetensors_io
 from graphpass.offloading.runtime import OffloadRuntime
 
 FAULTS: Counter = Counter()
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)

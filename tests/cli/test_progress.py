@@ -132,7 +132,7 @@ def test_offload_is_silent_when_off(tmp_path, monkeypatch, capsys):
 
 
 def _conformance_module():
-    path = Path(__file__).resolve().parent.parent / "bench" / "conformance.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "conformance.py"
     spec = importlib.util.spec_from_file_location("graphpass_bench_conformance_progress", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -37,7 +37,7 @@ def _no_capture_left_behind():
     yield
 
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 HINT = "re-accept with `make golden`"
 
 

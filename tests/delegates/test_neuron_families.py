@@ -68,7 +68,7 @@ def _conformance():
     """bench/conformance.py, whose tiny configs (2 layers, 4 experts top-2) the harness also uses."""
     name = "graphpass_bench_conformance"
     if name not in sys.modules:
-        path = Path(__file__).resolve().parent.parent / "bench" / "conformance.py"
+        path = Path(__file__).resolve().parents[2] / "bench" / "conformance.py"
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
