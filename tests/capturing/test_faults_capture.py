@@ -706,7 +706,6 @@ def test_a_host_root_not_passed_is_named_through_tp_size(tmp_path):
 
 
 def test_meta_records_step_index_and_tp_size(tmp_path):
-    torch._dynamo.reset()
     model, (x,) = build("mlp_stack", seed=0)
     compiled = torch.compile(model, backend="graphpass", options={"then": "eager"})
     caps = {"auto": ModelCapture(compiled, modules=["head"], capture_dir=tmp_path / "auto"),

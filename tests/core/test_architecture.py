@@ -49,7 +49,6 @@ class _Steps(nn.Module):
 def test_augmented_assignment_on_an_offloaded_buffer_is_refused_at_compile_time():
     """Before the toolkit, the offload pass did not know ``operator.iadd``: the first call replaced
     the buffer with its loaded copy, the second failed with a misleading error."""
-    torch._dynamo.reset()
     model = _Steps().eval().requires_grad_(False)
     graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
     compiled = torch.compile(model, backend=graphpass.backend(then="eager"))
@@ -61,7 +60,6 @@ def test_augmented_assignment_on_an_offloaded_buffer_is_refused_at_compile_time(
 def test_tensors_replaced_after_offload_are_refused_at_compile_time():
     """``.half()`` after ``offload()`` replaced every offloaded tensor: the graph holds the guards
     but reads no offloaded tensor, which used to run silently on the replaced (garbage) tensors."""
-    torch._dynamo.reset()
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(2))).eval().requires_grad_(False)
     graphpass.offload(model, graphpass.OffloadConfig(include_patterns=["0", "1"], device="cpu", storage="cpu"))
     model.double()
@@ -187,7 +185,6 @@ def test_post_grad_passes_are_declared_in_the_pipeline_and_installed_from_there(
         gm_box["gm"] = gm
         return gm.forward
 
-    torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model, backend=graphpass.backend(then=capture_graph))(torch.randn(2, 8))
     backends.InductorDelegate().compile(gm_box["gm"], [])
@@ -198,7 +195,6 @@ def test_post_grad_passes_are_declared_in_the_pipeline_and_installed_from_there(
 
 
 def test_each_pass_is_logged_with_its_time_at_debug(caplog):
-    torch._dynamo.reset()
     model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(2)))
     with caplog.at_level(logging.DEBUG, logger="graphpass"):
         torch.compile(model, backend=graphpass.backend(then="eager"))(torch.randn(2, 4))

@@ -157,7 +157,6 @@ def test_source_frame_is_the_users_line_not_torch_or_graphpass():
     def user_function(x):
         return torch.sin(x) + 1  # the line the frame must name
 
-    torch._dynamo.reset()
     torch.compile(user_function, backend=backend)(torch.randn(3))
     frame = seen["frame"]
     assert frame.file == "test_fx_utils.py"
@@ -182,7 +181,6 @@ def test_size_expressions_and_symbols():
         seen["expr"] = size_expr(fx_utils.example_of(x).shape[0])
         return gm.forward
 
-    torch._dynamo.reset()
     x = torch.randn(5, 2)
     torch._dynamo.mark_dynamic(x, 0)
     torch.compile(lambda t: t * 2, backend=backend)(x)

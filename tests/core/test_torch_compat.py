@@ -78,7 +78,6 @@ def test_a_frame_skipped_for_a_break_inside_a_loop_is_on_record():
     offload pass could not see a module's forward run eagerly (count_loop_skips)."""
     from graphpass import dynamo_records
 
-    torch._dynamo.reset()
     x = torch.randn(3)
     assert torch.equal(torch.compile(_looped, backend="eager")(x), (x + 1) + 1)
     sites = [s for s in dynamo_records.skipped_frame_sites() if s.name == "_looped"]

@@ -66,7 +66,6 @@ def _eager_outputs(model, x, names):
 
 
 def test_capture_of_blocks_whose_forward_breaks_the_graph(tmp_path):
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = BreakingStack().eval()
     x = torch.randn(2, 3, 8)
@@ -88,13 +87,11 @@ def test_capture_of_blocks_whose_forward_breaks_the_graph(tmp_path):
             assert sorted(tensors) == ["[0]", "[1]"], sorted(tensors)
             torch.testing.assert_close(tensors["[0]"], eager[n][0], rtol=0, atol=0)
             torch.testing.assert_close(tensors["[1]"], eager[n][1], rtol=0, atol=0)
-    torch._dynamo.reset()
 
 
 def test_eager_capture_goes_to_the_model_that_ran(tmp_path):
     """Two instances of the class, each with its own ModelCapture: each block's values are filed under
     the capture whose model holds the block, once each, and a disabled capture gets nothing."""
-    torch._dynamo.reset()
     a, b = BreakingStack().eval(), BreakingStack().eval()
     ca, cb = (torch.compile(m, backend=graphpass.backend(then="aot_eager")) for m in (a, b))
     cap_a = graphpass.ModelCapture(ca, modules=["layers.1"], capture_dir=tmp_path / "a")
@@ -110,7 +107,6 @@ def test_eager_capture_goes_to_the_model_that_ran(tmp_path):
     assert files == ["a/dp0/prefill_s2_0/layers.1/rank0.safetensors"], files
     got = load_file(str(tmp_path / files[0]))
     torch.testing.assert_close(got["[0]"], eager_a["layers.1"][0], rtol=0, atol=0)
-    torch._dynamo.reset()
 
 
 class Scan(nn.Module):
@@ -132,7 +128,6 @@ class Scan(nn.Module):
 
 
 def test_static_shapes_says_when_dynamo_specialized_the_length():
-    torch._dynamo.reset()
     model = Scan().eval()
     gp = graphpass.backend(then="aot_eager", static_shapes={"dims": {"input_ids": 1}, "buckets": [8, 16]})
     compiled = torch.compile(model, backend=gp)
@@ -146,7 +141,6 @@ def test_static_shapes_says_when_dynamo_specialized_the_length():
     assert "not bucketing input_ids dim 1" in said[0] and "for t in range(x.shape[1])" in said[0], said[0]
     assert "test_conformance_regressions.py" in said[0], said[0]
     assert not any(getattr(g, "runner", None) for g in gp.graphs)  # nothing padded: no symbolic length
-    torch._dynamo.reset()
 
 
 class AttnBlock(nn.Module):
@@ -175,7 +169,6 @@ class AttnStack(nn.Module):
 
 
 def test_capture_of_an_output_leaf_nothing_outside_reads(tmp_path):
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = AttnStack().eval()
     x = torch.randn(1, 5, 8)
@@ -186,7 +179,6 @@ def test_capture_of_an_output_leaf_nothing_outside_reads(tmp_path):
     with torch.no_grad(), cap.step(is_prefill=True, positions=torch.arange(5)):
         compiled(x)
     got = load_file(str(next(tmp_path.rglob("h.0/rank0.safetensors"))))
-    torch._dynamo.reset()
     assert tuple(got["[1]"].shape) == tuple(eager["h.0"][1].shape), {k: tuple(v.shape) for k, v in got.items()}
     torch.testing.assert_close(got["[1]"], eager["h.0"][1], rtol=0, atol=0)
 
@@ -224,7 +216,6 @@ def test_disk_offload_of_weights_a_skipped_frame_reads_eagerly(tmp_path):
     """longcat_flash's offload_disk NaN: with storage="disk" on a host device the model held an
     uninitialized stand-in for each streamed tensor, which only the scheduled loads replace; the
     expert loop Dynamo runs eagerly read it directly. It now holds a mapping of the file region."""
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = LoopExpertsStack().eval()
     x = torch.randn(1, 6, 8)
@@ -236,7 +227,6 @@ def test_disk_offload_of_weights_a_skipped_frame_reads_eagerly(tmp_path):
     with torch.no_grad(), pytest.warns(UserWarning, match=r"module 'layers.0' \(LoopExperts\).*Dynamo skipped its forward"
                                                           r".*not streamed \(results are right"):
         got = compiled(x)
-    torch._dynamo.reset()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     assert graphpass.memory_stats(compiled).loads_issued > 0  # the routers still stream through the graphs
 
@@ -247,7 +237,6 @@ def test_device_stand_ins_read_by_a_skipped_frame_are_refused():
     compiles (the router's), naming the module, Dynamo's record and what to do."""
     from graphpass.offloading.install import device_stand_ins_on_host
 
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = LoopExpertsStack().eval()
     with device_stand_ins_on_host():
@@ -258,4 +247,3 @@ def test_device_stand_ins_read_by_a_skipped_frame_are_refused():
                                               r"streams, and Dynamo skipped its forward.*reads the device stand-ins.*"
                                               r"exclude_patterns=\['layers.0'\]"):
         compiled(torch.randn(1, 6, 8))
-    torch._dynamo.reset()

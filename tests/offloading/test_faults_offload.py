@@ -26,7 +26,6 @@ def test_offload_file_never_written_through_a_planted_symlink(tmp_path, monkeypa
             yield f".graphpass-{os.urandom(6).hex()}.tmp"
 
     monkeypatch.setattr(atomic_files, "temp_names", names)
-    torch._dynamo.reset()
     model, inputs = build("mlp_stack")
     model.eval().requires_grad_(False)
     ref = model(*inputs)

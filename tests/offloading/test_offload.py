@@ -96,7 +96,6 @@ def test_disk_with_weights_that_require_grad(mode, tmp_path):
     """Parameters that require grad (as from_pretrained leaves them) stream from disk in eval under
     no_grad / inference_mode; only a graph that needs a disk-streamed weight's gradient is refused,
     at compile time, naming the tensor."""
-    torch._dynamo.reset()
     model, inputs = build("mlp_stack")
     model.eval()
     assert all(p.requires_grad for p in model.parameters())

@@ -98,7 +98,6 @@ def test_wrapper_subclass_weights_stream_their_inner_tensors_on_cuda(storage, th
     tensors: the model holds the wrapper around device stand-ins, the loads rebuild it."""
     from torch.testing._internal.two_tensor import TwoTensor
 
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU()) for _ in range(3)]).eval()
     for block in model:
@@ -131,7 +130,6 @@ def _mostly_resident(layers: int = 8):
     """A transformer of ``layers`` blocks offloaded with a budget that keeps all but two resident."""
     from graphpass.models.corpus import TinyTransformer, TransformerConfig
 
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyTransformer(TransformerConfig(vocab=64, hidden=64, heads=2, layers=layers, mlp=128))
     model.eval().requires_grad_(False)
@@ -193,7 +191,6 @@ def test_offload_under_cuda_graphs_keeps_loads_in_fixed_slots():
 
 @pytest.mark.parametrize("case", ["pageable storage", "then=cudagraphs", "static-shape buckets"])
 def test_offload_under_cuda_graphs_refuses_what_cannot_replay_before_running(case):
-    torch._dynamo.reset()
     model, inputs = frozen("tiny_transformer")
     storage = "cpu" if case == "pageable storage" else "pinned"
     graphpass.offload(model, graphpass.OffloadConfig(device="cuda", storage=storage))

@@ -350,7 +350,6 @@ def test_graphpass_ops_are_ignored():
 def test_graphpass_pipeline_graph_of_the_bundled_transformer():
     """The graph graphpass hands its delegate (trap boundaries inserted) is padding-safe: causal
     attention, RMSNorm, gated MLP, tied head. Without causal_ok each layer's attention is named."""
-    torch._dynamo.reset()
     cfg = TransformerConfig(vocab=64, hidden=32, heads=2, layers=2, mlp=48, max_seq=32)
     model = TinyTransformer(cfg).eval()
     rec = Recorder()
@@ -397,7 +396,6 @@ def test_aten_graph_after_aot_autograd():
         got.extend(check_padding_safety(gm, {x.meta["val"].shape[1].node.expr}))
         return gm.forward
 
-    torch._dynamo.reset()
     fn = torch.compile(lambda x: (x.softmax(-1), x.sum(1), (x @ x.transpose(1, 2)).softmax(-1) @ x),
                        backend=aot_autograd(fw_compiler=fw), dynamic=True)
     with torch.no_grad():

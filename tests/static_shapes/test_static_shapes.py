@@ -301,7 +301,6 @@ def test_graphs_of_frames_inside_the_model_are_not_taken_for_the_entry_frame():
 def test_a_skipped_entry_frame_is_a_warning_naming_the_input_not_a_config_error():
     """With the break inside the layer loop Dynamo runs the entry frame eagerly: no graph takes
     ``input_ids``. graphpass says so (and why, from Dynamo's records) instead of raising or staying silent."""
-    torch._dynamo.reset()
     entry, inner, warned = _run_breaking(loop=True)
     assert not entry and {"forward", "_mixed"} <= inner
     assert any("input_ids" in w and "skipped" in w and "loop" in w for w in warned), warned
@@ -354,7 +353,6 @@ def test_automatic_dynamic_shapes_off_buckets_under_dynamic_true_or_mark_dynamic
 def _skip_unless_torch_guards_duck_sizes(model):
     """torch 2.9's Dynamo (not 2.15's) runs a graph traced for a batch equal to the length for a later
     (5, 9) call too, and fails in a reshape with no graphpass involved: probe plain torch.compile."""
-    torch._dynamo.reset()
     plain = torch.compile(model, backend="eager", dynamic=True)
     try:
         with torch.no_grad():

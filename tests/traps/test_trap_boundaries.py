@@ -234,7 +234,6 @@ def test_a_graph_dynamo_shares_between_blocks_names_the_block_that_runs():
     next blocks of the class. Before: their boundaries carried the traced block's label (the run
     entered blocks.0, blocks.0, blocks.1, blocks.0, blocks.1, blocks.0). Now each boundary names
     the block whose weight it was given at run time."""
-    torch._dynamo.reset()
     model = _BreakingBlocks()
     gp = graphpass.backend(then="eager")
     compiled = torch.compile(model, backend=gp)
