@@ -874,3 +874,44 @@ def test_gradient_landing_keeps_the_first_buffer_and_adds_later_ones():
     assert host.grad.data_ptr() == first.data_ptr()  # no copy of the first gradient
     assert torch.equal(host.grad, torch.full((4, 8), 3.0))
     assert runtime._staging.take(32 * 4) is second  # the added one's buffer is reused
+
+
+# ------------------------------------------------------------------ refused at compile time: += on an offloaded
+# buffer, tensors replaced after offload() (from tests/core/test_architecture.py)
+
+
+class _Steps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        for layer in self.layers:
+            layer.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        for layer in self.layers:
+            layer.steps += 1  # Dynamo records operator.iadd
+            x = layer(x)
+        return x
+
+
+def test_augmented_assignment_on_an_offloaded_buffer_is_refused_at_compile_time():
+    """Before the toolkit, the offload pass did not know ``operator.iadd``: the first call replaced
+    the buffer with its loaded copy, the second failed with a misleading error."""
+    model = _Steps().eval().requires_grad_(False)
+    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
+    compiled = torch.compile(model, backend=graphpass.backend(then="eager"))
+    with pytest.raises(graphpass.OffloadError, match=r"writes offloaded tensor 'layers.0.steps' in place"):
+        with torch.no_grad():
+            compiled(torch.randn(2, 8))
+
+
+def test_tensors_replaced_after_offload_are_refused_at_compile_time():
+    """``.half()`` after ``offload()`` replaced every offloaded tensor: the graph holds the guards
+    but reads no offloaded tensor, which used to run silently on the replaced (garbage) tensors."""
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(2))).eval().requires_grad_(False)
+    graphpass.offload(model, graphpass.OffloadConfig(include_patterns=["0", "1"], device="cpu", storage="cpu"))
+    model.double()
+    compiled = torch.compile(model, backend=graphpass.backend(then="eager"))
+    with pytest.raises(graphpass.OffloadError, match=r"replaced after offload\(\)"):
+        with torch.no_grad():
+            compiled(torch.randn(2, 8, dtype=torch.float64))
