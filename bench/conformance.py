@@ -27,7 +27,7 @@ cannot become n/a) and reported in the JSON.
 
 Writes ``bench/out/conformance.json`` (``conformance_<delegate>.json`` for another delegate) and a
 log per architecture under ``bench/out/conformance_logs/``. ``make conformance`` runs the full set.
-The per-architecture check is :func:`check_arch` (``tests/test_conformance.py`` runs it in process).
+The per-architecture check is :func:`check_arch` (``tests/integration/test_conformance.py`` runs it in process).
 """
 
 from __future__ import annotations
