@@ -1,7 +1,9 @@
 """``graphpass compare REF VLLM_CAPTURES`` end to end: ``graphpass reference`` (transformers, eager, fp32,
 greedy) against vLLM's CPU engine serving the same tiny Llama, aligned by request and position, the
 engine's layers rebuilt (hidden + residual, fused qkv_proj / gate_up_proj split); then against vLLM
-serving a copy whose layer 1 is perturbed: layer 1 is the first divergence, in the first engine step."""
+serving a copy whose layer 1 is perturbed: layer 1 is the first divergence, in the first engine step.
+The agreeing run also runs under vLLM's torch profiler (one engine start for both): each decoder layer's
+trap is a ``graphpass.trap/<layer>`` range in the worker's trace file."""
 
 import json
 
@@ -38,10 +40,18 @@ def reference(tiny_llama, tmp_path_factory):
     return out / "ref"
 
 
-def _serve(model, out):
+def _serve(model, out, profile_dir=None):
     caps = out / "caps"
     settings = {"options": {"then": "eager"}, "tensor_capture": {"modules": ENGINE_MODULES, "capture_dir": str(caps)}}
-    return serve(model, out, settings), caps
+    return serve(model, out, settings, profile_dir=profile_dir), caps
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory):
+    """The tiny Llama served with capture, under vLLM's torch profiler: (result, captures, trace folder)."""
+    out = tmp_path_factory.mktemp("served")
+    result, caps = _serve(tiny_llama, out, profile_dir=out / "traces")
+    return result, caps, out / "traces"
 
 
 def _first_step(caps):
@@ -49,8 +59,8 @@ def _first_step(caps):
     return "dp0/" + min(metas, key=lambda m: m["step_index"])["step"]
 
 
-def test_vllm_matches_the_reference_at_every_token_of_every_rebuilt_module(tiny_llama, reference, tmp_path):
-    result, caps = _serve(tiny_llama, tmp_path)
+def test_vllm_matches_the_reference_at_every_token_of_every_rebuilt_module(served, reference):
+    result, caps, _ = served
     assert result["tokens"] == json.loads((reference / "tokens.json").read_text())
     report = compare(reference, caps, rtol=RTOL, atol=ATOL)
     assert report.passed, str(report)
@@ -84,3 +94,12 @@ def test_a_perturbed_layer_is_the_first_divergence_in_the_first_step(tiny_llama,
     assert all(r.passed for r in report.rows[:report.rows.index(bad)])
     assert main(["compare", str(reference), str(caps), "--json", str(tmp_path / "summary.json")]) == 1
     assert "first diverging module: model.layers.1 (step " + _first_step(caps) in capsys.readouterr().out
+
+
+def test_each_decoder_layer_is_a_trap_range_in_vllms_profiler_trace(served):
+    traces = served[2]
+    files = [f for f in traces.rglob("*.json") if f.is_file()]
+    assert files, f"vLLM wrote no trace file into {traces}: {sorted(p.name for p in traces.rglob('*'))}"
+    names = {e.get("name") for f in files for e in json.loads(f.read_text()).get("traceEvents", [])}
+    ranges = sorted(n for n in names if isinstance(n, str) and n.startswith("graphpass.trap/"))
+    assert ranges == ["graphpass.trap/model.layers.0", "graphpass.trap/model.layers.1"], ranges
