@@ -30,14 +30,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, GraphpassError
 
 __all__ = ["Family", "FamilyRegistry", "FAMILIES", "ModelShape", "RebuildError", "register_family", "rebuild_llama"]
 
 _LAYER_RE = re.compile(r"(?:.*\.)?layers\.[0-9]+")  # a decoder layer: model.layers.3 (fullmatch)
 
 
-class RebuildError(ValueError):
+class RebuildError(GraphpassError, ValueError):
     """One module's tensors cannot be rebuilt (a key missing, a shape that does not split): a FAIL row."""
 
 
