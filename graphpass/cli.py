@@ -229,7 +229,8 @@ def _add_compare_and_golden(add: Any) -> None:
     """The ``compare`` and ``golden`` subcommands (``add`` makes a subparser with an example)."""
     p = add("compare", "compare two capture directories tensor by tensor: graphpass compare REF TEST [TEST ...]",
             "graphpass compare captures_cpu captures_gpu --rtol 1e-3 --atol 1e-5 --json summary.json\n"
-            "  graphpass compare captures_tp1 hostA/captures hostB/captures   # one TP run written on two hosts")
+            "  graphpass compare captures_tp1 hostA/captures hostB/captures   # one TP run written on two hosts\n"
+            "  graphpass compare ref vllm_captures   # `graphpass reference` vs vLLM: aligned by request and position")
     p.add_argument("ref", help="reference capture directory")
     p.add_argument("test", nargs="+", help="capture directory to check against REF; several: the roots of one run "
                                            "whose ranks wrote on several hosts, read as one")
@@ -242,6 +243,9 @@ def _add_compare_and_golden(add: Any) -> None:
                         "(needs matplotlib: pip install 'graphpass[plot]')")
     p.add_argument("--html", default=None, metavar="PATH",
                    help="write one self-contained page: the plot, the table, both runs' meta (needs graphpass[plot])")
+    p.description += ("\n\nacross engines (a `graphpass reference` run as REF, a vLLM plugin run as TEST): steps are "
+                      "aligned by request and\ntoken position, the engine's modules rebuilt in transformers' terms "
+                      "(docs/vllm.md)")
     p.description += ("\n\nexit status: 0 every tensor matches; 1 a difference, or a step, module, rank or key one run has "
                  "and the other lacks\n(a FAIL row naming it, see docs/capture.md), or nothing compared; 2 bad arguments")
     p.set_defaults(func=_compare)

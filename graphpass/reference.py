@@ -4,8 +4,9 @@ comparing an engine's captures (vLLM, docs/vllm.md) against.
 Each prompt (a list of token ids) is one request, run alone: one prefill step, then one decode step
 per generated token, each captured in the layout of docs/capture.md
 (``OUT/dp0/prefill_s{N}_{k}``, ``OUT/dp0/decode_b1_{k}``), with ``req_ids`` (the prompt's index, as
-vLLM's ``LLM.generate`` numbers its requests), ``positions`` and ``token_request`` in each meta, as
-the vLLM plugin writes them. ``OUT/tokens.json``: the greedy tokens per prompt, in prompt order.
+vLLM's ``LLM.generate`` numbers its requests), ``positions``, ``token_request``, ``input_ids`` (the
+token fed at each row) and ``model`` (model type and head sizes) in each meta, as the vLLM plugin
+writes them. ``OUT/tokens.json``: the greedy tokens per prompt, in prompt order.
 
 The model is compiled with graphpass and the ``eager`` delegate (capture nodes need a graphpass
 graph; the delegate runs the traced aten ops as eager would).
@@ -55,19 +56,23 @@ def reference_run(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]]
     capture = ModelCapture(model, modules=list(modules), capture_dir=out)
     capture.enable()
     vocab = model.config.vocab_size
+    from .capturing.engine_families import ModelShape
+
+    shape = ModelShape.from_config(model.config).to_meta()
     tokens = []
     with torch.no_grad():
         for i, prompt in enumerate(prompts):
             bad = [t for t in prompt if t >= vocab]
             if bad:
                 raise ConfigError("--prompts", bad[:3], f"token ids of prompt {i} are not below the vocabulary size {vocab}")
-            tokens.append(_greedy(model, capture, str(i), list(prompt), max_new_tokens))
+            tokens.append(_greedy(model, capture, str(i), list(prompt), max_new_tokens, shape))
     Path(out, "tokens.json").write_text(json.dumps(tokens))
     log.info("reference run: %d prompt(s), %d new tokens each, captures in %s", len(prompts), max_new_tokens, out)
     return tokens
 
 
-def _greedy(model: Any, capture: Any, req_id: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+def _greedy(model: Any, capture: Any, req_id: str, prompt: list[int], max_new_tokens: int,
+            shape: dict) -> list[int]:
     """One request: a prefill step, then a decode step per token but the last, each one capture step."""
     from transformers import DynamicCache
 
@@ -77,7 +82,8 @@ def _greedy(model: Any, capture: Any, req_id: str, prompt: list[int], max_new_to
     for step in range(max_new_tokens):
         start = len(prompt) + len(out) - ids.shape[1]
         positions = torch.arange(start, start + ids.shape[1])
-        meta = {"token_request": [0] * ids.shape[1], "engine": "transformers"}
+        meta = {"token_request": [0] * ids.shape[1], "engine": "transformers", "input_ids": ids[0].tolist(),
+                "model": shape}
         with capture.step(positions=positions, is_prefill=step == 0, req_ids=[req_id], extra_meta=meta):
             logits = model(input_ids=ids, past_key_values=cache, use_cache=True,
                            cache_position=positions, position_ids=positions[None]).logits

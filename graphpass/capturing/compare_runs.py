@@ -184,7 +184,7 @@ class CompareReport:
 
 
 def compare(ref_dir: "str | os.PathLike[str] | list", test_dir: "str | os.PathLike[str] | list",
-            rtol: float = 1e-3, atol: float = 1e-5) -> CompareReport:
+            rtol: float = 1e-3, atol: float = 1e-5, families: Any = None) -> CompareReport:
     """Compare every captured tensor under ``test_dir`` with the same one under ``ref_dir``.
 
     A tensor passes iff the shapes match and ``torch.allclose(test, ref, rtol, atol, equal_nan=True)``
@@ -193,6 +193,11 @@ def compare(ref_dir: "str | os.PathLike[str] | list", test_dir: "str | os.PathLi
     list of roots: the captures one run's ranks wrote on several hosts, read as one tree (``ref_dir``
     / ``test_dir`` of the report join them with ``os.pathsep``). A module the two runs hold in different pieces (other ranks, other shards) is
     compared against the reference's assembled global tensor (:mod:`graphpass.capturing.shards`).
+    Captures of two engines (the metas' ``engine``: a vLLM run against a ``graphpass reference``
+    run) are aligned by request and token position instead, the engine's modules rebuilt in
+    transformers' terms by their model family (``families``: a
+    :class:`~graphpass.capturing.engine_families.FamilyRegistry`, default the registered ones):
+    :mod:`graphpass.capturing.compare_engines`.
     Raises :class:`CompareError` only for bad arguments.
     """
     rtol, atol = _check_tol("rtol", rtol), _check_tol("atol", atol)
@@ -203,7 +208,7 @@ def compare(ref_dir: "str | os.PathLike[str] | list", test_dir: "str | os.PathLi
         for side, roots in (("ref", ref_dir), ("test", test_dir)):
             for root in (roots if isinstance(roots, (list, tuple)) else [roots]):
                 _note_temp_files(report, side, Path(root))
-        _compare_trees(report, ref, test)
+        _compare_trees(report, ref, test, families)
     return report
 
 
@@ -224,9 +229,18 @@ def _root(name: str, value: Any, stack: contextlib.ExitStack) -> tuple[Path, str
     return path, str(path)
 
 
-def _compare_trees(report: CompareReport, ref: Path, test: Path) -> None:
+def _compare_trees(report: CompareReport, ref: Path, test: Path, families: Any = None) -> None:
     scans = ({rel: StepScan.read(ref / rel) for rel in _find_steps(ref)},
              {rel: StepScan.read(test / rel) for rel in _find_steps(test)})
+    from .compare_engines import engine_of, compare_engines
+
+    engines = (engine_of(scans[0]), engine_of(scans[1]))
+    if engines[0] != engines[1] and None not in engines:
+        if engines[0] != "transformers":
+            raise CompareError(f"ref_dir holds {engines[0]!r} captures and test_dir {engines[1]!r}: across engines, "
+                               "give the transformers reference (`graphpass reference`) as ref_dir")
+        compare_engines(ref, test, report, families)
+        return
     steps, notes = execution_order(set(scans[0]) | set(scans[1]), *scans)
     report.notes.extend(notes)
     run = (run_ranks(scans[0]), run_ranks(scans[1]))  # the ranks each run had, per tree

@@ -1,6 +1,6 @@
-"""The CI entry point: .ci/run runs both legs and fails if either fails; the XLA leg counts pytest's
-exit 5 (no test collected) as a failure. `make` is replaced by a stand-in on PATH, so nothing is
-installed or run here."""
+"""The CI entry point: .ci/run runs the three legs and fails if any fails; the XLA and vLLM legs count
+pytest's exit 5 (no test collected) as a failure; the vLLM leg's install overlaps the other legs.
+`make` and the vLLM leg are replaced by stand-ins, so nothing is installed or run here."""
 
 from __future__ import annotations
 
@@ -14,22 +14,73 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _fake_make(tmp_path: Path) -> dict:
-    """A `make` that records its target and exits with $MAIN_RC for `test`, $XLA_RC for `test-xla`."""
+    """A `make` that records its target and exits with $MAIN_RC for `test`, $XLA_RC for `test-xla`
+    (`test` first waits up to 10 s for the vLLM install to have started, and records whether it had);
+    a vLLM leg ($VLLM_LEG) that records its phase and exits with $VLLM_INSTALL_RC / $VLLM_TEST_RC."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     make = bin_dir / "make"
-    make.write_text('#!/usr/bin/env bash\necho "$1" >> "$MAKE_LOG"\n'
+    make.write_text('#!/usr/bin/env bash\n'
+                    'if [ "$1" = test ]; then for i in $(seq 100); do [ -e "$MAKE_LOG.installing" ] && break; sleep 0.1; done\n'
+                    '  [ -e "$MAKE_LOG.installing" ] && echo install-running-during-main >> "$MAKE_LOG"; fi\n'
+                    'echo "$1" >> "$MAKE_LOG"\n'
                     'case "$1" in test) exit "$MAIN_RC";; test-xla) exit "$XLA_RC";; *) exit 99;; esac\n')
     make.chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MAKE_LOG": str(tmp_path / "make.log")}
+    leg = bin_dir / "vllm-leg"
+    leg.write_text('#!/usr/bin/env bash\n'
+                   'case "$1" in install) echo vllm-install >> "$MAKE_LOG"; touch "$MAKE_LOG.installing"; '
+                   'exit "$VLLM_INSTALL_RC";;\n'
+                   '  test) echo vllm-test >> "$MAKE_LOG"; exit "$VLLM_TEST_RC";; *) exit 99;; esac\n')
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MAKE_LOG": str(tmp_path / "make.log"),
+            "VLLM_LEG": str(leg), "VLLM_INSTALL_RC": "0", "VLLM_TEST_RC": "0"}
 
 
-@pytest.mark.parametrize("main_rc, xla_rc", [(0, 0), (0, 1), (2, 0), (2, 1)])
-def test_ci_runs_both_legs_and_fails_if_either_fails(tmp_path, main_rc, xla_rc):
-    env = _fake_make(tmp_path) | {"MAIN_RC": str(main_rc), "XLA_RC": str(xla_rc)}
+@pytest.mark.parametrize("main_rc, xla_rc, vllm_rc", [(0, 0, 0), (0, 1, 0), (2, 0, 0), (2, 1, 0), (0, 0, 1),
+                                                      (2, 1, 1)])
+def test_ci_runs_every_leg_and_fails_if_any_fails(tmp_path, main_rc, xla_rc, vllm_rc):
+    env = _fake_make(tmp_path) | {"MAIN_RC": str(main_rc), "XLA_RC": str(xla_rc), "VLLM_TEST_RC": str(vllm_rc)}
     out = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
-    assert (tmp_path / "make.log").read_text().split() == ["test", "test-xla"]  # both, in order, always
-    assert (out.returncode == 0) == (main_rc == 0 and xla_rc == 0), out.stderr
+    # the vLLM install runs while the main leg does; its tests after the other legs; every leg always
+    assert (tmp_path / "make.log").read_text().split() == [
+        "vllm-install", "install-running-during-main", "test", "test-xla", "vllm-test"]
+    assert (out.returncode == 0) == (main_rc == 0 and xla_rc == 0 and vllm_rc == 0), out.stderr
+    if out.returncode:
+        assert f"main leg exit {main_rc}, xla leg exit {xla_rc}, vllm leg exit {vllm_rc}" in out.stderr
+
+
+def test_ci_counts_a_failed_vllm_install_as_the_vllm_legs_failure(tmp_path):
+    env = _fake_make(tmp_path) | {"MAIN_RC": "0", "XLA_RC": "0", "VLLM_INSTALL_RC": "1"}
+    out = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "vllm leg exit 1" in out.stderr
+    assert "vllm-test" not in (tmp_path / "make.log").read_text().split()
+
+
+@pytest.mark.parametrize("pytest_rc, expected", [(0, 0), (1, 1), (5, 1)])
+def test_vllm_leg_test_phase_counts_no_tests_as_failure_and_removes_the_venv(tmp_path, pytest_rc, expected):
+    """`.ci/vllm-leg test` in a stand-in venv whose python passes the load check and exits with
+    ``pytest_rc`` for pytest."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    py = venv / "bin" / "python"
+    py.write_text(f'#!/usr/bin/env bash\n[ "$1" = -m ] && exit {pytest_rc}\nexit 0\n')
+    py.chmod(0o755)
+    out = subprocess.run(["bash", str(REPO / ".ci" / "vllm-leg"), "test"], env={**os.environ, "VLLM_VENV": str(venv)},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == expected, out.stdout + out.stderr
+    assert ("collected no tests" in out.stderr) == (pytest_rc == 5)
+    assert not venv.exists()
+
+
+def test_vllm_leg_test_phase_without_a_venv_fails(tmp_path):
+    out = subprocess.run(["bash", str(REPO / ".ci" / "vllm-leg"), "test"],
+                         env={**os.environ, "VLLM_VENV": str(tmp_path / "none")}, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1 and "do not load" in out.stderr
+
+
+def test_vllm_leg_install_phase_keeps_its_venv_only_when_good():
+    script = (REPO / ".ci" / "vllm-leg").read_text()
+    assert '[ "$PHASE" != install ] || [ "$status" -ne 0 ]' in script
 
 
 @pytest.mark.parametrize("pytest_rc, expected", [(0, 0), (1, 1), (5, 1)])

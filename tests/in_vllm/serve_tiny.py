@@ -1,7 +1,8 @@
 """Serve token prompts with vLLM (``LLM``, the default multiprocess engine) and the graphpass plugin.
 
 ``python serve_tiny.py SPEC_JSON``; SPEC: model, settings (``additional_config["graphpass"]``), prompts
-(token-id lists), max_new_tokens, result (path). Writes the result: tokens and request ids per prompt,
+(token-id lists), max_new_tokens, result (path), optionally profile_dir (vLLM's torch profiler writes its
+trace there, around ``generate``). Writes the result: tokens and request ids per prompt,
 and the worker's ``graphpass_stats`` after start-up and after serving.
 """
 
@@ -13,11 +14,19 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
 
+    profile = {}
+    if spec.get("profile_dir"):
+        profile = {"profiler_config": {"profiler": "torch", "torch_profiler_dir": spec["profile_dir"],
+                                       "torch_profiler_use_gzip": False, "torch_profiler_with_stack": False}}
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=4,
-              additional_config={"graphpass": spec["settings"]})
+              additional_config={"graphpass": spec["settings"]}, **profile)
     before = llm.collective_rpc("graphpass_stats")
     params = SamplingParams(max_tokens=spec["max_new_tokens"], temperature=0, detokenize=False)
+    if profile:
+        llm.start_profile()
     outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params)
+    if profile:
+        llm.stop_profile()
     after = llm.collective_rpc("graphpass_stats")
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
               "request_ids": [o.request_id for o in outs], "stats_before": before, "stats_after": after}

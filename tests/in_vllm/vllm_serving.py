@@ -32,12 +32,12 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
 
 
 def serve(model: Path, out: Path, settings: dict, prompts=PROMPTS, max_new_tokens=MAX_NEW_TOKENS,
-          timeout: int = 1200) -> dict:
+          timeout: int = 1200, profile_dir: Path | None = None) -> dict:
     """Run ``serve_tiny.py`` (vLLM's ``LLM`` with ``additional_config={"graphpass": settings}``);
     returns its result (tokens, request ids, worker stats)."""
     out.mkdir(parents=True, exist_ok=True)
     spec = {"model": str(model), "settings": settings, "prompts": prompts, "max_new_tokens": max_new_tokens,
-            "result": str(out / "result.json")}
+            "result": str(out / "result.json"), "profile_dir": str(profile_dir) if profile_dir else None}
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     env.setdefault("VLLM_CACHE_ROOT", str(out / "vllm-cache"))
     proc = subprocess.run([sys.executable, str(HERE / "serve_tiny.py"), json.dumps(spec)], env=env,

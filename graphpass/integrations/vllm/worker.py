@@ -110,14 +110,24 @@ def _current(worker: Any) -> Any:
 
 
 def _stepping(runner: Any, forward: Any, capture: Any) -> Any:
-    """``runner._model_forward`` wrapped: one capture step per call while capture is enabled."""
+    """``runner._model_forward`` wrapped: one capture step per call while capture is enabled. Each
+    meta also gets ``model`` (model type and head sizes, for ``compare`` across engines) and
+    ``input_ids``."""
+    from graphpass.capturing.engine_families import ModelShape
+
+    config = runner.vllm_config
+    model = ModelShape.from_config(config.model_config.hf_config,
+                                   int(config.parallel_config.tensor_parallel_size)).to_meta()
 
     @functools.wraps(forward)
     def model_forward(*args: Any, **kwargs: Any) -> Any:
         if not capture.enabled:
             return forward(*args, **kwargs)
         step = engine_step(runner, kwargs.get("positions"))
-        extra = {"token_request": step.token_request, "engine": "vllm"}
+        extra = {"token_request": step.token_request, "engine": "vllm", "model": model}
+        ids = kwargs.get("input_ids")
+        if ids is not None:  # the token fed at each row (compare checks them against the reference's)
+            extra["input_ids"] = ids.detach().reshape(-1)[: len(step.token_request)].tolist()
         with capture.step(positions=step.positions, is_prefill=step.is_prefill, req_ids=step.req_ids,
                           extra_meta=extra):
             return forward(*args, **kwargs)

@@ -1,0 +1,176 @@
+"""Model families for comparing an engine's captures with transformers' (``graphpass compare`` across
+engines, :mod:`graphpass.capturing.compare_engines`): how one captured module of the engine becomes
+transformers' module outputs.
+
+A serving engine's modules are not transformers' modules. vLLM's Llama decoder layer returns
+``(hidden_states, residual)`` and leaves the residual addition to the next layer's fused add-and-norm;
+its attention projects q, k and v with one fused ``qkv_proj``, its MLP gate and up with one
+``gate_up_proj``; its linear layers return ``(output, bias)``. A :class:`Family` holds a ``rebuild``
+function that turns one engine module's captured tensors (key path -> tensor, rows = tokens) into
+transformers' names and keys: ``{transformers_module: {key: tensor}}``.
+
+Adding a family (docs/vllm.md, "Comparing with a reference")::
+
+    from graphpass.capturing.engine_families import Family, register_family, rebuild_llama
+
+    register_family(Family("qwen2", model_types=("qwen2",), rebuild=rebuild_llama))
+
+``rebuild(module, tensors, shape)`` gets the engine module's name (``model.layers.3.self_attn.qkv_proj``),
+its tensors by key path (``[0]``, ``[1]``, ``output``; the engine's ``other[...]`` keys, tensors it wrote
+in place, are dropped before) and the :class:`ModelShape` from the engine's meta; it returns the
+transformers modules and their tensors by key (``output`` for a module returning one tensor). The
+registry is an instance (:class:`FamilyRegistry`); :data:`FAMILIES` is the one ``compare`` reads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..errors import ConfigError, GraphpassError
+
+__all__ = ["Family", "FamilyRegistry", "FAMILIES", "ModelShape", "RebuildError", "register_family", "rebuild_llama"]
+
+_LAYER_RE = re.compile(r"(?:.*\.)?layers\.[0-9]+")  # a decoder layer: model.layers.3 (fullmatch)
+
+
+class RebuildError(GraphpassError, ValueError):
+    """One module's tensors cannot be rebuilt (a key missing, a shape that does not split): a FAIL row."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What splitting fused projections needs, per tensor-parallel rank (the engine's meta ``model``)."""
+
+    model_type: str
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    tp_size: int = 1
+
+    @classmethod
+    def from_meta(cls, doc: Any) -> "ModelShape | None":
+        if not isinstance(doc, Mapping) or not isinstance(doc.get("model_type"), str):
+            return None
+        ints = {k: doc.get(k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")}
+        ints = {k: v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None for k, v in ints.items()}
+        tp = doc.get("tp_size", 1)
+        return cls(doc["model_type"], **ints, tp_size=tp if isinstance(tp, int) and tp > 0 else 1)
+
+    @classmethod
+    def from_config(cls, config: Any, tp_size: int = 1) -> "ModelShape":
+        """From a transformers config (``model.config``, vLLM's ``hf_config``)."""
+        heads = getattr(config, "num_attention_heads", None)
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+        return cls(str(getattr(config, "model_type", "")), heads,
+                   getattr(config, "num_key_value_heads", None) or heads, head_dim,
+                   getattr(config, "intermediate_size", None), tp_size)
+
+    def to_meta(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def need(self, *names: str) -> list[int]:
+        values = [getattr(self, n) for n in names]
+        if any(v is None for v in values):
+            raise RebuildError(f"the engine's meta 'model' lacks {', '.join(n for n, v in zip(names, values) if v is None)}")
+        return values
+
+
+Rebuild = Callable[[str, "dict[str, torch.Tensor]", ModelShape], "dict[str, dict[str, torch.Tensor]]"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its name, the ``model_type`` values (transformers' config) it covers, and
+    its ``rebuild`` (see the module docstring)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    rebuild: Rebuild
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ConfigError("Family.name", self.name, "must be a non-empty str")
+        if isinstance(self.model_types, str) or not self.model_types or not all(
+                isinstance(t, str) and t for t in self.model_types):
+            raise ConfigError("Family.model_types", self.model_types, "must be a non-empty tuple of model_type strings")
+        if not callable(self.rebuild):
+            raise ConfigError("Family.rebuild", self.rebuild, "must be callable: rebuild(module, tensors, shape)")
+
+
+@dataclass
+class FamilyRegistry:
+    """model_type -> :class:`Family`."""
+
+    by_type: dict[str, Family] = field(default_factory=dict)
+
+    def register(self, family: Family, replace: bool = False) -> Family:
+        if not isinstance(family, Family):
+            raise ConfigError("family", family, "must be a graphpass.capturing.engine_families.Family")
+        taken = [t for t in family.model_types if t in self.by_type and self.by_type[t].name != family.name]
+        if taken and not replace:
+            raise ConfigError("Family.model_types", taken, f"already registered (family {self.by_type[taken[0]].name!r}); "
+                                                           "pass replace=True to override")
+        for t in family.model_types:
+            self.by_type[t] = family
+        return family
+
+    def lookup(self, model_type: str) -> Family:
+        try:
+            return self.by_type[model_type]
+        except KeyError:
+            raise ConfigError("model_type", model_type,
+                              f"has no registered family (known: {', '.join(sorted(self.by_type)) or 'none'}): "
+                              "register one with graphpass.capturing.engine_families.register_family "
+                              "(docs/vllm.md)") from None
+
+
+def _main(module: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A module's main output: ``output`` (one tensor) or ``[0]`` (a linear's ``(out, bias)``, a
+    fused norm's ``(normed, residual)``)."""
+    for key in ("output", "[0]"):
+        if key in tensors:
+            return tensors[key]
+    raise RebuildError(f"{module}: neither 'output' nor '[0]' among its keys {sorted(tensors)}")
+
+
+def _split(module: str, t: torch.Tensor, names: list[str], sizes: list[int]) -> dict[str, dict[str, torch.Tensor]]:
+    if t.shape[-1] != sum(sizes):
+        raise RebuildError(f"{module}: last dim {t.shape[-1]} is not {' + '.join(map(str, sizes))} "
+                           f"({', '.join(names)})")
+    prefix = module.rpartition(".")[0]
+    return {f"{prefix}.{n}": {"output": piece} for n, piece in zip(names, torch.split(t, sizes, dim=-1))}
+
+
+def rebuild_llama(module: str, tensors: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, dict[str, torch.Tensor]]:
+    """vLLM's Llama-style modules in transformers' terms: a decoder layer's ``[0] + [1]`` (hidden +
+    residual); ``qkv_proj`` split into ``q_proj``, ``k_proj``, ``v_proj`` (heads x head_dim, kv heads x
+    head_dim, per tensor-parallel rank); ``gate_up_proj`` into ``gate_proj``, ``up_proj``; any other
+    module its main output (:func:`_main`) as ``output``."""
+    if _LAYER_RE.fullmatch(module):
+        if "[0]" in tensors and "[1]" in tensors:
+            return {module: {"output": tensors["[0]"] + tensors["[1]"]}}
+        return {module: {"output": _main(module, tensors)}}
+    if module.endswith(".qkv_proj"):
+        heads, kv, dim = shape.need("num_attention_heads", "num_key_value_heads", "head_dim")
+        tp = shape.tp_size
+        q, k = heads // tp * dim, max(1, kv // tp) * dim
+        return _split(module, _main(module, tensors), ["q_proj", "k_proj", "v_proj"], [q, k, k])
+    if module.endswith(".gate_up_proj"):
+        (inter,) = shape.need("intermediate_size")
+        half = inter // shape.tp_size
+        return _split(module, _main(module, tensors), ["gate_proj", "up_proj"], [half, half])
+    return {module: {"output": _main(module, tensors)}}
+
+
+FAMILIES = FamilyRegistry()
+LLAMA = FAMILIES.register(Family("llama", ("llama",), rebuild_llama))
+
+
+def register_family(family: Family, replace: bool = False) -> Family:
+    """Register ``family`` with :data:`FAMILIES` (the registry ``compare`` reads)."""
+    return FAMILIES.register(family, replace=replace)
