@@ -256,9 +256,9 @@ class FileLeases:
         """The region of reference ``old`` is now tracked by ``new`` (a child made by fork, single-threaded:
         no lock, the parent's may be held)."""
         for regions in (self._regions, self._held):
-            for addr, (length, fd, end, ref) in list(regions.items()):
-                if ref is old:
-                    regions[addr] = (length, fd, end, new)
+            entry = regions.get(old.addr)
+            if entry is not None and entry[3] is old:
+                regions[old.addr] = entry[:3] + (new,)
 
     # ---------------------------------------------------------------- regions
     def register(self, addr: int, length: int, fd: int, end: int, region: Any, held: bool = False) -> None:
