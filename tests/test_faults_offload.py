@@ -60,6 +60,7 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
+import helpers
 import pytest
 import torch.nn as nn
 from safetensors.torch import save_file
@@ -474,35 +475,15 @@ def test_offload_from_a_thread_before_any_lease_reads_instead_of_mapping(tmp_pat
 # truncated one killed the process with SIGBUS (-7). They are now mapped under the file's read lease
 # and privatized by its break: the eager readers keep the bytes offload() found.
 
-_EAGER_READER_CHILD = textwrap.dedent("""
-    import os, random, subprocess, sys, threading, time, warnings, torch, torch.nn as nn, graphpass
+# the eager readers' model: helpers.LoopExpertsStack, whose expert loop Dynamo skips (run eagerly)
+_EAGER_READER_CHILD = f"import sys; sys.path.insert(0, {os.path.dirname(helpers.__file__)!r})\n" + textwrap.dedent("""
+    import os, random, subprocess, sys, threading, time, warnings, torch, graphpass
+    from helpers import LoopExpertsStack
     from safetensors.torch import save_file
     folder, how, when, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 
-    class LoopExperts(nn.Module):  # the expert loop breaks the graph inside a loop: Dynamo skips the frame
-        def __init__(self, n=3, d=8):
-            super().__init__()
-            self.router = nn.Linear(d, n, bias=False)
-            self.experts = nn.Parameter(torch.randn(n, d, d) / d**0.5)
-        def forward(self, x):
-            top = self.router(x).argmax(-1)
-            out = torch.zeros_like(x)
-            for e in top.unique():
-                i = int(e.item())
-                out = out + (top == i).unsqueeze(-1) * (x @ self.experts[i])
-            return x + out
-
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(LoopExperts() for _ in range(2))
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
     torch.manual_seed(seed)
-    model = Stack().eval().requires_grad_(False)
+    model = LoopExpertsStack().eval().requires_grad_(False)
     x = torch.randn(1, 6, 8)
     with torch.no_grad():
         ref = model(x)
@@ -883,6 +864,18 @@ def test_full_disk_while_writing_is_an_offload_error_leaving_no_file(tmp_path, m
 #
 # Each run is a child process under a timeout: a run that does not finish counts as a hang.
 
+# The model the child scripts below serve: mlp_stack offloaded to host memory or disk (``mode``, and
+# ``folder`` for disk), its eager result ``ref`` and the compiled model; each script imports torch,
+# graphpass and ``build`` first.
+_OFFLOADED_MLP_STACK = textwrap.dedent("""
+    model, inputs = build("mlp_stack"); model.eval().requires_grad_(False)
+    ref = model(*inputs)
+    kw = dict(device="cpu", storage=mode, **({"disk_path": folder} if mode == "disk" else {}))
+    state = graphpass.offload(model, graphpass.OffloadConfig(**kw))
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+""")
+
+
 _LOCK_INTERRUPT_CHILD = textwrap.dedent("""
     import gc, linecache, os, sys, threading, time, torch, graphpass
     from graphpass.models.corpus import build
@@ -907,11 +900,7 @@ _LOCK_INTERRUPT_CHILD = textwrap.dedent("""
                     self.fired = True
                     raise KeyboardInterrupt
             return self.step
-    model, inputs = build("mlp_stack"); model.eval().requires_grad_(False)
-    ref = model(*inputs)
-    kw = dict(device="cpu", storage=mode, **({"disk_path": folder} if mode == "disk" else {}))
-    state = graphpass.offload(model, graphpass.OffloadConfig(**kw))
-    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+""") + _OFFLOADED_MLP_STACK + textwrap.dedent("""
     def fwd():
         with torch.no_grad():
             return compiled(*inputs)
@@ -979,11 +968,7 @@ _SIGINT_CHILD = textwrap.dedent("""
     mode, count, seed, folder = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     rt.LOAD_TIMEOUT_S = 10
     rng = random.Random(seed)
-    model, inputs = build("mlp_stack"); model.eval().requires_grad_(False)
-    ref = model(*inputs)
-    kw = dict(device="cpu", storage=mode, **({"disk_path": folder} if mode == "disk" else {}))
-    state = graphpass.offload(model, graphpass.OffloadConfig(**kw))
-    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+""") + _OFFLOADED_MLP_STACK + textwrap.dedent("""
     # SIGINT raises KeyboardInterrupt while a forward runs (graphpass, torch, the stdlib's lock code,
     # this function's own lines); in the loop's bookkeeping between forwards it is only counted, so a
     # signal at the loop's back edge (where Python runs handlers, outside any try) cannot end the run
@@ -1062,11 +1047,7 @@ _FORK_CHILD = textwrap.dedent("""
     mode, folder = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)  # GNU OpenMP's thread pool, once used, hangs a forked child's next parallel op
     rt.LOAD_TIMEOUT_S = 20  # the old hang: each forward of the child waited this long, then failed
-    model, inputs = build("mlp_stack"); model.eval().requires_grad_(False)
-    ref = model(*inputs)
-    kw = dict(device="cpu", storage=mode, **({"disk_path": folder} if mode == "disk" else {}))
-    state = graphpass.offload(model, graphpass.OffloadConfig(**kw))
-    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+""") + _OFFLOADED_MLP_STACK + textwrap.dedent("""
     def fwd():
         with torch.no_grad():
             return compiled(*inputs)
@@ -1201,4 +1182,41 @@ def test_forked_workers_on_a_disk_checkpoint_survive_a_writer(fork_at, tmp_path)
     assert mapped > 0, out  # the child mapped (it would prove nothing reading copies)
     assert writer_s < 10, out  # not the 45 s lease-break time
     assert "False" not in results and results[-1] == "error", out  # never other bytes; then the change is named
+    FAULTS["fork_survived"] += 1
+
+
+_LEASE_SERVICE_FORK_CHILD = _FORK_AS_THE_LEASE_SERVICE_WAKES + textwrap.dedent("""
+    import ctypes
+    class Holder:  # stands for a FileLeases: records the regions the service unmaps
+        def __init__(self): self.unmapped = []
+        def unmap(self, addr, length, ref): self.unmapped.append(addr)
+        def renew(self, old, new): pass
+    holder, region = Holder(), ctypes.create_string_buffer(64)
+    leases.track_region(region, 4096, 64, holder)  # a region the parent mapped, alive at the fork
+    pid = fork_as_the_lease_service_wakes()
+    if pid == 0:
+        leases._ensure_service()  # as the child's first lease or mapped region starts it
+        leases._REQUESTS.put(None)
+        del region  # its reference's callback queues it for the child's service thread
+        t0 = time.monotonic()
+        while (leases._REQUESTS.qsize() or not holder.unmapped) and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        print("child", leases._REQUESTS.qsize(), holder.unmapped, flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("result", os.waitstatus_to_exitcode(status), flush=True)
+""")
+
+
+def test_a_child_forked_as_the_lease_service_wakes_has_a_working_service():
+    """Issue 22 item 10, the root of the SIGBUS race above, without a model: fork() while the lease
+    service's thread has taken its request queue's lock and waits for the GIL. Before: the child's
+    copy of the queue stayed locked, so its service thread never ran a request (``child 1 []``: the
+    request left queued, the dead region never unmapped). Now the child serves its own queue, and a
+    region alive at the fork, once dead in the child, is unmapped there."""
+    rc, out, err = _run_child(_LEASE_SERVICE_FORK_CHILD, timeout=120)
+    FAULTS["fork_tried"] += 1
+    FAULTS["fork_hangs"] += rc == "hang"
+    assert rc == 0 and "service woke True" in out and out.split()[-1] == "0", (rc, out[-2000:], err[-3000:])
+    assert "child 0 [4096]" in out, (out[-2000:], err[-3000:])
     FAULTS["fork_survived"] += 1
