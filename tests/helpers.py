@@ -3,6 +3,7 @@
 import operator
 
 import torch
+import torch.nn as nn
 
 
 class CountingBackend:
@@ -98,3 +99,35 @@ def no_matplotlib(monkeypatch) -> None:
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
+
+
+class LoopExperts(nn.Module):
+    """An MoE block like longcat_flash's: the expert loop calls ``.item()``, a graph break inside a
+    loop, so Dynamo skips that frame and runs it eagerly, reading the expert weights the model holds."""
+
+    def __init__(self, n: int = 3, d: int = 8) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.Parameter(torch.randn(n, d, d) / d**0.5)
+
+    def forward(self, x):
+        top = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e in top.unique():
+            i = int(e.item())
+            out = out + (top == i).unsqueeze(-1) * (x @ self.experts[i])
+        return x + out
+
+
+class LoopExpertsStack(nn.Module):
+    """``n`` :class:`LoopExperts` blocks in a row (tests/test_conformance_regressions.py, and the eager
+    readers of tests/test_faults_offload.py)."""
+
+    def __init__(self, n: int = 2, d: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LoopExperts(d=d) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

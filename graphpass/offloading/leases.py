@@ -40,7 +40,9 @@ its table entry nor print "Exception ignored in finalize" (issue 22, item 16), a
 ``threading.Thread`` is started inside a signal handler. A region may outlive its model, so the
 references are kept by the module until reaped.
 
-After ``fork()`` the child starts its own service thread, and each runtime reopens its files
+After ``fork()`` the child starts its own service thread on a request queue of its own (the
+parent's queue's lock is copied in whatever state fork found it: :func:`_requests_after_fork`), as
+soon as it holds a lease, and each runtime reopens its files
 (:meth:`FileLeases.after_fork`): a lease belongs to an open file description, which ``fork``
 shares, and its break signal goes to the thread ``F_SETOWN_EX`` named, the parent's main thread.
 With the parent's descriptions a child's mappings were protected by the parent's lease, whose
@@ -216,6 +218,7 @@ class FileLeases:
         _signal_main_thread(fd)
         self._leased.add(fd)
         _HOLDERS.add(self)
+        _ensure_service()  # a break must be served while a lease is held (a child made by fork: none yet)
         return True
 
     def release(self, fd: int) -> None:
@@ -248,6 +251,14 @@ class FileLeases:
         # the reopened file protects them (a writer's break reaches the child, which privatizes them)
         for fd in {fd for _, fd, _, _ in self._held.values() if fd >= 0}:
             self.lease(fd)
+
+    def renew(self, old: Any, new: Any) -> None:
+        """The region of reference ``old`` is now tracked by ``new`` (a child made by fork, single-threaded:
+        no lock, the parent's may be held)."""
+        for regions in (self._regions, self._held):
+            entry = regions.get(old.addr)
+            if entry is not None and entry[3] is old:
+                regions[old.addr] = entry[:3] + (new,)
 
     # ---------------------------------------------------------------- regions
     def register(self, addr: int, length: int, fd: int, end: int, region: Any, held: bool = False) -> None:
@@ -317,14 +328,47 @@ class FileLeases:
 
 
 def _after_fork_in_child() -> None:
-    """The child starts its own service thread when it next needs one; a lock another thread of
-    the parent held at the fork is not held in the child. Its main thread is the thread that
-    forked (Python runs signal handlers there), whose id ``threading`` does not update: the
-    parent's ``native_id`` stays, and the child's lease-break signals went to the parent."""
-    global _INSTALL_LOCK
+    """The child starts its own service thread when it next needs one, on a request queue of its
+    own (:func:`_requests_after_fork`); a lock another thread of the parent held at the fork is not
+    held in the child. Its main thread is the thread that forked (Python runs signal handlers
+    there), whose id ``threading`` does not update: the parent's ``native_id`` stays, and the
+    child's lease-break signals went to the parent."""
+    global _INSTALL_LOCK, _REQUESTS
     _INSTALL_LOCK = threading.Lock()
     _MAIN_TID.clear()
     _MAIN_TID[os.getpid()] = threading.get_native_id()
+    _REQUESTS = _requests_after_fork(_REQUESTS)
+
+
+def _requests_after_fork(inherited: queue.SimpleQueue) -> queue.SimpleQueue:
+    """A new request queue for a child made by fork: the inherited one's requests move to it, and
+    each live region gets a new reference whose callback puts into it.
+
+    The parent's queue cannot serve the child: fork copies its internal lock in whatever state the
+    parent's service thread left it. Woken by a ``put`` (a dead region, right after a forward), that
+    thread takes the lock at once but marks it taken only once it holds the GIL; a fork in between
+    (the forking thread holds the GIL) leaves the child's copy locked and unmarked, so no later
+    ``put`` releases it and the child's service thread waits on it forever. Every lease break the
+    child's handler asked for then went unserved: the writer waited out the lease-break time, the
+    kernel revoked the lease, and the child died of ``SIGBUS`` on its unprivatized regions (issue
+    22, item 10: about one run in three on a loaded machine). ``get_nowait`` never waits on that
+    lock while requests are queued, and gives up at once on an empty queue."""
+    fresh: queue.SimpleQueue = queue.SimpleQueue()
+    while True:
+        try:
+            fresh.put(inherited.get_nowait())  # dead regions still to unmap, a break asked for
+        except queue.Empty:
+            break
+    for key, ref in list(_KEPT.items()):
+        region = ref()
+        if region is None:  # dead: its callback queued it already (moved above)
+            continue
+        renewed = RegionRef(region, fresh.put)
+        renewed.addr, renewed.length, renewed.holder = ref.addr, ref.length, ref.holder
+        del _KEPT[key]
+        _KEPT[id(renewed)] = renewed
+        ref.holder.renew(ref, renewed)  # the old reference goes unheard: its callback was the old queue's put
+    return fresh
 
 
 if hasattr(os, "register_at_fork"):

@@ -25,6 +25,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from helpers import LoopExpertsStack
 from safetensors.torch import load_file
 
 import graphpass
@@ -181,35 +182,6 @@ def test_capture_of_an_output_leaf_nothing_outside_reads(tmp_path):
     got = load_file(str(next(tmp_path.rglob("h.0/rank0.safetensors"))))
     assert tuple(got["[1]"].shape) == tuple(eager["h.0"][1].shape), {k: tuple(v.shape) for k, v in got.items()}
     torch.testing.assert_close(got["[1]"], eager["h.0"][1], rtol=0, atol=0)
-
-
-class LoopExperts(nn.Module):
-    """An MoE block like longcat_flash's: the expert loop calls ``.item()``, a graph break inside a
-    loop, so Dynamo skips that frame and runs it eagerly, reading the expert weights the model holds."""
-
-    def __init__(self, n: int = 3, d: int = 8) -> None:
-        super().__init__()
-        self.router = nn.Linear(d, n, bias=False)
-        self.experts = nn.Parameter(torch.randn(n, d, d) / d**0.5)
-
-    def forward(self, x):
-        top = self.router(x).argmax(-1)
-        out = torch.zeros_like(x)
-        for e in top.unique():
-            i = int(e.item())
-            out = out + (top == i).unsqueeze(-1) * (x @ self.experts[i])
-        return x + out
-
-
-class LoopExpertsStack(nn.Module):
-    def __init__(self, n: int = 2, d: int = 8) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(LoopExperts(d=d) for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def test_disk_offload_of_weights_a_skipped_frame_reads_eagerly(tmp_path):

@@ -59,6 +59,7 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
+import helpers
 import pytest
 import torch.nn as nn
 from safetensors.torch import save_file
@@ -473,35 +474,15 @@ def test_offload_from_a_thread_before_any_lease_reads_instead_of_mapping(tmp_pat
 # truncated one killed the process with SIGBUS (-7). They are now mapped under the file's read lease
 # and privatized by its break: the eager readers keep the bytes offload() found.
 
-_EAGER_READER_CHILD = textwrap.dedent("""
-    import os, random, subprocess, sys, threading, time, warnings, torch, torch.nn as nn, graphpass
+# the eager readers' model: helpers.LoopExpertsStack, whose expert loop Dynamo skips (run eagerly)
+_EAGER_READER_CHILD = f"import sys; sys.path.insert(0, {os.path.dirname(helpers.__file__)!r})\n" + textwrap.dedent("""
+    import os, random, subprocess, sys, threading, time, warnings, torch, graphpass
+    from helpers import LoopExpertsStack
     from safetensors.torch import save_file
     folder, how, when, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 
-    class LoopExperts(nn.Module):  # the expert loop breaks the graph inside a loop: Dynamo skips the frame
-        def __init__(self, n=3, d=8):
-            super().__init__()
-            self.router = nn.Linear(d, n, bias=False)
-            self.experts = nn.Parameter(torch.randn(n, d, d) / d**0.5)
-        def forward(self, x):
-            top = self.router(x).argmax(-1)
-            out = torch.zeros_like(x)
-            for e in top.unique():
-                i = int(e.item())
-                out = out + (top == i).unsqueeze(-1) * (x @ self.experts[i])
-            return x + out
-
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(LoopExperts() for _ in range(2))
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
     torch.manual_seed(seed)
-    model = Stack().eval().requires_grad_(False)
+    model = LoopExpertsStack().eval().requires_grad_(False)
     x = torch.randn(1, 6, 8)
     with torch.no_grad():
         ref = model(x)
@@ -882,6 +863,18 @@ def test_full_disk_while_writing_is_an_offload_error_leaving_no_file(tmp_path, m
 #
 # Each run is a child process under a timeout: a run that does not finish counts as a hang.
 
+# The model the child scripts below serve: mlp_stack offloaded to host memory or disk (``mode``, and
+# ``folder`` for disk), its eager result ``ref`` and the compiled model; each script imports torch,
+# graphpass and ``build`` first.
+_OFFLOADED_MLP_STACK = textwrap.dedent("""
+    model, inputs = build("mlp_stack"); model.eval().requires_grad_(False)
+    ref = model(*inputs)
+    kw = dict(device="cpu", storage=mode, **({"disk_path": folder} if mode == "disk" else {}))
+    state = graphpass.offload(model, graphpass.OffloadConfig(**kw))
+    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+""")
+
+
 _LOCK_INTERRUPT_CHILD = textwrap.dedent("""
     import gc, linecache, os, sys, threading, time, torch, graphpass
     from graphpass.models.corpus import build
@@ -906,11 +899,7 @@ _LOCK_INTERRUPT_CHILD = textwrap.dedent("""
                     self.fired = True
                     raise KeyboardInterrupt
             return self.step
-    model, inputs = build("mlp_stack"); model.eval().requires_grad_(False)
-    ref = model(*inputs)
-    kw = dict(device="cpu", storage=mode, **({"disk_path": folder} if mode == "disk" else {}))
-    state = graphpass.offload(model, graphpass.OffloadConfig(**kw))
-    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+""") + _OFFLOADED_MLP_STACK + textwrap.dedent("""
     def fwd():
         with torch.no_grad():
             return compiled(*inputs)
@@ -978,11 +967,7 @@ _SIGINT_CHILD = textwrap.dedent("""
     mode, count, seed, folder = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     rt.LOAD_TIMEOUT_S = 10
     rng = random.Random(seed)
-    model, inputs = build("mlp_stack"); model.eval().requires_grad_(False)
-    ref = model(*inputs)
-    kw = dict(device="cpu", storage=mode, **({"disk_path": folder} if mode == "disk" else {}))
-    state = graphpass.offload(model, graphpass.OffloadConfig(**kw))
-    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+""") + _OFFLOADED_MLP_STACK + textwrap.dedent("""
     # SIGINT raises KeyboardInterrupt while a forward runs (graphpass, torch, the stdlib's lock code,
     # this function's own lines); in the loop's bookkeeping between forwards it is only counted, so a
     # signal at the loop's back edge (where Python runs handlers, outside any try) cannot end the run
@@ -1061,11 +1046,7 @@ _FORK_CHILD = textwrap.dedent("""
     mode, folder = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)  # GNU OpenMP's thread pool, once used, hangs a forked child's next parallel op
     rt.LOAD_TIMEOUT_S = 20  # the old hang: each forward of the child waited this long, then failed
-    model, inputs = build("mlp_stack"); model.eval().requires_grad_(False)
-    ref = model(*inputs)
-    kw = dict(device="cpu", storage=mode, **({"disk_path": folder} if mode == "disk" else {}))
-    state = graphpass.offload(model, graphpass.OffloadConfig(**kw))
-    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
+""") + _OFFLOADED_MLP_STACK + textwrap.dedent("""
     def fwd():
         with torch.no_grad():
             return compiled(*inputs)
@@ -1103,12 +1084,42 @@ def test_fork_after_a_forward_serves_in_the_child_and_keeps_the_parents_files(mo
     FAULTS["fork_survived"] += 1
 
 
-_FORK_LEASE_CHILD = textwrap.dedent("""
+# fork() at the worst moment for the lease service (issue 22 item 10): its thread, woken by a request
+# (a dead region's, as right after a forward), has taken its queue's lock and waits for the GIL this
+# thread keeps (a long switch interval; ctypes.PyDLL calls keep the GIL), seen as one more voluntary
+# context switch of that thread. Before the fix the child's copy of the queue stayed locked for good.
+_FORK_AS_THE_LEASE_SERVICE_WAKES = textwrap.dedent(r"""
+    import ctypes, os, sys, time
+    from graphpass.offloading import leases
+
+    def fork_as_the_lease_service_wakes():
+        leases._ensure_service()
+        time.sleep(0.3)  # its thread now waits for a request
+        libc, buf = ctypes.PyDLL(None), ctypes.create_string_buffer(8192)
+        status = f"/proc/self/task/{leases._SERVICE['thread'].native_id}/status".encode()
+        def switches():
+            fd = libc.open(status, 0); n = libc.read(fd, buf, len(buf)); libc.close(fd)
+            return int(buf.raw[:n].decode().split("\nvoluntary_ctxt_switches:")[1].split()[0])
+        sys.setswitchinterval(1000.0)
+        before, t0 = switches(), time.perf_counter()
+        leases._REQUESTS.put(None)  # a request the service ignores
+        while switches() == before and time.perf_counter() - t0 < 20:
+            pass
+        woke = switches() != before
+        pid = os.fork()
+        sys.setswitchinterval(0.005)
+        if pid:
+            print("service woke", woke, flush=True)  # printed (the GIL let go) only now
+        return pid
+""")
+
+
+_FORK_LEASE_CHILD = _FORK_AS_THE_LEASE_SERVICE_WAKES + textwrap.dedent("""
     import os, subprocess, sys, time, torch, graphpass
     from graphpass.models.corpus import build
     from graphpass.offloading import runtime as rt
     from safetensors.torch import save_file
-    folder = sys.argv[1]
+    folder, fork_at = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)  # GNU OpenMP's thread pool, once used, hangs a forked child's next parallel op
     model, inputs = build("mlp_stack"); model.eval().requires_grad_(False)
     ref = model(*inputs)
@@ -1119,7 +1130,7 @@ _FORK_LEASE_CHILD = textwrap.dedent("""
         with torch.no_grad():
             return compiled(*inputs)
     assert torch.equal(fwd(), ref)  # the parent leased the file, its signal aimed at its own main thread
-    pid = os.fork()
+    pid = os.fork() if fork_at == "after_a_forward" else fork_as_the_lease_service_wakes()
     if pid == 0:
         wait, seen = rt.OffloadRuntime.wait, []
         def injected(self, ticket, group):  # right after the child's first mapped trap reaches the compute
@@ -1146,24 +1157,65 @@ _FORK_LEASE_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=False, reason="known open defect: on a loaded machine about 1 run in 3 the forked child still "
-                   "dies of SIGBUS (-7) when another process truncates the checkpoint mid-forward, since the "
-                   "stand-in regions the model holds for eager readers (issue 22 item 5) are leased too; see "
-                   "docs/reliability.md, 'fork()'")
-def test_forked_workers_on_a_disk_checkpoint_survive_a_writer(tmp_path):
+@pytest.mark.parametrize("fork_at", ["after_a_forward", "as_the_lease_service_wakes"])
+def test_forked_workers_on_a_disk_checkpoint_survive_a_writer(fork_at, tmp_path):
     """Issue 22 item 10. Before: a child made by fork() mapped regions under the lease its parent
     took on their shared open file, whose break signal went to the parent's main thread: the parent
     released the lease without copying the child's regions (or, stopped, let the writer wait the
-    45 s lease-break time), and the child died of SIGBUS (-7) touching the truncated mapping. Now the
-    child reopens the file, takes its own lease aimed at its own main thread, and copies its regions."""
-    rc, out, err = _run_child(_FORK_LEASE_CHILD, tmp_path, timeout=240)
+    45 s lease-break time), and the child died of SIGBUS (-7) touching the truncated mapping. Then,
+    with the child's own lease, about one run in three on a loaded machine still ended so: the child
+    inherited the lease service's request queue with its lock taken (its parent's service thread,
+    woken by a dead region's request, had taken it and waited for the GIL when the fork came), so
+    its service never ran the break its handler asked for; ``as_the_lease_service_wakes`` forks at
+    exactly that moment (always -7, after a 45 s writer, before the fix). Now the child reopens the
+    file, takes its own lease aimed at its own main thread, serves breaks on a queue of its own, and
+    copies its regions."""
+    rc, out, err = _run_child(_FORK_LEASE_CHILD, tmp_path, fork_at, timeout=240)
     FAULTS["fork_tried"] += 1
     FAULTS["fork_hangs"] += rc == "hang"
     assert rc == 0, (rc, out[-2000:], err[-3000:])
     assert out.split()[-1] == "0", (out[-2000:], err[-3000:])  # -7: SIGBUS in the child
+    assert fork_at == "after_a_forward" or "service woke True" in out, out  # forked at that moment
     child = next(line for line in out.splitlines() if line.startswith("child")).split()
     mapped, writer_s, results = int(child[1]), float(child[2]), child[3:]
     assert mapped > 0, out  # the child mapped (it would prove nothing reading copies)
     assert writer_s < 10, out  # not the 45 s lease-break time
     assert "False" not in results and results[-1] == "error", out  # never other bytes; then the change is named
+    FAULTS["fork_survived"] += 1
+
+
+_LEASE_SERVICE_FORK_CHILD = _FORK_AS_THE_LEASE_SERVICE_WAKES + textwrap.dedent("""
+    import ctypes
+    class Holder:  # stands for a FileLeases: records the regions the service unmaps
+        def __init__(self): self.unmapped = []
+        def unmap(self, addr, length, ref): self.unmapped.append(addr)
+        def renew(self, old, new): pass
+    holder, region = Holder(), ctypes.create_string_buffer(64)
+    leases.track_region(region, 4096, 64, holder)  # a region the parent mapped, alive at the fork
+    pid = fork_as_the_lease_service_wakes()
+    if pid == 0:
+        leases._ensure_service()  # as the child's first lease or mapped region starts it
+        leases._REQUESTS.put(None)
+        del region  # its reference's callback queues it for the child's service thread
+        t0 = time.monotonic()
+        while (leases._REQUESTS.qsize() or not holder.unmapped) and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        print("child", leases._REQUESTS.qsize(), holder.unmapped, flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("result", os.waitstatus_to_exitcode(status), flush=True)
+""")
+
+
+def test_a_child_forked_as_the_lease_service_wakes_has_a_working_service():
+    """Issue 22 item 10, the root of the SIGBUS race above, without a model: fork() while the lease
+    service's thread has taken its request queue's lock and waits for the GIL. Before: the child's
+    copy of the queue stayed locked, so its service thread never ran a request (``child 1 []``: the
+    request left queued, the dead region never unmapped). Now the child serves its own queue, and a
+    region alive at the fork, once dead in the child, is unmapped there."""
+    rc, out, err = _run_child(_LEASE_SERVICE_FORK_CHILD, timeout=120)
+    FAULTS["fork_tried"] += 1
+    FAULTS["fork_hangs"] += rc == "hang"
+    assert rc == 0 and "service woke True" in out and out.split()[-1] == "0", (rc, out[-2000:], err[-3000:])
+    assert "child 0 [4096]" in out, (out[-2000:], err[-3000:])
     FAULTS["fork_survived"] += 1
