@@ -57,10 +57,11 @@ import torch
 
 from ..errors import OffloadError
 from ..fx_utils import is_wrapper_subclass, local_tensor, wrapper_fields
-from ..tracing import EVICT, WAIT, active_sink, record_span
+from ..trace_events import EVICT, WAIT, active_sink, record_span
 from .files import identity, same_file
 from .leases import FileLeases, RegionRef, handler_installed, reap
 from .safetensors_io import TensorLocation, read_into
+from .schedule import PrefetchWindow
 
 _log = logging.getLogger("graphpass.offloading.runtime")
 
@@ -906,7 +907,7 @@ class OffloadRuntime:
         with self._lock:
             if self._slots and self._slots[-1].nbytes >= need:
                 return
-            self._slots.append(_GraphSlots(self.device, need, self.config.prefetch_distance + 1))
+            self._slots.append(_GraphSlots(self.device, need, PrefetchWindow(self.config.prefetch_distance).traps))
 
     def _start_captured(self, recs: list, group: str) -> _Pending:
         """A load recorded into a CUDA graph: page-locked host copies -> fixed slots, on the side stream,

@@ -41,33 +41,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .. import dynamo_records
 from ..errors import OffloadError
 from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, is_guard, let_dtensors_through, let_wrappers_through
+from ..offloading.schedule import LoadGroup, OffloadSchedule, PrefetchWindow  # noqa: F401 (re-exported)
 from ..offloading.runtime import OffloadedTensor, WrappedOffload, lookup_input, plain_records, runtimes_guarding
 from ..fx_utils import (AliasIndex, example_of, find_write, flatten_wrappers, is_dtensor, is_graphpass_node, is_view,
                         is_wrapper_subclass, node_order, unflatten_wrappers, views_of)
 from ..ops import is_enter, is_exit
 from .base import GraphPass, PassContext
-
-
-@dataclass
-class LoadGroup:
-    """The offloaded tensors one trap (or one stretch between traps) reads."""
-
-    label: str  # trap label, or "between:<n>" for the stretch after the n-th trap exit
-    placeholders: list = field(default_factory=list)  # placeholder node names, first use first
-    fqns: list = field(default_factory=list)
-    nbytes: int = 0
-    start_before: str = ""  # node the load starts before
-    wait_before: str = ""
-    evict_after: str = ""
-
-
-@dataclass
-class OffloadSchedule:
-    groups: list[LoadGroup]
-    prefetch_distance: int
-    peak_streamed_bytes: int  # the most streamed bytes the schedule keeps on the device at once
-    resident_bytes: int
-    max_device_bytes: int | None
 
 
 def _last_reader(users: list, order: dict) -> list:
@@ -152,7 +131,7 @@ class InsertOffloadSchedule(GraphPass):
     def _insert(self, graph: torch.fx.Graph, plan: list[_Group], records: dict, runtime, order: dict) -> list[LoadGroup]:
         """Insert the start / wait / evict nodes of every group; return the schedule."""
         device = runtime.device
-        prefetch = runtime.config.prefetch_distance
+        window = PrefetchWindow(runtime.config.prefetch_distance)
         fake_mode = next((m for m in (getattr(ph.meta.get("example_value"), "fake_mode", None) for ph in records) if m is not None), None)
         done = _Inserted()
         schedule: list[LoadGroup] = []
@@ -160,12 +139,11 @@ class InsertOffloadSchedule(GraphPass):
         # overlap whatever runs before the first streamed trap (resident traps, embeddings).
         first = next(n for n in graph.nodes if n.op != "placeholder")
         for k, group in enumerate(plan):
-            issue = range(0, min(prefetch, len(plan) - 1) + 1) if k == 0 else [k + prefetch]
-            for j in issue:
-                if j < len(plan):
-                    _insert_start(graph, plan, done, j, first if k == 0 else group.anchor, k, device, order)
+            for j in window.issued_at(k, len(plan)):
+                _insert_start(graph, plan, done, j, first if k == 0 else group.anchor, k, device, order)
             start = done.starts[k]
-            ahead = [done.starts[k + prefetch]] if prefetch and k + prefetch < len(plan) else []
+            nxt = window.ahead(k, len(plan))
+            ahead = [done.starts[nxt]] if nxt is not None else []
             with graph.inserting_before(group.anchor):
                 wait = graph.call_function(LOAD_WAIT, (start, list(group.phs), group.key, device, ahead))
                 items = [graph.call_function(operator.getitem, (wait, j)) for j in range(len(group.phs))]
@@ -188,7 +166,7 @@ class InsertOffloadSchedule(GraphPass):
                 placeholders=[p.name for p in group.phs],
                 fqns=[records[p].name for p in group.phs],
                 nbytes=sum(records[p].nbytes for p in group.phs),
-                start_before=first.name if k <= prefetch else plan[k - prefetch].anchor.name,
+                start_before=first.name if window.issuer(k) == 0 else plan[window.issuer(k)].anchor.name,
                 wait_before=group.anchor.name,
                 evict_after=group.last.name,
             ))
