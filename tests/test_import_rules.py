@@ -25,7 +25,7 @@ SHARED = ("analysis", "fx_utils", "torch_compat", "patterns", "errors", "roots",
 # what a pass may import from a feature package: what it inserts or looks up, and the data it fills
 PASS_FEATURE_IMPORTS = {
     "graphpass.capturing.ops", "graphpass.offloading.ops", "graphpass.offloading.runtime",
-    "graphpass.offloading.schedule", "graphpass.static_shapes.plan", "graphpass.static_shapes.padding_safety",
+    "graphpass.offloading.facts", "graphpass.offloading.schedule", "graphpass.static_shapes.plan", "graphpass.static_shapes.padding_safety",
 }
 BACKENDS_MAY_IMPORT = {"graphpass.errors", "graphpass.fx_utils", "graphpass.torch_compat"}
 
