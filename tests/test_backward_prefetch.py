@@ -114,7 +114,7 @@ def test_pin_backward_loads_runs_under_the_pass_contract(monkeypatch, caplog):
     graph = copy.deepcopy(seen["graph"].owning_module).graph
     with caplog.at_level(logging.DEBUG, logger="graphpass.passes.pin_backward_loads"):
         assert hook(graph) is True  # placed again (the runner then lints and recompiles the graph's module)
-    assert any("pin_backward_loads" in r.getMessage() and "a backward graph" in r.getMessage() for r in caplog.records)
+    assert any("pin_backward_loads" in r.getMessage() and "a post-grad graph" in r.getMessage() for r in caplog.records)
     monkeypatch.setattr(module, "pin_backward_loads", lambda g: {}["boom"])
-    with pytest.raises(PassError, match=r"pass 'pin_backward_loads' on a backward graph: KeyError"):
+    with pytest.raises(PassError, match=r"pass 'pin_backward_loads' on a post-grad graph: KeyError"):
         hook(graph)

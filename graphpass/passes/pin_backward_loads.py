@@ -160,7 +160,7 @@ class PinBackwardLoads(GraphPass, CustomGraphPass):
         gm = graph.owning_module
         if gm is None:  # a graph no module owns: give it one, so the runner can recompile it
             gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-        return run_pass(self, PassContext(gm=gm, example_inputs=[], config=GraphpassConfig(), graph_name="a backward graph"))
+        return run_pass(self, PassContext(gm=gm, example_inputs=[], config=GraphpassConfig(), graph_name="a post-grad graph"))
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__,))
