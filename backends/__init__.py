@@ -44,9 +44,13 @@ __all__ = [
 class InductorDelegate(Delegate):
     name = "inductor"
 
-    def __init__(self, mode: str | None = None, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, mode: str | None = None, options: Mapping[str, Any] | None = None,
+                 post_grad: Callable[[torch.fx.GraphModule], Any] | None = None) -> None:
         self.mode = mode
         self.options = dict(options or {})
+        # graph -> the post_grad_custom_post_pass for it (or None); graphpass.delegation.call_delegate
+        # supplies graphpass.pipeline.inductor_post_grad_pass, so this package never imports the pipeline
+        self.post_grad = post_grad
 
     def compile(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
@@ -58,10 +62,8 @@ class InductorDelegate(Delegate):
         if self.mode not in (None, "default"):
             patches.update(torch._inductor.list_mode_options(self.mode))
         patches.update(self.options)
-        if "post_grad_custom_post_pass" not in patches:
-            from graphpass.pipeline import inductor_post_grad_pass
-
-            post_grad = inductor_post_grad_pass(gm)  # the aten-level passes declared beside PIPELINE
+        if "post_grad_custom_post_pass" not in patches and self.post_grad is not None:
+            post_grad = self.post_grad(gm)  # the aten-level passes declared beside PIPELINE
             if post_grad is not None:
                 patches["post_grad_custom_post_pass"] = post_grad
         return compile_fx(gm, list(example_inputs), config_patches=patches or None)

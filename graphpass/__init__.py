@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from .version import __version__
 
 from . import ops
 from .capturing import CompareReport, ModelCapture, capture_tensor, compare
@@ -30,8 +30,9 @@ from .offloading import MemoryStats, OffloadConfig, memory_stats, offload
 from .ops import offload_block, trace_traps, trap_block
 from .static_shapes import AuditReport, audit
 from .tracing import TraceReport, trace
+from .op_registry import register_all as _register_all
 
-ops.register_all()  # every graphpass:: custom op, whatever was imported first
+_register_all()  # every graphpass:: custom op, whatever was imported first
 
 # What users call. Internals (the pipeline, the backend class, the registry, offload state,
 # patterns) stay importable from their modules: graphpass.pipeline.PIPELINE,

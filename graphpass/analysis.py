@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .passes.insert_offload_schedule import OffloadSchedule
-    from .passes.plan_static_shapes import BucketPlan
+    from .offloading.schedule import OffloadSchedule
+    from .static_shapes.plan import BucketPlan
     from .roots import Roots
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ two of them runs forward: the split can never make a cycle.
 
 from __future__ import annotations
 
+import copy
 import logging
 import operator
 from collections import Counter
@@ -27,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx.passes.split_module import split_module
 
-from graphpass.backends import Delegate
+from graphpass.backends import Delegate, InductorDelegate
 
 from .errors import DelegateError, GraphpassError, _short
 from .fx_utils import aten_decomposition, copy_graph, graphpass_op_name, is_custom_op, is_graphpass_node
@@ -169,7 +170,7 @@ def call_delegate(delegate: Delegate, gm: torch.fx.GraphModule, example_inputs: 
     the graph, the delegate's own exception as its cause (Dynamo would report either as its generic
     backend failure, naming graphpass instead of the delegate)."""
     try:
-        fn = delegate.compile(gm, example_inputs)
+        fn = with_post_grad_passes(delegate).compile(gm, example_inputs)
     except (GraphpassError, *_dynamo_fallbacks()):
         raise
     except Exception as err:
@@ -179,6 +180,19 @@ def call_delegate(delegate: Delegate, gm: torch.fx.GraphModule, example_inputs: 
             f"delegate {delegate.name!r} returned {_short(fn)} instead of a callable when compiling {graph_name}: a "
             "backend must return the compiled function (for example gm.forward)")
     return fn
+
+
+def with_post_grad_passes(delegate: Delegate) -> Delegate:
+    """The inductor delegate that installs graphpass's aten-level passes (``POST_GRAD_PASSES``,
+    declared beside ``PIPELINE``) for graphs holding graphpass ops; a copy, the caller's object is
+    left as it is. Other delegates, and an inductor delegate given its own, are returned unchanged."""
+    if not isinstance(delegate, InductorDelegate) or delegate.post_grad is not None:
+        return delegate
+    from .pipeline import inductor_post_grad_pass
+
+    delegate = copy.copy(delegate)
+    delegate.post_grad = inductor_post_grad_pass
+    return delegate
 
 
 def _dynamo_fallbacks() -> tuple[type, ...]:

@@ -272,15 +272,3 @@ def register_dtensor_handlers(handlers: dict) -> None:
 def let_dtensors_through() -> None:
     """The boundary ops take DTensor deps as their local shards (:func:`_local_boundary`)."""
     register_dtensor_handlers({op: _local_boundary for op in BOUNDARY_OPS})
-
-
-def register_all() -> None:
-    """Register every graphpass custom op (the trap ops here, and each feature's own ops module).
-
-    Each feature keeps its ops in one module (``graphpass.capturing.ops``, ``graphpass.offloading.ops``)
-    that defines them in a ``torch.library.Library("graphpass", "FRAGMENT")`` when imported; code
-    that inserts or matches an op imports it from there, so no registration depends on what else
-    was imported first. Idempotent (Python imports a module once).
-    """
-    from .capturing import ops as _capture_ops  # noqa: F401
-    from .offloading import ops as _offload_ops  # noqa: F401

@@ -25,11 +25,11 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass  # pin_backward_loads imports it already
 
 from .config import GraphpassConfig
-from .errors import GraphpassError, PassError
+from .errors import PassError
 from .fx_utils import is_graphpass_node
 from .passes.analyze_ownership import AnalyzeOwnership
 from .passes.assign_traps import AssignTraps
-from .passes.base import GraphPass, PassContext
+from .passes.base import GraphPass, PassContext, check_well_formed, readable as _readable, run_pass  # noqa: F401 (the runner)
 from .passes.insert_capture_nodes import InsertCaptureNodes
 from .passes.insert_offload_schedule import InsertOffloadSchedule
 from .passes.insert_trap_boundaries import InsertTrapBoundaries
@@ -71,57 +71,6 @@ def check_pipeline(passes: Sequence[GraphPass]) -> None:
 
 
 check_pipeline(PIPELINE)  # once, when the pipeline is defined
-
-
-def check_well_formed(graph: torch.fx.Graph, pass_name: str, graph_name: str = "graph") -> None:
-    """The graph is in topological order and every argument is defined before it is used."""
-    try:
-        graph.lint()
-    except Exception as err:  # noqa: BLE001 - FX reports malformed graphs as RuntimeError / AssertionError
-        raise PassError(pass_name, graph_name, f"left a malformed graph: {err}") from err
-
-
-def run_pass(p: GraphPass, ctx: PassContext) -> bool:
-    """Run one pass under the contract: skip it when ``should_run`` says so; time it; turn an
-    unexpected exception into a :class:`PassError` naming the pass and the graph; after a change,
-    check the graph is well formed and recompile it. Returns whether the pass changed the graph."""
-    if not p.should_run(ctx):
-        p.logger.debug("%s: skipped on %s", p.name, ctx.graph_name)
-        return False
-    if _graphs_log.isEnabledFor(logging.DEBUG):
-        _graphs_log.debug("%s before %s:\n%s", ctx.graph_name, p.name, _readable(ctx.gm))
-    _trace_graph(ctx, f"before_{p.name}")
-    lines = len(ctx.log)
-    t0 = time.perf_counter()
-    try:
-        changed = p.run(ctx)
-    except GraphpassError:
-        raise
-    except Exception as err:  # noqa: BLE001 - re-raised with the pass named, the original as cause
-        raise PassError(p.name, ctx.graph_name, f"{type(err).__name__}: {err}") from err
-    if not isinstance(changed, bool):
-        raise PassError(p.name, ctx.graph_name, f"run() returned {changed!r}: a pass returns whether it changed the graph")
-    if changed:
-        check_well_formed(ctx.gm.graph, p.name, ctx.graph_name)
-        ctx.gm.recompile()
-    if p.logger.isEnabledFor(logging.DEBUG):
-        what = "; ".join(ctx.log[lines:]) or "nothing to report"
-        p.logger.debug("%s: %.2f ms on %s, %s: %s", p.name, (time.perf_counter() - t0) * 1e3, ctx.graph_name,
-                       "changed the graph" if changed else "graph unchanged", what)
-    if changed and _graphs_log.isEnabledFor(logging.DEBUG):
-        _graphs_log.debug("%s after %s:\n%s", ctx.graph_name, p.name, _readable(ctx.gm))
-    _trace_graph(ctx, f"after_{p.name}")
-    return changed
-
-
-def _trace_graph(ctx: PassContext, when: str) -> None:
-    """The graph as an artifact of torch's structured trace (``TORCH_TRACE``, read by tlparse),
-    named ``graphpass_<graph>_<before|after>_<pass>``; torch builds nothing unless the trace is on."""
-    torch._logging.trace_structured(
-        "artifact",
-        metadata_fn=lambda: {"name": f"graphpass_{ctx.graph_name}_{when}", "encoding": "string"},
-        payload_fn=lambda: _readable(ctx.gm),
-    )
 
 
 def run_pipeline(
@@ -179,13 +128,6 @@ class _Chain(CustomGraphPass):
 
     def uuid(self) -> bytes:
         return b"".join(p.uuid() for p in self.passes)
-
-
-def _readable(gm: torch.fx.GraphModule) -> str:
-    try:
-        return gm.print_readable(print_output=False)
-    except Exception:  # noqa: BLE001 - a graph that cannot be printed is still logged by its nodes
-        return str(gm.graph)
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .atomic_files import write_bytes_atomic
-from .tracing import CALL, EVICT, LOAD, TRAP, WAIT, TraceError, TraceReport
+from .trace_events import CALL, EVICT, LOAD, TRAP, WAIT, TraceError
+
+if TYPE_CHECKING:
+    from .tracing import TraceReport
 
 DPI = 100
 TRAP_COLORS = ("#4c78a8", "#72b7b2")

@@ -112,10 +112,7 @@ class AutoSteps:
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         info = self.step_info(args, kwargs)
         if info is not None:
-            from .model_capture import sweep_marking_hook
-
-            sweep_marking_hook()
-            self.capture.setup_tensor_capture()
+            self.capture.open_auto_step()
         self._open.set(self._open.get() + (info,))
 
     def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, result: Any) -> None:

@@ -29,158 +29,25 @@ Notes that name two values give the ref value first: ``shape mismatch [ref] vs [
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import _TYPES as _ST_DTYPES
-from tabulate import tabulate
 
 from .. import progress
-from ..atomic_files import is_temp_name, write_bytes_atomic
-from ..errors import GraphpassError
+from ..atomic_files import is_temp_name
+from .compare_report import FAIL, MISSING_SIDES, PASS, CompareError, CompareReport, CompareRow  # noqa: F401 (re-exported)
+from .compare_tensors import CHUNK_ELEMS, LazyTensor, compare_tensors, open_safetensors  # noqa: F401
+from .report_format import HEADERS, printable  # noqa: F401 (re-exported)
 from .completeness import StepScan, execution_order, fmt_ranks, natural, run_ranks, tree_of
 from .writer import meta_file_rank
 
 __all__ = ["CompareError", "CompareRow", "CompareReport", "compare"]
 
-PASS, FAIL = "pass", "FAIL"
-_EPS = 1e-30  # guards relative errors against an all-zero reference
 # always used with fullmatch (`$` would accept a trailing newline); [0-9], not \d (no Unicode digits)
 _DP_RE = re.compile(r"dp[0-9]+")
-CHUNK_ELEMS = 1 << 20  # elements per compared chunk (float64: 8 MiB per temporary)
-HEADERS = ["step", "module", "rank", "key", "status", "max abs", "rel L2", "rel L∞", "note"]
-MISSING_SIDES = ("test", "ref", "both")  # CompareRow.missing: the side(s) that lack the row's item
-
-
-class CompareError(GraphpassError, ValueError):
-    """``compare`` was given a bad argument: a directory that does not exist, a negative tolerance."""
-
-
-@dataclass
-class CompareRow:
-    """One compared tensor (or one missing/unreadable thing). Errors are ``None`` when not computable."""
-
-    step: str  # relative path of the step directory, e.g. "dp0/prefill_s8_0"
-    module: str
-    rank: int | None
-    key: str | None
-    status: str
-    max_abs: float | None = None
-    rel_l2: float | None = None
-    rel_linf: float | None = None
-    note: str = ""
-    missing: str | None = None  # "test", "ref" or "both": the item is missing there (always a FAIL row)
-
-    @property
-    def passed(self) -> bool:
-        return self.status == PASS
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: _json_float(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
-
-    def where(self) -> str:
-        parts = [f"step {self.step}"]
-        if self.rank is not None:
-            parts.append(f"rank {self.rank}")
-        if self.key is not None:
-            parts.append(f"key {self.key}")
-        return ", ".join(parts)
-
-
-@dataclass
-class CompareReport:
-    """The result of :func:`compare`: rows in execution order, plus step-level notes."""
-
-    ref_dir: str
-    test_dir: str
-    rtol: float
-    atol: float
-    rows: list[CompareRow] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def first_failure(self) -> CompareRow | None:
-        return next((row for row in self.rows if not row.passed), None)
-
-    @property
-    def passed(self) -> bool:
-        """True when at least one tensor was compared and every row passed."""
-        return bool(self.rows) and self.first_failure is None
-
-    def table(self) -> str:
-        body = [[r.step, r.module, "" if r.rank is None else r.rank, "" if r.key is None else r.key, r.status,
-                 _fmt(r.max_abs), _fmt(r.rel_l2), _fmt(r.rel_linf), r.note] for r in self.rows]
-        return tabulate(body, headers=HEADERS, disable_numparse=True)
-
-    def summary_line(self) -> str:
-        if not self.rows:
-            return f"nothing compared: no captured steps found in {self.ref_dir} or {self.test_dir}"
-        bad = self.first_failure
-        if bad is None:
-            return f"all {len(self.rows)} tensors match (rtol={self.rtol:g}, atol={self.atol:g})"
-        what = f"max abs {bad.max_abs:.2e}" if bad.max_abs is not None else ""
-        if bad.note:
-            what = f"{what}; {bad.note}" if what else bad.note
-        n_fail = sum(not r.passed for r in self.rows)
-        missing = self.missing_counts()
-        lost = "".join(f"; {n} missing in {side}" for side, n in missing.items() if n)
-        return (f"{n_fail} of {len(self.rows)} rows FAIL (rtol={self.rtol:g}, atol={self.atol:g}{lost})\n"
-                f"first diverging module: {bad.module or '<step>'} ({bad.where()}): {what}")
-
-    def missing_counts(self) -> dict[str, int]:
-        """How many rows name something missing in the test run, in the ref run, in both."""
-        return {side: sum(r.missing == side for r in self.rows) for side in MISSING_SIDES}
-
-    def __str__(self) -> str:
-        parts = [self.table()] if self.rows else []
-        parts += [f"note: {n}" for n in self.notes]
-        parts.append(self.summary_line())
-        return printable("\n".join(parts))
-
-    def to_dict(self) -> dict[str, Any]:
-        n_pass = sum(r.passed for r in self.rows)
-        first = self.first_failure
-        return {
-            "ref_dir": self.ref_dir,
-            "test_dir": self.test_dir,
-            "rtol": self.rtol,
-            "atol": self.atol,
-            "passed": self.passed,
-            "counts": {"total": len(self.rows), "pass": n_pass, "fail": len(self.rows) - n_pass,
-                       **{f"missing_in_{side}": n for side, n in self.missing_counts().items()}},
-            "first_failure": first.to_dict() if first is not None else None,
-            "summary": self.summary_line(),
-            "notes": list(self.notes),
-            "rows": [r.to_dict() for r in self.rows],
-        }
-
-    def write_json(self, path: str | os.PathLike[str]) -> Path:
-        """Write :meth:`to_dict` to ``path`` atomically (temp file in the same directory + ``os.replace``)."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
-        write_bytes_atomic(target, text.encode("utf-8"))
-        return target
-
-    def plot(self, path: str | os.PathLike[str], **kwargs: Any) -> Path:
-        """The divergence plot as a PNG (``graphpass.capturing.plots.plot_report``; needs ``graphpass[plot]``)."""
-        from .plots import plot_report
-
-        return plot_report(self, path, **kwargs)
-
-    def to_html(self, path: str | os.PathLike[str], **kwargs: Any) -> Path:
-        """One self-contained HTML page: table, plot, meta of both runs (``graphpass.capturing.plots.write_html``)."""
-        from .plots import write_html
-
-        return write_html(self, path, **kwargs)
 
 
 def compare(ref_dir: "str | os.PathLike[str] | list", test_dir: "str | os.PathLike[str] | list",
@@ -278,23 +145,13 @@ def _check_tol(name: str, value: Any) -> float:
     return float(value)
 
 
-def printable(text: str) -> str:
-    """``text`` with undecodable file-name bytes (``os.fsdecode``'s surrogates) and any other lone
-    surrogate written as backslash escapes, so it can be printed to a strict UTF-8 stream."""
-    try:
-        raw = text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        raw = text.encode("utf-8", "backslashreplace")
-    return raw.decode("utf-8", "backslashreplace")
-
-
 def _note_temp_files(report: CompareReport, side: str, root: Path, shown: int = 5) -> None:
     """A note naming the temporary files an interrupted capture left under ``root`` (never compared)."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         found += [(Path(dirpath) / f).relative_to(root).as_posix() for f in filenames if is_temp_name(f)]
     if found:
-        found.sort(key=_natural)
+        found.sort(key=natural)
         more = f" and {len(found) - shown} more" if len(found) > shown else ""
         report.notes.append(
             f"{side}: ignored {len(found)} temporary file(s) left by an interrupted capture (not data): "
@@ -314,9 +171,6 @@ def _find_steps(root: Path) -> set[str]:
     return steps
 
 
-_natural = natural  # shards imports it from here
-
-
 def _module_order(report: CompareReport, rel: str, side: str, scan: StepScan) -> list[str]:
     """The meta's ``modules`` (execution order), then module folders it does not list, sorted;
     a note when there is no readable meta."""
@@ -324,7 +178,7 @@ def _module_order(report: CompareReport, rel: str, side: str, scan: StepScan) ->
         report.notes.append(f"{rel}: {scan.meta_problem.replace('meta file', f'{side} meta file', 1)}; "
                             "module order from sorted directory names")
     listed = scan.listed or []
-    return listed + sorted(set(scan.files) - set(listed), key=_natural)
+    return listed + sorted(set(scan.files) - set(listed), key=natural)
 
 
 def _unlisted(report: CompareReport, rel: str, scan: StepScan, side: str) -> set[str]:
@@ -334,7 +188,7 @@ def _unlisted(report: CompareReport, rel: str, scan: StepScan, side: str) -> set
     if listed is None:
         return set()
     extra: set[str] = set()
-    for entry in sorted(scan.dir.iterdir(), key=lambda p: _natural(p.name)):
+    for entry in sorted(scan.dir.iterdir(), key=lambda p: natural(p.name)):
         name = entry.name
         if name.startswith(".") or meta_file_rank(scan.dir.name, name) is not None or name in listed:
             continue
@@ -385,7 +239,7 @@ def _compare_step(report: CompareReport, rel: str, sides: tuple) -> None:
 def _ordered_keys(keys: set[str], order: list[str]) -> list[str]:
     """``keys`` in ``order`` (the meta's output order), then any others in natural order."""
     rank = {k: i for i, k in reversed(list(enumerate(order)))}
-    return sorted(keys, key=lambda k: (0, rank[k], ()) if k in rank else (1, 0, _natural(k)))
+    return sorted(keys, key=lambda k: (0, rank[k], ()) if k in rank else (1, 0, natural(k)))
 
 
 def _note_old_keys(report: CompareReport, rel: str, module: str, ref_keys: set[str], test_keys: set[str]) -> None:
@@ -416,71 +270,6 @@ def _resharded(files: tuple[dict, dict], want: tuple[set, set], layouts: tuple[d
                 for r, keys in layout.items()}
 
     return pieces(ref_layout) != pieces(test_layout)
-
-
-class _Tensor:
-    """One tensor, read lazily: from a memory-mapped safetensors file (``safe_open`` slice) or from
-    memory. ``chunks`` yields pieces of at most ``limit`` elements in row-major order."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, read) -> None:
-        self.shape, self.dtype, self._read = shape, dtype, read
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "_Tensor":
-        return cls(tuple(t.shape), t.dtype, lambda index: t[index])
-
-    @classmethod
-    def from_slice(cls, sl: Any) -> "_Tensor":
-        dtype = _ST_DTYPES.get(sl.get_dtype())
-        if dtype is None:
-            raise ValueError(f"unsupported safetensors dtype {sl.get_dtype()}")
-        return cls(tuple(int(d) for d in sl.get_shape()), dtype, lambda index: sl[index])
-
-    def chunks(self, limit: int) -> Iterator[torch.Tensor]:
-        for index in _chunk_indices(self.shape, limit):
-            yield self._read(index)
-
-
-def _chunk_indices(shape: tuple[int, ...], limit: int) -> Iterator[tuple]:
-    """Index tuples (of slices) covering ``shape`` in row-major order, each at most ``limit`` elements:
-    the trailing dims that fit whole, a range of the next dim, single indices of the leading dims."""
-    limit = max(1, int(limit))
-    if not shape:
-        yield ()
-        return
-    if 0 in shape:
-        return
-    inner, d = 1, len(shape)
-    while d > 0 and inner * shape[d - 1] <= limit:
-        inner *= shape[d - 1]
-        d -= 1
-    if d == 0:
-        yield tuple(slice(0, n) for n in shape)
-        return
-    split = d - 1
-    step = max(1, limit // inner)
-    whole = tuple(slice(0, n) for n in shape[split + 1:])
-    for lead in itertools.product(*(range(n) for n in shape[:split])):
-        head = tuple(slice(i, i + 1) for i in lead)
-        for start in range(0, shape[split], step):
-            yield head + (slice(start, min(start + step, shape[split])),) + whole
-
-
-def _open(path: Path, stack: Any) -> tuple[Any, str]:
-    """``safe_open`` (memory-mapped) on ``path``; safetensors takes only UTF-8 paths, so a path with
-    undecodable bytes is opened here and handed over as ``/proc/self/fd/N`` where that exists."""
-    try:
-        name = str(path)
-        try:
-            name.encode("utf-8")
-        except UnicodeEncodeError:
-            fd = os.open(path, os.O_RDONLY)
-            stack.callback(os.close, fd)
-            if os.path.exists(f"/proc/self/fd/{fd}"):
-                name = f"/proc/self/fd/{fd}"
-        return stack.enter_context(safe_open(name, framework="pt")), ""
-    except Exception as exc:  # corrupt header, truncated file, permission denied, ...
-        return None, f"{type(exc).__name__}: {exc}".strip()
 
 
 def _compare_module(report: CompareReport, rel: str, module: str, ref: StepScan, test: StepScan) -> None:
@@ -522,8 +311,8 @@ def _compare_rank(report: CompareReport, rel: str, module: str, rank: int, paths
                   key_order: list[str], listed: tuple[dict, dict]) -> None:
     """Rows for every key of one rank's two files: the keys either file holds or either meta lists."""
     with contextlib.ExitStack() as stack:
-        ref_f, ref_err = _open(paths[0], stack)
-        test_f, test_err = _open(paths[1], stack)
+        ref_f, ref_err = open_safetensors(paths[0], stack)
+        test_f, test_err = open_safetensors(paths[1], stack)
         if ref_f is None or test_f is None:
             notes = [f"cannot read {side} file: {err}" for side, err in (("ref", ref_err), ("test", test_err)) if err]
             report.rows.append(CompareRow(rel, module, rank, None, FAIL, note="; ".join(notes)))
@@ -541,146 +330,14 @@ def _compare_rank(report: CompareReport, rel: str, module: str, rank: int, paths
                                                    + (" (listed in its meta file)" if len(lost) == 2 else "")))
                 continue
             try:
-                ref_t, test_t = _Tensor.from_slice(ref_f.get_slice(key)), _Tensor.from_slice(test_f.get_slice(key))
+                ref_t, test_t = LazyTensor.from_slice(ref_f.get_slice(key)), LazyTensor.from_slice(test_f.get_slice(key))
             except Exception as exc:
                 report.rows.append(CompareRow(rel, module, rank, key, FAIL,
                                               note=f"cannot read tensor: {type(exc).__name__}: {exc}"))
                 continue
-            report.rows.append(_compare_tensors(rel, module, rank, key, ref_t, test_t, report.rtol, report.atol))
-
-
-def _nanhypot(a: float, b: float) -> float:
-    """sqrt(a² + b²) without overflow (exact for b alone), propagating NaN like ``vector_norm``."""
-    if math.isnan(a) or math.isnan(b):
-        return math.nan
-    return math.hypot(a, b)
-
-
-def _nanmax(a: float, b: float) -> float:
-    """max that propagates NaN whatever the order (like ``Tensor.max``)."""
-    if math.isnan(a) or math.isnan(b):
-        return math.nan
-    return max(a, b)
-
-
-def _compare_tensors(rel: str, module: str, rank: int, key: str, ref: "torch.Tensor | _Tensor",
-                     test: "torch.Tensor | _Tensor", rtol: float, atol: float,
-                     chunk_elems: int | None = None) -> CompareRow:
-    """Compare chunk by chunk in float64 (complex128): per chunk ``allclose``, max |t-r|, the sums of
-    L2 norms (combined with hypot) and max |r| over finite r; combined, they are the whole-tensor numbers."""
-    ref = ref if isinstance(ref, _Tensor) else _Tensor.from_tensor(ref.detach())
-    test = test if isinstance(test, _Tensor) else _Tensor.from_tensor(test.detach())
-    notes = []
-    kinds = (_kind(ref.dtype), _kind(test.dtype))
-    if ref.dtype != test.dtype:
-        notes.append(f"dtype {_dtype(ref.dtype)} vs {_dtype(test.dtype)}")
-    if ref.shape != test.shape:
-        notes.insert(0, f"shape mismatch {list(ref.shape)} vs {list(test.shape)}")
-        return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
-    if kinds[0] != kinds[1] and _EXACT & set(kinds):
-        notes.append(f"{kinds[0]} vs {kinds[1]}: integer and bool tensors are compared exactly, and only with "
-                     "tensors of their own kind")
-        return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
-    limit = CHUNK_ELEMS if chunk_elems is None else chunk_elems
-    if kinds[0] in _EXACT:
-        return _compare_exact(CompareRow(rel, module, rank, key, PASS), ref, test, limit, notes)
-    try:
-        wide = torch.complex128 if ref.dtype.is_complex or test.dtype.is_complex else torch.float64
-        ok, any_nan, n = True, False, 0
-        max_abs, ref_max = 0.0, 0.0
-        diff_l2, ref_l2 = 0.0, 0.0
-        for rc, tc in zip(ref.chunks(limit), test.chunks(limit)):
-            r, t = rc.to(wide).reshape(-1), tc.to(wide).reshape(-1)
-            if r.numel() == 0:
-                continue
-            n += r.numel()
-            ok = ok and torch.allclose(t, r, rtol=rtol, atol=atol, equal_nan=True)
-            both_nan = torch.isnan(r) & torch.isnan(t)
-            diff = torch.where((r == t) | both_nan, 0.0, (t - r).abs())  # equal infs and paired NaNs: 0
-            r_fin = torch.where(torch.isfinite(r), r.abs(), 0.0)
-            del r, t, both_nan
-            max_abs = _nanmax(max_abs, diff.max().item())
-            ref_max = _nanmax(ref_max, r_fin.max().item())
-            diff_l2 = _nanhypot(diff_l2, torch.linalg.vector_norm(diff).item())
-            ref_l2 = _nanhypot(ref_l2, torch.linalg.vector_norm(r_fin).item())
-            any_nan = any_nan or bool(torch.isnan(diff).any())
-            del diff, r_fin
-        if n == 0:
-            max_abs = rel_l2 = rel_linf = 0.0
-        else:
-            rel_l2 = diff_l2 / max(ref_l2, _EPS)
-            rel_linf = max_abs / max(ref_max, _EPS)
-    except Exception as exc:  # e.g. a dtype float64 cannot hold: never crash the whole report
-        notes.append(f"comparison failed: {type(exc).__name__}: {exc}")
-        return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
-    if not ok and any_nan:
-        notes.append("NaN in only one of ref/test")
-    return CompareRow(rel, module, rank, key, PASS if ok else FAIL, max_abs, rel_l2, rel_linf, "; ".join(notes))
-
-
-_EXACT = {"integer", "bool"}  # kinds compared exactly, whatever the tolerances
-
-
-def _kind(dtype: torch.dtype) -> str:
-    if dtype == torch.bool:
-        return "bool"
-    if dtype.is_floating_point or dtype.is_complex:
-        return "floating-point"
-    return "integer"
-
-
-def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (any integer or bool dtype) as int64 high and low 32-bit halves of its value, so two
-    values are equal iff both halves are, and ``hi * 2**32 + lo`` is the value (uint64 included)."""
-    if x.dtype == torch.uint64:
-        bits = x.view(torch.int64)
-        return (bits >> 32) & 0xFFFFFFFF, bits & 0xFFFFFFFF
-    wide = x.to(torch.int64)
-    return wide >> 32, wide & 0xFFFFFFFF
-
-
-def _as_float(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """``hi * 2**32 + lo`` in float64, correctly rounded (both terms are exact in float64)."""
-    return hi.to(torch.float64) * 4294967296.0 + lo.to(torch.float64)
-
-
-def _compare_exact(row: CompareRow, ref: "_Tensor", test: "_Tensor", limit: int, notes: list[str]) -> CompareRow:
-    """Integer / bool tensors: pass iff every element is equal (never through float64, which cannot
-    tell 2**53 from 2**53 + 1). The error numbers are the float64 roundings of the exact ones."""
-    differ, n, max_abs, ref_max, diff_l2, ref_l2 = 0, 0, 0.0, 0.0, 0.0, 0.0
-    try:
-        for rc, tc in zip(ref.chunks(limit), test.chunks(limit)):
-            (rh, rl), (th, tl) = _halves(rc.reshape(-1)), _halves(tc.reshape(-1))
-            if rh.numel() == 0:
-                continue
-            n += rh.numel()
-            differ += int(((rh != th) | (rl != tl)).sum())
-            diff = _as_float(th - rh, tl - rl).abs()
-            r_abs = _as_float(rh, rl).abs()
-            max_abs, ref_max = max(max_abs, diff.max().item()), max(ref_max, r_abs.max().item())
-            diff_l2 = math.hypot(diff_l2, torch.linalg.vector_norm(diff).item())
-            ref_l2 = math.hypot(ref_l2, torch.linalg.vector_norm(r_abs).item())
-    except Exception as exc:  # never crash the whole report
-        notes.append(f"comparison failed: {type(exc).__name__}: {exc}")
-        row.status, row.note = FAIL, "; ".join(notes)
-        return row
-    if differ:
-        notes.append(f"compared exactly: {differ} of {n} elements differ")
-    row.status = FAIL if differ else PASS
-    row.max_abs, row.rel_l2, row.rel_linf = max_abs, diff_l2 / max(ref_l2, _EPS), max_abs / max(ref_max, _EPS)
-    row.note = "; ".join(notes)
-    return row
+            report.rows.append(compare_tensors(rel, module, rank, key, ref_t, test_t, report.rtol, report.atol))
 
 
 # --- formatting ---------------------------------------------------------------------------------
 
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
-
-def _fmt(value: float | None) -> str:
-    return "" if value is None else f"{value:.3g}"
-
-
-def _json_float(value: float) -> float | str:
-    return value if math.isfinite(value) else str(value)  # "nan" / "inf": keeps the JSON strict

@@ -32,6 +32,7 @@ import torch
 
 from ..dynamo_records import has_compiled_code
 from ..errors import CaptureError, ConfigError
+from ..version import __version__
 from .auto_steps import AutoSteps, StepInfo
 from .ops import ACTIVE_CAPTURES, capture_eager_outputs, capture_tensor, mark_output_keys
 from .registry import CaptureSites, Switch, TensorRegistry
@@ -232,6 +233,12 @@ class ModelCapture:
         ACTIVE_CAPTURES.set(ACTIVE_CAPTURES.get() + (reg,))
         _FRAMES.set(_FRAMES.get() + ((self, reg),))
 
+    def open_auto_step(self) -> None:
+        """A step :class:`AutoSteps` opens (user code, outside any compile): sweep an idle marking
+        hook, then :meth:`setup_tensor_capture`."""
+        sweep_marking_hook()
+        self.setup_tensor_capture()
+
     def _restore(self) -> None:
         """Close this context's innermost step of this capture: its registry stops being active."""
         frames = _FRAMES.get()
@@ -267,13 +274,11 @@ class ModelCapture:
                 size = bucket
             elif size is None:
                 size = _step_size(positions, is_prefill, req_ids, tensors)
-            import graphpass
-
             meta = {
                 **_check_extra_meta(extra_meta),
                 "req_ids": list(req_ids) if req_ids is not None else [],
                 "positions": positions,
-                "graphpass_version": graphpass.__version__,
+                "graphpass_version": __version__,
                 "torch_version": torch.__version__,
                 "bucket": bucket,
                 "dropped_steps": self._behind.dropped,

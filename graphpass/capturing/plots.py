@@ -19,11 +19,14 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..atomic_files import write_bytes_atomic
 from ..errors import GraphpassError
-from .compare_runs import CompareReport, CompareRow, printable
+from .report_format import HEADERS, fmt_value, printable
+
+if TYPE_CHECKING:
+    from .compare_report import CompareReport, CompareRow
 
 __all__ = ["PlotUnavailableError", "plot_report", "render_png", "write_html", "html_page", "figure_pixels",
            "step_series", "read_metas"]
@@ -189,7 +192,6 @@ def _esc(value: Any) -> str:
 
 
 def _table(report: CompareReport) -> str:
-    from .compare_runs import HEADERS, _fmt
 
     first = report.first_failure
     head = "".join(f"<th>{_esc(h)}</th>" for h in HEADERS)
@@ -197,7 +199,7 @@ def _table(report: CompareReport) -> str:
     for r in report.rows:
         cls = "first" if r is first else ("fail" if not r.passed else "")
         cells = [r.step, r.module, "" if r.rank is None else r.rank, "" if r.key is None else r.key, r.status,
-                 _fmt(r.max_abs), _fmt(r.rel_l2), _fmt(r.rel_linf), r.note]
+                 fmt_value(r.max_abs), fmt_value(r.rel_l2), fmt_value(r.rel_linf), r.note]
         body.append(f'<tr class="{cls}">' + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>\n" + "\n".join(body) + "\n</tbody></table>"
 

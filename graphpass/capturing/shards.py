@@ -10,7 +10,7 @@ test rank's piece is then compared with the matching slice of it, one row per ra
 shard diverges is named. Pieces at the same place on several ranks (``Replicate()`` copies, or the
 replicated plain outputs of a row-parallel layer) are also checked against the lowest such rank's
 copy: a copy that differs is a ``FAIL`` row naming its rank. Assembling loads one tensor's pieces
-into memory; the compared pieces stay chunked (:func:`compare_runs._compare_tensors`).
+into memory; the compared pieces stay chunked (:func:`compare_tensors.compare_tensors`).
 
 The meta is not trusted (:func:`piece_boxes`): before anything is allocated, each side's pieces
 must lie inside the global shape, must not overlap (only ``Replicate()`` copies may share a
@@ -33,8 +33,9 @@ from typing import Any, Sequence
 import torch
 
 from ..atomic_files import is_temp_name
-from .compare_runs import FAIL, CompareError, CompareReport, CompareRow, _compare_tensors, _natural, _open, _Tensor
-from .completeness import fmt_ranks
+from .compare_report import FAIL, CompareError, CompareReport, CompareRow
+from .compare_tensors import LazyTensor, compare_tensors, open_safetensors
+from .completeness import fmt_ranks, natural
 
 __all__ = ["compare_resharded", "merge_roots", "piece_boxes"]
 
@@ -51,7 +52,7 @@ def compare_resharded(report: CompareReport, rel: str, module: str, files: tuple
         for side, ranks in zip(("ref", "test"), files):
             handles = {}
             for rank, path in sorted(ranks.items()):
-                f, err = _open(path, stack)
+                f, err = open_safetensors(path, stack)
                 if f is None:
                     report.rows.append(CompareRow(rel, module, rank, None, FAIL,
                                                   note=f"cannot read {side} file: {err}"))
@@ -65,7 +66,7 @@ def compare_resharded(report: CompareReport, rel: str, module: str, files: tuple
         for handles, layout in zip(opened, layouts):  # keys a rank's meta lists must be in its file too
             keys |= {k for r in handles for k in layout.get(r, {})}
         rank_of = {k: i for i, k in reversed(list(enumerate(key_order)))}
-        for key in sorted(keys, key=lambda k: (0, rank_of[k], ()) if k in rank_of else (1, 0, _natural(k))):
+        for key in sorted(keys, key=lambda k: (0, rank_of[k], ()) if k in rank_of else (1, 0, natural(k))):
             _compare_key(report, rel, module, key, (ref, test), layouts)
 
 
@@ -86,7 +87,7 @@ def _compare_key(report: CompareReport, rel: str, module: str, key: str, handles
         if key not in f.keys():
             report.rows.append(CompareRow(rel, module, rank, key, FAIL, note="key missing in test", missing="test"))
             continue
-        piece = _Tensor.from_slice(f.get_slice(key))
+        piece = LazyTensor.from_slice(f.get_slice(key))
         entry = layout_entry(test_layout, rank, key)
         try:
             offset, global_shape = _place(entry, piece.shape)
@@ -99,7 +100,7 @@ def _compare_key(report: CompareReport, rel: str, module: str, key: str, handles
                                           note=f"shape mismatch {list(whole.shape)} vs {list(global_shape)} (global)"))
             continue
         index = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))
-        row = _compare_tensors(rel, module, rank, key, _Tensor.from_tensor(whole[index]), piece,
+        row = compare_tensors(rel, module, rank, key, LazyTensor.from_tensor(whole[index]), piece,
                                report.rtol, report.atol)
         row.note = "; ".join(n for n in (row.note, where) if n)
         report.rows.append(row)
@@ -222,7 +223,7 @@ def _assemble(handles: dict, layout: dict, key: str) -> tuple[torch.Tensor, str]
             raise ValueError("a Partial() placement cannot be assembled (its pieces are unreduced sums)")
     global_shape, boxes = piece_boxes(handles, layout, key, "ref")
     first = handles[sharded[0]].get_slice(key)
-    whole = torch.empty(global_shape, dtype=_Tensor.from_slice(first).dtype)
+    whole = torch.empty(global_shape, dtype=LazyTensor.from_slice(first).dtype)
     for r, (offset, shape) in boxes.items():
         whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))] = handles[r].get_tensor(key)
     return whole, f"assembled from ranks {sharded}"
@@ -248,8 +249,8 @@ def _check_copies(report: CompareReport, rel: str, module: str, key: str, side: 
     for ranks in groups.values():
         base = ranks[0]
         for rank in ranks[1:]:
-            row = _compare_tensors(rel, module, rank, key, _Tensor.from_slice(handles[base].get_slice(key)),
-                                   _Tensor.from_slice(handles[rank].get_slice(key)), report.rtol, report.atol)
+            row = compare_tensors(rel, module, rank, key, LazyTensor.from_slice(handles[base].get_slice(key)),
+                                   LazyTensor.from_slice(handles[rank].get_slice(key)), report.rtol, report.atol)
             if not row.passed:
                 row.note = "; ".join(n for n in (f"{side}: this rank's Replicate() copy differs from rank {base}'s",
                                                   row.note) if n)

@@ -46,7 +46,8 @@ from ..torch_compat import dynamo_compiles_own_frame
 from . import files, fsdp2
 from .config import OffloadConfig
 from .planning import OffloadPlan, _Tensor, plan_budget, plan_units
-from .runtime import REGISTRY, GuardedCode, MemoryStats, OffloadedTensor, OffloadRuntime
+from .facts import GuardedCode, OffloadFacts
+from .runtime import REGISTRY, MemoryStats, OffloadedTensor, OffloadRuntime
 from .safetensors_io import TensorLocation, index_checkpoint, read_header, read_into, write_file
 
 _STORAGES = ("pinned", "cpu", "disk")
@@ -81,7 +82,8 @@ class OffloadState:
         self.plan = plan
         self.device = device if device is not None else config._device
         self.records: list[OffloadedTensor] = []
-        self.runtime = OffloadRuntime(config, resident_bytes=plan.resident_bytes, device=self.device)
+        self.facts = OffloadFacts(config, resident_bytes=plan.resident_bytes, device=self.device)  # what the pass reads
+        self.runtime = OffloadRuntime(self.facts)  # the transfer engine
         self.files: list[str] = []  # safetensors files graphpass wrote (removed with the state)
         self.hooks: list = []
         self._finalizer = None
@@ -417,8 +419,8 @@ def _map_disk_stand_ins(state: OffloadState, streamed: list[_Tensor], placement:
             if mapped is not None:  # else (misaligned region, no mmap, no read lease) the empty stand-in stays
                 placement.new_values[id(rec)] = mapped
             else:
-                state.runtime.eager_reads_real = False
-                state.runtime.stand_ins_are = (
+                state.facts.eager_reads_real = False
+                state.facts.stand_ins_are = (
                     f"the empty stand-in the model holds for {rec.fqns[0]!r} (storage='disk': its file region could not "
                     f"be mapped under a read lease of {loc.path}, see docs/reliability.md)")
 
@@ -480,7 +482,7 @@ def _register(state: OffloadState, streamed: list[_Tensor], placement: _Placemen
             location=placement.locations.get(id(rec)) if state.config.storage == "disk" else None,
             handle=local_tensor(placement.held[id(rec.tensor)]) if use_stand_ins else None,
         )
-        r.runtime = state.runtime
+        r.runtime, r.facts = state.runtime, state.facts
         state.records.append(r)
         REGISTRY.add(r)
 
@@ -493,7 +495,7 @@ def _install_guards(model: nn.Module, state: OffloadState, streamed: list[_Tenso
     for name in guarded:
         state.hooks.append(modules[name].register_forward_pre_hook(_guard_hook(name or type(model).__name__)))
         # where the code that runs it eagerly when Dynamo skips a frame of it is (the offload pass checks)
-        state.runtime.guarded_code[name] = _guarded_code(name, modules)
+        state.facts.guarded_code[name] = _guarded_code(name, modules)
 
 
 def _guarded_code(name: str, modules: dict[str, nn.Module]) -> GuardedCode:
@@ -661,7 +663,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
         _swap_into_model(tensors, config, device, placement, use_stand_ins)
         _register(state, streamed, placement, use_stand_ins)
         if use_stand_ins:
-            state.runtime.eager_reads_real = False  # the model holds stand-ins, not the weights
+            state.facts.eager_reads_real = False  # the model holds stand-ins, not the weights
         # FSDP2 shards are loaded where FSDP2 all-gathers them (eagerly, in its unshard), not in a graph
         state.hooks += fsdp2.install(sharded, streamed, state.records, device, config.prefetch_distance,
                                      config.storage == "disk")

@@ -12,6 +12,7 @@ from ..errors import ConfigError, OffloadError
 from ..fx_utils import inner_tensor_fields, is_wrapper_subclass, local_tensor, repeated_blocks, wrapper_fields
 from ..patterns import check_all_match
 from .config import OffloadConfig
+from .schedule import PrefetchWindow
 
 
 @dataclass
@@ -69,7 +70,7 @@ class OffloadPlan:
     @property
     def window_bytes(self) -> int:
         streamed = self.streamed
-        return (self.prefetch_distance + 1) * max((u.nbytes for u in streamed), default=0)
+        return PrefetchWindow(self.prefetch_distance).device_bytes(max((u.nbytes for u in streamed), default=0))
 
     def table(self) -> str:
         from tabulate import tabulate
@@ -213,7 +214,7 @@ def plan_budget(units: list[OffloadUnit], config: OffloadConfig) -> OffloadPlan:
     if budget is None:
         return plan
     largest = max(u.nbytes for u in units)
-    need = (config.prefetch_distance + 1) * largest
+    need = PrefetchWindow(config.prefetch_distance).device_bytes(largest)
     if budget < need:
         raise ConfigError(
             "max_device_bytes", budget,

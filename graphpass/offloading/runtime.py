@@ -51,16 +51,18 @@ import warnings
 import weakref
 import queue
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 
 from ..errors import OffloadError
 from ..fx_utils import is_wrapper_subclass, local_tensor, wrapper_fields
-from ..tracing import EVICT, WAIT, active_sink, record_span
+from ..trace_events import EVICT, WAIT, active_sink, record_span
 from .files import identity, same_file
 from .leases import FileLeases, RegionRef, handler_installed, reap
 from .safetensors_io import TensorLocation, read_into
+from .facts import GuardedCode, OffloadFacts, refuse_unpinned_cuda_graph_loads  # noqa: F401 (GuardedCode re-exported)
+from .graph_slots import GraphSlots, use_count
 
 _log = logging.getLogger("graphpass.offloading.runtime")
 
@@ -86,7 +88,8 @@ class OffloadedTensor:
     # (on a host device a private mapping of its file region, for code Dynamo runs eagerly: map_private)
     location: Optional[TensorLocation]  # disk: where its bytes are
     handle: Optional[torch.Tensor] = None  # what the model holds when it is not ``host`` (CUDA: a stand-in)
-    runtime: "OffloadRuntime" = field(repr=False, default=None)  # type: ignore[assignment]
+    runtime: "OffloadRuntime" = field(repr=False, default=None)  # type: ignore[assignment]  # moves it (run time)
+    facts: OffloadFacts = field(repr=False, default=None)  # type: ignore[assignment]  # its model's decisions (compile time)
 
     @property
     def key(self) -> torch.Tensor:
@@ -161,20 +164,10 @@ def lookup(t: Any) -> OffloadedTensor | None:
     return REGISTRY.lookup(t)
 
 
-class GuardedCode(NamedTuple):
-    """Where a module holding streamed tensors runs when Dynamo skips a frame: ``span`` (file, first,
-    last line) of ``what``, its forward or, where Dynamo compiles no frame of its own for that
-    forward (``own_frame`` False: an inbuilt module on torch 2.9), the forward that calls it."""
-
-    cls: str
-    span: tuple | None
-    what: str
-    own_frame: bool
-
-
-def runtimes_guarding(module: str) -> list["OffloadRuntime"]:
-    """The live runtimes of offloaded models with a guarded module of that name (its FQN)."""
-    return [rt for rt in REGISTRY.runtimes() if module in rt.guarded_code]
+def facts_guarding(module: str) -> list[OffloadFacts]:
+    """The facts of live offloaded models with a guarded module of that name (its FQN): read by the
+    offload pass when a graph holds a module's hooks alone (no offloaded input to find them from)."""
+    return [rt.facts for rt in REGISTRY.runtimes() if module in rt.facts.guarded_code]
 
 
 @dataclass(eq=False)
@@ -192,6 +185,10 @@ class WrappedOffload:
     @property
     def runtime(self) -> "OffloadRuntime":
         return self.inner[0].runtime
+
+    @property
+    def facts(self) -> OffloadFacts:
+        return self.inner[0].facts
 
     @property
     def location(self) -> Optional[TensorLocation]:
@@ -390,57 +387,6 @@ class _StagingPool:
             self._free.append(buf)
 
 
-class _GraphSlots:
-    """Fixed device memory for the loads recorded into a CUDA graph.
-
-    A replay copies into the addresses the capture used, so a load under capture takes one of
-    ``count`` slots (``prefetch_distance + 1``) reserved before any capture, outside every graph's
-    memory pool. Slots go round: load j takes the slot load j - count held, which the schedule
-    evicted before load j starts (its ``after`` token), and the side stream waits for the compute
-    stream before copying, so the copy lands after every reader of the previous occupant. A slot
-    some tensor still references (saved for backward, kept by the delegate) is passed over."""
-
-    def __init__(self, device: torch.device, nbytes: int, count: int) -> None:
-        self.nbytes = nbytes
-        self.storages = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device).untyped_storage()
-                         for _ in range(count)]
-        self._next = 0
-
-    @staticmethod
-    def layout(recs: list) -> tuple[list[int], int]:
-        """Offsets of ``recs`` in one slot (64-byte aligned, so every dtype can view its part) and the total."""
-        offsets, total = [], 0
-        for rec in recs:
-            offsets.append(total)
-            total += -(-rec.nbytes // 64) * 64
-        return offsets, total
-
-    def take(self, recs: list) -> list | None:
-        """Views of a free slot shaped as ``recs``, or None (too small, or every slot referenced)."""
-        offsets, total = self.layout(recs)
-        if total > self.nbytes or _use_count is None:
-            return None
-        for k in range(len(self.storages)):
-            i = (self._next + k) % len(self.storages)
-            storage = self.storages[i]
-            if _use_count(storage) == 1:
-                self._next = i + 1
-                return [_view(storage, pos, rec) for pos, rec in zip(offsets, recs)]
-        return None
-
-
-def _view(storage, pos: int, rec: OffloadedTensor) -> torch.Tensor:
-    stride = torch.empty(rec.shape, dtype=rec.dtype, device="meta").stride()
-    out = torch.empty(0, dtype=rec.dtype, device=storage.device)
-    return out.set_(storage, pos // rec.dtype.itemsize, rec.shape, stride)
-
-
-def _storage_use_count():
-    fn = getattr(torch._C, "_storage_Use_Count", None)
-    return None if fn is None else (lambda storage: fn(storage._cdata))
-
-
-_use_count = _storage_use_count()
 
 # Disk -> host device: read-only private mappings of the file region, made with libc through
 # ctypes (which releases the GIL for the call, unlike Python's mmap module) and unmapped by a
@@ -514,12 +460,12 @@ def map_private(fd: int, loc: TensorLocation, dtype: torch.dtype, shape, leases:
 
 
 class OffloadRuntime:
-    """Per-model runtime: tickets, the worker, the CUDA side stream, open files and the counters."""
+    """Per-model transfer engine: tickets, the worker, the CUDA side stream, open files, pools and
+    the counters. What to move, from where and how far ahead is in its :class:`OffloadFacts`
+    (``facts``), which it reads and never changes."""
 
-    def __init__(self, config: Any, resident_bytes: int = 0, device: torch.device | None = None) -> None:
-        self.config = config  # graphpass.OffloadConfig (frozen; no reference back to the model)
-        self.device = device if device is not None else config._device
-        self.storage = config.storage
+    def __init__(self, facts: OffloadFacts) -> None:
+        self.facts = facts
         # re-entrant: a finalizer (memory released) may run while this thread holds it
         self._lock = threading.RLock()
         self._evict_events: dict[int, Any] = {}  # CUDA: thread -> event after its last eviction
@@ -537,7 +483,6 @@ class OffloadRuntime:
         self._grads_pending: list[_Job] = []  # gradient additions of the running backward pass (CUDA)
         self._grad_stream = None
         self._grad_task = -1  # the backward pass (autograd graph task) whose end waits for them
-        self._slots: list[_GraphSlots] = []  # CUDA graph capture: fixed slots (older sets serve graphs captured with them)
         # Counters that must survive interruptions (KeyboardInterrupt lands between any two lines):
         # what is alive is not counted up and down by finalizers but read off weak references to
         # the loaded tensors when asked (``_live``), and the cumulative counters are replaced in
@@ -546,17 +491,26 @@ class OffloadRuntime:
         self._abandoned: collections.deque = collections.deque()  # tickets whose tensor died (appended by a finalizer)
         self._stats = dict(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0,
                            peak_streamed_bytes=0, wait_seconds=0.0)
-        self.resident_bytes = resident_bytes
-        # Set by offload(): guarded module name -> its GuardedCode, and whether
-        # the model holds the weights' real bytes (host copies, mapped files) rather than stand-ins:
-        # what a frame Dynamo skips, run eagerly, would read (insert_offload_schedule checks).
-        self.guarded_code: dict[str, GuardedCode] = {}
-        self.eager_reads_real = True
-        self.stand_ins_are = "the device stand-ins the model holds"  # what it reads when not (the refusal says)
-        self.eager_warned: set[str] = set()
         self._closed = False
         self._forked_cuda = 0  # the parent's pid in a child made by fork() of a CUDA runtime (refused)
         _RUNTIMES.add(self)
+
+    # ---------------------------------------------------------------- facts it reads
+    @property
+    def config(self) -> Any:
+        return self.facts.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.facts.device
+
+    @property
+    def storage(self) -> str:
+        return self.facts.storage
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.facts.resident_bytes
 
     # ---------------------------------------------------------------- counters
     def stats(self) -> MemoryStats:
@@ -858,7 +812,7 @@ class OffloadRuntime:
                 dst.copy_(rec.host)
 
     def _disk_to_cuda_job(self, recs: list, dsts: list, event) -> None:
-        offsets, total = _GraphSlots.layout(recs)  # 64-byte aligned offsets, so any dtype can view its part
+        offsets, total = GraphSlots.layout(recs)  # 64-byte aligned offsets, so any dtype can view its part
         staging = self._staging.take(total)
         try:
             views = []
@@ -885,44 +839,28 @@ class OffloadRuntime:
         references its storage, which the storage's use count says exactly, so a buffer still
         read by the graph (or a view of it) is never handed out again."""
         device = self.device
-        if rec.nbytes == 0 or _use_count is None:
+        if rec.nbytes == 0 or use_count is None:
             return torch.empty(rec.shape, dtype=rec.dtype, device=device)
         stride = torch.empty(rec.shape, dtype=rec.dtype, device="meta").stride()
         with self._lock:
             for storage in self._pool.setdefault(rec.nbytes, []):
-                if _use_count(storage) == 1:
+                if use_count(storage) == 1:
                     break
             else:
                 storage = torch.empty(rec.nbytes, dtype=torch.uint8, device=device).untyped_storage()
                 self._pool[rec.nbytes].append(storage)  # buffer_pool_bytes is read off the pool
             return torch.empty(0, dtype=rec.dtype, device=device).set_(storage, 0, rec.shape, stride)
 
-    def reserve_graph_slots(self, groups: list) -> None:
-        """Reserve the fixed device slots that loads recorded into a CUDA graph copy into, sized for
-        the largest of ``groups`` (lists of records, one per trap load). Called when a graph whose
-        delegate records CUDA graphs is compiled, never while a capture runs; a larger need adds a
-        new set (graphs captured earlier keep theirs)."""
-        need = max((_GraphSlots.layout(recs)[1] for recs in groups), default=0)
-        with self._lock:
-            if self._slots and self._slots[-1].nbytes >= need:
-                return
-            self._slots.append(_GraphSlots(self.device, need, self.config.prefetch_distance + 1))
-
     def _start_captured(self, recs: list, group: str) -> _Pending:
         """A load recorded into a CUDA graph: page-locked host copies -> fixed slots, on the side stream,
         forked from and joined into the capture by events (the replay copies again at every step, so
         a host copy updated between replays is what the next replay computes with)."""
-        unpinned = [r.name for r in recs if r.location is not None or not r.host.is_pinned()]
-        if unpinned:
-            raise OffloadError(
-                f"trap {group!r}: a CUDA graph is being recorded, and tensor {unpinned[0]!r} is offloaded with "
-                f"storage={self.storage!r}; a recorded load copies from page-locked host memory at a fixed address: "
-                f"offload with storage='pinned', or compile without CUDA graphs"
-            )
+        refuse_unpinned_cuda_graph_loads(recs, self.storage, f"trap {group!r}: a CUDA graph is being recorded")
         device = self.device
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(device))  # after every reader of the slot's last trap
-        dsts = self._slots[-1].take(recs) if self._slots else None
+        slots = self.facts.graph_slots
+        dsts = slots[-1].take(recs) if slots else None
         if dsts is None:  # not reserved (a capture graphpass was not told of) or every slot in use
             _log.warning("trap %r: no free fixed slot for a load recorded into a CUDA graph; it uses the graph's own "
                          "memory pool (correct, but its memory stays reserved by the graph)", group)

@@ -20,9 +20,11 @@ guard nodes but reads no offloaded tensor (the model's tensors were replaced aft
 is refused, as is a graph that writes into an offloaded tensor or a view of it (any write form
 :func:`graphpass.fx_utils.writes_into` knows, ``+=`` included).
 
-When the delegate records CUDA graphs (inductor's ``mode="reduce-overhead"``), the runtime's fixed
-device slots for recorded loads are reserved here, before any capture, and storage other than
-``"pinned"`` is refused (a replayed copy reads page-locked memory), as is ``then="cudagraphs"``
+The pass reads and records the model's compile-time facts (:class:`~graphpass.offloading.facts.OffloadFacts`,
+found from the offloaded inputs' records, or for a graph of hooks alone from the graph's roots) and
+never touches the transfer engine. When the delegate records CUDA graphs (inductor's
+``mode="reduce-overhead"``), the fixed device slots for recorded loads are reserved in those facts
+here, before any capture, and storage other than ``"pinned"`` is refused (a replayed copy reads page-locked memory), as is ``then="cudagraphs"``
 (it copies every input, parameters included, into memory of its own at each replay).
 
 Assumes the trap boundaries were inserted (it anchors loads at ``trap_enter`` nodes when present,
@@ -41,33 +43,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .. import dynamo_records
 from ..errors import OffloadError
 from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, is_guard, let_dtensors_through, let_wrappers_through
-from ..offloading.runtime import OffloadedTensor, WrappedOffload, lookup_input, plain_records, runtimes_guarding
+from ..offloading.schedule import LoadGroup, OffloadSchedule  # noqa: F401 (re-exported)
+from ..offloading.facts import OffloadFacts, facts_of, refuse_unpinned_cuda_graph_loads
+from ..offloading.runtime import OffloadedTensor, WrappedOffload, facts_guarding, lookup_input, plain_records
 from ..fx_utils import (AliasIndex, example_of, find_write, flatten_wrappers, is_dtensor, is_graphpass_node, is_view,
                         is_wrapper_subclass, node_order, unflatten_wrappers, views_of)
 from ..ops import is_enter, is_exit
 from .base import GraphPass, PassContext
-
-
-@dataclass
-class LoadGroup:
-    """The offloaded tensors one trap (or one stretch between traps) reads."""
-
-    label: str  # trap label, or "between:<n>" for the stretch after the n-th trap exit
-    placeholders: list = field(default_factory=list)  # placeholder node names, first use first
-    fqns: list = field(default_factory=list)
-    nbytes: int = 0
-    start_before: str = ""  # node the load starts before
-    wait_before: str = ""
-    evict_after: str = ""
-
-
-@dataclass
-class OffloadSchedule:
-    groups: list[LoadGroup]
-    prefetch_distance: int
-    peak_streamed_bytes: int  # the most streamed bytes the schedule keeps on the device at once
-    resident_bytes: int
-    max_device_bytes: int | None
 
 
 def _last_reader(users: list, order: dict) -> list:
@@ -123,7 +105,7 @@ class InsertOffloadSchedule(GraphPass):
                     f"offload() (.half(), .to(), or a new parameter assigned). Change the model before offloading it, or "
                     f"offload it again on a fresh instance"
                 )
-            _check_hooks_alone(guards)
+            _check_hooks_alone(guards, _facts_of_roots(ctx))
             for node in guards:  # a graph of the module's hooks alone (its forward is another graph)
                 graph.erase_node(node)
             return bool(guards)
@@ -131,11 +113,11 @@ class InsertOffloadSchedule(GraphPass):
             graph.erase_node(node)
         _refuse_writes(graph, records)
         _refuse_disk_gradients(graph, records)
-        runtimes = {id(r.runtime): r.runtime for r in records.values()}
-        if len(runtimes) > 1:
+        models = {id(r.facts): r.facts for r in records.values()}
+        if len(models) > 1:
             raise OffloadError("one graph reads tensors offloaded from two different models; offload and compile them separately")
-        runtime = next(iter(runtimes.values()))
-        _check_skipped_frames(runtime)
+        facts = next(iter(models.values()))
+        _check_skipped_frames(facts)
         let_dtensors_through()  # tensor-parallel weights: the load ops take their local shards
         # wrapper subclasses (torchao): the load ops take their inner tensors
         let_wrappers_through({type(example_of(p)) for p, r in records.items() if isinstance(r, WrappedOffload)})
@@ -143,16 +125,17 @@ class InsertOffloadSchedule(GraphPass):
         plan = _plan_groups(graph, records, ctx.analysis.node_trap, order)
         if not plan:
             return bool(guards)
-        schedule = self._insert(graph, plan, records, runtime, order)
-        self._check_budget(ctx, graph, schedule, runtime)
-        if runtime.device.type == "cuda" and records_cuda_graphs(ctx.config):
-            _prepare_cuda_graphs(runtime, [plain_records(records[p] for p in g.phs) for g in plan], ctx.config)
+        schedule = self._insert(graph, plan, records, facts, order)
+        self._check_budget(ctx, graph, schedule, facts)
+        if facts.device.type == "cuda" and records_cuda_graphs(ctx.config):
+            _prepare_cuda_graphs(facts, [plain_records(records[p] for p in g.phs) for g in plan], ctx.config)
         return True
 
-    def _insert(self, graph: torch.fx.Graph, plan: list[_Group], records: dict, runtime, order: dict) -> list[LoadGroup]:
+    def _insert(self, graph: torch.fx.Graph, plan: list[_Group], records: dict, facts: OffloadFacts,
+                order: dict) -> list[LoadGroup]:
         """Insert the start / wait / evict nodes of every group; return the schedule."""
-        device = runtime.device
-        prefetch = runtime.config.prefetch_distance
+        device = facts.device
+        window = facts.window
         fake_mode = next((m for m in (getattr(ph.meta.get("example_value"), "fake_mode", None) for ph in records) if m is not None), None)
         done = _Inserted()
         schedule: list[LoadGroup] = []
@@ -160,12 +143,11 @@ class InsertOffloadSchedule(GraphPass):
         # overlap whatever runs before the first streamed trap (resident traps, embeddings).
         first = next(n for n in graph.nodes if n.op != "placeholder")
         for k, group in enumerate(plan):
-            issue = range(0, min(prefetch, len(plan) - 1) + 1) if k == 0 else [k + prefetch]
-            for j in issue:
-                if j < len(plan):
-                    _insert_start(graph, plan, done, j, first if k == 0 else group.anchor, k, device, order)
+            for j in window.issued_at(k, len(plan)):
+                _insert_start(graph, plan, done, j, first if k == 0 else group.anchor, k, device, order)
             start = done.starts[k]
-            ahead = [done.starts[k + prefetch]] if prefetch and k + prefetch < len(plan) else []
+            nxt = window.ahead(k, len(plan))
+            ahead = [done.starts[nxt]] if nxt is not None else []
             with graph.inserting_before(group.anchor):
                 wait = graph.call_function(LOAD_WAIT, (start, list(group.phs), group.key, device, ahead))
                 items = [graph.call_function(operator.getitem, (wait, j)) for j in range(len(group.phs))]
@@ -188,16 +170,16 @@ class InsertOffloadSchedule(GraphPass):
                 placeholders=[p.name for p in group.phs],
                 fqns=[records[p].name for p in group.phs],
                 nbytes=sum(records[p].nbytes for p in group.phs),
-                start_before=first.name if k <= prefetch else plan[k - prefetch].anchor.name,
+                start_before=first.name if window.issuer(k) == 0 else plan[window.issuer(k)].anchor.name,
                 wait_before=group.anchor.name,
                 evict_after=group.last.name,
             ))
         return schedule
 
-    def _check_budget(self, ctx: PassContext, graph: torch.fx.Graph, schedule: list[LoadGroup], runtime) -> None:
+    def _check_budget(self, ctx: PassContext, graph: torch.fx.Graph, schedule: list[LoadGroup], facts: OffloadFacts) -> None:
         """Record the schedule and its peak (bytes started and not yet evicted, walking the graph);
         refuse it when the peak and the resident units exceed ``max_device_bytes``."""
-        prefetch = runtime.config.prefetch_distance
+        prefetch = facts.window.distance
         group_bytes = {g.label: g.nbytes for g in schedule}
         live = peak = 0
         for n in graph.nodes:
@@ -206,8 +188,8 @@ class InsertOffloadSchedule(GraphPass):
                 peak = max(peak, live)
             elif n.target is EVICT:
                 live -= group_bytes[n.args[2]]
-        budget = runtime.config.max_device_bytes
-        resident = runtime.resident_bytes
+        budget = facts.config.max_device_bytes
+        resident = facts.resident_bytes
         ctx.analysis.offload = OffloadSchedule(schedule, prefetch, peak, resident, budget)
         if budget is not None and resident + peak > budget:
             raise OffloadError(
@@ -227,7 +209,7 @@ def records_cuda_graphs(config) -> bool:
     return config.then == "cudagraphs" or config.mode == "reduce-overhead" or bool(options.get("triton.cudagraphs"))
 
 
-def _prepare_cuda_graphs(runtime, groups: list, config) -> None:
+def _prepare_cuda_graphs(facts: OffloadFacts, groups: list, config) -> None:
     """Loads recorded into a CUDA graph copy from page-locked host memory into fixed device slots:
     refuse other storage before anything runs, and reserve the slots now (outside any capture)."""
     if config.then == "cudagraphs":
@@ -244,17 +226,12 @@ def _prepare_cuda_graphs(runtime, groups: list, config) -> None:
             "included, as copied at each replay, and the recorded loads could not tell one model's weights from "
             "another's; drop static_shapes (one CUDA graph per shape Dynamo compiles) or mode='reduce-overhead'"
         )
-    if runtime.storage != "pinned":
-        first = groups[0][0].name if groups and groups[0] else "?"
-        raise OffloadError(
-            f"the delegate records CUDA graphs, and this graph loads tensors offloaded with storage={runtime.storage!r} "
-            f"(first: {first!r}); a recorded load copies from page-locked host memory at a fixed address at every "
-            f"replay: offload with storage='pinned', or compile without CUDA graphs"
-        )
-    runtime.reserve_graph_slots(groups)
+    refuse_unpinned_cuda_graph_loads([r for g in groups for r in g], facts.storage,
+                                     "the delegate records CUDA graphs of this graph")
+    facts.reserve_graph_slots(groups)
 
 
-def _check_skipped_frames(runtime) -> None:
+def _check_skipped_frames(facts: OffloadFacts) -> None:
     """A module holding streamed tensors whose forward Dynamo skipped (a graph break inside a loop)
     runs eagerly, outside every graph graphpass schedules: no load serves it, and its pre-hook guard
     ran inside a compiled caller. It reads what the model holds (:func:`_runs_eagerly`). Checked when
@@ -262,43 +239,56 @@ def _check_skipped_frames(runtime) -> None:
     sites = dynamo_records.skipped_frame_sites()
     if not sites:
         return
-    for name, code in runtime.guarded_code.items():
+    for name, code in facts.guarded_code.items():
         span = code.span
         hit = next((s for s in sites if span and s.file == span[0] and span[1] <= s.line <= span[2]), None)
-        if hit is None or name in runtime.eager_warned:
+        if hit is None or name in facts.eager_warned:
             continue
         first = next((line.strip() for line in hit.record.strip().splitlines() if line.strip()), "")
-        _runs_eagerly(runtime, name, f"Dynamo skipped {code.what} ({hit.name} at {hit.file} line {hit.line})",
+        _runs_eagerly(facts, name, f"Dynamo skipped {code.what} ({hit.name} at {hit.file} line {hit.line})",
                       f"remove the graph break (Dynamo's record starts: {first!r}; TORCH_LOGS=graph_breaks shows it) "
                       f"or move it out of the loop")
 
 
-def _check_hooks_alone(guards: list[torch.fx.Node]) -> None:
+def _facts_of_roots(ctx: PassContext) -> list[OffloadFacts]:
+    """The offload facts of the models behind the graph's sources (``ctx.roots``)."""
+    found = {}
+    for obj in [*ctx.roots.models.values(), *ctx.roots.modules.values()]:
+        facts = facts_of(obj)
+        if facts is not None:
+            found[id(facts)] = facts
+    return list(found.values())
+
+
+def _check_hooks_alone(guards: list[torch.fx.Node], facts_of_roots: list[OffloadFacts]) -> None:
     """A graph of a module's hooks alone: the module was called from code running eagerly, and its
     forward is meant to be a graph of its own. Where Dynamo compiles no frame of its own for that
-    forward (an inbuilt ``torch.nn`` module on torch 2.9, ``GuardedCode.own_frame``), it runs eagerly."""
+    forward (an inbuilt ``torch.nn`` module on torch 2.9, ``GuardedCode.own_frame``), it runs eagerly.
+    The facts come from the graph's roots; a graph whose roots reach no offloaded model (a frame
+    without a module ``self``) reads those of the live models guarding a module of that name."""
     for name in dict.fromkeys(g.args[0] for g in guards):
-        for runtime in runtimes_guarding(name):
-            if runtime.guarded_code[name].own_frame or name in runtime.eager_warned:
+        mine = [f for f in facts_of_roots if name in f.guarded_code]
+        for facts in mine or facts_guarding(name):
+            if facts.guarded_code[name].own_frame or name in facts.eager_warned:
                 continue
-            _runs_eagerly(runtime, name, "it is called from code running eagerly (a frame Dynamo skipped), and this "
+            _runs_eagerly(facts, name, "it is called from code running eagerly (a frame Dynamo skipped), and this "
                           "torch's Dynamo compiles no frame of its own for the forward of an inbuilt module",
                           "remove the graph break in the code that calls it (TORCH_LOGS=graph_breaks shows it)")
 
 
-def _runs_eagerly(runtime, name: str, why: str, fix: str) -> None:
+def _runs_eagerly(facts: OffloadFacts, name: str, why: str, fix: str) -> None:
     """Module ``name`` runs eagerly, outside every graph: with device stand-ins (or a disk region that
     could not be mapped) it reads no weights, so the result would be wrong: refused, naming the module
     and why; with the real bytes (host copies, mapped files) the result is right but nothing streams:
     a warning, once per module."""
-    cls = runtime.guarded_code[name].cls
+    cls = facts.guarded_code[name].cls
     where = (f"module {name!r} ({cls}) holds tensors graphpass.offload() streams, and {why}: it runs eagerly, "
              f"outside every graph graphpass schedules")
     todo = f"{fix}, or keep the module on the device with exclude_patterns=[{name!r}]"
-    if not runtime.eager_reads_real:
-        raise OffloadError(f"{where}, and reads {runtime.stand_ins_are} instead of its weights, so its "
+    if not facts.eager_reads_real:
+        raise OffloadError(f"{where}, and reads {facts.stand_ins_are} instead of its weights, so its "
                            f"results would be wrong. What to do: {todo}")
-    runtime.eager_warned.add(name)
+    facts.eager_warned.add(name)
     warnings.warn(f"graphpass offload: {where}; it reads its weights from host memory directly, so they are not "
                   f"streamed (results are right; memory_stats does not count them). To stream them: {todo}",
                   UserWarning, stacklevel=3)

@@ -26,7 +26,10 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT
+from ..offloading.schedule import PrefetchWindow
+from ..config import GraphpassConfig
 from ..fx_utils import is_graphpass_op, node_order
+from .base import GraphPass, PassContext, run_pass
 
 
 def _descendants_before(node: torch.fx.Node, order: dict, limit: int) -> set:
@@ -122,33 +125,42 @@ def pin_backward_loads(graph: torch.fx.Graph) -> int:
     loads = _backward_loads(graph)
     if not loads:
         return 0
-    d = _prefetch_distance(loads)
+    window = PrefetchWindow(_prefetch_distance(loads))
     for i, load in enumerate(loads):
-        issued_at = loads[max(i - d, 0)]  # the first d loads start together, at the first trap
+        issued_at = loads[window.issuer(i)]  # the first d + 1 loads start together, at the first trap
         _set_last_arg(load.start, [issued_at.anchor] if issued_at.anchor is not None else [])
-        ahead = loads[i + d].start if d and i + d < len(loads) else None
-        _set_last_arg(load.wait, [ahead] if ahead is not None else [])
-    issued: dict[int, list[torch.fx.Node]] = {}  # backward position -> the starts issued there
-    for i, load in enumerate(loads):
-        issued.setdefault(max(i - d, 0), []).append(load.start)
+        ahead = window.ahead(i, len(loads))
+        _set_last_arg(load.wait, [loads[ahead].start] if ahead is not None else [])
     for j, here in enumerate(loads):
-        for n in issued.get(j, []) + [here.wait, *here.items]:
+        for n in [loads[i].start for i in window.issued_at(j, len(loads))] + [here.wait, *here.items]:
             here.first.prepend(n)
     return len(loads)
 
 
-class PinBackwardLoads(CustomGraphPass):
+class PinBackwardLoads(GraphPass, CustomGraphPass):
+    """Runs under the pass contract (:func:`~graphpass.passes.base.run_pass`) like every pass: when
+    inductor calls it with a backward graph, that graph's module becomes the context's ``gm``."""
+
     name = "pin_backward_loads"
 
     def applies_to(self, gm: torch.fx.GraphModule) -> bool:
         """Whether a Dynamo-level graph holds offload loads (its backward may then need pinning)."""
         return any(n.target is LOAD_WAIT for n in gm.graph.nodes)
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        from ..pipeline import check_well_formed
+    def run(self, ctx: PassContext) -> bool:
+        pinned = pin_backward_loads(ctx.gm.graph)
+        if pinned:
+            ctx.log.append(f"{self.name}: {pinned} backward re-loads pinned")
+        return bool(pinned)
 
-        if pin_backward_loads(graph):
-            check_well_formed(graph, self.name, "a backward graph")
+    def __call__(self, graph: torch.fx.Graph | PassContext) -> bool:  # type: ignore[override]
+        """Inductor's ``post_grad_custom_post_pass`` hook (a graph), or the runner (a context)."""
+        if isinstance(graph, PassContext):
+            return run_pass(self, graph)
+        gm = graph.owning_module
+        if gm is None:  # a graph no module owns: give it one, so the runner can recompile it
+            gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        return run_pass(self, PassContext(gm=gm, example_inputs=[], config=GraphpassConfig(), graph_name="a post-grad graph"))
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__,))

@@ -8,7 +8,7 @@ back (``s + b`` -> ``L + b``). Then it runs the padding-safety analysis: where a
 along a padded dim (softmax, reductions, cumsum, sort, normalisation or attention over it) the plan
 is refused with the node and the reason, and the graph runs as a dynamic graph instead, unless
 the user declared a mask contract (``masked``) for that input. It also sets ``ctx.static_bounds``
-(symbol -> largest bucket) for :mod:`slice_static_buffers` when the plan holds, and keeps an
+(:meth:`BucketPlan.bounds`: symbol -> largest bucket) for :mod:`slice_static_buffers` when the plan holds, and keeps an
 unsliced copy of the graph for the dynamic fallback (sizes beyond the largest bucket).
 
 A graph whose marked dims are plain ints (Dynamo's first, exact-size trace) gets no plan. When
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -33,26 +32,8 @@ from ..analysis import TensorOwnership
 from ..errors import ConfigError
 from ..fx_utils import example_of, is_symbolic, shape_env_hints, size_expr
 from ..torch_compat import source_name
+from ..static_shapes.plan import BucketPlan  # noqa: F401 (re-exported)
 from .base import GraphPass, PassContext
-
-
-@dataclass
-class BucketPlan:
-    symbols: dict[sympy.Symbol, tuple[int, int]]  # symbol -> (placeholder index, dim) it is read from
-    pad: dict[int, tuple[tuple[int, sympy.Symbol], ...]]  # placeholder index -> (dim, its symbol) to pad
-    pad_values: dict[int, float]  # placeholder index -> pad value
-    size_inputs: dict[int, sympy.Expr]  # placeholder index of a SymInt input -> its expression
-    outputs: list[Any]  # per output: None (no padded dim) or per-dim None / (symbol, a, b): size a*L + b
-    refused: list[str] = field(default_factory=list)  # why this graph runs dynamic (empty: bucketed)
-    ties: dict[sympy.Symbol, sympy.Symbol] = field(default_factory=dict)  # symbol of another input's dim -> the bucketed symbol it must equal
-    # placeholder index -> name of an input that must hold 1 at every position for the padding proof (an additive
-    # attention mask: no real query row may be fully masked); checked per call, else the call runs unpadded
-    ones_inputs: dict[int, str] = field(default_factory=dict)
-    unsliced: torch.fx.GraphModule | None = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
-
-    @property
-    def active(self) -> bool:
-        return not self.refused
 
 
 def _expr(s: Any) -> sympy.Expr | None:
@@ -119,7 +100,7 @@ class PlanStaticShapes(GraphPass):
         plan.unsliced = copy_graph(ctx.gm)  # the dynamic fallback must not slice fixed-size buffers
         ctx.analysis.bucket_plan = plan
         if plan.active:
-            ctx.static_bounds = {sym: cfg.largest for sym in symbols}
+            ctx.static_bounds = plan.bounds(cfg)
         state = "bucketed" if plan.active else "refused: " + plan.refused[0]
         if plan.ties:
             ctx.log.append(f"{self.name}: padded with the bucketed dim (equal when traced, checked per call): "

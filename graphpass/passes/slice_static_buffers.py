@@ -36,8 +36,9 @@ every call stays within the bounds: a bigger size makes ``narrow`` raise (it nev
 values). A slice returned from the graph is memory the caller (or, after a graph break, the next
 graph) could write into; ``slice_outputs=False`` leaves such factories alone.
 
-The pass takes its bounds from ``ctx.static_bounds`` when the context has that attribute and it
-is a non-empty dict (``{sympy.Symbol: int}``), else from the ``bounds`` callable given to the
+The pass takes its bounds from ``ctx.static_bounds`` (a
+:data:`graphpass.static_shapes.plan.StaticBounds`, set from the bucket plan by
+:mod:`plan_static_shapes`) when it is not empty, else from the ``bounds`` callable given to the
 constructor; with neither it does nothing.
 """
 
@@ -471,7 +472,7 @@ def _symbolic(v: Any) -> bool:
 class SliceStaticBuffers(GraphPass):
     """Slices constant max-size buffers in place of factory ops with symbolic sizes.
 
-    Bounds: ``ctx.static_bounds`` when the context has it as a non-empty dict, else
+    Bounds: ``ctx.static_bounds`` when it is not empty, else
     ``bounds(ctx)``; with neither the pass does not run.
     """
 
@@ -488,9 +489,8 @@ class SliceStaticBuffers(GraphPass):
         self.slice_outputs = slice_outputs
 
     def _bounds(self, ctx: PassContext) -> dict[sympy.Symbol, int]:
-        given = getattr(ctx, "static_bounds", None)
-        if isinstance(given, dict) and given:
-            return given
+        if ctx.static_bounds:
+            return ctx.static_bounds
         return (self.bounds(ctx) or {}) if self.bounds is not None else {}
 
     def should_run(self, ctx: PassContext) -> bool:

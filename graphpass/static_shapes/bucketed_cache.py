@@ -39,7 +39,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from ..config import check_buckets
+from .config import check_buckets
 from ..errors import ConfigError
 
 log = logging.getLogger("graphpass.static_shapes.bucketed_cache")

@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from ..config import check_buckets
+from .config import check_buckets
 from ..errors import ConfigError
 
 log = logging.getLogger("graphpass.static_shapes.buckets")

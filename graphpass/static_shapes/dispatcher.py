@@ -37,7 +37,7 @@ import torch
 from graphpass.backends import Delegate
 
 from ..fx_utils import copy_graph, shape_env_hints
-from ..config import StaticShapesConfig
+from .config import StaticShapesConfig
 from ..ops import CURRENT_BUCKET
 
 

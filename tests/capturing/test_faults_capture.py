@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from graphpass import atomic_files
 from graphpass import CaptureError, ModelCapture
 from graphpass.capturing import CaptureWriter, compare
-from graphpass.capturing import compare_runs
+from graphpass.capturing import compare_tensors
 from graphpass.cli import main
 from graphpass.errors import ConfigError, GraphpassError
 from graphpass.models.corpus import build
@@ -340,7 +340,7 @@ def _same(a, b):
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64, 1 << 20])
 def test_chunked_compare_equals_whole_tensor(chunk):
     for ref, test in _cases():
-        row = compare_runs._compare_tensors("s", "m", 0, "0", ref, test, 1e-3, 1e-5, chunk_elems=chunk)
+        row = compare_tensors.compare_tensors("s", "m", 0, "0", ref, test, 1e-3, 1e-5, chunk_elems=chunk)
         ok, max_abs, rel_l2, rel_linf = whole_tensor_numbers(ref, test, 1e-3, 1e-5)
         assert row.passed == ok, (ref.dtype, ref.shape)
         assert _same(row.max_abs, max_abs) and _same(row.rel_linf, rel_linf), (ref.dtype, ref.shape)
@@ -348,7 +348,7 @@ def test_chunked_compare_equals_whole_tensor(chunk):
 
 
 def test_compare_reads_files_in_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(compare_runs, "CHUNK_ELEMS", 5)
+    monkeypatch.setattr(compare_tensors, "CHUNK_ELEMS", 5)
     cases = list(_cases())
     ref, test = tmp_path / "ref", tmp_path / "test"
     for root, which in ((ref, 0), (test, 1)):

@@ -129,7 +129,7 @@ def test_no_pass_lints_or_recompiles_by_hand():
 
 
 def test_post_grad_passes_are_declared_in_the_pipeline_and_installed_from_there(monkeypatch):
-    """The inductor delegate asks pipeline.py for its post-grad pass (only for graphs with loads)."""
+    """The inductor delegate gets its post-grad pass from pipeline.py, through call_delegate (only for graphs with loads)."""
     assert [type(p).__name__ for p in POST_GRAD_PASSES] == ["PinBackwardLoads"]
     assert inductor_post_grad_pass(_gm()) is None
     import graphpass.backends as backends
@@ -147,7 +147,9 @@ def test_post_grad_passes_are_declared_in_the_pipeline_and_installed_from_there(
 
     with torch.no_grad():
         torch.compile(model, backend=graphpass.backend(then=capture_graph))(torch.randn(2, 8))
-    backends.InductorDelegate().compile(gm_box["gm"], [])
+    from graphpass.delegation import with_post_grad_passes  # what call_delegate compiles with
+
+    with_post_grad_passes(backends.InductorDelegate()).compile(gm_box["gm"], [])
     assert type(seen["patches"]["post_grad_custom_post_pass"]) is type(POST_GRAD_PASSES[0])
 
 
@@ -231,11 +233,11 @@ def test_torch_trace_holds_each_pass_graph_before_and_after(tmp_path):
 
 
 def test_ops_register_whatever_is_imported_first():
-    for first in ("graphpass.offloading.ops", "graphpass.capturing.ops", "graphpass.ops", "graphpass.fx_utils"):
+    for first in ("graphpass.offloading.ops", "graphpass.capturing.ops", "graphpass.ops", "graphpass.fx_utils", "graphpass.op_registry"):
         code = (
             f"import {first}\n"
             "import torch\n"
-            "from graphpass.ops import register_all\n"
+            "from graphpass.op_registry import register_all\n"
             "register_all()\n"
             "for op in ('trap_enter', 'trap_exit', 'capture', 'load_start', 'load_wait', 'evict', 'offload_guard', 'accumulate_grad'):\n"
             "    getattr(torch.ops.graphpass, op).default\n"

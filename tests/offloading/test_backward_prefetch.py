@@ -96,3 +96,25 @@ def test_backward_schedule_golden():
     skipped = check_exact(GOLDEN / "backward_mlp_stack.txt", render_backward(seen["graph"]))
     if skipped:
         pytest.skip(skipped)
+
+
+def test_pin_backward_loads_runs_under_the_pass_contract(monkeypatch, caplog):
+    """Inductor's hook (``PinBackwardLoads()(graph)``) runs the pass through the runner like every
+    pass: it is logged with its pass name, and an unexpected exception becomes a PassError naming it."""
+    import logging
+
+    from graphpass.errors import PassError
+    from graphpass.passes import pin_backward_loads as module
+    from graphpass.passes.base import GraphPass
+
+    model, ref, inputs, compiled, seen = _compile_backward(1)
+    compiled(*inputs).square().sum().backward()
+    hook = module.PinBackwardLoads()
+    assert isinstance(hook, GraphPass)
+    graph = copy.deepcopy(seen["graph"].owning_module).graph
+    with caplog.at_level(logging.DEBUG, logger="graphpass.passes.pin_backward_loads"):
+        assert hook(graph) is True  # placed again (the runner then lints and recompiles the graph's module)
+    assert any("pin_backward_loads" in r.getMessage() and "a post-grad graph" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(module, "pin_backward_loads", lambda g: {}["boom"])
+    with pytest.raises(PassError, match=r"pass 'pin_backward_loads' on a post-grad graph: KeyError"):
+        hook(graph)

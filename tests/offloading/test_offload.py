@@ -770,7 +770,7 @@ def test_training_with_device_stand_ins(then):
 def test_cuda_graph_slots_go_round_and_pass_over_a_referenced_slot():
     """The fixed slots of recorded loads (exercised on host memory): views shaped as the records at
     64-byte aligned offsets; round robin; a slot a tensor still references is never handed out."""
-    from graphpass.offloading.runtime import _GraphSlots
+    from graphpass.offloading.graph_slots import GraphSlots
 
     model, _ = frozen("mlp_stack")
     state = graphpass.offload(model, graphpass.OffloadConfig(**CPU))
@@ -778,9 +778,9 @@ def test_cuda_graph_slots_go_round_and_pass_over_a_referenced_slot():
     for r in state.records:
         groups.setdefault(r.unit, []).append(r)
     recs = groups["layers.0"]
-    offsets, total = _GraphSlots.layout(recs)
+    offsets, total = GraphSlots.layout(recs)
     assert all(o % 64 == 0 for o in offsets) and total >= sum(r.nbytes for r in recs)
-    slots = _GraphSlots(torch.device("cpu"), total, 2)
+    slots = GraphSlots(torch.device("cpu"), total, 2)
     a = slots.take(recs)
     assert [tuple(t.shape) for t in a] == [r.shape for r in recs] and [t.dtype for t in a] == [r.dtype for r in recs]
     b = slots.take(recs)
@@ -825,15 +825,18 @@ def test_cuda_graph_offload_refusals_name_the_option(case):
             "static-shape buckets": dict(then="inductor", mode="reduce-overhead", static_shapes={"dims": {"x": 0}, "buckets": [8]})}
     config = GraphpassConfig.from_options(**opts.get(case, dict(then="inductor", mode="reduce-overhead")))
     reserved = []
-    runtime = SimpleNamespace(storage="cpu" if case == "pageable storage" else "pinned", reserve_graph_slots=reserved.append)
+    facts = SimpleNamespace(storage="cpu" if case == "pageable storage" else "pinned", reserve_graph_slots=reserved.append)
+    if case == "pinned":  # records as pinned storage makes them (page-locked host copies; no CUDA here)
+        groups = [[SimpleNamespace(name=r.name, location=None, host=SimpleNamespace(is_pinned=lambda: True)) for r in g]
+                  for g in groups]
     expected = {"then=cudagraphs": r"then='cudagraphs'.*mode='reduce-overhead'", "static-shape buckets": "drop static_shapes",
                 "pageable storage": r"storage='cpu'.*'layers\.0\..*storage='pinned'"}
     if case in expected:
         with pytest.raises(graphpass.OffloadError, match=expected[case]):
-            _prepare_cuda_graphs(runtime, groups, config)
+            _prepare_cuda_graphs(facts, groups, config)
         assert not reserved
     else:
-        _prepare_cuda_graphs(runtime, groups, config)
+        _prepare_cuda_graphs(facts, groups, config)
         assert reserved == [groups]
 
 
@@ -841,15 +844,15 @@ def test_cuda_graph_slots_are_reserved_once_and_grown_as_a_new_set():
     """A larger need adds a set (graphs recorded with the old one keep their addresses); a smaller one adds nothing."""
     model, _ = frozen("mlp_stack")
     state = graphpass.offload(model, graphpass.OffloadConfig(**CPU))
-    runtime = state.runtime
+    facts = state.facts
     one = [[r for r in state.records if r.unit == "layers.0"]]
-    runtime.reserve_graph_slots(one)
-    runtime.reserve_graph_slots(one)
-    assert len(runtime._slots) == 1 and len(runtime._slots[0].storages) == state.config.prefetch_distance + 1
-    runtime.reserve_graph_slots([one[0] + [r for r in state.records if r.unit == "layers.1"]])
-    assert len(runtime._slots) == 2 and runtime._slots[1].nbytes > runtime._slots[0].nbytes
-    runtime.reserve_graph_slots(one)
-    assert len(runtime._slots) == 2
+    facts.reserve_graph_slots(one)
+    facts.reserve_graph_slots(one)
+    assert len(facts.graph_slots) == 1 and len(facts.graph_slots[0].storages) == state.config.prefetch_distance + 1
+    facts.reserve_graph_slots([one[0] + [r for r in state.records if r.unit == "layers.1"]])
+    assert len(facts.graph_slots) == 2 and facts.graph_slots[1].nbytes > facts.graph_slots[0].nbytes
+    facts.reserve_graph_slots(one)
+    assert len(facts.graph_slots) == 2
 
 
 def test_gradient_landing_keeps_the_first_buffer_and_adds_later_ones():

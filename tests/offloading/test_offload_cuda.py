@@ -185,7 +185,7 @@ def test_offload_under_cuda_graphs_keeps_loads_in_fixed_slots():
             compiled(ids)
         torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
-    slots = state.runtime._slots
+    slots = state.facts.graph_slots
     assert len(slots) == 1 and len(slots[-1].storages) == state.config.prefetch_distance + 1
 
 

@@ -1,0 +1,43 @@
+"""The static-shape bucketing plan of one graph (:class:`BucketPlan`, recorded on
+``GraphAnalysis.bucket_plan`` by ``plan_static_shapes``, read by the bucket dispatcher) and the
+size bounds it implies (:data:`StaticBounds`, ``PassContext.static_bounds``, read by
+``slice_static_buffers``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict
+
+import sympy
+import torch
+
+from .config import StaticShapesConfig
+
+StaticBounds = Dict[sympy.Symbol, int]  # size symbol -> upper bound (the largest bucket)
+
+
+@dataclass
+class BucketPlan:
+    symbols: dict[sympy.Symbol, tuple[int, int]]  # symbol -> (placeholder index, dim) it is read from
+    pad: dict[int, tuple[tuple[int, sympy.Symbol], ...]]  # placeholder index -> (dim, its symbol) to pad
+    pad_values: dict[int, float]  # placeholder index -> pad value
+    size_inputs: dict[int, sympy.Expr]  # placeholder index of a SymInt input -> its expression
+    outputs: list[Any]  # per output: None (no padded dim) or per-dim None / (symbol, a, b): size a*L + b
+    refused: list[str] = field(default_factory=list)  # why this graph runs dynamic (empty: bucketed)
+    ties: dict[sympy.Symbol, sympy.Symbol] = field(default_factory=dict)  # symbol of another input's dim -> the bucketed symbol it must equal
+    # placeholder index -> name of an input that must hold 1 at every position for the padding proof (an additive
+    # attention mask: no real query row may be fully masked); checked per call, else the call runs unpadded
+    ones_inputs: dict[int, str] = field(default_factory=dict)
+    unsliced: torch.fx.GraphModule | None = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
+
+    @property
+    def active(self) -> bool:
+        return not self.refused
+
+    def bounds(self, cfg: StaticShapesConfig) -> StaticBounds:
+        """Each bucketed symbol (not the symbols tied to it) -> its upper bound, the largest bucket;
+        empty when the plan is refused. What :mod:`slice_static_buffers` sizes its buffers by."""
+        if not self.active:
+            return {}
+        return {sym: cfg.largest for sym in self.symbols if sym not in self.ties}
+
