@@ -56,7 +56,7 @@ def reference_run(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]]
     capture = ModelCapture(model, modules=list(modules), capture_dir=out)
     capture.enable()
     vocab = model.config.vocab_size
-    from .capturing.engine_families import ModelShape
+    from .model_shape import ModelShape
 
     shape = ModelShape.from_config(model.config).to_meta()
     tokens = []

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from .compare_runs import FAIL, CompareError, CompareReport, CompareRow, _compare_tensors, _find_steps
-from .completeness import StepScan, execution_order, natural
+from .compare_report import FAIL, CompareError, CompareReport, CompareRow
+from .compare_tensors import compare_tensors
+from .completeness import StepScan, execution_order, find_steps, natural
 from .engine_families import FAMILIES, FamilyRegistry, ModelShape, RebuildError
 
 __all__ = ["ENGINES", "compare_engines", "engine_of"]
@@ -112,7 +113,7 @@ def compare_engines(ref: Path, test: Path, report: CompareReport, families: Fami
     families = FAMILIES if families is None else families
     sides = []
     for root in (ref, test):
-        scans = {rel: StepScan.read(root / rel) for rel in _find_steps(root)}
+        scans = {rel: StepScan.read(root / rel) for rel in find_steps(root)}
         sides.append((scans, engine_of(scans)))
     (ref_scans, ref_engine), (test_scans, test_engine) = sides
     for name, engine in (("ref", ref_engine), ("test", test_engine)):
@@ -223,7 +224,7 @@ def _compare_tokens(report: CompareReport, step: _Step, rows: list, where: dict)
         return
     want = torch.tensor([ids[where[tok][1]] for ids, (_, tok) in zip(ref_ids, rows)])
     got = torch.tensor([test_ids[row] for row, _ in rows])
-    report.rows.append(_compare_tensors(step.rel, TOKENS, 0, "input_ids", want, got, report.rtol, report.atol))
+    report.rows.append(compare_tensors(step.rel, TOKENS, 0, "input_ids", want, got, report.rtol, report.atol))
 
 
 def _compare_module(report: CompareReport, step: _Step, module: str, rows: list, where: dict,
@@ -255,7 +256,7 @@ def _compare_module(report: CompareReport, step: _Step, module: str, rows: list,
             continue
         want = torch.stack(ref_keys[key])
         got = test[key][test_rows] if test[key].dim() else test[key]
-        report.rows.append(_compare_tensors(step.rel, module, 0, key, want, got, report.rtol, report.atol))
+        report.rows.append(compare_tensors(step.rel, module, 0, key, want, got, report.rtol, report.atol))
 
 
 def _missing(in_test: bool, in_ref: bool) -> str | None:

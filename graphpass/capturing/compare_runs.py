@@ -41,13 +41,12 @@ from ..atomic_files import is_temp_name
 from .compare_report import FAIL, MISSING_SIDES, PASS, CompareError, CompareReport, CompareRow  # noqa: F401 (re-exported)
 from .compare_tensors import CHUNK_ELEMS, LazyTensor, compare_tensors, open_safetensors  # noqa: F401
 from .report_format import HEADERS, printable  # noqa: F401 (re-exported)
-from .completeness import StepScan, execution_order, fmt_ranks, natural, run_ranks, tree_of
+from .completeness import StepScan, execution_order, find_steps, fmt_ranks, natural, run_ranks, tree_of
 from .writer import meta_file_rank
 
 __all__ = ["CompareError", "CompareRow", "CompareReport", "compare"]
 
 # always used with fullmatch (`$` would accept a trailing newline); [0-9], not \d (no Unicode digits)
-_DP_RE = re.compile(r"dp[0-9]+")
 
 
 def compare(ref_dir: "str | os.PathLike[str] | list", test_dir: "str | os.PathLike[str] | list",
@@ -97,8 +96,8 @@ def _root(name: str, value: Any, stack: contextlib.ExitStack) -> tuple[Path, str
 
 
 def _compare_trees(report: CompareReport, ref: Path, test: Path, families: Any = None) -> None:
-    scans = ({rel: StepScan.read(ref / rel) for rel in _find_steps(ref)},
-             {rel: StepScan.read(test / rel) for rel in _find_steps(test)})
+    scans = ({rel: StepScan.read(ref / rel) for rel in find_steps(ref)},
+             {rel: StepScan.read(test / rel) for rel in find_steps(test)})
     from .compare_engines import engine_of, compare_engines
 
     engines = (engine_of(scans[0]), engine_of(scans[1]))
@@ -156,19 +155,6 @@ def _note_temp_files(report: CompareReport, side: str, root: Path, shown: int = 
         report.notes.append(
             f"{side}: ignored {len(found)} temporary file(s) left by an interrupted capture (not data): "
             + ", ".join(printable(f) for f in found[:shown]) + more)
-
-
-def _find_steps(root: Path) -> set[str]:
-    """Relative paths (posix) of every step directory: the children of each ``dp{d}`` directory."""
-    steps: set[str] = set()
-    for dirpath, dirnames, _ in os.walk(root):
-        here = Path(dirpath)
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        name = here.resolve().name if here == root else here.name  # ref_dir may itself be a dp dir
-        if _DP_RE.fullmatch(name):
-            steps.update((here / d).relative_to(root).as_posix() for d in dirnames)
-            dirnames[:] = []  # a dp directory's children are steps: do not descend further
-    return steps
 
 
 def _module_order(report: CompareReport, rel: str, side: str, scan: StepScan) -> list[str]:

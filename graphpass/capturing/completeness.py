@@ -19,6 +19,7 @@ contract asks of the files; :mod:`graphpass.capturing.compare_runs` writes the r
 from __future__ import annotations
 
 import numbers
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,6 +32,20 @@ __all__ = ["StepScan", "execution_order", "fmt_ranks", "run_ranks", "tree_of"]
 
 _RANK_RE = re.compile(r"rank([0-9]+)\.safetensors")  # always fullmatch
 _STEP_K_RE = re.compile(r"(prefill|decode)?.*_([0-9]+)")
+_DP_RE = re.compile(r"dp[0-9]+")
+
+
+def find_steps(root: Path) -> set[str]:
+    """Relative paths (posix) of every step directory: the children of each ``dp{d}`` directory."""
+    steps: set[str] = set()
+    for dirpath, dirnames, _ in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        name = here.resolve().name if here == root else here.name  # ref_dir may itself be a dp dir
+        if _DP_RE.fullmatch(name):
+            steps.update((here / d).relative_to(root).as_posix() for d in dirnames)
+            dirnames[:] = []  # a dp directory's children are steps: do not descend further
+    return steps
 _PHASES = {"prefill": 0, "decode": 1}
 
 

@@ -113,7 +113,7 @@ def _stepping(runner: Any, forward: Any, capture: Any) -> Any:
     """``runner._model_forward`` wrapped: one capture step per call while capture is enabled. Each
     meta also gets ``model`` (model type and head sizes, for ``compare`` across engines) and
     ``input_ids``."""
-    from graphpass.capturing.engine_families import ModelShape
+    from graphpass.model_shape import ModelShape
 
     config = runner.vllm_config
     model = ModelShape.from_config(config.model_config.hf_config,

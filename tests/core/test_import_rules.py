@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ALIASES = {"graphpass.backends": "backends"}
 FEATURES = ("offloading", "capturing", "static_shapes", "models", "integrations")
 # modules of the top level that answer graph and config questions and hold the shared data: they
