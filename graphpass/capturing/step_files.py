@@ -62,6 +62,87 @@ def safetensors_header(tensors: Sequence[dict]) -> tuple[bytes, list[dict]]:
     return struct.pack("<Q", len(text)) + text, order
 
 
+# One captured value of a step, as the planner takes it (a list, in this order: what the saving
+# process sends the writer process): its module or capture name, the folder its step folder goes
+# in (dp{d} under capture_dir[/subdirectory]), its key in the module's output (None: an inline
+# capture_tensor value), its DTensor layout JSON or "", its safetensors dtype (None: not one the
+# plain encoder writes), its dtype as the meta names it, its shape, byte count, element size, and
+# the index of its buffer.
+RECORD = ("name", "base", "key", "layout", "dtype", "meta_dtype", "shape", "nbytes", "esize", "src")
+
+
+def plan_step(records: Sequence[Sequence], *, step: str, index: int, is_prefill: bool, size: int, meta: dict,
+              dp_rank: int, tp_rank: int, tp_size: int | None) -> dict:
+    """The plan of one step (what :meth:`StepFiles.emit` writes) from its values' ``records``
+    (:data:`RECORD`, registration order): per step folder, one file per module (keys from
+    :func:`file_keys`) and the meta file's text. A file holding a value whose ``dtype`` is None is
+    marked ``"encode"`` (the saving process encodes it with safetensors itself)."""
+    grouped: dict[str, list[dict]] = {}
+    for rec in records:
+        e = dict(zip(RECORD, rec))
+        grouped.setdefault(e["name"], []).append(e)
+    by_base: dict[str, list[str]] = {}
+    for name, entries in grouped.items():
+        by_base.setdefault(entries[0]["base"], []).append(name)
+    bases = []
+    for base, names in by_base.items():
+        step_dir = os.path.join(base, step)
+        info: dict[str, list[dict]] = {}
+        files = []
+        for name in names:
+            entries = grouped[name]
+            keyed = file_keys([(None, e["key"]) for e in entries])
+            mod_dir = os.path.join(step_dir, name)  # name: one checked component (no separator, no "..")
+            tensors = [dict(entries[i], key=k) for k, i in keyed]
+            f = {"dir": mod_dir, "path": os.path.join(mod_dir, f"rank{tp_rank}.safetensors"), "tensors": tensors}
+            if any(t["dtype"] is None for t in tensors):
+                f["encode"] = True
+            files.append(f)
+            info[name] = [_tensor_info(t) for t in tensors]
+        doc = dict(meta, step=step, step_index=index, phase="prefill" if is_prefill else "decode", size=size,
+                   modules=names, tensors=info, dp_rank=dp_rank, tp_rank=tp_rank, tp_size=tp_size)
+        # one line: json's C encoder (an indented dump runs the pure-Python one, 10x slower)
+        bases.append({"dir": step_dir, "files": files, "meta": json.dumps(doc, default=str),
+                      "meta_path": os.path.join(step_dir, meta_file_name(step, tp_rank))})
+    return {"bases": bases}
+
+
+def _tensor_info(t: dict) -> dict:
+    """One value's entry in the step meta: key, dtype, (local) shape and, for a DTensor shard, its
+    placements, mesh shape and dim names, global shape, offset and this rank's mesh coordinate."""
+    info = {"key": t["key"], "dtype": t["meta_dtype"], "shape": list(t["shape"])}
+    if t["layout"]:
+        info.update(json.loads(t["layout"]))
+    return info
+
+
+def file_keys(entries: Sequence[tuple[Any, str | None]]) -> list[tuple[str, int]]:
+    """The keys one module's values get in its file, in file order, with each value's index in
+    ``entries``.
+
+    ``(value, key)`` in registration order, ``key`` as :meth:`TensorRegistry.get_all_entries` gives
+    it: output leaves keep their key path (``[0]``, ``.last_hidden_state``, ``output``) in output
+    order, a later call's repeat of a key gets ``#1``, ``#2``, ...; then the values computed in the
+    module and read outside it without being returned, ``other[0]``, ``other[1]``, ...; inline
+    ``capture_tensor`` values (key None) are ``0``, ``1``, ... as they always were."""
+    named: list[tuple[str, int]] = []
+    seen: dict[str, int] = {}
+    other: list[int] = []
+    manual: list[int] = []
+    for index, (_, key) in enumerate(entries):
+        if key is None:
+            manual.append(index)
+        elif not key:
+            other.append(index)
+        else:
+            n = seen.get(key, 0)
+            seen[key] = n + 1
+            named.append((key if n == 0 else f"{key}#{n}", index))
+    return (named + [(f"other[{i}]", index) for i, index in enumerate(other)]
+            + [(str(i), index) for i, index in enumerate(manual)])
+
+
+
 class StepFiles:
     """Writes planned steps under ``capture_dir`` for tensor-parallel rank ``tp_rank``; remembers
     the step folders it claimed (it may write them again; another run's files there are refused)."""

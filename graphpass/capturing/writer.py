@@ -28,7 +28,7 @@ import torch
 from ..atomic_files import probe_writable
 from ..errors import CaptureError, ConfigError
 from ..patterns import compile_patterns
-from .step_files import StepFiles, _file_parts, meta_file_name, meta_file_rank  # noqa: F401 (re-exported)
+from .step_files import StepFiles, _file_parts, file_keys, meta_file_name, meta_file_rank, plan_step  # noqa: F401 (re-exported)
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]+")  # always fullmatch: `$` would accept a trailing newline
 NAME_MAX = 255  # bytes in one path component (Linux, macOS, Windows)
@@ -124,6 +124,7 @@ class CaptureWriter:
         self._counts: dict[str, int] = {}
         self._index = 0  # steps named, whatever their phase: the meta's step_index (execution order)
         self._files = StepFiles(self.capture_dir, self.tp_rank)  # claims the step folders it writes
+        self._routes: dict[str, str] = {}  # capture name -> its dp folder ("": left out by capture_filter)
         self._lock = threading.Lock()  # one ModelCapture stepping in several threads: one write at a time
         self._names = threading.Lock()  # step names / indexes (taken while another step is being written)
         self._check_writable()
@@ -184,9 +185,8 @@ class CaptureWriter:
     def step_dirs(self, names: Sequence[str], step: str) -> list[Path]:
         """The step folders :meth:`write` makes for values named ``names`` under ``step`` (what it
         returns), without writing: a staged step's answer."""
-        bases = dict.fromkeys(self._base(n) for n in dict.fromkeys(names)
-                              if self.filter is None or any(p.matches(n) for p in self.filter))
-        return [base / step for base in bases]
+        bases = dict.fromkeys(base for base in map(self.route, dict.fromkeys(names)) if base)
+        return [Path(base, step) for base in bases]
 
     def write_reserved(self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int,
                        meta: dict) -> list[Path]:
@@ -202,41 +202,57 @@ class CaptureWriter:
     def plan(self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int,
              meta: dict) -> tuple[dict, list]:
         """The step plan :meth:`StepFiles.emit <graphpass.capturing.step_files.StepFiles.emit>` writes
-        (JSON-able: folders, files, each tensor's dtype, shape and byte count, the meta's text) and
-        its buffers: contiguous host tensors (the values' bytes) and, for a file holding a dtype the
-        plain encoder does not know, that file's bytes as ``safetensors.torch.save`` encodes them.
-        Raises ``CaptureError`` for a value whose name cannot be a folder name."""
-        grouped: dict[str, list[tuple[torch.Tensor, str | None, str]]] = {}
+        (:func:`~graphpass.capturing.step_files.plan_step`) and its buffers: contiguous host tensors
+        (the values' bytes) and, for a file holding a dtype the plain encoder does not know, that
+        file's bytes as ``safetensors.torch.save`` encodes them. Raises ``CaptureError`` for a value
+        whose name cannot be a folder name."""
+        records, buffers = self.records(tensors)
+        meta = json.loads(json.dumps(meta, default=_jsonable))
+        plan = plan_step(records, step=step, index=index, is_prefill=is_prefill, size=size, meta=meta,
+                         dp_rank=self.dp_rank, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        for base in plan["bases"]:
+            for f in base["files"]:
+                if f.pop("encode", False):
+                    from safetensors.torch import save
+
+                    buffers.append(save({t["key"]: buffers[t["src"]] for t in f["tensors"]}))
+                    f["blob"] = len(buffers) - 1
+        return dict(plan, root=os.fspath(self.capture_dir), tp_rank=self.tp_rank), buffers
+
+    def records(self, tensors: Sequence[tuple]) -> tuple[list[list], list[torch.Tensor]]:
+        """The planner's records (:data:`~graphpass.capturing.step_files.RECORD`) of the values
+        this writer keeps (``capture_filter``), and their contiguous host tensors."""
+        records: list[list] = []
+        buffers: list[torch.Tensor] = []
         for entry in tensors:
             name, t, key, layout = (*entry, None, "")[:4] if len(entry) == 2 else (*entry, "")[:4]
-            _check_component(name, "capture name")
-            if self.filter is not None and not any(p.matches(name) for p in self.filter):
+            base = self.route(name)
+            if base is None:
                 continue
-            grouped.setdefault(name, []).append(_local(t, key, layout))
-        by_base: dict[Path, list[str]] = {}
-        for name in grouped:
-            by_base.setdefault(self._base(name), []).append(name)
-        buffers: list = []
-        bases = []
-        for base, names in by_base.items():
-            step_dir = os.fspath(base / step)
-            info: dict[str, list[dict]] = {}
-            files = []
-            for name in names:
-                entries = grouped[name]
-                keyed = file_keys([(t, key) for t, key, _ in entries])
-                payload = {k: entries[i][0].detach().to("cpu").contiguous() for k, i in keyed}
-                mod_dir = os.path.join(step_dir, name)  # name: one checked component (no separator, no "..")
-                files.append(_plan_file(mod_dir, os.path.join(mod_dir, f"rank{self.tp_rank}.safetensors"),
-                                        payload, buffers))
-                info[name] = [_tensor_info(k, payload[k], entries[i][2]) for k, i in keyed]
-            doc = dict(meta, step=step, step_index=index, phase="prefill" if is_prefill else "decode",
-                       size=size, modules=names, tensors=info, dp_rank=self.dp_rank, tp_rank=self.tp_rank,
-                       tp_size=self.tp_size)
-            # one line: json's C encoder (an indented dump runs the pure-Python one, 10x slower)
-            bases.append({"dir": step_dir, "files": files, "meta": json.dumps(doc, default=_jsonable),
-                          "meta_path": os.path.join(step_dir, meta_file_name(step, self.tp_rank))})
-        return {"root": os.fspath(self.capture_dir), "tp_rank": self.tp_rank, "bases": bases}, buffers
+            if type(t) is not torch.Tensor:
+                t, key, layout = _local(t, key, layout)
+            if t.requires_grad:
+                t = t.detach()
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            if not t.is_contiguous():
+                t = t.contiguous()
+            records.append([name, base, key, layout, plain_dtype(t), _META_DTYPES.get(t.dtype) or _meta_dtype(t),
+                            list(t.shape), t.numel() * t.element_size(), t.element_size(), len(buffers)])
+            buffers.append(t)
+        return records, buffers
+
+    def route(self, name: str) -> str | None:
+        """The folder ``name``'s step folders go in (``capture_dir[/subdirectory]/dp{d}``), or None when
+        ``capture_filter`` leaves it out; checks the name (``CaptureError``). Kept per name."""
+        hit = self._routes.get(name)
+        if hit is None:
+            _check_component(name, "capture name")
+            keep = self.filter is None or any(p.matches(name) for p in self.filter)
+            if len(self._routes) >= 4096:
+                self._routes.clear()
+            hit = self._routes[name] = os.fspath(self._base(name)) if keep else ""
+        return hit or None
 
 
 # safetensors dtype names (the format's spec); a dtype not here goes through safetensors.torch.save
@@ -252,29 +268,26 @@ def encode_safetensors(payload: dict[str, torch.Tensor]) -> bytes:
     dtypes first so each is aligned: :func:`graphpass.capturing.step_files.safetensors_header`),
     made here for the common dtypes on a little-endian host because ``save``'s Python side costs
     several times the encoding itself for the small values of a decode step. Contiguous CPU tensors."""
-    buffers: list = []
-    return b"".join(bytes(host_bytes(p)) for p in _file_parts(_plan_file("", "", payload, buffers), buffers))
+    if any(plain_dtype(t) is None for t in payload.values()):
+        from safetensors.torch import save
+
+        return save(payload)
+    tensors = [{"key": k, "dtype": plain_dtype(t), "shape": list(t.shape), "nbytes": t.numel() * t.element_size(),
+                "esize": t.element_size(), "src": i} for i, (k, t) in enumerate(payload.items())]
+    buffers = [host_bytes(t) for t in payload.values()]
+    return b"".join(bytes(p) for p in _file_parts({"tensors": tensors}, buffers))
+
+
+_META_DTYPES = {d: str(d).replace("torch.", "") for d in _ST_DTYPES}
+
+
+def _meta_dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
 
 
 def plain_dtype(t: torch.Tensor) -> str | None:
     """The safetensors name of ``t``'s dtype when the plain encoder writes it, else None."""
     return _ST_DTYPES.get(t.dtype) if sys.byteorder == "little" else None
-
-
-def _plan_file(folder: str, path: str, payload: dict[str, torch.Tensor], buffers: list) -> dict:
-    """One module file of a step plan; appends what it needs to ``buffers`` (each tensor, or the
-    file encoded by ``safetensors.torch.save`` when a dtype is not in the plain encoder's table)."""
-    if any(plain_dtype(t) is None for t in payload.values()):
-        from safetensors.torch import save
-
-        buffers.append(save(payload))
-        return {"dir": folder, "path": path, "blob": len(buffers) - 1}
-    tensors = []
-    for key, t in payload.items():
-        tensors.append({"key": key, "dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                        "nbytes": t.numel() * t.element_size(), "esize": t.element_size(), "src": len(buffers)})
-        buffers.append(t)
-    return {"dir": folder, "path": path, "tensors": tensors}
 
 
 def host_bytes(b: Any) -> Any:
@@ -291,15 +304,6 @@ def _local(t: torch.Tensor, key: str | None, layout: str) -> tuple[torch.Tensor,
     if type(t).__name__ == "DTensor" and hasattr(t, "to_local"):
         return t.to_local(), key, dtensor_layout(t)
     return t, key, layout
-
-
-def _tensor_info(key: str, value: torch.Tensor, layout: str) -> dict:
-    """One tensor's entry in the step meta: key, dtype, (local) shape and, for a DTensor shard, its
-    placements, mesh shape and dim names, global shape, offset and this rank's mesh coordinate."""
-    info = {"key": key, "dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape)}
-    if layout:
-        info.update(json.loads(layout))
-    return info
 
 
 def read_step_meta(step_dir: str | os.PathLike) -> dict:
@@ -332,32 +336,6 @@ def read_step_meta(step_dir: str | os.PathLike) -> dict:
         tensors.update(docs[r].get("tensors") or {})
     merged["tensors"] = tensors
     return merged
-
-
-def file_keys(entries: Sequence[tuple[torch.Tensor, str | None]]) -> list[tuple[str, int]]:
-    """The keys one module's values get in its file, in file order, with each value's index in
-    ``entries``.
-
-    ``(value, key)`` in registration order, ``key`` as :meth:`TensorRegistry.get_all_entries` gives
-    it: output leaves keep their key path (``[0]``, ``.last_hidden_state``, ``output``) in output
-    order, a later call's repeat of a key gets ``#1``, ``#2``, ...; then the values computed in the
-    module and read outside it without being returned, ``other[0]``, ``other[1]``, ...; inline
-    ``capture_tensor`` values (key None) are ``0``, ``1``, ... as they always were."""
-    named: list[tuple[str, int]] = []
-    seen: dict[str, int] = {}
-    other: list[int] = []
-    manual: list[int] = []
-    for index, (_, key) in enumerate(entries):
-        if key is None:
-            manual.append(index)
-        elif not key:
-            other.append(index)
-        else:
-            n = seen.get(key, 0)
-            seen[key] = n + 1
-            named.append((key if n == 0 else f"{key}#{n}", index))
-    return (named + [(f"other[{i}]", index) for i, index in enumerate(other)]
-            + [(str(i), index) for i, index in enumerate(manual)])
 
 
 def _jsonable(value: Any) -> Any:
