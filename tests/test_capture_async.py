@@ -311,6 +311,35 @@ def test_a_writer_process_that_dies_loses_only_the_steps_it_held_and_says_so(tmp
     del gate
 
 
+def test_a_forked_process_never_writes_into_its_parents_ring(tmp_path, monkeypatch):
+    cap = manual_capture(tmp_path, "process")
+    gate = Gate(monkeypatch, cap)
+    manual_step(cap, torch.zeros(2))
+    manual_step(cap, torch.ones(2))
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of the parent's is pending here; its own step gets its own writer
+        code = 1
+        try:
+            if cap.pending_steps == 0 and cap._behind._ring is None:
+                cap.flush()  # returns at once: no parent step to wait for
+                cap.writer.capture_dir = tmp_path / "child"
+                cap.writer._files = type(cap.writer._files)(tmp_path / "child", 0)
+                cap.writer._routes.clear()
+                (tmp_path / "child").mkdir()
+                manual_step(cap, torch.full((2,), 7.0))
+                cap.flush()
+                code = 0 if list(steps_on_disk(tmp_path / "child")) == ["prefill_s2_2"] else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    gate.open()
+    cap.flush()
+    assert sorted(steps_on_disk(tmp_path / "dp0")) == ["prefill_s2_0", "prefill_s2_1"]
+    got = load_file(str(tmp_path / "dp0" / "prefill_s2_1" / "x" / "rank0.safetensors"))["0"]
+    assert torch.equal(got, torch.ones(2))
+
+
 def test_failed_background_write_is_raised_by_the_next_save(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError(13, "Permission denied")
@@ -486,3 +515,35 @@ def test_encoded_files_read_back_with_safetensors_for_every_common_dtype():
         assert entry["data_offsets"][0] % plain[k].element_size() == 0, k
     ours, theirs = load(blob), load(save(plain))
     assert all(torch.equal(ours[k], theirs[k]) for k in plain)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_staging_ring_takes_and_gives_back_first_in_first_out_and_never_overlaps(seed):
+    import random
+
+    from graphpass.capturing.staging import StagingRing
+
+    rng = random.Random(seed)
+    ring = StagingRing(100)
+    live: list[tuple[int, int]] = []
+    placed = refused = 0
+    try:
+        for _ in range(2000):
+            if rng.random() < 0.55:
+                n = rng.randint(1, 40)
+                start = ring.place(n)
+                if start is None:
+                    refused += 1
+                    assert live  # an empty ring always has room for n <= capacity
+                    continue
+                assert 0 <= start and start + n <= 100
+                assert not any(s < start + n and start < e for s, e in live)  # never over a live region
+                assert ring.take(n) == start
+                live.append((start, start + n))
+                placed += 1
+            elif live:
+                ring.give_back()
+                live.pop(0)
+        assert placed > 500 and refused > 50  # both paths exercised
+    finally:
+        ring.close()

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Literal
 
 import torch
@@ -273,13 +274,14 @@ class StagingRing:
         if not self._regions:
             return 0 if n <= self.capacity else None
         tail = self._regions[0][0]
-        if self._head > tail or (self._head == tail and self._regions[-1][1] <= tail):
+        if self._head > tail:  # in use: [tail, head); free: [head, capacity) and [0, tail)
             if self._head + n <= self.capacity:
                 return self._head
             return 0 if n <= tail else None
-        return self._head if self._head + n <= tail else None
+        return self._head if self._head + n <= tail else None  # wrapped: free [head, tail) (none when equal)
 
     def take(self, n: int) -> int:
+        """Take ``n > 0`` bytes where :meth:`place` says."""
         start = self.place(n)
         assert start is not None
         self._regions.append((start, start + n))
@@ -316,6 +318,9 @@ class ProcessWriteBehind(WriteBehind):
         self._proc: subprocess.Popen | None = None
         self._inflight: collections.deque = collections.deque()  # (seq, nbytes), oldest first
         self._seq = 0
+        if hasattr(os, "register_at_fork"):
+            me = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _forget_parent(me))
 
     def carries(self, tensors: list[tuple]) -> bool:
         """Values of a dtype the plain encoder does not know (``safetensors.torch.save`` encodes them,
@@ -343,8 +348,10 @@ class ProcessWriteBehind(WriteBehind):
         self._thread.start()
 
     def _forget_parent(self) -> None:
-        """In a forked child: drop the parent's writer (never write into its ring) and its counts."""
+        """In a forked child: drop the parent's writer (never write into its ring) and its counts;
+        a new lock (another thread may have held the parent's when it forked)."""
         self._pid = os.getpid()
+        self._cond = threading.Condition()
         self._ring, self._proc, self._thread = None, None, None
         self._inflight.clear()
         self._bytes = self._busy = 0
@@ -421,6 +428,12 @@ class ProcessWriteBehind(WriteBehind):
         if thread is not None:
             thread.join()
         ring.close()
+
+
+def _forget_parent(ref: "weakref.ref[ProcessWriteBehind]") -> None:
+    behind = ref()
+    if behind is not None:
+        behind._forget_parent()
 
 
 def make_write_behind(config: StagingConfig, writer: Any) -> WriteBehind:
