@@ -1,33 +1,35 @@
 """What capture ON costs against capture OFF, per step, on a deep transformers Llama.
 
-One process builds ``LlamaForCausalLM`` (tiny width, ``--layers`` decoder layers, default 32) and
-compiles two copies with graphpass (-> ``--delegate``, default inductor), each with a
-``ModelCapture`` of every decoder layer (``model.layers.0-N``): ``off`` stays disabled (the
-capture nodes are in the graph and return at once), ``on`` is enabled. One step per call
-(``with capture.step(...)``), for two step sizes: decode-sized (1 token) and prefill-sized
-(``--prefill`` tokens), no KV cache.
+One process builds ``LlamaForCausalLM`` (``--layers`` decoder layers, default 32, hidden
+``--hidden``, default 512, intermediate 2x hidden) and compiles it once with graphpass
+(-> ``--delegate``, default inductor). Two ``ModelCapture`` objects of every decoder layer
+(``model.layers.0-N``) are attached before the first call, one per write-behind writer
+(``StagingConfig(writer="process")``, the default on Linux, and ``writer="thread"``); each variant
+enables the one it measures. One step per call (``with capture.step(...)``), for two step sizes:
+decode-sized (1 token) and prefill-sized (``--prefill`` tokens), no KV cache.
 
 Variants, measured interleaved in blocks of ``--block`` calls (order reversed every round):
 
-* ``off``: capture off;
-* ``on (write-behind)``: ``step(wait=False)``: the step is staged and written by the capture's
-  writer thread; the block's time includes a final ``flush()``, so every file of the block is
-  on disk when the block's clock stops (per-step figure = block time / block);
-* ``on (wait=True)``: each step written before the call returns (what capture cost before
-  write-behind).
+* ``off``: capture off (the capture nodes are in the graph and return at once);
+* ``on (write-behind, process)``: ``step(wait=False)``, written by the writer process;
+* ``on (write-behind, thread)``: ``step(wait=False)``, written by a writer thread of this process;
+* ``on (wait=True)``: each step written before the call returns.
 
-Prints, per step size, the median per-step wall time over blocks and its ratio to ``off``
-measured in the same run, and the calling thread's CPU time per step (``time.thread_time``, less
-disturbed by other processes on a shared machine; it leaves out the writer thread's work, which
-the wall time of a block, flush included, does not).
+A block's time includes a final ``flush()``, so every file of the block is on disk when its clock
+stops (per-step figure = block time / block). Prints, per step size, the median per-step wall
+time over blocks and its ratio to ``off`` measured in the same run, and the calling thread's CPU
+time per step (``time.thread_time``; it leaves out the writer's work, which the wall time of a
+block, flush included, does not).
 
-    python bench/capture_cost.py [--layers 32] [--rounds 15] [--block 8] [--prefill 128] [--delegate inductor]
+``--threads`` (default 1): torch's intra-op threads. With 1 on a 2-core machine the writer has a
+core of its own, as on a GPU server, whose host cores are mostly idle while the device computes.
+
+    python bench/capture_cost.py [--layers 32] [--hidden 512] [--rounds 15] [--block 8] [--prefill 128]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import tempfile
 import time
@@ -51,60 +53,60 @@ def build(layers: int, hidden: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--delegate", default="inductor")
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (1: steadier on a small shared machine; the writer thread is extra)")
+                    help="torch intra-op threads (1: the writer gets the other core of a 2-core machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    base = build(args.layers, args.hidden)
+    model = torch.compile(build(args.layers, args.hidden), backend=graphpass.backend(then=args.delegate))
     modules = [f"model.layers.0-{args.layers - 1}"]
     tmp = tempfile.TemporaryDirectory(prefix="gp-capture-cost-")
-    models, caps = {}, {}
-    for name in ("off", "on"):
-        m = torch.compile(copy.deepcopy(base), backend=graphpass.backend(then=args.delegate))
-        models[name] = m
-        caps[name] = graphpass.ModelCapture(m, modules=modules, capture_dir=f"{tmp.name}/{name}")
-    caps["on"].enable()
+    caps = {w: graphpass.ModelCapture(model, modules=modules, capture_dir=f"{tmp.name}/{w}",
+                                      staging={"writer": w}) for w in ("process", "thread")}
     sizes = {"decode (1 token)": 1, f"prefill ({args.prefill} tokens)": args.prefill}
     if args.prefill <= 1:  # --prefill 0: decode only
         sizes.pop(f"prefill ({args.prefill} tokens)")
     rows = []
     with torch.no_grad():
         for label, n in sizes.items():
-            rows += measure(label, n, models, caps, args)
-            print(tabulate(rows[-3:]), flush=True)  # partial results as they come (the full table follows)
+            rows += measure(label, n, model, caps, args)
+            print(tabulate(rows[-4:]), flush=True)  # partial results as they come (the full table follows)
     print(f"LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, every decoder layer captured "
           f"({args.layers} files a step), graphpass -> {args.delegate}, torch {torch.__version__}, "
           f"{args.threads} intra-op thread(s); {args.rounds} rounds x {args.block} calls per variant, interleaved "
           "(order reversed every round), one step per call; block time includes the final flush()")
     print(tabulate(rows, headers=["step", "variant", "wall ms / step (median)", "wall min", "wall ratio to off",
                                   "caller CPU ms / step", "CPU ratio to off"]))
+    for cap in caps.values():
+        cap.disable()
     tmp.cleanup()
 
 
-def measure(label: str, n: int, models: dict, caps: dict, args) -> list[list]:
+def measure(label: str, n: int, model, caps: dict, args) -> list[list]:
     ids = torch.randint(0, 1024, (1, n))
     is_prefill = n > 1
     pos = torch.arange(n)
 
-    def call(which: str, wait: bool) -> None:
-        with caps[which].step(is_prefill=is_prefill, positions=pos, wait=wait):
-            models[which](ids)
-
-    def block(which: str, wait: bool) -> tuple[float, float]:
+    def block(writer: str | None, wait: bool) -> tuple[float, float]:
+        for w, cap in caps.items():
+            (cap.enable if w == writer else cap.disable)()
+        cap = caps[writer or "process"]
         t, c = time.perf_counter(), time.thread_time()
         for _ in range(args.block):
-            call(which, wait)
+            with cap.step(is_prefill=is_prefill, positions=pos, wait=wait):
+                model(ids)
         c = time.thread_time() - c  # CPU time of the calling thread (not the writer's), before the flush
-        caps[which].flush()
+        cap.flush()
         return (time.perf_counter() - t) / args.block, c / args.block
 
-    variants = {"off": lambda: block("off", True), "on (write-behind)": lambda: block("on", False),
-                "on (wait=True)": lambda: block("on", True)}
+    variants = {"off": lambda: block(None, True),
+                "on (write-behind, process)": lambda: block("process", False),
+                "on (write-behind, thread)": lambda: block("thread", False),
+                "on (wait=True)": lambda: block("process", True)}
     for f in variants.values():  # compile and warm up
         f()
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}

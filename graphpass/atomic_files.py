@@ -14,8 +14,18 @@ import errno
 import os
 import secrets
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
+
+def _iov_max() -> int:
+    """Buffers one ``writev`` call takes here (POSIX guarantees at least 16)."""
+    try:
+        return max(16, min(int(os.sysconf("SC_IOV_MAX")), 1024))
+    except (AttributeError, ValueError, OSError):
+        return 16
+
+
+_IOV_MAX = _iov_max()
 TMP_PREFIX, TMP_SUFFIX = ".graphpass-", ".tmp"  # short: a long final name never makes the temp name too long
 
 
@@ -65,12 +75,27 @@ def target_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
-def write_all(fd: int, data: bytes | memoryview) -> None:
-    """Write every byte of ``data`` to ``fd`` (``os.write`` may write less than asked)."""
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
+def write_all(fd: int, data: bytes | memoryview | Sequence) -> None:
+    """Write every byte of ``data`` to ``fd`` (``os.write`` may write less than asked); a list or
+    tuple of buffers is written back to back (one ``writev`` where the system has it)."""
+    if not isinstance(data, (list, tuple)):
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        return
+    views = [v for v in (memoryview(d).cast("B") for d in data) if v.nbytes]
+    if not hasattr(os, "writev"):
+        for v in views:
+            write_all(fd, v)
+        return
+    while views:
+        n = os.writev(fd, views[:_IOV_MAX])
+        while n and views:  # drop what was written, keep the rest of a buffer written in part
+            if n >= views[0].nbytes:
+                n -= views.pop(0).nbytes
+            else:
+                views[0], n = views[0][n:], 0
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[int], None], fsync: bool = False) -> bool:

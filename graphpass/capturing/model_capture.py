@@ -36,7 +36,7 @@ from ..version import __version__
 from .auto_steps import AutoSteps, StepInfo
 from .ops import ACTIVE_CAPTURES, capture_eager_outputs, capture_tensor, mark_output_keys
 from .registry import CaptureSites, Switch, TensorRegistry
-from .staging import StagingConfig, WriteBehind, check_staging, staged_bytes, to_host
+from .staging import StagingConfig, check_staging, make_write_behind, to_host
 from .writer import CaptureWriter, _check_component
 from ..patterns import ModulePattern, check_all_match, compile_patterns
 
@@ -175,8 +175,7 @@ class ModelCapture:
         self._switch = Switch(False)  # enable()/disable() apply to every thread's registry
         self._sites = CaptureSites()  # resolved capture sites, shared by this capture's registries only
         self._registry = self._new_registry()  # outside any step
-        writer = self.writer
-        self._behind = WriteBehind(self.staging, lambda job: writer.write_reserved(job[0], **job[1]))
+        self._behind = make_write_behind(self.staging, self.writer)
         weakref.finalize(self, self._behind.close)  # on collection and at interpreter exit: flush
         _SPECS.setdefault(self.model, []).append(weakref.ref(self))
         _mark_classes(self, [type(self.model.get_submodule(n)) for n in selected])
@@ -286,7 +285,7 @@ class ModelCapture:
         finally:
             reg.clear()
             self._restore()
-        if not wait:
+        if not wait and self._behind.carries(tensors):
             return self._stage(tensors, is_prefill, size, meta)
         self._behind.wait_idle()  # earlier steps first: "on disk when this returns" holds for all
         written = self.writer.write(tensors, is_prefill=is_prefill, size=size, meta=meta)
@@ -306,7 +305,7 @@ class ModelCapture:
             reserved.append(step)
             return tensors, dict(step=step, index=index, is_prefill=is_prefill, size=size, meta=meta)
 
-        outcome = self._behind.submit(staged_bytes(tensors), job)
+        outcome = self._behind.submit(self._behind.nbytes(tensors), job)
         if outcome == "caller":  # larger than max_staged_bytes on its own: written here, the ring empty
             written = self.writer.write(tensors, is_prefill=is_prefill, size=size, meta=meta)
         elif outcome == "dropped":

@@ -27,18 +27,28 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
+import mmap
 import numbers
+import os
+import struct
+import subprocess
+import sys
 import threading
+import warnings
+import weakref
 from typing import Any, Callable, Literal
 
 import torch
 
 from ..errors import CaptureError, ConfigError
+from .writer import _jsonable, plain_dtype
 
 log = logging.getLogger("graphpass.capturing.staging")
 
 POLICIES = ("block", "drop")
+WRITERS = ("auto", "process", "thread")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +63,7 @@ class StagingConfig:
     max_staged_bytes: int = 256 << 20
     max_staged_steps: int = 64
     when_full: Literal["block", "drop"] = "block"
+    writer: Literal["auto", "process", "thread"] = "auto"
 
     def __post_init__(self) -> None:
         for key, low in (("max_staged_bytes", 0), ("max_staged_steps", 1)):
@@ -61,6 +72,11 @@ class StagingConfig:
                 raise ConfigError(key, value, f"must be an int >= {low}")
         if self.when_full not in POLICIES:
             raise ConfigError("when_full", self.when_full, f"must be one of {', '.join(map(repr, POLICIES))}")
+        if self.writer not in WRITERS:
+            raise ConfigError("writer", self.writer, f"must be one of {', '.join(map(repr, WRITERS))}")
+        if self.writer == "process" and not process_writer_available():
+            raise ConfigError("writer", self.writer, "a writer process needs os.memfd_create (Linux) and "
+                                                     "sys.executable: use 'thread' or 'auto' here")
 
 
 def check_staging(value: Any) -> StagingConfig:
@@ -97,7 +113,7 @@ class WriteBehind:
         self.config = config
         self._write = write
         self._cond = threading.Condition()
-        self._ring: collections.deque = collections.deque()  # (job, nbytes)
+        self._queue: collections.deque = collections.deque()  # (job, nbytes) for the writer thread
         self._bytes = 0  # bytes in the ring and in the write under way
         self._busy = 0  # steps staged and not yet finished (ring + the one being written)
         self._errors: list[BaseException] = []
@@ -130,15 +146,33 @@ class WriteBehind:
                     return "caller"
             if self._closed:
                 raise CaptureError("capture step saved after the capture's writer was closed (interpreter exit)")
-            self._ring.append((make_job(), nbytes))
+            job = make_job()
             self._bytes += nbytes
             self._busy += 1
+            try:
+                self._push(job, nbytes)
+            except BaseException:
+                self._bytes -= nbytes
+                self._busy -= 1
+                raise
             self.peak_bytes = max(self.peak_bytes, self._bytes)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="graphpass-capture-writer", daemon=True)
-                self._thread.start()
             self._cond.notify_all()
             return "staged"
+
+    def nbytes(self, tensors: list[tuple]) -> int:
+        """What a step of ``tensors`` (``(name, value, ...)`` entries) counts against ``max_staged_bytes``."""
+        return staged_bytes(tensors)
+
+    def carries(self, tensors: list[tuple]) -> bool:
+        """Can a step of ``tensors`` be staged (else it is written on the saving thread)?"""
+        return True
+
+    def _push(self, job: Any, nbytes: int) -> None:
+        """Hand a staged step to the writer (called with the lock held)."""
+        self._queue.append((job, nbytes))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="graphpass-capture-writer", daemon=True)
+            self._thread.start()
 
     def wait_idle(self) -> None:
         """Wait until every staged step is written (failures stay pending for :meth:`raise_errors`)."""
@@ -169,10 +203,8 @@ class WriteBehind:
         with self._cond:
             self._cond.wait_for(lambda: self._busy == 0)
             self._closed = True
-            thread, self._thread = self._thread, None
             self._cond.notify_all()
-        if thread is not None:
-            thread.join()
+        self._stop()
         try:
             self.raise_errors()
         except CaptureError as exc:
@@ -181,13 +213,19 @@ class WriteBehind:
             log.warning("capture dropped %d step(s) because the writer fell behind (when_full='drop')", self.dropped)
 
     # -- writer thread -----------------------------------------------------------------------------
+    def _stop(self) -> None:
+        """After the last step is written (lock not held): end the writer thread."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._ring or self._closed)
-                if not self._ring:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
                     return
-                job, nbytes = self._ring[0]
+                job, nbytes = self._queue[0]
             try:
                 self._write(job)
             except BaseException as exc:  # noqa: BLE001 - reported on the saving side
@@ -198,8 +236,214 @@ class WriteBehind:
                 self.written += 1
             finally:
                 with self._cond:
-                    self._ring.popleft()
+                    self._queue.popleft()
                     self._bytes -= nbytes
                     self._busy -= 1
                     self._cond.notify_all()
 
+
+
+# -- the writer process ---------------------------------------------------------------------------
+
+def process_writer_available() -> bool:
+    """A writer process needs a shareable memory file (``os.memfd_create``: Linux) and an interpreter to start."""
+    return hasattr(os, "memfd_create") and bool(sys.executable)
+
+
+class StagingRing:
+    """A shared memory file of ``capacity`` bytes the saving process copies staged values into and
+    the writer process reads; regions are taken and given back first in, first out."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.fd = os.memfd_create("graphpass-capture-staging", getattr(os, "MFD_CLOEXEC", 0))
+        try:
+            os.ftruncate(self.fd, self.capacity)  # pages are allocated when first written
+            self._map = mmap.mmap(self.fd, self.capacity)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "non-writable buffer": an mmap is writable
+            self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._regions: collections.deque = collections.deque()  # (start, end), oldest first
+        self._head = 0  # where the next region starts
+
+    def place(self, n: int) -> int | None:
+        """The start of a free region of ``n`` bytes (None: none now), without taking it."""
+        if not self._regions:
+            return 0 if n <= self.capacity else None
+        tail = self._regions[0][0]
+        if self._head > tail:  # in use: [tail, head); free: [head, capacity) and [0, tail)
+            if self._head + n <= self.capacity:
+                return self._head
+            return 0 if n <= tail else None
+        return self._head if self._head + n <= tail else None  # wrapped: free [head, tail) (none when equal)
+
+    def take(self, n: int) -> int:
+        """Take ``n > 0`` bytes where :meth:`place` says."""
+        start = self.place(n)
+        assert start is not None
+        self._regions.append((start, start + n))
+        self._head = start + n
+        return start
+
+    def give_back(self) -> None:
+        """Free the oldest region."""
+        self._regions.popleft()
+        if not self._regions:
+            self._head = 0
+
+    def close(self) -> None:
+        self.bytes = None
+        try:
+            self._map.close()
+        except BufferError:  # a view still exported: the mapping goes with the last reference
+            pass
+        os.close(self.fd)
+
+
+class ProcessWriteBehind(WriteBehind):
+    """Write-behind to a writer process (:mod:`graphpass.capturing.writer_child`): each staged
+    step's values are copied into a :class:`StagingRing` (its ``max_staged_bytes``) and its plan is
+    sent down a pipe; a thread of this process reads the writer's replies and frees ring space.
+
+    ``writer``: the capture's ``CaptureWriter`` (a step's records and where its folders go)."""
+
+    def __init__(self, config: StagingConfig, write: Callable[[Any], Any], writer: Any) -> None:
+        super().__init__(config, write)
+        self._writer = writer  # the CaptureWriter: records and folders of a step
+        self._pid = os.getpid()
+        self._ring: StagingRing | None = None
+        self._proc: subprocess.Popen | None = None
+        self._inflight: collections.deque = collections.deque()  # (seq, nbytes), oldest first
+        self._seq = 0
+        if hasattr(os, "register_at_fork"):
+            me = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _forget_parent(me))
+
+    def carries(self, tensors: list[tuple]) -> bool:
+        """Values of a dtype the plain encoder does not know (``safetensors.torch.save`` encodes them,
+        in this process): written on the saving thread."""
+        return all(plain_dtype(e[1]) is not None for e in tensors if isinstance(e[1], torch.Tensor))
+
+    def fits(self, nbytes: int) -> bool:
+        ring = self._ring
+        return super().fits(nbytes) and (ring is None or ring.place(nbytes) is not None or nbytes == 0)
+
+    def _start(self) -> None:
+        if self._pid != os.getpid():  # forked: the parent's ring and writer are not this process's
+            self._forget_parent()
+        if self._proc is not None:
+            return
+        if self._ring is not None:  # the last writer process died: start over
+            self._ring.close()
+        self._ring = StagingRing(self.config.max_staged_bytes)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", _CHILD, str(self._ring.fd), str(self._ring.capacity)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self._ring.fd,),
+            start_new_session=True)  # its own process group: a terminal's Ctrl-C never reaches it
+        self._thread = threading.Thread(target=self._read_replies, args=(self._proc,),
+                                        name="graphpass-capture-replies", daemon=True)
+        self._thread.start()
+
+    def _forget_parent(self) -> None:
+        """In a forked child: drop the parent's writer (never write into its ring) and its counts;
+        a new lock (another thread may have held the parent's when it forked)."""
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._ring, self._proc, self._thread = None, None, None
+        self._inflight.clear()
+        self._bytes = self._busy = 0
+
+    def _push(self, job: Any, nbytes: int) -> None:
+        """Copy the step's values into the ring and send the step (called with the lock held): the
+        writer process plans it (:func:`~graphpass.capturing.step_files.plan_step`) and writes it."""
+        self._start()
+        tensors, step = job
+        records, buffers = self._writer.records(tensors)
+        at = self._ring.take(nbytes) if nbytes else 0
+        spans, flat = [], []
+        for b in buffers:
+            n = b.numel() * b.element_size()
+            spans.append((at, n))
+            at += n
+            if n:
+                flat.append(b.reshape(-1).view(torch.uint8))
+        if flat:  # one copy into the ring for the whole step
+            torch.cat(flat, out=self._ring.bytes[spans[0][0]:at])
+        w = self._writer
+        self._seq += 1
+        body = json.dumps({"seq": self._seq, "records": records, "spans": spans, "step": step,
+                           "writer": [os.fspath(w.capture_dir), w.dp_rank, w.tp_rank, w.tp_size]},
+                          default=_jsonable).encode("utf-8")
+        self._inflight.append((self._seq, nbytes))
+        try:
+            self._proc.stdin.write(struct.pack("<I", len(body)) + body)
+            self._proc.stdin.flush()
+        except OSError as exc:  # the writer is gone: its reply thread reports the steps it lost
+            log.error("capture writer process is gone: %s", exc)
+
+    def _read_replies(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            reply = json.loads(line)
+            with self._cond:
+                if not self._inflight or self._inflight[0][0] != reply["seq"]:
+                    continue
+                self._done(reply.get("error"))
+        code = proc.wait()
+        with self._cond:
+            lost = len(self._inflight)
+            while self._inflight:
+                self._done(f"the capture writer process exited (code {code}) before writing this step")
+            if lost and self._proc is proc:
+                self._proc = None  # the next staged step starts a new one
+                log.error("capture writer process exited (code %s) with %d step(s) unwritten", code, lost)
+
+    def _done(self, error: str | None) -> None:
+        """The oldest in-flight step is finished (lock held)."""
+        _, nbytes = self._inflight.popleft()
+        if nbytes:
+            self._ring.give_back()
+        if error:
+            self._errors.append(CaptureError(error))
+            log.error("capture step written in the background failed: %s", error)
+        else:
+            self.written += 1
+        self._bytes -= nbytes
+        self._busy -= 1
+        self._cond.notify_all()
+
+    def _stop(self) -> None:
+        """After the last step is written (lock not held): end the writer process and the reply thread."""
+        proc, thread, ring = self._proc, self._thread, self._ring
+        self._proc = self._thread = self._ring = None
+        if proc is None or self._pid != os.getpid():
+            return
+        try:
+            proc.stdin.close()  # end of input: it exits after the steps it has
+        except OSError:
+            pass
+        proc.wait()
+        if thread is not None:
+            thread.join()
+        ring.close()
+
+
+def _forget_parent(ref: "weakref.ref[ProcessWriteBehind]") -> None:
+    behind = ref()
+    if behind is not None:
+        behind._forget_parent()
+
+
+def make_write_behind(config: StagingConfig, writer: Any) -> WriteBehind:
+    """The write-behind of a ``ModelCapture`` whose :class:`CaptureWriter` is ``writer``: a writer
+    process where ``config.writer`` asks for one or (``"auto"``) the system has what it needs, else
+    a writer thread."""
+    write = lambda job: writer.write_reserved(job[0], **job[1])  # noqa: E731
+    if config.writer == "thread" or not process_writer_available():
+        return WriteBehind(config, write)
+    return ProcessWriteBehind(config, write, writer)
+
+
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "writer_child.py")

@@ -14,12 +14,10 @@ Rules for what lands on disk (docs/capture.md, "What a run leaves on disk"):
 
 from __future__ import annotations
 
-import errno
 import json
 import numbers
 import os
 import re
-import struct
 import sys
 import threading
 from pathlib import Path
@@ -27,13 +25,12 @@ from typing import Any, Sequence
 
 import torch
 
-from ..atomic_files import probe_writable, write_bytes_atomic
+from ..atomic_files import probe_writable
 from ..errors import CaptureError, ConfigError
 from ..patterns import compile_patterns
+from .step_files import StepFiles, _file_parts, file_keys, meta_file_name, meta_file_rank, plan_step  # noqa: F401 (re-exported)
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]+")  # always fullmatch: `$` would accept a trailing newline
-_RANK_FILE = re.compile(r"rank([0-9]+)\.safetensors")
-_RANK_META = re.compile(r"(.+)_meta\.rank([0-9]+)\.json")
 NAME_MAX = 255  # bytes in one path component (Linux, macOS, Windows)
 
 
@@ -126,7 +123,8 @@ class CaptureWriter:
         self.filter = compile_patterns(list(capture_filter), "capture_filter") if capture_filter is not None else None
         self._counts: dict[str, int] = {}
         self._index = 0  # steps named, whatever their phase: the meta's step_index (execution order)
-        self._own_steps: set[str] = set()  # step folders this writer claimed (it may write them again)
+        self._files = StepFiles(self.capture_dir, self.tp_rank)  # claims the step folders it writes
+        self._routes: dict[str, str] = {}  # capture name -> its dp folder ("": left out by capture_filter)
         self._lock = threading.Lock()  # one ModelCapture stepping in several threads: one write at a time
         self._names = threading.Lock()  # step names / indexes (taken while another step is being written)
         self._check_writable()
@@ -187,9 +185,8 @@ class CaptureWriter:
     def step_dirs(self, names: Sequence[str], step: str) -> list[Path]:
         """The step folders :meth:`write` makes for values named ``names`` under ``step`` (what it
         returns), without writing: a staged step's answer."""
-        bases = dict.fromkeys(self._base(n) for n in dict.fromkeys(names)
-                              if self.filter is None or any(p.matches(n) for p in self.filter))
-        return [base / step for base in bases]
+        bases = dict.fromkeys(base for base in map(self.route, dict.fromkeys(names)) if base)
+        return [Path(base, step) for base in bases]
 
     def write_reserved(self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int,
                        meta: dict) -> list[Path]:
@@ -199,73 +196,63 @@ class CaptureWriter:
 
     def _write(self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int,
                meta: dict) -> list[Path]:
-        encode = encode_safetensors
-        grouped: dict[str, list[tuple[torch.Tensor, str | None, str]]] = {}
+        plan, buffers = self.plan(tensors, step=step, index=index, is_prefill=is_prefill, size=size, meta=meta)
+        return [Path(d) for d in self._files.emit(plan, [host_bytes(b) for b in buffers])]
+
+    def plan(self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int,
+             meta: dict) -> tuple[dict, list]:
+        """The step plan :meth:`StepFiles.emit <graphpass.capturing.step_files.StepFiles.emit>` writes
+        (:func:`~graphpass.capturing.step_files.plan_step`) and its buffers: contiguous host tensors
+        (the values' bytes) and, for a file holding a dtype the plain encoder does not know, that
+        file's bytes as ``safetensors.torch.save`` encodes them. Raises ``CaptureError`` for a value
+        whose name cannot be a folder name."""
+        records, buffers = self.records(tensors)
+        meta = json.loads(json.dumps(meta, default=_jsonable))
+        plan = plan_step(records, step=step, index=index, is_prefill=is_prefill, size=size, meta=meta,
+                         dp_rank=self.dp_rank, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        for base in plan["bases"]:
+            for f in base["files"]:
+                if f.pop("encode", False):
+                    from safetensors.torch import save
+
+                    buffers.append(save({t["key"]: buffers[t["src"]] for t in f["tensors"]}))
+                    f["blob"] = len(buffers) - 1
+        return dict(plan, root=os.fspath(self.capture_dir), tp_rank=self.tp_rank), buffers
+
+    def records(self, tensors: Sequence[tuple]) -> tuple[list[list], list[torch.Tensor]]:
+        """The planner's records (:data:`~graphpass.capturing.step_files.RECORD`) of the values
+        this writer keeps (``capture_filter``), and their contiguous host tensors."""
+        records: list[list] = []
+        buffers: list[torch.Tensor] = []
         for entry in tensors:
             name, t, key, layout = (*entry, None, "")[:4] if len(entry) == 2 else (*entry, "")[:4]
-            _check_component(name, "capture name")
-            if self.filter is not None and not any(p.matches(name) for p in self.filter):
+            base = self.route(name)
+            if base is None:
                 continue
-            grouped.setdefault(name, []).append(_local(t, key, layout))
-        root = self.capture_dir.resolve()
-        by_base: dict[Path, list[str]] = {}
-        for name in grouped:
-            by_base.setdefault(self._base(name), []).append(name)
-        written: list[Path] = []
-        new_files: list[Path] = []
-        new_dirs: list[Path] = []
-        where = self.capture_dir
-        try:
-            for base, names in by_base.items():
-                step_dir = where = base / step
-                if not step_dir.resolve().is_relative_to(root):
-                    raise CaptureError(f"capture path {step_dir} would leave capture_dir")
-                self._claim(step_dir)
-                _make_dirs(self.capture_dir, step_dir, new_dirs)
-                info: dict[str, list[dict]] = {}
-                step_text, file_name = os.fspath(step_dir), f"rank{self.tp_rank}.safetensors"
-                for name in names:
-                    # ``name`` is one checked component (_check_component: no separator, no ``..``) and
-                    # step_dir was checked above: only the module folder itself is new (never a link).
-                    # Plain strings here: this loop runs once per module and step (pathlib costs more
-                    # than the system calls).
-                    mod_dir = where = os.path.join(step_text, name)
-                    _make_dir(mod_dir, new_dirs)
-                    entries = grouped[name]
-                    keyed = file_keys([(t, key) for t, key, _ in entries])
-                    payload = {k: entries[i][0].detach().to("cpu").contiguous() for k, i in keyed}
-                    where = os.path.join(mod_dir, file_name)
-                    _atomic(where, encode(payload), new_files)
-                    info[name] = [_tensor_info(k, payload[k], entries[i][2]) for k, i in keyed]
-                doc = dict(meta, step=step, step_index=index, phase="prefill" if is_prefill else "decode",
-                           size=size, modules=names, tensors=info, dp_rank=self.dp_rank, tp_rank=self.tp_rank,
-                           tp_size=self.tp_size)
-                where = step_dir / meta_file_name(step, self.tp_rank)
-                # one line: json's C encoder (an indented dump runs the pure-Python one, 10x slower)
-                _atomic(where, json.dumps(doc, default=_jsonable).encode("utf-8"), new_files)
-                written.append(step_dir)
-        except BaseException as exc:
-            _roll_back(new_files, new_dirs)
-            if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
-                raise
-            hint = "free some disk space" if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) \
-                else "check the path and its permissions"
-            raise CaptureError(f"cannot write capture file {str(where)!r}: {type(exc).__name__}: {exc}; {hint} and "
-                               "run the step again (nothing of this step was kept)") from exc
-        return written
+            if type(t) is not torch.Tensor:
+                t, key, layout = _local(t, key, layout)
+            if t.requires_grad:
+                t = t.detach()
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            if not t.is_contiguous():
+                t = t.contiguous()
+            records.append([name, base, key, layout, plain_dtype(t), _META_DTYPES.get(t.dtype) or _meta_dtype(t),
+                            list(t.shape), t.numel() * t.element_size(), t.element_size(), len(buffers)])
+            buffers.append(t)
+        return records, buffers
 
-    def _claim(self, step_dir: Path) -> None:
-        """Refuse a step folder that holds an earlier run's files (this writer's own are fine)."""
-        key = os.path.abspath(step_dir)
-        if key in self._own_steps:
-            return
-        stale = _earlier_run_file(step_dir, self.tp_rank)
-        if stale is not None:
-            raise CaptureError(
-                f"step folder {str(step_dir)!r} already holds {str(stale)!r} from an earlier run, and graphpass never "
-                "mixes two runs in one folder (compare would read the old files as current): pass a new capture_dir "
-                f"(or subdirectory), or delete {str(self.capture_dir)!r} before capturing again")
-        self._own_steps.add(key)
+    def route(self, name: str) -> str | None:
+        """The folder ``name``'s step folders go in (``capture_dir[/subdirectory]/dp{d}``), or None when
+        ``capture_filter`` leaves it out; checks the name (``CaptureError``). Kept per name."""
+        hit = self._routes.get(name)
+        if hit is None:
+            _check_component(name, "capture name")
+            keep = self.filter is None or any(p.matches(name) for p in self.filter)
+            if len(self._routes) >= 4096:
+                self._routes.clear()
+            hit = self._routes[name] = os.fspath(self._base(name)) if keep else ""
+        return hit or None
 
 
 # safetensors dtype names (the format's spec); a dtype not here goes through safetensors.torch.save
@@ -278,26 +265,36 @@ def encode_safetensors(payload: dict[str, torch.Tensor]) -> bytes:
     """The bytes ``safetensors.torch.save(payload)`` would give a reader (same format: an 8-byte
     little-endian header length, the JSON header with each tensor's dtype, shape and
     ``data_offsets``, padded with spaces to 8 bytes, then the tensors' bytes back to back, wider
-    dtypes first so each is aligned), made
-    here for the common dtypes on a little-endian host because ``save``'s Python side costs several
-    times the encoding itself for the small values of a decode step. Contiguous CPU tensors."""
-    if sys.byteorder != "little" or any(t.dtype not in _ST_DTYPES for t in payload.values()):
+    dtypes first so each is aligned: :func:`graphpass.capturing.step_files.safetensors_header`),
+    made here for the common dtypes on a little-endian host because ``save``'s Python side costs
+    several times the encoding itself for the small values of a decode step. Contiguous CPU tensors."""
+    if any(plain_dtype(t) is None for t in payload.values()):
         from safetensors.torch import save
 
         return save(payload)
-    header: dict[str, dict] = {}
-    chunks: list = []
-    offset = 0
-    # safetensors' order: wider dtypes first, then by name, so every tensor's bytes are aligned
-    for key, t in sorted(payload.items(), key=lambda kv: (-kv[1].element_size(), kv[0])):
-        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-        size = t.numel() * t.element_size()
-        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        chunks.append(data)
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    return b"".join([struct.pack("<Q", len(text)), text, *chunks])
+    tensors = [{"key": k, "dtype": plain_dtype(t), "shape": list(t.shape), "nbytes": t.numel() * t.element_size(),
+                "esize": t.element_size(), "src": i} for i, (k, t) in enumerate(payload.items())]
+    buffers = [host_bytes(t) for t in payload.values()]
+    return b"".join(bytes(p) for p in _file_parts({"tensors": tensors}, buffers))
+
+
+_META_DTYPES = {d: str(d).replace("torch.", "") for d in _ST_DTYPES}
+
+
+def _meta_dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def plain_dtype(t: torch.Tensor) -> str | None:
+    """The safetensors name of ``t``'s dtype when the plain encoder writes it, else None."""
+    return _ST_DTYPES.get(t.dtype) if sys.byteorder == "little" else None
+
+
+def host_bytes(b: Any) -> Any:
+    """A plan buffer as bytes-like: a contiguous host tensor's memory (no copy), or ``b`` itself."""
+    if isinstance(b, torch.Tensor):
+        return b.reshape(-1).view(torch.uint8).numpy() if b.numel() else b""
+    return b
 
 
 def _local(t: torch.Tensor, key: str | None, layout: str) -> tuple[torch.Tensor, str | None, str]:
@@ -307,29 +304,6 @@ def _local(t: torch.Tensor, key: str | None, layout: str) -> tuple[torch.Tensor,
     if type(t).__name__ == "DTensor" and hasattr(t, "to_local"):
         return t.to_local(), key, dtensor_layout(t)
     return t, key, layout
-
-
-def _tensor_info(key: str, value: torch.Tensor, layout: str) -> dict:
-    """One tensor's entry in the step meta: key, dtype, (local) shape and, for a DTensor shard, its
-    placements, mesh shape and dim names, global shape, offset and this rank's mesh coordinate."""
-    info = {"key": key, "dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape)}
-    if layout:
-        info.update(json.loads(layout))
-    return info
-
-
-def meta_file_name(step: str, tp_rank: int) -> str:
-    """Each tensor-parallel rank writes its own meta file (no rank overwrites another's):
-    ``{step}_meta.json`` for rank 0, ``{step}_meta.rank{t}.json`` for the others."""
-    return f"{step}_meta.json" if tp_rank == 0 else f"{step}_meta.rank{tp_rank}.json"
-
-
-def meta_file_rank(step: str, name: str) -> int | None:
-    """The tensor-parallel rank whose meta file ``name`` is in step folder ``step``, or None."""
-    if name == f"{step}_meta.json":
-        return 0
-    m = _RANK_META.fullmatch(name)
-    return int(m.group(2)) if m is not None and m.group(1) == step else None
 
 
 def read_step_meta(step_dir: str | os.PathLike) -> dict:
@@ -364,102 +338,7 @@ def read_step_meta(step_dir: str | os.PathLike) -> dict:
     return merged
 
 
-def file_keys(entries: Sequence[tuple[torch.Tensor, str | None]]) -> list[tuple[str, int]]:
-    """The keys one module's values get in its file, in file order, with each value's index in
-    ``entries``.
-
-    ``(value, key)`` in registration order, ``key`` as :meth:`TensorRegistry.get_all_entries` gives
-    it: output leaves keep their key path (``[0]``, ``.last_hidden_state``, ``output``) in output
-    order, a later call's repeat of a key gets ``#1``, ``#2``, ...; then the values computed in the
-    module and read outside it without being returned, ``other[0]``, ``other[1]``, ...; inline
-    ``capture_tensor`` values (key None) are ``0``, ``1``, ... as they always were."""
-    named: list[tuple[str, int]] = []
-    seen: dict[str, int] = {}
-    other: list[int] = []
-    manual: list[int] = []
-    for index, (_, key) in enumerate(entries):
-        if key is None:
-            manual.append(index)
-        elif not key:
-            other.append(index)
-        else:
-            n = seen.get(key, 0)
-            seen[key] = n + 1
-            named.append((key if n == 0 else f"{key}#{n}", index))
-    return (named + [(f"other[{i}]", index) for i, index in enumerate(other)]
-            + [(str(i), index) for i, index in enumerate(manual)])
-
-
-def _earlier_run_file(step_dir: Path, tp_rank: int) -> Path | None:
-    """The first file under ``step_dir`` an earlier run left, or None. Not counted: hidden names
-    (temporary files), other tensor-parallel ranks' meta files and ``rank{r}.safetensors`` files."""
-    if not os.path.lexists(step_dir):
-        return None
-    if os.path.islink(step_dir) or not step_dir.is_dir():
-        return step_dir
-    for dirpath, dirnames, filenames in os.walk(step_dir):  # never follows links
-        here = Path(dirpath)
-        depth = len(here.relative_to(step_dir).parts)
-        links = [d for d in dirnames if os.path.islink(here / d)]
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in links]
-        for name in filenames + links:
-            if name.startswith("."):
-                continue
-            meta_rank = meta_file_rank(step_dir.name, name) if depth == 0 else None
-            if meta_rank is not None and meta_rank != tp_rank:
-                continue  # another rank's meta file
-            m = _RANK_FILE.fullmatch(name)
-            if depth == 1 and m is not None and int(m.group(1)) != tp_rank:
-                continue
-            return here / name
-    return None
-
-
-def _make_dirs(capture_dir: Path, path: Path, created: list) -> None:
-    """mkdir -p below ``capture_dir``, refusing any existing component that is a symbolic link."""
-    current = capture_dir
-    for part in path.relative_to(capture_dir).parts:
-        current = current / part
-        _make_dir(current, created)
-
-
-def _make_dir(path: str | Path, created: list) -> None:
-    """mkdir ``path`` (appended to ``created`` when new); an existing one must be a real folder, not a
-    symbolic link (``mkdir`` fails on a link too, so the check costs nothing for a new folder)."""
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        if os.path.islink(path):
-            raise CaptureError(f"{str(path)!r} is a symbolic link graphpass did not create; refusing to write "
-                               "through it: remove it or use a new capture_dir") from None
-        if not os.path.isdir(path):
-            raise CaptureError(f"{str(path)!r} exists and is not a directory: remove it or use a new "
-                               "capture_dir") from None
-    else:
-        created.append(path)
-
-
-def _roll_back(files: list, dirs: list) -> None:
-    for f in reversed(files):
-        try:
-            os.unlink(f)
-        except OSError:
-            pass
-    for d in reversed(dirs):
-        try:
-            os.rmdir(d)  # only if empty: another rank's files stay
-        except OSError:
-            pass
-
-
 def _jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.tolist()
     return str(value)
-
-
-def _atomic(path: str | Path, data: bytes, created: list | None = None) -> None:
-    """Write ``data`` onto ``path`` (:func:`graphpass.atomic_files.write_bytes_atomic`); ``path`` is
-    appended to ``created`` when it did not exist before."""
-    if write_bytes_atomic(path, data) and created is not None:
-        created.append(path)

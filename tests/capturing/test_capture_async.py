@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from safetensors.torch import load_file
 from graphpass import CaptureError, ModelCapture, atomic_files
 from graphpass.capturing import registry as registry_mod
 from graphpass.capturing.ops import capture_tensor
-from graphpass.capturing.staging import StagingConfig
+from graphpass.capturing.staging import ProcessWriteBehind, StagingConfig
 from graphpass.capturing.writer import CaptureWriter
 from graphpass.errors import ConfigError, GraphpassError
 from graphpass.models.corpus import build
@@ -39,10 +41,29 @@ def steps_on_disk(root: Path) -> dict[str, dict]:
     return {p.parent.name: json.loads(p.read_text()) for p in Path(root).rglob("*_meta.json")}
 
 
-class Gate:
-    """Holds the capture's writer thread before each background write until ``open()``."""
+WRITERS = ["process", "thread"]
 
-    def __init__(self, monkeypatch):
+
+@pytest.fixture(params=WRITERS)
+def writer(request):
+    """Each write-behind: the writer process (the default on Linux) and the writer thread."""
+    return request.param
+
+
+class Gate:
+    """Holds the capture's writer before each background write until ``open()``: the writer
+    process is started and stopped (SIGSTOP, SIGCONT to go on); the writer thread waits in
+    ``write_reserved``."""
+
+    def __init__(self, monkeypatch, cap: ModelCapture | None = None):
+        behind = cap._behind if cap is not None else None
+        if isinstance(behind, ProcessWriteBehind):
+            with behind._cond:
+                behind._start()
+            pid = behind._proc.pid
+            os.kill(pid, signal.SIGSTOP)
+            self.open = lambda: os.kill(pid, signal.SIGCONT)
+            return
         self.go = threading.Event()
         self.started = threading.Semaphore(0)
         real = CaptureWriter.write_reserved
@@ -58,10 +79,11 @@ class Gate:
         self.go.set()
 
 
-def manual_capture(tmp_path, **kwargs) -> ModelCapture:
+def manual_capture(tmp_path, writer: str = "process", **staging) -> ModelCapture:
     """A ModelCapture fed by ``capture_tensor`` calls (eager: no compile needed)."""
     model, _ = build("mlp_stack")
-    cap = ModelCapture(model, modules=["layers.0"], capture_dir=tmp_path, **kwargs)
+    cap = ModelCapture(model, modules=["layers.0"], capture_dir=tmp_path,
+                       staging=StagingConfig(writer=writer, **staging))
     cap.enable()
     return cap
 
@@ -117,9 +139,9 @@ def test_step_returns_the_dirs_it_will_write(tmp_path):
 # --- nothing lost: flush, disable, wait=True, auto_steps exit, interpreter exit, Ctrl-C ----------------
 
 @pytest.mark.parametrize("how", ["flush", "disable", "wait"])
-def test_every_step_is_on_disk_when_flush_disable_or_wait_returns(tmp_path, monkeypatch, how):
-    gate = Gate(monkeypatch)
-    cap = manual_capture(tmp_path)
+def test_every_step_is_on_disk_when_flush_disable_or_wait_returns(tmp_path, monkeypatch, how, writer):
+    cap = manual_capture(tmp_path, writer)
+    gate = Gate(monkeypatch, cap)
     for i in range(3):
         manual_step(cap, torch.full((4,), float(i)))
     assert steps_on_disk(tmp_path) == {} and cap.pending_steps == 3  # held: nothing written yet
@@ -138,13 +160,13 @@ def test_every_step_is_on_disk_when_flush_disable_or_wait_returns(tmp_path, monk
         assert torch.equal(got, torch.full((4,), float(i)))
 
 
-def test_auto_steps_exit_waits_for_every_step(tmp_path, monkeypatch):
+def test_auto_steps_exit_waits_for_every_step(tmp_path, monkeypatch, writer):
     model, inputs = build("mlp_stack")
     compiled = torch.compile(model, backend="graphpass", options={"then": "eager"})
-    cap = ModelCapture(compiled, modules=["layers.0"], capture_dir=tmp_path)
+    cap = ModelCapture(compiled, modules=["layers.0"], capture_dir=tmp_path, staging={"writer": writer})
     cap.enable()
     compiled(*inputs)  # compile outside the held writer
-    gate = Gate(monkeypatch)
+    gate = Gate(monkeypatch, cap)
     with cap.auto_steps() as auto:
         for _ in range(3):
             compiled(*inputs)
@@ -154,19 +176,25 @@ def test_auto_steps_exit_waits_for_every_step(tmp_path, monkeypatch):
 
 
 _EXIT_SCRIPT = """
-import sys, time, torch
+import os, signal, sys, threading, time, torch
 from graphpass import ModelCapture
 from graphpass.capturing.ops import capture_tensor
 from graphpass.capturing.writer import CaptureWriter
 from graphpass.models.corpus import build
 
-real = CaptureWriter.write_reserved
-def slow(self, *a, **k):
-    time.sleep(0.3)
-    return real(self, *a, **k)
-CaptureWriter.write_reserved = slow
 model, _ = build("mlp_stack")
-cap = ModelCapture(model, modules=["layers.0"], capture_dir=sys.argv[1])
+cap = ModelCapture(model, modules=["layers.0"], capture_dir=sys.argv[1], staging={"writer": sys.argv[2]})
+if sys.argv[2] == "thread":
+    real = CaptureWriter.write_reserved
+    def slow(self, *a, **k):
+        time.sleep(0.3)
+        return real(self, *a, **k)
+    CaptureWriter.write_reserved = slow
+else:  # the writer process is held until a second after the script ends
+    with cap._behind._cond:
+        cap._behind._start()
+    os.kill(cap._behind._proc.pid, signal.SIGSTOP)
+    threading.Timer(1.0, os.kill, (cap._behind._proc.pid, signal.SIGCONT)).start()
 cap.enable()
 for i in range(4):
     with cap.step(is_prefill=True, positions=torch.arange(2), wait=False):
@@ -176,20 +204,55 @@ print("staged", cap.pending_steps, flush=True)
 """
 
 
+def assert_four_steps(root: Path) -> None:
+    assert sorted(steps_on_disk(root)) == [f"prefill_s2_{i}" for i in range(4)]
+    for i in range(4):
+        got = load_file(str(root / "dp0" / f"prefill_s2_{i}" / "x" / "rank0.safetensors"))["0"]
+        assert torch.equal(got, torch.full((2,), float(i)))
+    assert not [f for f in files_under(root) if atomic_files.is_temp_name(Path(f).name)]
+
+
 @pytest.mark.parametrize("ending", ["pass", "raise KeyboardInterrupt", "raise RuntimeError('boom')",
                                     "with cap.step(is_prefill=True, positions=torch.arange(2), wait=False):\n"
                                     "    capture_tensor('x', torch.ones(2)); raise KeyboardInterrupt"])
-def test_interpreter_exit_exception_or_ctrl_c_loses_no_completed_step(tmp_path, ending):
+def test_interpreter_exit_exception_or_ctrl_c_loses_no_completed_step(tmp_path, ending, writer):
     script = _EXIT_SCRIPT.replace("{ending}", ending)
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path), writer], capture_output=True, text=True,
                           timeout=300, cwd=REPO)
     assert "staged" in proc.stdout, proc.stderr
     assert int(proc.stdout.split()[1]) >= 2  # most of the steps were still staged when the script ended
-    assert sorted(steps_on_disk(tmp_path)) == [f"prefill_s2_{i}" for i in range(4)], proc.stderr
-    for i in range(4):
-        got = load_file(str(tmp_path / "dp0" / f"prefill_s2_{i}" / "x" / "rank0.safetensors"))["0"]
-        assert torch.equal(got, torch.full((2,), float(i)))
-    assert not [f for f in files_under(tmp_path) if atomic_files.is_temp_name(Path(f).name)]
+    assert_four_steps(tmp_path)
+
+
+def test_ctrl_c_to_the_process_group_is_ignored_by_the_writer_process(tmp_path):
+    """The terminal sends Ctrl-C to every process of the foreground group, the writer process
+    included: it ignores it, and writes every step staged before the interrupt."""
+    script = _EXIT_SCRIPT.replace("{ending}", "time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path), "process"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    assert proc.stdout.readline().startswith("staged"), proc.stderr.read()
+    os.killpg(proc.pid, signal.SIGINT)  # the saving process and its writer alike
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    assert_four_steps(tmp_path)
+
+
+def test_steps_staged_before_the_saving_process_is_killed_are_still_written(tmp_path):
+    """SIGKILL: no exit handler runs in the saving process; its writer process sees its input end
+    and writes every step it was sent."""
+    script = _EXIT_SCRIPT.replace("{ending}", "print('writer', cap._behind._proc.pid, flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path), "process"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    assert proc.stdout.readline().startswith("staged"), proc.stderr.read()
+    child = int(proc.stdout.readline().split()[1])
+    proc.kill()
+    proc.wait(60)
+    os.kill(child, signal.SIGCONT)  # its timer died with it
+    for _ in range(600):
+        if len(steps_on_disk(tmp_path)) == 4:
+            break
+        time.sleep(0.1)
+    assert_four_steps(tmp_path)
 
 
 # --- a background write that fails: rolled back, reported on the saving side ------------------------
@@ -207,7 +270,7 @@ def test_failed_background_write_leaves_nothing_and_is_raised_by_flush(tmp_path,
         return real(fd, data)
 
     monkeypatch.setattr(atomic_files, "write_all", full)
-    cap = manual_capture(tmp_path)
+    cap = manual_capture(tmp_path, "thread")  # the failure is injected into this process's writes
     for i in range(3):
         manual_step(cap, torch.full((2,), float(i)))
     with pytest.raises(CaptureError, match="No space left") as info:
@@ -219,11 +282,69 @@ def test_failed_background_write_leaves_nothing_and_is_raised_by_flush(tmp_path,
     cap.flush()  # reported once
 
 
+def test_a_step_the_writer_process_cannot_write_is_rolled_back_and_raised_by_flush(tmp_path):
+    (tmp_path / "dp0").mkdir()
+    (tmp_path / "dp0" / "prefill_s2_1").write_text("not a folder")  # step 1's folder: a file is there
+    cap = manual_capture(tmp_path, "process")
+    for i in range(3):
+        manual_step(cap, torch.full((2,), float(i)))
+    with pytest.raises(CaptureError, match="prefill_s2_1") as info:
+        cap.flush()
+    assert "in the background" in str(info.value) and "earlier run" in str(info.value)
+    assert sorted(steps_on_disk(tmp_path)) == ["prefill_s2_0", "prefill_s2_2"]
+    assert not [f for f in files_under(tmp_path) if atomic_files.is_temp_name(Path(f).name)]
+    cap.flush()  # reported once
+
+
+def test_a_writer_process_that_dies_loses_only_the_steps_it_held_and_says_so(tmp_path, monkeypatch):
+    cap = manual_capture(tmp_path, "process")
+    gate = Gate(monkeypatch, cap)
+    manual_step(cap, torch.zeros(2))
+    manual_step(cap, torch.ones(2))
+    os.kill(cap._behind._proc.pid, signal.SIGKILL)
+    with pytest.raises(CaptureError, match=r"writer process exited .*before writing this step"):
+        cap.flush()
+    assert steps_on_disk(tmp_path) == {} and cap.pending_steps == 0
+    manual_step(cap, torch.full((2,), 2.0))  # a new writer process takes the next step
+    cap.flush()
+    assert sorted(steps_on_disk(tmp_path)) == ["prefill_s2_2"]
+    del gate
+
+
+def test_a_forked_process_never_writes_into_its_parents_ring(tmp_path, monkeypatch):
+    cap = manual_capture(tmp_path, "process")
+    gate = Gate(monkeypatch, cap)
+    manual_step(cap, torch.zeros(2))
+    manual_step(cap, torch.ones(2))
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of the parent's is pending here; its own step gets its own writer
+        code = 1
+        try:
+            if cap.pending_steps == 0 and cap._behind._ring is None:
+                cap.flush()  # returns at once: no parent step to wait for
+                cap.writer.capture_dir = tmp_path / "child"
+                cap.writer._files = type(cap.writer._files)(tmp_path / "child", 0)
+                cap.writer._routes.clear()
+                (tmp_path / "child").mkdir()
+                manual_step(cap, torch.full((2,), 7.0))
+                cap.flush()
+                code = 0 if list(steps_on_disk(tmp_path / "child")) == ["prefill_s2_2"] else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    gate.open()
+    cap.flush()
+    assert sorted(steps_on_disk(tmp_path / "dp0")) == ["prefill_s2_0", "prefill_s2_1"]
+    got = load_file(str(tmp_path / "dp0" / "prefill_s2_1" / "x" / "rank0.safetensors"))["0"]
+    assert torch.equal(got, torch.ones(2))
+
+
 def test_failed_background_write_is_raised_by_the_next_save(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError(13, "Permission denied")
 
-    cap = manual_capture(tmp_path)
+    cap = manual_capture(tmp_path, "thread")  # the failure is injected into this process's writes
     monkeypatch.setattr(atomic_files, "write_all", broken)
     manual_step(cap, torch.ones(2))
     cap._behind.wait_idle()
@@ -236,10 +357,10 @@ def test_failed_background_write_is_raised_by_the_next_save(tmp_path, monkeypatc
 
 # --- memory bound and the policy when the writer falls behind ---------------------------------------
 
-def test_block_policy_waits_for_room_and_never_exceeds_the_bound(tmp_path, monkeypatch):
-    gate = Gate(monkeypatch)
+def test_block_policy_waits_for_room_and_never_exceeds_the_bound(tmp_path, monkeypatch, writer):
     step_bytes = 16 * 4
-    cap = manual_capture(tmp_path, staging=StagingConfig(max_staged_bytes=2 * step_bytes))
+    cap = manual_capture(tmp_path, writer, max_staged_bytes=2 * step_bytes)
+    gate = Gate(monkeypatch, cap)
     manual_step(cap, torch.zeros(16))
     manual_step(cap, torch.ones(16))  # the ring is full now (2 steps, 128 bytes)
     third = threading.Thread(target=manual_step, args=(cap, torch.full((16,), 2.0)))
@@ -255,17 +376,17 @@ def test_block_policy_waits_for_room_and_never_exceeds_the_bound(tmp_path, monke
     assert sorted(steps_on_disk(tmp_path)) == ["prefill_s16_0", "prefill_s16_1", "prefill_s16_2"]
 
 
-def test_block_policy_writes_a_step_larger_than_the_bound_in_place(tmp_path, monkeypatch):
-    cap = manual_capture(tmp_path, staging=StagingConfig(max_staged_bytes=8))
+def test_block_policy_writes_a_step_larger_than_the_bound_in_place(tmp_path, monkeypatch, writer):
+    cap = manual_capture(tmp_path, writer, max_staged_bytes=8)
     manual_step(cap, torch.zeros(2))  # 8 bytes: staged
     manual_step(cap, torch.zeros(16))  # 64 bytes: waits for the ring to empty, written by the caller
     assert cap._behind.peak_bytes <= 8
     assert sorted(steps_on_disk(tmp_path)) == ["prefill_s16_1", "prefill_s2_0"]  # k counts per phase
 
 
-def test_step_count_bound(tmp_path, monkeypatch):
-    gate = Gate(monkeypatch)
-    cap = manual_capture(tmp_path, staging=StagingConfig(max_staged_steps=1, when_full="drop"))
+def test_step_count_bound(tmp_path, monkeypatch, writer):
+    cap = manual_capture(tmp_path, writer, max_staged_steps=1, when_full="drop")
+    gate = Gate(monkeypatch, cap)
     manual_step(cap, torch.zeros(2))
     manual_step(cap, torch.zeros(2))
     assert cap.pending_steps == 1 and cap.dropped_steps == 1
@@ -273,9 +394,9 @@ def test_step_count_bound(tmp_path, monkeypatch):
     cap.flush()
 
 
-def test_drop_policy_counts_logs_and_keeps_later_names(tmp_path, monkeypatch, caplog):
-    gate = Gate(monkeypatch)
-    cap = manual_capture(tmp_path, staging=StagingConfig(max_staged_bytes=16, when_full="drop"))
+def test_drop_policy_counts_logs_and_keeps_later_names(tmp_path, monkeypatch, caplog, writer):
+    cap = manual_capture(tmp_path, writer, max_staged_bytes=16, when_full="drop")
+    gate = Gate(monkeypatch, cap)
     with caplog.at_level(logging.WARNING, logger="graphpass.capturing"):
         for i in range(4):  # 8 bytes each: two fit, two are dropped (the writer is held)
             manual_step(cap, torch.full((2,), float(i)))
@@ -394,3 +515,35 @@ def test_encoded_files_read_back_with_safetensors_for_every_common_dtype():
         assert entry["data_offsets"][0] % plain[k].element_size() == 0, k
     ours, theirs = load(blob), load(save(plain))
     assert all(torch.equal(ours[k], theirs[k]) for k in plain)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_staging_ring_takes_and_gives_back_first_in_first_out_and_never_overlaps(seed):
+    import random
+
+    from graphpass.capturing.staging import StagingRing
+
+    rng = random.Random(seed)
+    ring = StagingRing(100)
+    live: list[tuple[int, int]] = []
+    placed = refused = 0
+    try:
+        for _ in range(2000):
+            if rng.random() < 0.55:
+                n = rng.randint(1, 40)
+                start = ring.place(n)
+                if start is None:
+                    refused += 1
+                    assert live  # an empty ring always has room for n <= capacity
+                    continue
+                assert 0 <= start and start + n <= 100
+                assert not any(s < start + n and start < e for s, e in live)  # never over a live region
+                assert ring.take(n) == start
+                live.append((start, start + n))
+                placed += 1
+            elif live:
+                ring.give_back()
+                live.pop(0)
+        assert placed > 500 and refused > 50  # both paths exercised
+    finally:
+        ring.close()
