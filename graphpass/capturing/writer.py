@@ -30,6 +30,7 @@ import torch
 from ..atomic_files import probe_writable, write_bytes_atomic
 from ..errors import CaptureError, ConfigError
 from ..patterns import compile_patterns
+from ..tensor_utils import is_dtensor, local_tensor
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]+")  # always fullmatch: `$` would accept a trailing newline
 _RANK_FILE = re.compile(r"rank([0-9]+)\.safetensors")
@@ -304,8 +305,8 @@ def _local(t: torch.Tensor, key: str | None, layout: str) -> tuple[torch.Tensor,
     """A DTensor value (captured outside the op, e.g. registered by hand) as its local shard + layout."""
     from .ops import dtensor_layout
 
-    if type(t).__name__ == "DTensor" and hasattr(t, "to_local"):
-        return t.to_local(), key, dtensor_layout(t)
+    if is_dtensor(t):
+        return local_tensor(t), key, dtensor_layout(t)
     return t, key, layout
 
 
