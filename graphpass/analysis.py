@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .fx_utils import op_name
+
 if TYPE_CHECKING:
     from .offloading.schedule import OffloadSchedule
     from .static_shapes.plan import BucketPlan
@@ -232,9 +234,9 @@ def is_collective(node: torch.fx.Node) -> bool:
         return False
     target = node.target
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return str(target).split(".")[0] in _COLLECTIVE_NAMESPACES
+        return op_name(target).namespace in _COLLECTIVE_NAMESPACES
     module = getattr(target, "__module__", "") or ""
-    return module.startswith("torch.distributed._functional_collectives") or getattr(target, "__name__", "") in (
+    return module.startswith("torch.distributed._functional_collectives") or op_name(target).name in (
         "redistribute", "prim_redistribute")
 
 

@@ -1,8 +1,9 @@
 """The graph toolkit: every graph question more than one pass or analysis asks, answered once.
 
 * values: :func:`example_of`, :func:`is_tensor_node`, :func:`tensors_of`;
-* order: :func:`node_order`;
+* order and look-up: :func:`node_order`, :func:`find_calls` (``Graph.find_nodes`` by target);
 * graphpass's own ops: :func:`is_graphpass_op`, :func:`is_graphpass_node`, :func:`graphpass_op_name`;
+* op naming: :func:`op_name` (namespace, name, overload of any target: the one answer), :func:`schema_position`;
 * op libraries: :func:`op_library`, :func:`is_custom_op`, :func:`aten_decomposition`,
   :func:`non_aten_nodes` (what a compiler that takes aten only can lower);
 * copies: :func:`copy_graph`;
@@ -26,11 +27,15 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Iterator
+from typing import Any, Hashable, Iterable, Iterator, NamedTuple
 
 import sympy
 import torch
 from torch.fx import Graph, Node
+
+# The tensor questions live in tensor_utils; re-exported here for callers that import them from the toolkit.
+from .tensor_utils import (flatten_wrappers, is_dtensor, is_wrapper_subclass, local_tensor,  # noqa: F401
+                           subclass_fields, unflatten_wrappers, with_spec_of, wrapper_fields, wrapper_inner_tensors)
 
 # --------------------------------------------------------------------------------------------
 # Values and order
@@ -64,6 +69,13 @@ def node_order(graph: Graph) -> dict[Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
+def find_calls(graph: Graph, *targets: Any) -> list[Node]:
+    """The ``call_function`` nodes of ``graph`` that call any of ``targets`` (an overload and its
+    packet: Dynamo records the packet), from torch's ``Graph.find_nodes`` index, without a walk over
+    every node: in graph order for one target, grouped by target (each group in order) for several."""
+    return [n for t in targets for n in graph.find_nodes(op="call_function", target=t)]
+
+
 def flat_nodes(value: Any) -> list[Node]:
     """The nodes inside an argument (a node, or lists / tuples / dicts of them)."""
     if isinstance(value, Node):
@@ -82,7 +94,7 @@ def flat_nodes(value: Any) -> list[Node]:
 
 def is_graphpass_op(target: object) -> bool:
     """Any op in the ``graphpass`` namespace (overload or packet)."""
-    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and str(target).startswith("graphpass.")
+    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and op_name(target).namespace == "graphpass"
 
 
 def is_graphpass_node(node: Node) -> bool:
@@ -91,7 +103,7 @@ def is_graphpass_node(node: Node) -> bool:
 
 def graphpass_op_name(node: Node) -> str:
     """``trap_enter``, ``load_start``, ``capture``, ... for a graphpass op node; "" for anything else."""
-    return str(node.target).split(".")[1] if is_graphpass_node(node) else ""
+    return op_name(node.target).name if is_graphpass_node(node) else ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,15 +113,48 @@ def graphpass_op_name(node: Node) -> str:
 ATEN_LIBRARIES = frozenset({"aten", "prims"})
 
 
+class OpName(NamedTuple):
+    """How graphpass names a node's target (:func:`op_name`)."""
+
+    namespace: str | None  # aten, prims, graphpass, a custom library; "higher_order"; None for Python callables
+    name: str  # the op's base name (``add`` for ``aten.add.Tensor``), a callable's ``__name__``, a method's name
+    overload: str  # ``Tensor``, ``default``; "" for anything but an overload
+
+    def __str__(self) -> str:
+        """``aten.add.Tensor``, ``aten.add``, ``higher_order.wrap``; a Python callable's bare name."""
+        return ".".join(p for p in (self.namespace, self.name, self.overload) if p)
+
+
+def op_name(target: object) -> OpName:
+    """The one answer to "which op is this": namespace, base name and overload of an op overload
+    or packet, a higher-order op, a Python callable (``torch.softmax``, ``operator.add``) or a
+    ``call_method`` target (a string). Unnamed targets get ``name=""``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return OpName(target.namespace, target.overloadpacket.__name__, target._overloadname)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        namespace, _, name = target._qualified_op_name.partition("::")
+        return OpName(namespace, name, "")
+    if isinstance(target, str):
+        return OpName(None, target, "")
+    name = getattr(target, "__name__", "")
+    namespace = "higher_order" if isinstance(target, torch._ops.HigherOrderOperator) else None
+    return OpName(namespace, name if isinstance(name, str) else "", "")
+
+
 def op_library(target: object) -> str | None:
     """The library an op belongs to (``aten``, ``prims``, ``graphpass``, ``transformers``, ...;
     ``higher_order`` for a higher-order op); None for a Python function, method or ``operator`` call."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target.namespace
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name.split("::")[0]
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return "higher_order"
+    return None if isinstance(target, str) else op_name(target).namespace
+
+
+def schema_position(target: object, argument: str) -> int | None:
+    """Where op overload ``target``'s schema takes ``argument``: its position, -1 when keyword-only,
+    None when the schema has no such argument or ``target`` is not an overload."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    for i, a in enumerate(target._schema.arguments):
+        if a.name == argument:
+            return -1 if a.kwarg_only else i
     return None
 
 
@@ -149,7 +194,7 @@ def non_aten_nodes(graph: Graph) -> list[Node]:
         if n.op in ("call_method", "call_module"):
             out.append(n)
         elif n.op == "call_function" and n.target is not operator.getitem and not (
-                isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in ATEN_LIBRARIES):
+                isinstance(n.target, torch._ops.OpOverload) and op_name(n.target).namespace in ATEN_LIBRARIES):
             out.append(n)
     return out
 
@@ -184,14 +229,9 @@ VIEW_NAMES = frozenset({
 
 
 def _target_name(node: Node) -> str:
-    if node.op == "call_method":
-        return node.target if isinstance(node.target, str) else ""
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t.overloadpacket.__name__
-    if isinstance(t, torch._ops.OpOverloadPacket):
-        return t.__name__
-    return getattr(t, "__name__", "") or ""
+    if node.op == "call_method" and not isinstance(node.target, str):
+        return ""
+    return op_name(node.target).name
 
 
 def is_view(node: Node) -> bool:
@@ -210,7 +250,7 @@ def returns_alias(target: Any) -> bool:
     op, or an in-place / ``out=`` op whose every return aliases an argument?"""
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    if target.overloadpacket.__name__ in VIEW_NAMES or target.is_view:
+    if op_name(target).name in VIEW_NAMES or target.is_view:
         return True
     rets = target._schema.returns
     return bool(rets) and all(r.alias_info is not None for r in rets)
@@ -306,7 +346,7 @@ def writes_into(user: Node, alias: Node) -> bool:
         if len(only) == 1:
             return _schema_writes(getattr(user.target, only[0]), user, alias)
         return False
-    return _inplace_name(getattr(user.target, "__name__", "") or "")
+    return _inplace_name(op_name(user.target).name)
 
 
 def _schema_writes(op: torch._ops.OpOverload, user: Node, alias: Node) -> bool:
@@ -500,88 +540,6 @@ def inner_tensor_fields(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return [(k, v) for k, v in vars(t).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]
 
 
-def is_wrapper_subclass(t: Any) -> bool:
-    """A traceable wrapper tensor subclass holding plain inner tensors (torchao's ``Int8Tensor``);
-    False for a DTensor, which graphpass reads as its local shard (:func:`local_tensor`)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    return isinstance(t, torch.Tensor) and not is_dtensor(t) and is_traceable_wrapper_subclass(t)
-
-
-def wrapper_fields(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """``(name, inner tensor)`` of a wrapper subclass, one level, in ``__tensor_flatten__`` order."""
-    names, _ = t.__tensor_flatten__()
-    return [(n, getattr(t, n)) for n in names if isinstance(getattr(t, n, None), torch.Tensor)]
-
-
-def flatten_wrappers(ts: list) -> tuple[list, list]:
-    """``ts`` with every wrapper subclass replaced by its inner tensors (one level), and what
-    :func:`unflatten_wrappers` needs to build the wrappers again around other inner tensors."""
-    flat: list = []
-    metas: list = []
-    for t in ts:
-        if is_wrapper_subclass(t):
-            names, ctx = t.__tensor_flatten__()
-            inner = [getattr(t, n) for n in names]
-            metas.append((type(t), names, ctx, t.shape, t.stride()))
-            flat.extend(inner)
-        else:
-            metas.append(None)
-            flat.append(t)
-    return flat, metas
-
-
-def unflatten_wrappers(flat: list, metas: list) -> list:
-    """Inverse of :func:`flatten_wrappers`: wrappers of the same type, metadata and outer shape
-    around the tensors of ``flat`` (``__tensor_unflatten__``), plain entries as they are."""
-    out: list = []
-    pos = 0
-    for meta in metas:
-        if meta is None:
-            out.append(flat[pos])
-            pos += 1
-            continue
-        cls, names, ctx, shape, stride = meta
-        out.append(cls.__tensor_unflatten__(dict(zip(names, flat[pos:pos + len(names)])), ctx, shape, stride))
-        pos += len(names)
-    return out
-
-
-def wrapper_inner_tensors(t: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """The plain tensors a traceable wrapper subclass holds (torchao's ``Int8Tensor``: ``qdata``,
-    ``scale``, ``zero_point``), from ``__tensor_flatten__``, nested wrappers flattened as ``a.b``;
-    ``[]`` for a plain tensor or a DTensor (a DTensor is its local shard, read by :func:`local_tensor`)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if not isinstance(t, torch.Tensor) or is_dtensor(t) or not is_traceable_wrapper_subclass(t):
-        return []
-    out: list[tuple[str, torch.Tensor]] = []
-    for name in t.__tensor_flatten__()[0]:
-        value = getattr(t, name)
-        if not isinstance(value, torch.Tensor):
-            continue  # an optional inner tensor left None
-        out.extend(wrapper_inner_tensors(value, f"{prefix}{name}.") or [(prefix + name, value)])
-    return out
-
-
-def is_dtensor(t: Any) -> bool:
-    """A ``torch.distributed.tensor.DTensor`` (tested without importing torch.distributed)."""
-    return isinstance(t, torch.Tensor) and hasattr(t, "_local_tensor") and hasattr(t, "_spec")
-
-
-def local_tensor(t: Any) -> Any:
-    """This rank's shard of a DTensor (its ``_local_tensor``); any other value unchanged."""
-    return t._local_tensor if is_dtensor(t) else t
-
-
-def with_spec_of(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``local`` as a DTensor with ``like``'s mesh, placements, global shape and stride (no
-    collective, no check: ``local`` must be this rank's shard of such a tensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor(local, like._spec, requires_grad=local.requires_grad)
-
-
 def tensor_keys(t: Any) -> list[Hashable]:
     """Keys that identify the tensor object ``t`` and the memory it views (data pointer, shape,
     dtype, device): the same parameter reaches a compiled graph as itself or as another tensor
@@ -618,18 +576,12 @@ def owned_tensors(model: torch.nn.Module) -> dict[Hashable, list[str]]:
 def held_keys(t: Any, depth: int = 0) -> list[Hashable]:
     """:func:`tensor_keys` of a parameter or buffer ``t`` and of its inner tensors (a tensor
     subclass: a DTensor's local shard), nested up to 4 deep; ``[]`` for a non-tensor."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     if not isinstance(t, torch.Tensor):
         return []
     keys = tensor_keys(t)
-    if depth < 4 and is_traceable_wrapper_subclass(t):
-        try:
-            attrs, _ = t.__tensor_flatten__()
-        except Exception:
-            return keys
-        for a in attrs:
-            keys += held_keys(getattr(t, a, None), depth + 1)
+    if depth < 4:
+        for _, inner in subclass_fields(t):
+            keys += held_keys(inner, depth + 1)
     return keys
 
 

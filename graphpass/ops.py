@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 import contextvars
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional
@@ -25,6 +24,7 @@ from typing import Any, Iterator, List, Optional
 import torch
 
 from .fx_utils import owned_tensors, relocated, tensor_keys
+from .tensor_utils import local_tensor, register_dtensor_handlers
 
 PROFILE_PREFIX = "graphpass.trap/"
 
@@ -164,6 +164,7 @@ for _op in BOUNDARY_OPS:
 
 _ENTER_TARGETS = (TRAP_ENTER, torch.ops.graphpass.trap_enter)  # Dynamo records the packet
 _EXIT_TARGETS = (TRAP_EXIT, torch.ops.graphpass.trap_exit)
+BOUNDARY_TARGETS = _ENTER_TARGETS + _EXIT_TARGETS  # what fx_utils.find_calls looks up
 
 
 def is_enter(node: torch.fx.Node) -> bool:
@@ -244,31 +245,14 @@ def _local_boundary(op_call, args, kwargs):
     """DTensor handler for the boundary ops: they read no data, so they take the local shards
     (no sharding strategy, no redistribution, so no collective a boundary could add)."""
     label, deps, *rest = args
-    local = [getattr(d, "_local_tensor", d) for d in deps]
+    local = [local_tensor(d) for d in deps]
     if "owner" in kwargs:
-        kwargs = {**kwargs, "owner": [getattr(o, "_local_tensor", o) for o in kwargs["owner"]]}
+        kwargs = {**kwargs, "owner": [local_tensor(o) for o in kwargs["owner"]]}
     if len(rest) > 1:
-        rest[1] = [getattr(o, "_local_tensor", o) for o in rest[1]]
+        rest[1] = [local_tensor(o) for o in rest[1]]
     return op_call(label, local, *rest, **kwargs)
 
 
-def register_dtensor_handlers(handlers: dict) -> None:
-    """Register ``op -> handler(op_call, args, kwargs)`` with DTensor's dispatcher once DTensor is
-    in use (imported): graphpass ops with DTensor arguments have no sharding strategy, so each
-    feature says how its ops take the local shards.
-
-    Uses ``DTensor._op_dispatcher._custom_op_handlers``, the private table torch's own
-    ``loss_parallel`` uses. Idempotent; the table is DTensor's (process-wide by nature), keyed by
-    our own ops.
-    """
-    dtensor_module = sys.modules.get("torch.distributed.tensor")
-    dispatcher = getattr(getattr(dtensor_module, "DTensor", None), "_op_dispatcher", None)
-    table = getattr(dispatcher, "_custom_op_handlers", None)
-    if isinstance(table, dict):
-        for op, handler in handlers.items():
-            table.setdefault(op, handler)
-
-
-def let_dtensors_through() -> None:
-    """The boundary ops take DTensor deps as their local shards (:func:`_local_boundary`)."""
-    register_dtensor_handlers({op: _local_boundary for op in BOUNDARY_OPS})
+# The boundary ops take DTensor deps (tensor parallel, FSDP2) as their local shards: registered
+# with the ops, here where they are defined, never by a pass.
+register_dtensor_handlers({op: _local_boundary for op in BOUNDARY_OPS})

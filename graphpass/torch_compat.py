@@ -75,10 +75,12 @@ def keep_marked_ops_in_inductor(namespace: str = "graphpass") -> list[Any]:
     from torch._library.utils import get_layout_constraint_tag
     from torch.fx.node import _side_effectful_functions
 
+    from .fx_utils import op_name
+
     added = []
     with _KEEP_LOCK:
         for op in list(_side_effectful_functions):
-            if not isinstance(op, torch._ops.OpOverload) or op.namespace != namespace:
+            if not isinstance(op, torch._ops.OpOverload) or op_name(op).namespace != namespace:
                 continue
             if getattr(lowering.lowerings.get(op), _KEPT_MARK, False):
                 continue

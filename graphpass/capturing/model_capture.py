@@ -39,6 +39,7 @@ from .registry import CaptureSites, Switch, TensorRegistry
 from .staging import StagingConfig, check_staging, make_write_behind, to_host
 from .writer import CaptureWriter, _check_component
 from ..patterns import ModulePattern, check_all_match, compile_patterns
+from ..tensor_utils import dtensor_mesh
 
 __all__ = ["TensorRegistry", "CaptureWriter", "ModelCapture", "CaptureSpec", "capture_tensor"]
 
@@ -370,7 +371,7 @@ class ModelCapture:
 def _model_mesh(model: torch.nn.Module) -> Any:
     """The DeviceMesh of the first DTensor parameter or buffer of ``model``, or None."""
     for t in itertools.chain(model.parameters(), model.buffers()):
-        mesh = getattr(t, "device_mesh", None)
+        mesh = dtensor_mesh(t)
         if mesh is not None:
             return mesh
     return None

@@ -25,6 +25,7 @@ from typing import Any, List, Sequence
 import torch
 
 from ..ops import CURRENT_BUCKET
+from ..tensor_utils import dtensor_mesh, is_dtensor, local_tensor, register_dtensor_handlers
 
 _LIB = torch.library.Library("graphpass", "FRAGMENT")
 _LIB.define("capture(str name, Tensor t, Tensor[] owner, str owner_fqn='', bool manual=False, str key='', "
@@ -80,6 +81,7 @@ torch.library.register_fake("graphpass::capture", _nothing, lib=_LIB)
 _LIB.impl("output_key", _nothing, "CompositeExplicitAutograd")
 torch.library.register_fake("graphpass::output_key", _nothing, lib=_LIB)
 OUTPUT_KEY = torch.ops.graphpass.output_key.default
+OUTPUT_KEY_TARGETS = (OUTPUT_KEY, torch.ops.graphpass.output_key)  # Dynamo records the packet
 torch.fx.node.has_side_effect(OUTPUT_KEY)  # kept until the capture pass reads and removes it
 
 CAPTURE = torch.ops.graphpass.capture.default
@@ -98,7 +100,7 @@ def dtensor_layout(t: Any) -> str:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.utils._python_dispatch import _disable_current_modes
 
-    mesh = t.device_mesh
+    mesh = dtensor_mesh(t)
     # Under AOTAutograd's tracing (fake and functional modes) torch reads the offset out of an index
     # tensor (``int(offsets[0])``), a data-dependent value there: compute it with the modes off.
     with _disable_current_modes():
@@ -122,14 +124,12 @@ def _dtensor_capture(op_call: Any, args: tuple, kwargs: dict) -> None:
     """DTensor's handler for the capture op: call it on the local shards, with the value's layout.
     Under an AOTAutograd delegate it runs once, while the DTensor graph is traced to local tensors:
     the traced op holds the local shard and this rank's layout as a constant string."""
-    from torch.distributed.tensor import DTensor
-
     given = dict(zip(_CAPTURE_ARGS, ("", None, [], "", False, "", "")))
     given.update(zip(_CAPTURE_ARGS, args), **kwargs)
     t = given["t"]
-    if isinstance(t, DTensor):
-        given["layout"], given["t"] = dtensor_layout(t), t._local_tensor
-    given["owner"] = [o._local_tensor if isinstance(o, DTensor) else o for o in given.get("owner", [])]
+    if is_dtensor(t):
+        given["layout"], given["t"] = dtensor_layout(t), local_tensor(t)
+    given["owner"] = [local_tensor(o) for o in given.get("owner", [])]
     return op_call(*(given[k] for k in _CAPTURE_ARGS))
 
 
@@ -137,17 +137,8 @@ def _dtensor_output_key(op_call: Any, args: tuple, kwargs: dict) -> None:
     return None  # a marker: only its place in the traced graph matters
 
 
-def _register_dtensor_handlers() -> None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # torch built without distributed
-        return
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    handlers[CAPTURE] = _dtensor_capture
-    handlers[OUTPUT_KEY] = _dtensor_output_key
-
-
-_register_dtensor_handlers()
+# registered with the ops, where they are defined (never by a pass)
+register_dtensor_handlers({CAPTURE: _dtensor_capture, OUTPUT_KEY: _dtensor_output_key})
 
 
 def is_capture(node: torch.fx.Node) -> bool:
@@ -155,7 +146,7 @@ def is_capture(node: torch.fx.Node) -> bool:
 
 
 def is_output_key(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (OUTPUT_KEY, torch.ops.graphpass.output_key)
+    return node.op == "call_function" and node.target in OUTPUT_KEY_TARGETS
 
 
 def output_key_path(out: Any, path: Sequence[Any]) -> str:
@@ -202,8 +193,8 @@ def capture_eager_outputs(module: torch.nn.Module, out: Any) -> None:
         for path, t in tree_flatten_with_path(out)[0]:
             if isinstance(t, torch.Tensor):
                 layout = ""
-                if hasattr(t, "device_mesh") and hasattr(t, "_local_tensor"):  # a DTensor: its local shard
-                    layout, t = dtensor_layout(t), t._local_tensor
+                if is_dtensor(t):  # a DTensor: its local shard
+                    layout, t = dtensor_layout(t), local_tensor(t)
                 reg.register_module_tensor(name, t.detach().clone(), output_key_path(out, path), layout=layout)
         return
 

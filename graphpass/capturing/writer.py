@@ -29,6 +29,7 @@ from ..atomic_files import probe_writable
 from ..errors import CaptureError, ConfigError
 from ..patterns import compile_patterns
 from .step_files import StepFiles, _file_parts, file_keys, meta_file_name, meta_file_rank, plan_step  # noqa: F401 (re-exported)
+from ..tensor_utils import is_dtensor, local_tensor
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]+")  # always fullmatch: `$` would accept a trailing newline
 NAME_MAX = 255  # bytes in one path component (Linux, macOS, Windows)
@@ -301,8 +302,8 @@ def _local(t: torch.Tensor, key: str | None, layout: str) -> tuple[torch.Tensor,
     """A DTensor value (captured outside the op, e.g. registered by hand) as its local shard + layout."""
     from .ops import dtensor_layout
 
-    if type(t).__name__ == "DTensor" and hasattr(t, "to_local"):
-        return t.to_local(), key, dtensor_layout(t)
+    if is_dtensor(t):
+        return local_tensor(t), key, dtensor_layout(t)
     return t, key, layout
 
 

@@ -41,10 +41,11 @@ from torch import nn
 from .. import progress
 from ..dynamo_records import code_span, has_compiled_code
 from ..errors import ConfigError, OffloadError
-from ..fx_utils import flatten_wrappers, is_dtensor, is_wrapper_subclass, local_tensor, unflatten_wrappers, with_spec_of
+from ..tensor_utils import flatten_wrappers, is_dtensor, is_wrapper_subclass, local_tensor, unflatten_wrappers, with_spec_of
 from ..torch_compat import dynamo_compiles_own_frame
 from . import files, fsdp2
 from .config import OffloadConfig
+from .ops import let_wrappers_through
 from .planning import OffloadPlan, _Tensor, plan_budget, plan_units
 from .facts import GuardedCode, OffloadFacts
 from .runtime import REGISTRY, MemoryStats, OffloadedTensor, OffloadRuntime
@@ -642,6 +643,9 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
     """
     config, device = _check_arguments(model, config, kwargs)
     tensors, plan, streamed = _plan(model, config)
+    # wrapper subclasses (torchao) whose inner tensors stream: the load ops take their inner tensors
+    let_wrappers_through({type(h) for r in streamed for h, _, kind in r.places if kind.startswith("inner:")
+                          and is_wrapper_subclass(h)})
     use_stand_ins = device.type != "cpu" or _DEVICE_STAND_INS.get()
     sharded = fsdp2.check(model, streamed, device, use_stand_ins)  # FSDP2 shards: refusals before any change
     idents: dict[str, tuple] = {}

@@ -11,8 +11,9 @@ import torch
 
 from .. import dynamo_records
 from ..errors import OffloadError
-from ..fx_utils import flatten_wrappers, is_dtensor, local_tensor, unflatten_wrappers, with_spec_of
-from ..ops import record_event, register_dtensor_handlers
+from ..tensor_utils import (flatten_wrappers, is_dtensor, local_tensor, register_dtensor_handlers, unflatten_wrappers,
+                            with_spec_of)
+from ..ops import record_event
 from .runtime import lookup
 
 # --------------------------------------------------------------------------------------------
@@ -190,11 +191,10 @@ def _dtensor_evict(op_call, args, kwargs):
     return op_call(_locals(loaded), _locals(srcs), group, *[_locals(r) for r in rest], **kwargs)
 
 
-def let_dtensors_through() -> None:
-    """Register the DTensor handlers of the load ops (once DTensor is in use)."""
-    register_dtensor_handlers({torch.ops.graphpass.load_start.default: _dtensor_load_start,
-                               torch.ops.graphpass.load_wait.default: _dtensor_load_wait,
-                               torch.ops.graphpass.evict.default: _dtensor_evict})
+# registered with the ops, here where they are defined, never by a pass
+register_dtensor_handlers({torch.ops.graphpass.load_start.default: _dtensor_load_start,
+                           torch.ops.graphpass.load_wait.default: _dtensor_load_wait,
+                           torch.ops.graphpass.evict.default: _dtensor_evict})
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,8 +230,10 @@ _WRAPPED_RULES = {"load_start": _wrapped_load_start, "load_wait": _wrapped_load_
 
 
 def let_wrappers_through(types) -> None:
-    """Register the load ops' rules for these wrapper subclass types (idempotent). The rules live
-    in torch's per-op table (process-wide by nature, like the ops themselves), keyed by our ops."""
+    """Register the load ops' rules for these wrapper subclass types (idempotent). Called by
+    ``offload()`` for the wrapper types whose inner tensors it streams (the types are known there,
+    not where the ops are defined), never by a pass. The rules live in torch's per-op table
+    (process-wide by nature, like the ops themselves), keyed by our ops."""
     from torch._library.simple_registry import singleton
 
     for cls in types:
@@ -245,6 +247,7 @@ LOAD_START = torch.ops.graphpass.load_start.default
 LOAD_WAIT = torch.ops.graphpass.load_wait.default
 EVICT = torch.ops.graphpass.evict.default
 OFFLOAD_GUARD = torch.ops.graphpass.offload_guard.default
+OFFLOAD_GUARD_TARGETS = (OFFLOAD_GUARD, torch.ops.graphpass.offload_guard)  # Dynamo records the packet
 
 torch.fx.node.has_side_effect(EVICT)
 torch.fx.node.has_side_effect(OFFLOAD_GUARD)
@@ -252,4 +255,4 @@ torch.fx.node.has_side_effect(torch.ops.graphpass.offload_guard)
 
 
 def is_guard(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (OFFLOAD_GUARD, torch.ops.graphpass.offload_guard)
+    return node.op == "call_function" and node.target in OFFLOAD_GUARD_TARGETS

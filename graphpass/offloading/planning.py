@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, OffloadError
-from ..fx_utils import inner_tensor_fields, is_wrapper_subclass, local_tensor, repeated_blocks, wrapper_fields
+from ..fx_utils import inner_tensor_fields, repeated_blocks
+from ..tensor_utils import is_wrapper_subclass, local_tensor, wrapper_fields
 from ..patterns import check_all_match
 from .config import OffloadConfig
 from .schedule import PrefetchWindow

@@ -56,7 +56,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import OffloadError
-from ..fx_utils import is_wrapper_subclass, local_tensor, wrapper_fields
+from ..tensor_utils import is_wrapper_subclass, local_tensor, wrapper_fields
 from ..trace_events import EVICT, WAIT, active_sink, record_span
 from .files import identity, same_file
 from .leases import FileLeases, RegionRef, handler_installed, reap

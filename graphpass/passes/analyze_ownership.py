@@ -29,6 +29,7 @@ import torch
 from ..analysis import TensorOwnership, mesh_text, module_paths, parse_source_name, placement_text
 from ..fx_utils import (example_of, inner_tensor_fields, is_graphpass_node, is_graphpass_op, node_order,
                         wrapper_inner_tensors)
+from ..tensor_utils import dtensor_class, dtensor_mesh, dtensor_placements, local_tensor
 from ..torch_compat import source_name
 from .base import GraphPass, PassContext
 
@@ -52,19 +53,6 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(int(s) if isinstance(s, int) else str(s) for s in t.shape)
 
 
-def _dtensor_class() -> type | None:
-    """DTensor, when torch.distributed.tensor is in use (imported); None otherwise."""
-    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard on this rank; any other tensor itself."""
-    cls = _dtensor_class()
-    if cls is not None and isinstance(t, cls):
-        return t._local_tensor
-    return t
-
-
 class _Distributed:
     """Placement, mesh and at-rest bytes of tensors sharded or replicated by torch.distributed."""
 
@@ -74,22 +62,22 @@ class _Distributed:
         self.roots = roots
 
     def annotate(self, t: TensorOwnership, value: torch.Tensor) -> None:
-        cls = _dtensor_class()
+        cls = dtensor_class()
         dist = torch.distributed
         if cls is None and not (dist.is_available() and dist.is_initialized()):
             return  # nothing distributed in this process
         if cls is not None and isinstance(value, cls):
-            t.placement = placement_text(value.placements, value.device_mesh)
-            t.mesh = mesh_text(value.device_mesh)
+            t.placement = placement_text(dtensor_placements(value), dtensor_mesh(value))
+            t.mesh = mesh_text(dtensor_mesh(value))
             t.sharded_by = "dtensor"
         sharded = next((self.fsdp()[f] for f in t.fqns if f in self.fsdp()), None)
         if sharded is not None:  # at rest an FSDP2 shard; the graph reads the gathered tensor
-            t.placement = placement_text(sharded.placements, sharded.device_mesh)
-            t.mesh = mesh_text(sharded.device_mesh)
+            t.placement = placement_text(dtensor_placements(sharded), dtensor_mesh(sharded))
+            t.mesh = mesh_text(dtensor_mesh(sharded))
             t.sharded_by = "fsdp2"
             t.global_shape = _shape(sharded)
             t.global_nbytes = _nbytes(sharded)
-            t.local_nbytes = _nbytes(sharded._local_tensor)
+            t.local_nbytes = _nbytes(local_tensor(sharded))
             return
         group = next((self.ddp()[f] for f in t.fqns if f in self.ddp()), None)
         if group is not None and t.placement is None:
@@ -191,7 +179,7 @@ class AnalyzeOwnership(GraphPass):
                 holders = list(dict.fromkeys(".".join(f.split(".")[:-drop]) for f in fqns))
                 module_names.update((h, None) for h in holders if h)
             consumers, consumer_nodes = self._consumers(ph, order, analysis.node_modules)
-            local = _local(value)
+            local = local_tensor(value)
             inner = wrapper_inner_tensors(local) if kind != "input" else []
             nbytes = (sum(_nbytes(v) for _, v in inner) if inner else _nbytes(local)) if kind != "input" else 0
             analysis.tensors[ph.name] = TensorOwnership(

@@ -38,8 +38,8 @@ from __future__ import annotations
 import torch
 
 from ..analysis import module_paths
-from ..fx_utils import is_graphpass_node, is_tensor_node, iter_writes
-from ..capturing.ops import CAPTURE, is_output_key
+from ..fx_utils import find_calls, is_graphpass_node, is_tensor_node, iter_writes
+from ..capturing.ops import CAPTURE, OUTPUT_KEY_TARGETS, is_output_key
 from .base import GraphPass, PassContext
 
 
@@ -160,7 +160,7 @@ class InsertCaptureNodes(GraphPass):
     requires = ("analyze_ownership",)
 
     def should_run(self, ctx: PassContext) -> bool:
-        return bool(ctx.captures) or any(is_output_key(n) for n in ctx.gm.graph.nodes)
+        return bool(ctx.captures) or bool(find_calls(ctx.gm.graph, *OUTPUT_KEY_TARGETS))
 
     def run(self, ctx: PassContext) -> bool:
         graph = ctx.gm.graph

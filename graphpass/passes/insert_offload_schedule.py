@@ -42,12 +42,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import dynamo_records
 from ..errors import OffloadError
-from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, is_guard, let_dtensors_through, let_wrappers_through
+from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, OFFLOAD_GUARD_TARGETS
 from ..offloading.schedule import LoadGroup, OffloadSchedule  # noqa: F401 (re-exported)
 from ..offloading.facts import OffloadFacts, facts_of, refuse_unpinned_cuda_graph_loads
 from ..offloading.runtime import OffloadedTensor, WrappedOffload, facts_guarding, lookup_input, plain_records
-from ..fx_utils import (AliasIndex, example_of, find_write, flatten_wrappers, is_dtensor, is_graphpass_node, is_view,
-                        is_wrapper_subclass, node_order, unflatten_wrappers, views_of)
+from ..fx_utils import AliasIndex, example_of, find_calls, find_write, is_graphpass_node, is_view, node_order, views_of
+from ..tensor_utils import fake_mode_of, flatten_wrappers, is_dtensor, is_wrapper_subclass, unflatten_wrappers
 from ..ops import is_enter, is_exit
 from .base import GraphPass, PassContext
 
@@ -94,7 +94,7 @@ class InsertOffloadSchedule(GraphPass):
 
     def run(self, ctx: PassContext) -> bool:
         graph = ctx.gm.graph
-        guards = [n for n in graph.nodes if is_guard(n)]
+        guards = find_calls(graph, *OFFLOAD_GUARD_TARGETS)
         records = _offloaded_inputs(ctx)
         if not records:
             replaced = _replaced_weights(ctx, guards)
@@ -118,9 +118,6 @@ class InsertOffloadSchedule(GraphPass):
             raise OffloadError("one graph reads tensors offloaded from two different models; offload and compile them separately")
         facts = next(iter(models.values()))
         _check_skipped_frames(facts)
-        let_dtensors_through()  # tensor-parallel weights: the load ops take their local shards
-        # wrapper subclasses (torchao): the load ops take their inner tensors
-        let_wrappers_through({type(example_of(p)) for p, r in records.items() if isinstance(r, WrappedOffload)})
         order = node_order(graph)
         plan = _plan_groups(graph, records, ctx.analysis.node_trap, order)
         if not plan:
@@ -136,7 +133,7 @@ class InsertOffloadSchedule(GraphPass):
         """Insert the start / wait / evict nodes of every group; return the schedule."""
         device = facts.device
         window = facts.window
-        fake_mode = next((m for m in (getattr(ph.meta.get("example_value"), "fake_mode", None) for ph in records) if m is not None), None)
+        fake_mode = fake_mode_of([ph.meta.get("example_value") for ph in records])
         done = _Inserted()
         schedule: list[LoadGroup] = []
         # The first window (groups 0..prefetch) starts where the graph starts computing: its copies

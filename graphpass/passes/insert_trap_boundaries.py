@@ -20,8 +20,8 @@ deps, so boundaries do not pin them. Traps that already have boundary nodes (man
 the pass is idempotent. Assumes :mod:`assign_traps` ran first.
 
 Under ``torch.distributed`` the deps may be DTensors (tensor parallel, FSDP2): the boundary ops read
-no data, so DTensor is told to hand them the local shards as they are (no sharding strategy, no
-redistribution, hence no collective a boundary could add).
+no data, so the DTensor rule registered with them in ``graphpass/ops.py`` hands them the local shards
+as they are (no sharding strategy, no redistribution, hence no collective a boundary could add).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from ..fx_utils import is_graphpass_op, is_tensor_node, node_order
-from ..ops import TRAP_ENTER, TRAP_EXIT, is_boundary, let_dtensors_through, trap_model_key
+from ..fx_utils import find_calls, is_graphpass_op, is_tensor_node, node_order
+from ..ops import BOUNDARY_TARGETS, TRAP_ENTER, TRAP_EXIT, trap_model_key
 from .base import GraphPass, PassContext
 
 _ANCHOR_FUNCTIONS = {
@@ -123,10 +123,9 @@ class InsertTrapBoundaries(GraphPass):
     def run(self, ctx: PassContext) -> bool:
         graph = ctx.gm.graph
         analysis = ctx.analysis
-        let_dtensors_through()  # boundary deps may be DTensors (tensor parallel, FSDP2)
         nodes = {n.name: n for n in graph.nodes}
         order = node_order(graph)
-        present = {n.args[0] for n in graph.nodes if is_boundary(n)}
+        present = {n.args[0] for n in find_calls(graph, *BOUNDARY_TARGETS)}
         weights = {nodes[name] for name, t in analysis.tensors.items() if t.is_weight}
         inserted = 0
         previous_exit = None

@@ -28,7 +28,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT
 from ..offloading.schedule import PrefetchWindow
 from ..config import GraphpassConfig
-from ..fx_utils import is_graphpass_op, node_order
+from ..fx_utils import find_calls, is_graphpass_op, node_order
 from .base import GraphPass, PassContext, run_pass
 
 
@@ -78,7 +78,7 @@ def _backward_loads(graph: torch.fx.Graph) -> list[_BackwardLoad]:
     nodes = list(graph.nodes)
     before = _previous_compute(nodes)
     found = []
-    for start in [n for n in nodes if n.target is LOAD_START]:
+    for start in find_calls(graph, LOAD_START):
         wait = next((u for u in start.users if u.target is LOAD_WAIT and u.args[0] is start), None)
         if wait is None:
             continue
@@ -119,8 +119,7 @@ def _set_last_arg(node: torch.fx.Node, nodes: list[torch.fx.Node]) -> None:
 def pin_backward_loads(graph: torch.fx.Graph) -> int:
     """Place every backward re-load ``prefetch_distance`` traps ahead in backward order, each start
     pinned after the compute where the backward reaches the trap it is issued at. Returns how many."""
-    nodes = list(graph.nodes)
-    if not any(n.target is LOAD_WAIT for n in nodes) or any(n.target is EVICT for n in nodes):
+    if not find_calls(graph, LOAD_WAIT) or find_calls(graph, EVICT):
         return 0
     loads = _backward_loads(graph)
     if not loads:
@@ -145,7 +144,7 @@ class PinBackwardLoads(GraphPass, CustomGraphPass):
 
     def applies_to(self, gm: torch.fx.GraphModule) -> bool:
         """Whether a Dynamo-level graph holds offload loads (its backward may then need pinning)."""
-        return any(n.target is LOAD_WAIT for n in gm.graph.nodes)
+        return bool(find_calls(gm.graph, LOAD_WAIT))
 
     def run(self, ctx: PassContext) -> bool:
         pinned = pin_backward_loads(ctx.gm.graph)

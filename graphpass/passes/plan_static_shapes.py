@@ -31,6 +31,7 @@ from .. import dynamo_records
 from ..analysis import TensorOwnership
 from ..errors import ConfigError
 from ..fx_utils import example_of, is_symbolic, shape_env_hints, size_expr
+from ..tensor_utils import shape_env_of
 from ..torch_compat import source_name
 from ..static_shapes.plan import BucketPlan  # noqa: F401 (re-exported)
 from .base import GraphPass, PassContext
@@ -158,8 +159,7 @@ def _tied_symbols(placeholders: list[torch.fx.Node], symbols: dict) -> dict:
     wrong guess costs bucketing, never correctness."""
     hints = {}
     for sym, (i, _) in symbols.items():
-        env = getattr(example_of(placeholders[i]), "fake_mode", None)
-        env = getattr(env, "shape_env", None)
+        env = shape_env_of(example_of(placeholders[i]))
         if env is not None:
             hints = shape_env_hints(env)
             break
@@ -228,7 +228,7 @@ def specialized_by_code(placeholder: torch.fx.Node, val: Any, d: int) -> tuple[i
     (Dynamo's first, exact-size trace) or when torch's shape environment cannot tell."""
     try:
         source = source_name(placeholder.meta["grapharg"].source)
-        env = val.fake_mode.shape_env
+        env = shape_env_of(val)
         want = f"{source}.size()[{d}]"
         syms = [s for s, srcs in env.var_to_sources.items() if any(source_name(x) == want for x in srcs)]
         for s in syms:

@@ -57,7 +57,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-from ..fx_utils import AliasIndex, example_of, shape_env_hints, size_expr as _expr, writes_into
+from ..fx_utils import AliasIndex, example_of, op_name, shape_env_hints, size_expr as _expr, writes_into
+from ..tensor_utils import fake_mode_of, shape_env_of
 from .base import GraphPass, PassContext
 
 BUFFER_PREFIX = "_graphpass_static_"
@@ -116,7 +117,7 @@ def _parse(node: Node) -> _Factory | None:
         step = kwargs.get("step", args[2] if len(args) > 2 else 1)
         return _Factory("arange", None, start=start, end=end, step=step)
     if node.op == "call_function" and node.target in _FILLS:
-        op = node.target.__name__
+        op = op_name(node.target).name
         if op == "full":
             return _Factory(op, kwargs.get("size", args[0] if args else None),
                             fill=kwargs.get("fill_value", args[1] if len(args) > 1 else None))
@@ -161,7 +162,7 @@ def _unsafe_use(node: Node, slice_outputs: bool, index: AliasIndex) -> str | Non
         for user in alias.users:
             if writes_into(user, alias):
                 what = f"{alias.name}, a view of it" if alias is not node else "it"
-                return f"{user.name} ({user.op} {getattr(user.target, '__name__', user.target)}) writes into {what}"
+                return f"{user.name} ({user.op} {op_name(user.target).name or user.target}) writes into {what}"
             if user.op == "output" and not slice_outputs:
                 return "it (or a view of it) is a graph output and slice_outputs=False"
     if isinstance(ev, torch.Tensor) and ev._version > 0:  # a write the checks above do not know
@@ -185,7 +186,7 @@ class _Bounder:
 
     def __init__(self, bounds: dict[sympy.Symbol, int], example: torch.Tensor):
         self.bounds = bounds
-        self.env = getattr(getattr(example, "fake_mode", None), "shape_env", None)
+        self.env = shape_env_of(example)
 
     def ranges(self, exprs: list[sympy.Expr]) -> dict[sympy.Symbol, Any]:
         """Value ranges of every symbol in ``exprs``; raises :class:`_Skip` when one has no bound."""
@@ -392,7 +393,7 @@ def _replace(gm: GraphModule, node: Node, spec: _Factory, shape: list[sympy.Expr
             return n
 
         buf = call("get_attr", buffer)
-        fake_mode = getattr(ev, "fake_mode", None)
+        fake_mode = fake_mode_of(ev)
         if fake_mode is not None:
             buf.meta["example_value"] = fake_mode.from_tensor(gm.get_buffer(buffer), static_shapes=True)
         if spec.op == "arange":
@@ -448,7 +449,7 @@ def _fake_value(node: Node) -> Any:
     if any(a is None for a in args):
         return None
     fake = next((a for a in args if isinstance(a, torch._subclasses.FakeTensor)), None)
-    env = getattr(getattr(fake, "fake_mode", None), "shape_env", None)
+    env = shape_env_of(fake)
     try:
         if node.op == "call_method":
             fn = getattr(args[0], node.target)

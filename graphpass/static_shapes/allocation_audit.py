@@ -29,7 +29,8 @@ from tabulate import tabulate
 
 from ..errors import ConfigError
 from ..formatting import fmt_bytes
-from ..fx_utils import shape_env_hints, returns_alias, size_expr, source_frame, tensors_of
+from ..fx_utils import op_name, shape_env_hints, returns_alias, size_expr, source_frame, tensors_of
+from ..tensor_utils import shape_env_of
 from ..torch_compat import source_name
 
 if TYPE_CHECKING:
@@ -445,25 +446,16 @@ def audit(
 # ---------------------------------------------------------------------------------- analysis
 
 
-def _shape_env(gm: torch.fx.GraphModule) -> ShapeEnv | None:
-    for n in gm.graph.nodes:
-        for v in tensors_of(n.meta.get("val")):
-            mode = getattr(v, "fake_mode", None)
-            if mode is not None and mode.shape_env is not None:
-                return mode.shape_env
-    return None
-
-
 def _op_name(target: Target) -> str:
+    """``aten.add.Tensor`` for an overload, a callable's name otherwise (its repr when it has none)."""
+    name = op_name(target)
     if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target.__name__}" if target.namespace == "aten" else str(target)
-    return getattr(target, "__name__", str(target))
+        return str(name)
+    return name.name or str(target)
 
 
 def _packet(target: Target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
+    return op_name(target).name or str(target)
 
 
 def _source(node: torch.fx.Node) -> tuple[str, str]:
@@ -655,7 +647,7 @@ def _analyze(
         for d, (lo, hi) in ds.items()
     ]
     for graph in rec.graphs:
-        env = _shape_env(graph.gm)
+        env = shape_env_of([tensors_of(n.meta.get("val")) for n in graph.gm.graph.nodes])
         if env is None:
             continue
         scan = _GraphScan(graph.label, _Bounds(env, _resolve_dims(env, dims, names)), factor)
@@ -706,7 +698,7 @@ def _source_key(name: str, names: list[str]) -> tuple[str, int] | None:
 
 def _has_checkpoint_hop(gm: torch.fx.GraphModule) -> bool:
     return any(
-        n.op == "call_function" and getattr(n.target, "__name__", "") == "tag_activation_checkpoint" for n in gm.graph.nodes
+        n.op == "call_function" and op_name(n.target).name == "tag_activation_checkpoint" for n in gm.graph.nodes
     )
 
 

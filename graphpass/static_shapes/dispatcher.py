@@ -37,6 +37,7 @@ import torch
 from graphpass.backends import Delegate
 
 from ..fx_utils import copy_graph, shape_env_hints
+from ..tensor_utils import shape_env_of
 from .config import StaticShapesConfig
 from ..ops import CURRENT_BUCKET
 
@@ -102,7 +103,7 @@ def _floats_specialized(fakes: Sequence[Any]):
     except ImportError:  # pragma: no cover - other torch versions
         yield
         return
-    shape_env = next((f.fake_mode.shape_env for f in fakes if isinstance(f, torch.Tensor) and hasattr(f, "fake_mode")), None)
+    shape_env = shape_env_of(list(fakes))
     saved = set(TensorifyState.force_specializations)
     if shape_env is not None:
         for sym in shape_env_hints(shape_env):

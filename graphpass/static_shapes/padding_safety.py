@@ -49,7 +49,9 @@ import operator
 import sympy
 import torch
 
-from ..fx_utils import example_of, flat_nodes, mentions_symbol, ran_inside, size_expr, source_frame, tensors_of, writes_into
+from ..fx_utils import (example_of, flat_nodes, mentions_symbol, op_name, ran_inside, schema_position, size_expr, source_frame,
+                        tensors_of, writes_into)
+from ..tensor_utils import shape_env_of
 
 if TYPE_CHECKING:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -292,10 +294,9 @@ def _source(node: torch.fx.Node) -> str:
 
 
 def _namespace(target: Target) -> str | None:
-    if isinstance(target, torch._ops.OpOverload):
-        return target.namespace
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name.split("::")[0]
+    """The library of an op overload or packet; None for anything else (a higher-order op included)."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return op_name(target).namespace
     return None
 
 
@@ -308,8 +309,8 @@ def _label(node: torch.fx.Node) -> str:
         return f"module {t}"
     if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(t)
-    name = getattr(t, "__name__", None)
-    if name is None:
+    name = op_name(t).name
+    if not name:
         return repr(t)
     mod = getattr(t, "__module__", None)
     if mod in ("_operator", "operator"):
@@ -350,15 +351,13 @@ def _op_name(node: torch.fx.Node) -> str | None:
         return _base_name(str(t))
     if node.op != "call_function":
         return None
-    if isinstance(t, torch._ops.OpOverload):
-        return _base_name(t.overloadpacket.__name__) if t.namespace in _TABLE_NAMESPACES else None
-    if isinstance(t, torch._ops.OpOverloadPacket):
-        return _base_name(t.__name__) if _namespace(t) in _TABLE_NAMESPACES else None
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return _base_name(op_name(t).name) if _namespace(t) in _TABLE_NAMESPACES else None
     if isinstance(t, torch._ops.HigherOrderOperator):
         return None
-    name = getattr(t, "__name__", None)
+    name = op_name(t).name
     mod = getattr(t, "__module__", None)
-    if not isinstance(name, str):
+    if not name:
         return None
     if mod is not None and not any(mod == m or mod.startswith(m + ".") for m in _KNOWN_MODULES):
         return None
@@ -375,12 +374,9 @@ def _arg(node: torch.fx.Node, pos: int, kw: str, default: Any = _MISSING) -> Any
         if node.args:
             return node.args[0]
         return next((node.kwargs[k] for k in ("input", "self") if k in node.kwargs), default)
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload) and kw:
-        for i, a in enumerate(t._schema.arguments):
-            if a.name == kw:
-                pos = -1 if a.kwarg_only else i
-                break
+    where = schema_position(node.target, kw) if kw else None
+    if where is not None:
+        pos = where
     if 0 <= pos < len(node.args):
         return node.args[pos]
     return default
@@ -880,13 +876,6 @@ def _check_conv1d(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     return _value_use(node, ctx)
 
 
-def _shape_env(t: torch.Tensor) -> ShapeEnv | None:
-    for s in t.shape:
-        if isinstance(s, torch.SymInt):
-            return s.node.shape_env
-    return None
-
-
 def _exact(expr: sympy.Expr, env: ShapeEnv | None) -> sympy.Expr:
     """``expr`` with every ``a // b`` the shape env knows to be exact (``a % b == 0`` was
     guarded, e.g. by a view) replaced by ``a / b``, so that ``4 * (H // 4)`` cancels to ``H``."""
@@ -917,7 +906,7 @@ def _reshape_keeps_rows(src: torch.Tensor, dst: torch.Tensor, ctx: _Ctx) -> bool
     merging the padded dim with its trailing dims ([B, L, H] -> [B, L*H]) or its leading dims
     ([B, L, H] -> [B*L, H]) and splitting those back. [B, L, H] -> [B, H, L] scrambles rows.
     """
-    env = _shape_env(src) or _shape_env(dst)
+    env = shape_env_of(src) or shape_env_of(dst)
 
     def blocks(t: torch.Tensor) -> list[tuple[sympy.Expr, sympy.Expr]]:
         shape = [_exact(size_expr(s), env) for s in t.shape]
