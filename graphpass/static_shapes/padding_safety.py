@@ -49,6 +49,7 @@ import operator
 import sympy
 import torch
 
+from .causal_functions import causal_function_of, check_causal_edges
 from ..fx_utils import example_of, flat_nodes, mentions_symbol, ran_inside, size_expr, source_frame, tensors_of, writes_into
 
 if TYPE_CHECKING:
@@ -456,6 +457,11 @@ class _Ctx:
 
     def same_size(self, a: Any, b: Any) -> bool:
         return size_expr(a).xreplace(self.ties) == size_expr(b).xreplace(self.ties)
+
+    def is_length(self, size: Any) -> bool:
+        """``size`` is a padded length itself (a padded symbol, or one tied to it)."""
+        expr = size_expr(size).xreplace(self.ties)
+        return isinstance(expr, sympy.Symbol) and str(expr) in self.names
 
     def padded(self, value: Any) -> tuple[int, ...]:
         t = example_of(value)
@@ -1096,6 +1102,9 @@ def _check_node(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
         return None  # graphpass's own markers: no outputs, run-time side effects only
     if any(ran_inside(node, path, fn) for path, fn in ROW_WISE_FUNCTIONS):
         return None  # inside a library function that is row-wise as a whole
+    causal_fn = causal_function_of(node) if ctx.causal_ok else None
+    if causal_fn is not None:  # inside a proven causal scan: only its edges are checked
+        return check_causal_edges(node, causal_fn, ctx.padded, ctx.is_length)
     inputs = [n for n in _iter_nodes((node.args, node.kwargs))]
     tensor_in = [n for n in inputs if tensors_of(n)]
     tensor_out = tensors_of(node)

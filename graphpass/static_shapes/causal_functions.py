@@ -1,0 +1,158 @@
+"""Library functions that are causal along the sequence dim as a whole: the selective scan of Mamba
+layers and the chunked scans of Mamba-2-style state-space layers and of gated-delta-rule linear attention.
+
+Used by :mod:`graphpass.static_shapes.padding_safety` (which inserts nothing itself): nodes traced
+inside one of these functions are not checked op by op (their zero-padding to a multiple of the chunk,
+the within-chunk triangular masks, the sums over a chunk's positions and the scan over chunks are not
+row-wise one by one) but as a whole, when the padding sits at the end of the padded dim (``causal_ok``).
+
+Why such a function is safe: every output row ``i`` along the sequence dim (dim 1, or the last for
+Mamba's selective scan) depends only on input rows ``<= i``. Bucketing appends padding rows
+``L .. B - 1`` after the real rows ``0 .. L - 1``, so a real output row never reads a padding row, and
+the padded output rows are sliced off. The proof of each function (docs/static-shapes.md, "Chunked
+scans") holds for its code as written, so a function is trusted only when its source, read from the file
+the stack trace names, has the digest recorded here (decorators and docstring left out): an edited copy
+is checked op by op again, and so refused.
+
+What the whole-function rule still checks, at the function's edges (a node inside it that reads or feeds a
+node outside it):
+
+* every tensor read from outside with a padded dim has exactly one, the function's sequence dim, of size
+  the padded length itself (``s``, not ``s + 1`` or a chunk count): the layout the proof assumes;
+* every tensor used outside has the padded dim as the sequence dim and no other: the final recurrent
+  state (which sums over every row, padding included) has no padded dim, and is a violation when anything reads it
+  (a cache update); the per-row output passes;
+* no node inside writes into a tensor from outside (a cache buffer).
+
+Assumption shared with the other proofs: values are finite (the padding rows' values are finite garbage;
+an exact zero weight times a finite value is an exact zero).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import os
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..fx_utils import example_of, ran_inside_file, size_expr, writes_into
+
+__all__ = ["CAUSAL_FUNCTIONS", "CausalFunction", "causal_function_of", "check_causal_edges", "source_digest"]
+
+
+@dataclass(frozen=True)
+class CausalFunction:
+    digest: str  # source_digest of the proven code
+    files: tuple[str, ...]  # path suffixes of the files holding an identical copy
+    reason: str  # why output row i reads input rows <= i only
+    seq_dim: int = 1  # the sequence dim of every sequence argument and result (-1: the last)
+
+
+_MAMBA2 = ("bamba", "falcon_h1", "granitemoehybrid", "mamba2", "nemotron_h", "zamba2")
+_DELTA = ("lara_mini", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp")
+_MAMBA = ("falcon_mamba", "jamba", "mamba", "zamba")
+
+#: function name -> the proven code.
+CAUSAL_FUNCTIONS: Mapping[str, CausalFunction] = MappingProxyType({
+    "mamba_selective_scan": CausalFunction(
+        "7741d95862eac581", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _MAMBA),
+        "Mamba selective scan, (batch, channels, sequence) in and out: the discretisation is per position; the "
+        "state at position i is a prefix scan of the positions 0 .. i (the recurrent loop, mambapy's pscan or "
+        "torch's associative_scan, whose odd/even recursion combines only ranges inside [0, i] for result i); the "
+        "output at i reads the state at i and C, D, z at i", seq_dim=-1),
+    "mamba2_chunk_scan": CausalFunction(
+        "cb9cfcc47c2dcf54", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _MAMBA2),
+        "Mamba-2 SSD chunked scan: chunks start at multiples of chunk_size from row 0 with or without padding; "
+        "within a chunk, output row l reads source rows s <= l only (exp(segment_sum) is exp(-inf) = 0 above the "
+        "diagonal, and segment_sum's cumsum reads rows <= l); a chunk's state (a sum over all its rows) and the "
+        "last row's cumulative decay feed only the start states of later chunks (the inter-chunk decay is again "
+        "exp(-inf) = 0 above the diagonal); the D residual is row-wise"),
+    "torch_chunk_gated_delta_rule": CausalFunction(
+        "26e6b6ee8e95e61b", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _DELTA),
+        "gated delta rule, chunked: chunks start at multiples of chunk_size from row 0; within a chunk the "
+        "pairwise decays are exp(-inf) = 0 above the diagonal, so the UT system and the intra-chunk attention are "
+        "lower triangular, the unit lower-triangular solve (forward substitution) gives row i from rows <= i, "
+        "and the chunk's last-row decay and key update feed only the recurrent state read by later chunks"),
+})
+
+
+@functools.lru_cache(maxsize=64)
+def _digest_at(path: str, function: str, mtime_ns: int) -> str | None:
+    del mtime_ns  # part of the cache key: an edited file is read again
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            node.decorator_list = []
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                node.body = node.body[1:]
+            return hashlib.sha256(ast.unparse(node).encode()).hexdigest()[:16]
+    return None
+
+
+def source_digest(path: str, function: str) -> str | None:
+    """A digest of top-level ``function``'s code in ``path`` (decorators and docstring left out), or None."""
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+    return _digest_at(path, function, mtime)
+
+
+def causal_function_of(node: torch.fx.Node) -> str | None:
+    """The proven causal function ``node`` was traced inside (its name), or None."""
+    for name, fn in CAUSAL_FUNCTIONS.items():
+        for suffix in fn.files:
+            path = ran_inside_file(node, suffix, name)
+            if path is not None and source_digest(path, name) == fn.digest:
+                return name
+    return None
+
+
+def _layout_ok(value: Any, seq_dim: int, padded: Callable[[Any], tuple[int, ...]],
+               is_length: Callable[[Any], bool]) -> bool:
+    t = example_of(value)
+    dims = padded(t)
+    if not dims:
+        return True
+    d = seq_dim % t.dim()
+    return dims == (d,) and is_length(t.shape[d])
+
+
+def check_causal_edges(node: torch.fx.Node, function: str, padded: Callable[[Any], tuple[int, ...]],
+                       is_length: Callable[[Any], bool]) -> tuple[int | None, str] | None:
+    """The violation at ``node``'s edges out of ``function`` (see the module docstring), or None.
+    ``padded(t)``: the padded dims of a tensor; ``is_length(size)``: the size is the padded length itself."""
+    def inside(n: torch.fx.Node) -> bool:
+        return causal_function_of(n) == function
+
+    seq = CAUSAL_FUNCTIONS[function].seq_dim
+    where = "the last dim" if seq == -1 else f"dim {seq}"
+
+    for a in node.all_input_nodes:
+        if inside(a):
+            continue
+        if writes_into(node, a):
+            return None, f"{function} writes into a tensor from outside it ({a.name}): its rows are not proven"
+        t = example_of(a)
+        if isinstance(t, torch.Tensor) and not _layout_ok(t, seq, padded, is_length):
+            return None, (f"{function} reads {a.name} (shape {tuple(str(size_expr(s)) for s in t.shape)}) whose "
+                          f"padded dim is not {where} of the padded length: the layout the causal proof assumes")
+    t = example_of(node)
+    if not isinstance(t, torch.Tensor) or all(inside(u) for u in node.users):
+        return None
+    if not padded(t):
+        return None, (f"{function}'s result {node.name} has no padded dim but is used outside it: a final "
+                      "recurrent state sums over every row, the padding included")
+    if not _layout_ok(t, seq, padded, is_length):
+        return None, f"{function}'s result {node.name} is used outside it with the padded dim not {where}"
+    return None
