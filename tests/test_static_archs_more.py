@@ -92,7 +92,7 @@ def test_the_recorded_digests_are_those_of_the_installed_transformers():
         for suffix in fn.files:
             path = Path(transformers.__file__).parent.parent / suffix
             if path.exists():
-                assert source_digest(str(path), name) == fn.digest, (suffix, name)
+                assert source_digest(str(path), name, fn.helpers) == fn.digest, (suffix, name)
 
 
 def test_mamba2_chunk_scan_is_causal_and_padding_is_exact(tmp_path):
@@ -131,9 +131,14 @@ def test_a_sequence_not_exactly_the_padded_length_is_refused(tmp_path):
     assert got and "dim 1 of the padded length" in got[0].reason, got
 
 
-def test_an_edited_copy_is_checked_op_by_op_and_refused(tmp_path):
-    # the same function with its intra-chunk causal mask removed (diagonal=0 -> a full mask): not the proven code
-    mod = _copy_module(tmp_path, "mamba2", edit=lambda s: s.replace("diagonal=0", "diagonal=8"))
+@pytest.mark.parametrize("edit", [
+    # a helper edited: segment_sum's causal mask made full (diagonal=0 -> 8): the function itself is unchanged
+    lambda s: s.replace("diagonal=0", "diagonal=8"),
+    # the function edited: the cut of the padded chunks gone
+    lambda s: s.replace("output = output[:, :sequence_length]", "output = output.flip(1)[:, :sequence_length]"),
+], ids=["helper", "function"])
+def test_an_edited_copy_is_checked_op_by_op_and_refused(tmp_path, edit):
+    mod = _copy_module(tmp_path, "mamba2", edit=edit)
     x, dt, a, b, c = _mamba2_inputs()
     got = _check(lambda x, dt, b, c: mod.mamba2_chunk_scan(x, dt, a, b, c, chunk_size=4), x, dt, b, c)
     assert got, "an edited copy must not be trusted"
@@ -153,6 +158,29 @@ def test_gated_delta_rule_is_causal_and_padding_is_exact(tmp_path):
     pad = [torch.cat([t, torch.randn(t.shape[0], 6, *t.shape[2:]).abs().neg() if t is decay else
                       torch.rand(t.shape[0], 6, *t.shape[2:])], dim=1) for t in (q, k, v, decay, beta)]
     torch.testing.assert_close(run(*pad)[:, :11], want, rtol=1e-5, atol=1e-6)
+
+
+def test_buckets_where_the_traced_chunk_count_fails_run_unpadded(tmp_path):
+    # the gated delta rule loops over the chunk count (a Python int): Dynamo unrolls it for the traced length
+    # and guards on it. With chunk_size 4 a graph traced at 5..8 rows (2 chunks) is the code's trace at bucket 8,
+    # not at bucket 16 (4 chunks): calls landing in 16 with that graph must not trust the proof there
+    mod = _copy_module(tmp_path, "qwen3_next")
+
+    def run(q, k, v, decay, beta):
+        return mod.torch_chunk_gated_delta_rule(q, k, v, decay, beta, chunk_size=4)[0]
+
+    gp = graphpass.backend(then="eager", traps=[], static_shapes={
+        "dims": {n: 1 for n in ("q", "k", "v", "decay", "beta")}, "buckets": [8, 16]})
+    torch._dynamo.reset()
+    compiled = torch.compile(run, backend=gp)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for n in (5, 6, 7, 11, 12):
+            q, k, v = (torch.randn(1, n, 2, 4, generator=g) for _ in range(3))
+            decay, beta = -torch.rand(1, n, 2, generator=g), torch.rand(1, n, 2, generator=g)
+            torch.testing.assert_close(compiled(q, k, v, decay, beta), run(q, k, v, decay, beta), rtol=1e-5, atol=1e-6)
+    plans = [gr.analysis.bucket_plan for gr in gp.graphs if getattr(gr.analysis, "bucket_plan", None) is not None]
+    assert any(p.active and set(p.invalid_buckets) == {16} for p in plans), [(p.refused, p.invalid_buckets) for p in plans]
 
 
 # ----------------------------------------------------------------------------- real models

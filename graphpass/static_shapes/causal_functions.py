@@ -1,18 +1,21 @@
-"""Library functions that are causal along the sequence dim as a whole: the selective scan of Mamba
-layers and the chunked scans of Mamba-2-style state-space layers and of gated-delta-rule linear attention.
+"""Library functions that are causal along the sequence dim as a whole: the chunked scans of
+Mamba-2-style state-space layers and of gated-delta-rule linear attention.
 
 Used by :mod:`graphpass.static_shapes.padding_safety` (which inserts nothing itself): nodes traced
 inside one of these functions are not checked op by op (their zero-padding to a multiple of the chunk,
 the within-chunk triangular masks, the sums over a chunk's positions and the scan over chunks are not
 row-wise one by one) but as a whole, when the padding sits at the end of the padded dim (``causal_ok``).
 
-Why such a function is safe: every output row ``i`` along the sequence dim (dim 1, or the last for
-Mamba's selective scan) depends only on input rows ``<= i``. Bucketing appends padding rows
-``L .. B - 1`` after the real rows ``0 .. L - 1``, so a real output row never reads a padding row, and
-the padded output rows are sliced off. The proof of each function (docs/static-shapes.md, "Chunked
+Why such a function is safe: every output row ``i`` along the sequence dim (dim 1) depends only on
+input rows ``<= i``. Bucketing appends padding rows ``L .. B - 1`` after the real rows ``0 .. L - 1``,
+so a real output row never reads a padding row, and the padded output rows are sliced off. The proof of each function (docs/static-shapes.md, "Chunked
 scans") holds for its code as written, so a function is trusted only when its source, read from the file
-the stack trace names, has the digest recorded here (decorators and docstring left out): an edited copy
-is checked op by op again, and so refused.
+the stack trace names, together with the module-level helpers it calls (``segment_sum``, ...), has the
+digest recorded here (decorators and docstrings left out): an edited copy
+is checked op by op again, and so refused. The proof is about the code at each size, while the graph is
+its trace at the traced length: ``check_padding_safety(..., trusted=)`` reports the trusted functions, and
+``plan_static_shapes`` then marks the buckets at which one of Dynamo's guards on the length fails (the chunk
+count a loop was unrolled for): calls landing there run unpadded.
 
 What the whole-function rule still checks, at the function's edges (a node inside it that reads or feeds a
 node outside it):
@@ -50,62 +53,62 @@ class CausalFunction:
     digest: str  # source_digest of the proven code
     files: tuple[str, ...]  # path suffixes of the files holding an identical copy
     reason: str  # why output row i reads input rows <= i only
+    helpers: tuple[str, ...] = ()  # module-level functions of the same file it calls: part of the proven code
     seq_dim: int = 1  # the sequence dim of every sequence argument and result (-1: the last)
 
 
 _MAMBA2 = ("bamba", "falcon_h1", "granitemoehybrid", "mamba2", "nemotron_h", "zamba2")
 _DELTA = ("lara_mini", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp")
-_MAMBA = ("falcon_mamba", "jamba", "mamba", "zamba")
 
 #: function name -> the proven code.
 CAUSAL_FUNCTIONS: Mapping[str, CausalFunction] = MappingProxyType({
-    "mamba_selective_scan": CausalFunction(
-        "7741d95862eac581", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _MAMBA),
-        "Mamba selective scan, (batch, channels, sequence) in and out: the discretisation is per position; the "
-        "state at position i is a prefix scan of the positions 0 .. i (the recurrent loop, mambapy's pscan or "
-        "torch's associative_scan, whose odd/even recursion combines only ranges inside [0, i] for result i); the "
-        "output at i reads the state at i and C, D, z at i", seq_dim=-1),
     "mamba2_chunk_scan": CausalFunction(
-        "cb9cfcc47c2dcf54", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _MAMBA2),
+        "716d32c389cc9046", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _MAMBA2),
         "Mamba-2 SSD chunked scan: chunks start at multiples of chunk_size from row 0 with or without padding; "
         "within a chunk, output row l reads source rows s <= l only (exp(segment_sum) is exp(-inf) = 0 above the "
         "diagonal, and segment_sum's cumsum reads rows <= l); a chunk's state (a sum over all its rows) and the "
         "last row's cumulative decay feed only the start states of later chunks (the inter-chunk decay is again "
-        "exp(-inf) = 0 above the diagonal); the D residual is row-wise"),
+        "exp(-inf) = 0 above the diagonal); the D residual is row-wise",
+        helpers=("pad_tensor_by_size", "reshape_into_chunks", "segment_sum")),
     "torch_chunk_gated_delta_rule": CausalFunction(
-        "26e6b6ee8e95e61b", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _DELTA),
+        "e8aa42c00b9d9dbe", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _DELTA),
         "gated delta rule, chunked: chunks start at multiples of chunk_size from row 0; within a chunk the "
         "pairwise decays are exp(-inf) = 0 above the diagonal, so the UT system and the intra-chunk attention are "
         "lower triangular, the unit lower-triangular solve (forward substitution) gives row i from rows <= i, "
-        "and the chunk's last-row decay and key update feed only the recurrent state read by later chunks"),
+        "and the chunk's last-row decay and key update feed only the recurrent state read by later chunks",
+        helpers=("l2norm",)),
 })
 
 
 @functools.lru_cache(maxsize=64)
-def _digest_at(path: str, function: str, mtime_ns: int) -> str | None:
+def _digest_at(path: str, functions: tuple[str, ...], mtime_ns: int) -> str | None:
     del mtime_ns  # part of the cache key: an edited file is read again
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
     except (OSError, SyntaxError, ValueError):
         return None
+    found = {}
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == function:
+        if isinstance(node, ast.FunctionDef) and node.name in functions:
             node.decorator_list = []
             first = node.body[0] if node.body else None
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
                 node.body = node.body[1:]
-            return hashlib.sha256(ast.unparse(node).encode()).hexdigest()[:16]
-    return None
+            found[node.name] = ast.unparse(node)
+    if set(found) != set(functions):
+        return None
+    return hashlib.sha256("\n\n".join(found[f] for f in functions).encode()).hexdigest()[:16]
 
 
-def source_digest(path: str, function: str) -> str | None:
-    """A digest of top-level ``function``'s code in ``path`` (decorators and docstring left out), or None."""
+def source_digest(path: str, function: str, helpers: tuple[str, ...] = ()) -> str | None:
+    """A digest of top-level ``function``'s code in ``path`` and of the helpers it calls (decorators and
+    docstrings left out), or None when one is missing."""
     try:
         mtime = os.stat(path).st_mtime_ns
     except OSError:
         return None
-    return _digest_at(path, function, mtime)
+    return _digest_at(path, (function, *helpers), mtime)
 
 
 def causal_function_of(node: torch.fx.Node) -> str | None:
@@ -113,7 +116,7 @@ def causal_function_of(node: torch.fx.Node) -> str | None:
     for name, fn in CAUSAL_FUNCTIONS.items():
         for suffix in fn.files:
             path = ran_inside_file(node, suffix, name)
-            if path is not None and source_digest(path, name) == fn.digest:
+            if path is not None and source_digest(path, name, fn.helpers) == fn.digest:
                 return name
     return None
 
