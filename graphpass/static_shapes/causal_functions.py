@@ -58,6 +58,7 @@ class CausalFunction:
 
 
 _MAMBA2 = ("bamba", "falcon_h1", "granitemoehybrid", "mamba2", "nemotron_h", "zamba2")
+_KDA = ("bailing_hybrid", "glm5_next", "kimi_linear")
 _DELTA = ("lara_mini", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp")
 
 #: function name -> the proven code.
@@ -76,6 +77,15 @@ CAUSAL_FUNCTIONS: Mapping[str, CausalFunction] = MappingProxyType({
         "pairwise decays are exp(-inf) = 0 above the diagonal, so the UT system and the intra-chunk attention are "
         "lower triangular, the unit lower-triangular solve (forward substitution) gives row i from rows <= i, "
         "and the chunk's last-row decay and key update feed only the recurrent state read by later chunks",
+        helpers=("l2norm",)),
+    "chunk_kimi_delta_attention": CausalFunction(
+        "74cbb14a6f617905", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _KDA),
+        "Kimi delta attention, chunked: chunks start at multiples of chunk_size from row 0; the per-channel decays "
+        "are a cumsum within the chunk, their pairwise exp is exp(-inf) = 0 above the diagonal; the UT matrix is "
+        "masked to its strict lower triangle and the in-place forward substitution builds row i from rows < i; "
+        "value = attn @ v_beta and k_cumdecay are lower triangular (plus the identity); the intra-chunk attention "
+        "is masked to the lower triangle; the chunk's last-row decay and key update feed only the recurrent state "
+        "read by later chunks",
         helpers=("l2norm",)),
 })
 
