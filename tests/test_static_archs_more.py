@@ -15,7 +15,9 @@ does.
 import ast
 import importlib.util
 import sys
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -160,10 +162,7 @@ def test_gated_delta_rule_is_causal_and_padding_is_exact(tmp_path):
     torch.testing.assert_close(run(*pad)[:, :11], want, rtol=1e-5, atol=1e-6)
 
 
-def test_buckets_where_the_traced_chunk_count_fails_run_unpadded(tmp_path):
-    # the gated delta rule loops over the chunk count (a Python int): Dynamo unrolls it for the traced length
-    # and guards on it. With chunk_size 4 a graph traced at 5..8 rows (2 chunks) is the code's trace at bucket 8,
-    # not at bucket 16 (4 chunks): calls landing in 16 with that graph must not trust the proof there
+def _delta_rule_sweep(tmp_path, lengths):
     mod = _copy_module(tmp_path, "qwen3_next")
 
     def run(q, k, v, decay, beta):
@@ -175,12 +174,28 @@ def test_buckets_where_the_traced_chunk_count_fails_run_unpadded(tmp_path):
     compiled = torch.compile(run, backend=gp)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        for n in (5, 6, 7, 11, 12):
+        for n in lengths:
             q, k, v = (torch.randn(1, n, 2, 4, generator=g) for _ in range(3))
             decay, beta = -torch.rand(1, n, 2, generator=g), torch.rand(1, n, 2, generator=g)
             torch.testing.assert_close(compiled(q, k, v, decay, beta), run(q, k, v, decay, beta), rtol=1e-5, atol=1e-6)
-    plans = [gr.analysis.bucket_plan for gr in gp.graphs if getattr(gr.analysis, "bucket_plan", None) is not None]
-    assert any(p.active and set(p.invalid_buckets) == {16} for p in plans), [(p.refused, p.invalid_buckets) for p in plans]
+    return [gr.analysis.bucket_plan for gr in gp.graphs if getattr(gr.analysis, "bucket_plan", None) is not None]
+
+
+def test_a_length_guard_of_the_proven_code_is_checked_at_every_bucket(tmp_path, monkeypatch):
+    # the gated delta rule loops over the chunk count (a Python int): Dynamo unrolls the loop for the traced
+    # length and guards on the count. With chunk_size 4, a graph traced at 6 rows (2 chunks) is not the code's
+    # trace at bucket 16 (4 chunks). That guard is listed as benign (every chunk holding a real row is processed;
+    # the others hold padding only): without the listing, calls landing in bucket 16 run unpadded
+    from graphpass.static_shapes import causal_functions as cf
+
+    plans = _delta_rule_sweep(tmp_path, (5, 6, 7, 9))
+    assert plans and plans[0].active and not plans[0].invalid_buckets, [(p.refused, p.invalid_buckets) for p in plans]
+    strict = {n: replace(f, benign_guards={}) for n, f in cf.CAUSAL_FUNCTIONS.items()}
+    monkeypatch.setattr(cf, "CAUSAL_FUNCTIONS", MappingProxyType(strict))
+    plans = _delta_rule_sweep(tmp_path, (5, 6, 7, 9))
+    assert plans and plans[0].active and set(plans[0].invalid_buckets) == {16}, \
+        [(p.refused, p.invalid_buckets) for p in plans]
+    assert "range(num_chunks)" in plans[0].invalid_buckets[16]
 
 
 # ----------------------------------------------------------------------------- real models

@@ -343,8 +343,11 @@ def _invalid_buckets(plan: BucketPlan, placeholders: list[torch.fx.Node], syms: 
     guard fails, the graph is not the code's trace at that size, so the proof says nothing there. Each guard that
     mentions only padded symbols is evaluated with every one set to the bucket; a false or undecided guard marks the
     bucket. A guard that also mentions another size (``Eq(s16, s27)``: the length of an input of another graph of
-    the frame, checked by Dynamo on the real call) is not about this graph's trace. Every bucket marked: the plan
-    is refused."""
+    the frame, checked by Dynamo on the real call) is not about this graph's trace, and neither is a guard at one of
+    the trusted function's lines listed as benign (``CausalFunction.benign_guards``: ``if pad_size > 0``, the loop
+    over the chunks, each with its reason). Every bucket marked: the plan is refused."""
+    from ..static_shapes.causal_functions import benign_guard
+
     env = next((e for e in (getattr(getattr(example_of(p), "fake_mode", None), "shape_env", None)
                             for p in placeholders) if e is not None), None)
     if env is None:
@@ -364,6 +367,8 @@ def _invalid_buckets(plan: BucketPlan, placeholders: list[torch.fx.Node], syms: 
                 continue  # relates the length to another size (``Eq(s16, s27)``: a mask of another graph)
             if value is not sympy.true:
                 where = re.sub(r"\s*\((_dynamo|torch)/[^()]*\)$", "", str(getattr(guard, "sloc", "")))
+                if benign_guard(where, trusted) is not None:
+                    continue  # a branch of the proven code that is the same at the bucket for the real rows
                 plan.invalid_buckets[b] = f"{guard.expr} ({where})"
                 break
     if len(plan.invalid_buckets) == len(buckets):

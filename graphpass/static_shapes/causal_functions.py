@@ -37,15 +37,16 @@ import ast
 import functools
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from ..fx_utils import example_of, ran_inside_file, size_expr, writes_into
 
-__all__ = ["CAUSAL_FUNCTIONS", "CausalFunction", "causal_function_of", "check_causal_edges", "source_digest"]
+__all__ = ["CAUSAL_FUNCTIONS", "CausalFunction", "benign_guard", "causal_function_of", "check_causal_edges",
+           "source_digest"]
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,20 @@ class CausalFunction:
     reason: str  # why output row i reads input rows <= i only
     helpers: tuple[str, ...] = ()  # module-level functions of the same file it calls: part of the proven code
     seq_dim: int = 1  # the sequence dim of every sequence argument and result (-1: the last)
+    # source lines of the function whose length guard may fail at a bucket without changing the real rows:
+    # line text -> why (see benign_guard)
+    benign_guards: Mapping[str, str] = field(default_factory=dict)
 
 
 _MAMBA2 = ("bamba", "falcon_h1", "granitemoehybrid", "mamba2", "nemotron_h", "zamba2")
 _KDA = ("bailing_hybrid", "glm5_next", "kimi_linear")
 _DELTA = ("lara_mini", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp")
+
+_NO_PAD = ("traced with pad_size > 0, the graph pads by pad_size and cuts output[:, :sequence_length]; at a bucket "
+           "where pad_size is 0 both are the identity, which is what the code computes there")
+_UNROLLED = ("the loop over chunks is unrolled for the chunk count of the real length (Dynamo checks it per call); "
+             "a bucket is at least that long, so every chunk holding a real row is processed, and the chunks past "
+             "them hold padding rows only (their outputs stay zero and are sliced off)")
 
 #: function name -> the proven code.
 CAUSAL_FUNCTIONS: Mapping[str, CausalFunction] = MappingProxyType({
@@ -70,14 +80,15 @@ CAUSAL_FUNCTIONS: Mapping[str, CausalFunction] = MappingProxyType({
         "diagonal, and segment_sum's cumsum reads rows <= l); a chunk's state (a sum over all its rows) and the "
         "last row's cumulative decay feed only the start states of later chunks (the inter-chunk decay is again "
         "exp(-inf) = 0 above the diagonal); the D residual is row-wise",
-        helpers=("pad_tensor_by_size", "reshape_into_chunks", "segment_sum")),
+        helpers=("pad_tensor_by_size", "reshape_into_chunks", "segment_sum"),
+        benign_guards={"if pad_size > 0:": _NO_PAD}),
     "torch_chunk_gated_delta_rule": CausalFunction(
         "e8aa42c00b9d9dbe", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _DELTA),
         "gated delta rule, chunked: chunks start at multiples of chunk_size from row 0; within a chunk the "
         "pairwise decays are exp(-inf) = 0 above the diagonal, so the UT system and the intra-chunk attention are "
         "lower triangular, the unit lower-triangular solve (forward substitution) gives row i from rows <= i, "
         "and the chunk's last-row decay and key update feed only the recurrent state read by later chunks",
-        helpers=("l2norm",)),
+        helpers=("l2norm",), benign_guards={"for i in range(num_chunks):": _UNROLLED}),
     "chunk_kimi_delta_attention": CausalFunction(
         "74cbb14a6f617905", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _KDA),
         "Kimi delta attention, chunked: chunks start at multiples of chunk_size from row 0; the per-channel decays "
@@ -86,7 +97,7 @@ CAUSAL_FUNCTIONS: Mapping[str, CausalFunction] = MappingProxyType({
         "value = attn @ v_beta and k_cumdecay are lower triangular (plus the identity); the intra-chunk attention "
         "is masked to the lower triangle; the chunk's last-row decay and key update feed only the recurrent state "
         "read by later chunks",
-        helpers=("l2norm",)),
+        helpers=("l2norm",), benign_guards={"for i in range(total_sequence_length // chunk_size):": _UNROLLED}),
 })
 
 
@@ -128,6 +139,18 @@ def causal_function_of(node: torch.fx.Node) -> str | None:
             path = ran_inside_file(node, suffix, name)
             if path is not None and source_digest(path, name, fn.helpers) == fn.digest:
                 return name
+    return None
+
+
+def benign_guard(where: str, functions: Iterable[str]) -> str | None:
+    """Why a Dynamo guard on the length may fail at a bucket without changing any real row, when its source
+    location (``guard.sloc``: ``"<code>  # <file>:<line> in <function>"``) is one of ``functions``' listed
+    lines; None otherwise."""
+    code, _, frame = where.partition("  # ")
+    for name in functions:
+        fn = CAUSAL_FUNCTIONS.get(name)
+        if fn is not None and frame.endswith(f" in {name}") and code.strip() in fn.benign_guards:
+            return fn.benign_guards[code.strip()]
     return None
 
 
