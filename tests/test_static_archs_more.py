@@ -47,7 +47,7 @@ def _copy_module(tmp_path, model, edit=None):
     src_path = Path(transformers.__file__).parent / "models" / model / f"modeling_{model}.py"
     source = src_path.read_text()
     tree = ast.parse(source)
-    parts = ["import torch", "import torch.nn.functional as F"]
+    parts = ["import torch", "import torch.nn.functional as F", "from transformers.utils import is_torchdynamo_exporting"]
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name in _HELPERS[model]:
             node.decorator_list = []
@@ -202,8 +202,11 @@ def test_a_length_guard_of_the_proven_code_is_checked_at_every_bucket(tmp_path, 
 
 BUCKETS = [16, 32, 64]
 LENGTHS = [2, 5, 9, 16, 17, 23, 31, 33, 40, 47, 58, 63]  # 12 lengths over all three buckets
-SHORT = [3, 9, 16, 21, 40]  # the other families of the same functions: fewer lengths, every bucket
-FAMILIES = [("mamba2", LENGTHS), ("qwen3_next", LENGTHS)]
+# Mamba-2's tiny config has chunk_size 16: a graph Dynamo traces at a multiple of the chunk takes the other branch of
+# ``if pad_size > 0`` and returns rows sized ``s + Mod(-s, 16)``, not proven equal to the length: that graph is
+# refused (and runs dynamic, exact), so its sweep avoids multiples of 16 (docs/static-shapes.md, "Chunked scans")
+MAMBA2_LENGTHS = [2, 5, 9, 15, 17, 23, 31, 33, 40, 47, 58, 63]
+FAMILIES = [("mamba2", MAMBA2_LENGTHS), ("qwen3_next", LENGTHS)]
 
 
 def _sweep(model, strict, lengths):
