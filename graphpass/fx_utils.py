@@ -437,10 +437,19 @@ def _functions_of_trace(trace: str) -> frozenset[tuple[str, str]]:
 def ran_inside(node: Node, path_suffix: str, function: str) -> bool:
     """Whether ``node`` was traced while ``function`` of a file whose path ends with ``path_suffix``
     (``"transformers/integrations/moe.py"``) was on the Python stack (read off its stack trace)."""
+    return ran_inside_file(node, path_suffix, function) is not None
+
+
+def ran_inside_file(node: Node, path_suffix: str, function: str) -> str | None:
+    """Like :func:`ran_inside`, but the absolute path of the matching file (``None``: not inside), so a
+    caller can read the function's source."""
     trace = node.meta.get("stack_trace") or ""
-    return bool(trace) and any(
-        f == function and (p == path_suffix or p.endswith("/" + path_suffix)) for p, f in _functions_of_trace(trace)
-    )
+    if not trace:
+        return None
+    for p, f in _functions_of_trace(trace):
+        if f == function and (p == path_suffix or p.endswith("/" + path_suffix)):
+            return p
+    return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -211,6 +211,11 @@ class BucketDispatcher:
                 f"{self.cfg.largest}; running it unpadded with dynamic shapes (add a bucket to avoid it)"
             )
             return self._run_unpadded(args, self._shape_key(args))
+        bad = sorted({b for b in buckets.values() if b in plan.invalid_buckets})
+        if bad:
+            self._warn(f"graphpass static_shapes: Dynamo's guard {plan.invalid_buckets[bad[0]]} fails at bucket {bad[0]}, "
+                       "so this graph is not the traced code's graph at that size; running it unpadded with dynamic shapes")
+            return self._run_unpadded(args, self._shape_key(args))
         subs = {sym: b for sym, b in buckets.items()}
         others = tuple((i, int(a)) for i, a in enumerate(args) if isinstance(a, int) and i not in plan.size_inputs)
         key = (tuple(sorted((str(s), b) for s, b in subs.items())), others,

@@ -49,6 +49,7 @@ import operator
 import sympy
 import torch
 
+from .causal_functions import causal_function_of, check_causal_edges
 from ..fx_utils import (example_of, flat_nodes, mentions_symbol, op_name, ran_inside, schema_position, size_expr, source_frame,
                         tensors_of, writes_into)
 from ..tensor_utils import shape_env_of
@@ -449,9 +450,15 @@ class _Ctx:
     facts: Mapping[torch.fx.Node, Any] = field(default_factory=dict)  # index provenance (_Positions / _Causal)
     ties: Mapping[Any, Any] = field(default_factory=dict)  # symbol -> the padded symbol it equals on every call
     relied_on: set[str] = field(default_factory=set)  # zero-padded inputs an accepted proof needs to hold 1 (filled)
+    trusted: set[str] = field(default_factory=set)  # causal functions checked as a whole (filled)
 
     def same_size(self, a: Any, b: Any) -> bool:
         return size_expr(a).xreplace(self.ties) == size_expr(b).xreplace(self.ties)
+
+    def is_length(self, size: Any) -> bool:
+        """``size`` is a padded length itself (a padded symbol, or one tied to it)."""
+        expr = size_expr(size).xreplace(self.ties)
+        return isinstance(expr, sympy.Symbol) and str(expr) in self.names
 
     def padded(self, value: Any) -> tuple[int, ...]:
         t = example_of(value)
@@ -1085,6 +1092,10 @@ def _check_node(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
         return None  # graphpass's own markers: no outputs, run-time side effects only
     if any(ran_inside(node, path, fn) for path, fn in ROW_WISE_FUNCTIONS):
         return None  # inside a library function that is row-wise as a whole
+    causal_fn = causal_function_of(node) if ctx.causal_ok else None
+    if causal_fn is not None:  # inside a proven causal scan: only its edges are checked
+        ctx.trusted.add(causal_fn)
+        return check_causal_edges(node, causal_fn, ctx.padded, ctx.is_length)
     inputs = [n for n in _iter_nodes((node.args, node.kwargs))]
     tensor_in = [n for n in inputs if tensors_of(n)]
     tensor_out = tensors_of(node)
@@ -1722,7 +1733,7 @@ def _live_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 def check_padding_safety(
     gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True,
     ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
-    relied_on: set[str] | None = None,
+    relied_on: set[str] | None = None, trusted: set[str] | None = None,
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -1738,6 +1749,10 @@ def check_padding_safety(
     which the caller checks), for the size comparisons of the index-provenance proofs.
     ``relied_on``: when given, filled with the ``zero_padded`` inputs that an accepted additive-mask proof needs
     to hold 1 at every real position (no real query row fully masked); the caller checks that on every call.
+
+    ``trusted``: when given, filled with the names of the causal functions (:mod:`.causal_functions`) checked as
+    a whole; their proof is about the function's code at each size, so the caller must also check that the traced
+    graph is the code's trace at the bucket's size (Dynamo's guards hold there).
 
     Nodes whose values reach no output (dead code the model computes and never uses) are not checked.
 
@@ -1756,4 +1771,6 @@ def check_padding_safety(
         out.append(PaddingViolation(node=node.name, op=_label(node), dim=dim, reason=reason, source=_source(node)))
     if relied_on is not None:
         relied_on.update(ctx.relied_on)
+    if trusted is not None:
+        trusted.update(ctx.trusted)
     return out

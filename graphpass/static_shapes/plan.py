@@ -29,6 +29,9 @@ class BucketPlan:
     # attention mask: no real query row may be fully masked); checked per call, else the call runs unpadded
     ones_inputs: dict[int, str] = field(default_factory=dict)
     unsliced: torch.fx.GraphModule | None = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
+    # bucket -> the Dynamo guard that fails there (a graph proven through a causal function's code, whose trace
+    # at the traced length is not its trace at this bucket): calls landing in such a bucket run unpadded
+    invalid_buckets: dict[int, str] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
