@@ -326,8 +326,7 @@ def _invalid_buckets(plan: BucketPlan, placeholders: list[torch.fx.Node], syms: 
     over the chunks, each with its reason). Every bucket marked: the plan is refused."""
     from ..static_shapes.causal_functions import benign_guard
 
-    env = next((e for e in (getattr(getattr(example_of(p), "fake_mode", None), "shape_env", None)
-                            for p in placeholders) if e is not None), None)
+    env = shape_env_of([example_of(p) for p in placeholders])
     if env is None:
         plan.refused.append(f"{', '.join(trusted)}: no shape environment to check Dynamo's guards at the buckets")
         return

@@ -29,7 +29,7 @@ from graphpass.static_shapes.padding_safety import check_padding_safety
 
 transformers = pytest.importorskip("transformers")
 
-_PATH = Path(__file__).resolve().parent.parent / "bench" / "conformance.py"
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "conformance.py"
 _spec = importlib.util.spec_from_file_location("graphpass_bench_conformance", _PATH)
 conformance = sys.modules.get(_spec.name)
 if conformance is None:
