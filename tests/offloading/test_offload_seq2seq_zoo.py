@@ -44,7 +44,8 @@ def _nllb_moe():
 def _switch(num_experts: int):
     cfg = transformers.SwitchTransformersConfig(
         vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
-        num_experts=num_experts, expert_capacity=8, encoder_sparse_step=1, decoder_sparse_step=1, decoder_start_token_id=0)
+        num_experts=num_experts, expert_capacity=8, encoder_sparse_step=1, decoder_sparse_step=1,
+        decoder_start_token_id=0)
     return transformers.SwitchTransformersForConditionalGeneration(cfg)
 
 
@@ -173,9 +174,10 @@ def test_offload_to_host_matches_eager(name):
     "defect: Switch's expert loop breaks the graph inside a loop, so Dynamo skips the layer's frame and "
     "compiles each expert's forward as a frame of its own; graphpass's offload_guard pre-hook closes over the "
     "module name, so Dynamo guards on it and recompiles per expert. 4 sparse layers x 4 experts = 16 > "
-    "recompile_limit (8): the 9th expert (decoder.block.0...expert_0.wi) runs eagerly and its guard raises "
-    "OffloadError, whose text blames the skipped frame instead of the recompile limit (passes with "
-    "torch._dynamo.config.recompile_limit=64: test_offload_to_host_matches_eager[switch_transformers]; 2 experts = 8 frames passes a first call, not always a second, whose new token counts per expert recompile)"))
+    "recompile_limit (8): an expert past the limit (e.g. decoder.block.0...expert_0.wi) runs eagerly and its "
+    "guard raises OffloadError, whose text blames the skipped frame instead of the recompile limit (passes "
+    "with torch._dynamo.config.recompile_limit=64: test_offload_to_host_matches_eager[switch_transformers]; "
+    "2 experts = 8 frames passes a first call, not always a second, whose new token counts recompile)"))
 def test_switch_experts_exceed_recompile_limit():
     _run_case("switch_transformers", CASES["switch_transformers"][2])
 
