@@ -288,6 +288,11 @@ class StagingRing:
         self._head = start + n
         return start
 
+    def untake(self) -> None:
+        """Give back the newest region (a step that could not be sent)."""
+        start, _ = self._regions.pop()
+        self._head = start if self._regions else 0
+
     def give_back(self) -> None:
         """Free the oldest region."""
         self._regions.popleft()
@@ -377,12 +382,16 @@ class ProcessWriteBehind(WriteBehind):
         body = json.dumps({"seq": self._seq, "records": records, "spans": spans, "step": step,
                            "writer": [os.fspath(w.capture_dir), w.dp_rank, w.tp_rank, w.tp_size]},
                           default=_jsonable).encode("utf-8")
-        self._inflight.append((self._seq, nbytes))
         try:
             self._proc.stdin.write(struct.pack("<I", len(body)) + body)
             self._proc.stdin.flush()
-        except OSError as exc:  # the writer is gone: its reply thread reports the steps it lost
-            log.error("capture writer process is gone: %s", exc)
+        except OSError as exc:  # the writer is gone (its reply thread reports the steps it held)
+            if nbytes:
+                self._ring.untake()
+            self._proc = None  # the next staged step starts a new one
+            raise CaptureError(f"capture step not staged: the capture writer process is gone ({exc}); "
+                               "the next step starts a new one") from exc
+        self._inflight.append((self._seq, nbytes))
 
     def _read_replies(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
@@ -396,8 +405,9 @@ class ProcessWriteBehind(WriteBehind):
             lost = len(self._inflight)
             while self._inflight:
                 self._done(f"the capture writer process exited (code {code}) before writing this step")
-            if lost and self._proc is proc:
+            if self._proc is proc:
                 self._proc = None  # the next staged step starts a new one
+            if lost:
                 log.error("capture writer process exited (code %s) with %d step(s) unwritten", code, lost)
 
     def _done(self, error: str | None) -> None:

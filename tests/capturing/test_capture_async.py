@@ -311,6 +311,39 @@ def test_a_writer_process_that_dies_loses_only_the_steps_it_held_and_says_so(tmp
     del gate
 
 
+def test_a_writer_process_that_dies_between_steps_is_replaced_not_waited_for(tmp_path):
+    cap = manual_capture(tmp_path, "process")
+    manual_step(cap, torch.zeros(2))
+    cap.flush()
+    behind = cap._behind
+    os.kill(behind._proc.pid, signal.SIGKILL)  # idle: no step in flight
+    behind._thread.join(60)  # its reply thread sees the end of the writer's output
+    manual_step(cap, torch.ones(2))
+    done = threading.Thread(target=cap.flush)
+    done.start()
+    done.join(60)
+    assert not done.is_alive()  # before the fix: the step went down a dead pipe and flush never returned
+    assert sorted(steps_on_disk(tmp_path)) == ["prefill_s2_0", "prefill_s2_1"]
+
+
+def test_a_step_sent_to_a_writer_process_that_just_died_is_refused_and_the_next_is_written(tmp_path):
+    cap = manual_capture(tmp_path, "process")
+    manual_step(cap, torch.zeros(2))
+    cap.flush()
+    behind = cap._behind
+    proc = behind._proc
+    os.kill(proc.pid, signal.SIGKILL)
+    behind._thread.join(60)
+    with behind._cond:  # as if its reply thread had not seen the end yet: the write finds a broken pipe
+        behind._proc = proc
+    with pytest.raises(CaptureError, match="writer process is gone"):
+        manual_step(cap, torch.ones(2))
+    assert cap.pending_steps == 0 and behind._ring.place(100) == 0  # nothing held for the refused step
+    manual_step(cap, torch.full((2,), 2.0))
+    cap.flush()
+    assert sorted(steps_on_disk(tmp_path)) == ["prefill_s2_0", "prefill_s2_2"]
+
+
 def test_a_forked_process_never_writes_into_its_parents_ring(tmp_path, monkeypatch):
     cap = manual_capture(tmp_path, "process")
     gate = Gate(monkeypatch, cap)
