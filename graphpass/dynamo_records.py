@@ -38,6 +38,14 @@ def new_reasons(before: dict[str, Counter]) -> list[str]:
     return sorted(out, key=lambda r: not any(m in r for m in _SKIP_MARKERS))
 
 
+def version() -> int:
+    """A number that changes whenever Dynamo records a new break reason (distinct reasons so far):
+    cheap enough to read on every call, so a check can run again only when there is news."""
+    from torch._dynamo.utils import counters
+
+    return sum(len(counters.get(k, ())) for k in _KINDS)
+
+
 def skipped_frames() -> list[str]:
     """Every break record in this process in which Dynamo says it skipped a frame (no "before":
     for an error raised when a skipped frame already ran eagerly)."""

@@ -360,6 +360,33 @@ def _schema_writes(op: torch._ops.OpOverload, user: Node, alias: Node) -> bool:
     return False
 
 
+_DATA_SWAPS = (torch.ops.aten.shallow_copy_data_,)
+
+
+def is_noop_data_swap(node: Node) -> bool:
+    """Is ``node`` ``t.data = t.to(...)`` where the ``to`` changes nothing (same dtype, device,
+    shape and strides, no ``copy=True``)? ``Tensor.to`` then returns ``t`` itself, so the swap gives
+    ``t`` its own data back: no write. Dynamo records ``module.to(dtype)`` on a module that already
+    has that dtype this way (``nn.Module._apply`` sets ``param.data``), for example the router of
+    transformers' NLLB-MoE and Switch, which casts its classifier on every forward."""
+    if node.op != "call_function" or node.target not in (*_DATA_SWAPS, *(p.default for p in _DATA_SWAPS)):
+        return False
+    if len(node.args) != 2 or not isinstance(node.args[0], Node):
+        return False
+    dst, src = node.args
+    if src is dst:
+        return True
+    if not isinstance(src, Node) or not src.args or src.args[0] is not dst or src.kwargs.get("copy"):
+        return False
+    if not (src.op == "call_method" and src.target == "to") and src.target is not torch.Tensor.to:
+        return False
+    if any(a is True for a in src.args[1:]):  # copy=True (or non_blocking) given positionally: not proven
+        return False
+    a, b = example_of(dst), example_of(src)
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.device == b.device and a.shape == b.shape and a.stride() == b.stride())
+
+
 def find_write(node: Node, index: AliasIndex | None = None) -> tuple[Node, Node] | None:
     """The first ``(writer, alias)`` where ``writer`` writes into ``node`` or a view of it, or None.
     With an :class:`AliasIndex`, nodes sharing ``node``'s storage count as views too."""

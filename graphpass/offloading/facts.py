@@ -10,11 +10,14 @@ Held by the model's ``OffloadState`` (``state.facts``) and by each offloaded ten
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, NamedTuple
 
 import torch
 
+from .. import dynamo_records
 from ..errors import OffloadError
+from ..fx_utils import relocated
 from .graph_slots import GraphSlots
 from .schedule import PrefetchWindow
 
@@ -37,8 +40,9 @@ class OffloadFacts:
     on the device. Set by ``offload()``: ``guarded_code`` (guarded module name -> its
     :class:`GuardedCode`) and whether the model holds the weights' real bytes (``eager_reads_real``;
     ``stand_ins_are`` says what it holds otherwise): what a frame Dynamo skips, run eagerly, would
-    read. Recorded by the offload pass: ``eager_warned`` (modules already warned about) and
-    ``graph_slots`` (the fixed device slots of loads recorded into CUDA graphs, newest last; older
+    read. Recorded by the offload pass: ``eager_warned`` (modules already warned about),
+    ``group_owners`` (a load group's label -> the name of its first tensor when the pass labelled it:
+    :meth:`runtime_group`) and ``graph_slots`` (the fixed device slots of loads recorded into CUDA graphs, newest last; older
     sets serve the graphs recorded with them).
     """
 
@@ -51,7 +55,26 @@ class OffloadFacts:
         self.stand_ins_are = "the device stand-ins the model holds"  # what it reads when not (the refusal says)
         self.eager_warned: set[str] = set()
         self.graph_slots: list[GraphSlots] = []
+        self.group_owners: dict[str, str] = {}
+        self.skips_seen = -1  # dynamo_records.version() when check_skipped_frames last looked
+        self._relabelled: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
+
+    def runtime_group(self, group: str, name: str) -> str:
+        """The label of load group ``group`` for the call now running, whose first tensor is ``name``.
+
+        Dynamo runs one compiled frame for every instance of a class (a layer's frame after a graph
+        break in it, an MoE's experts), so a graph labelled for ``layers.0`` also loads ``layers.2``:
+        the label moves with the tensor, as trap labels do (:func:`graphpass.fx_utils.relocated`)."""
+        owner = self.group_owners.get(group)
+        if owner is None or owner == name:
+            return group
+        key = (group, name)
+        hit = self._relabelled.get(key)
+        if hit is None:
+            found = relocated(group, owner, [name])
+            hit = self._relabelled[key] = found[0] if len(found) == 1 and found[0] else group
+        return hit
 
     @property
     def storage(self) -> str:
@@ -90,3 +113,46 @@ def refuse_unpinned_cuda_graph_loads(recs: list, storage: str, where: str) -> No
             f"load copies from page-locked host memory at a fixed address at every replay: offload with "
             f"storage='pinned', or compile without CUDA graphs"
         )
+
+
+def check_skipped_frames(facts: OffloadFacts) -> None:
+    """A module holding streamed tensors whose forward Dynamo skipped (a graph break inside a loop)
+    runs eagerly, outside every graph graphpass schedules: no load serves it, and its pre-hook guard
+    ran inside a compiled caller. It reads what the model holds (:func:`runs_eagerly`). Checked when
+    a later graph of the model compiles, and by the first load after Dynamo records something new (the
+    skip is recorded as the skipped frame first runs, and one compiled frame may serve every instance
+    of a class, so no later compile need come): cheap when nothing changed."""
+    seen = dynamo_records.version()
+    if facts.skips_seen == seen:
+        return
+    facts.skips_seen = seen
+    sites = dynamo_records.skipped_frame_sites()
+    if not sites:
+        return
+    for name, code in facts.guarded_code.items():
+        span = code.span
+        hit = next((s for s in sites if span and s.file == span[0] and span[1] <= s.line <= span[2]), None)
+        if hit is None or name in facts.eager_warned:
+            continue
+        first = next((line.strip() for line in hit.record.strip().splitlines() if line.strip()), "")
+        runs_eagerly(facts, name, f"Dynamo skipped {code.what} ({hit.name} at {hit.file} line {hit.line})",
+                      f"remove the graph break (Dynamo's record starts: {first!r}; TORCH_LOGS=graph_breaks shows it) "
+                      f"or move it out of the loop")
+
+
+def runs_eagerly(facts: OffloadFacts, name: str, why: str, fix: str) -> None:
+    """Module ``name`` runs eagerly, outside every graph: with device stand-ins (or a disk region that
+    could not be mapped) it reads no weights, so the result would be wrong: refused, naming the module
+    and why; with the real bytes (host copies, mapped files) the result is right but nothing streams:
+    a warning, once per module."""
+    cls = facts.guarded_code[name].cls
+    where = (f"module {name!r} ({cls}) holds tensors graphpass.offload() streams, and {why}: it runs eagerly, "
+             f"outside every graph graphpass schedules")
+    todo = f"{fix}, or keep the module on the device with exclude_patterns=[{name!r}]"
+    if not facts.eager_reads_real:
+        raise OffloadError(f"{where}, and reads {facts.stand_ins_are} instead of its weights, so its "
+                           f"results would be wrong. What to do: {todo}")
+    facts.eager_warned.add(name)
+    warnings.warn(f"graphpass offload: {where}; it reads its weights from host memory directly, so they are not "
+                  f"streamed (results are right; memory_stats does not count them). To stream them: {todo}",
+                  UserWarning, stacklevel=3)

@@ -194,7 +194,11 @@ def _copy_plain_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 def _guard_hook(name: str):
     def hook(module, args):
-        torch.ops.graphpass.offload_guard(name)
+        # Traced by Dynamo, the op names no module: reading ``name`` would make it a guard (a
+        # constant in the graph), and every instance of a class (an MoE's experts) would compile a
+        # frame of its own, past recompile_limit. The offload pass reads the module from the node's
+        # nn_module_stack. Run eagerly, the op raises and names the module.
+        torch.ops.graphpass.offload_guard("" if torch.compiler.is_compiling() else name)
 
     return hook
 

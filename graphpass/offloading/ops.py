@@ -14,7 +14,8 @@ from ..errors import OffloadError
 from ..tensor_utils import (flatten_wrappers, is_dtensor, local_tensor, register_dtensor_handlers, unflatten_wrappers,
                             with_spec_of)
 from ..ops import record_event
-from .runtime import lookup
+from .facts import check_skipped_frames, runs_eagerly
+from .runtime import guarded_module_names, lookup
 
 # --------------------------------------------------------------------------------------------
 # The ops
@@ -26,6 +27,7 @@ _LIB.define("load_wait(Tensor ticket, Tensor[] srcs, str group, Device device, T
 _LIB.define("evict(Tensor[] loaded, Tensor[] srcs, str group, Tensor[] after) -> Tensor")
 _LIB.define("offload_guard(str module) -> ()")
 _LIB.define("accumulate_grad(Tensor grad, Tensor handle) -> ()")
+_LIB.define("unloaded_reads(Tensor[] weights, str compiled_for) -> ()")
 
 
 def _records(srcs: List[torch.Tensor], group: str) -> list:
@@ -44,6 +46,10 @@ def _records(srcs: List[torch.Tensor], group: str) -> list:
 def _load_start(srcs: List[torch.Tensor], group: str, device: torch.device, after: List[torch.Tensor] = ()) -> torch.Tensor:
     recs = _records(srcs, group)
     runtime = recs[0].runtime
+    facts = recs[0].facts
+    if facts.skips_seen != dynamo_records.version():  # a frame Dynamo skipped may have run since
+        check_skipped_frames(facts)
+    group = facts.runtime_group(group, recs[0].name)
     ticket = runtime.start(recs, group)
     record_event("load", group)
     # The ticket is a tensor on the compute device (a host tensor in the graph would keep CUDA
@@ -66,7 +72,9 @@ def _load_wait(
     ticket: torch.Tensor, srcs: List[torch.Tensor], group: str, device: torch.device, started: List[torch.Tensor] = ()
 ) -> List[torch.Tensor]:
     # the start looked every input up; the wait needs the runtime only (its first input's)
-    out = _records(srcs[:1], group)[0].runtime.wait(getattr(ticket, "_graphpass_ticket", None), group)
+    rec = _records(srcs[:1], group)[0]
+    group = rec.facts.runtime_group(group, rec.name)
+    out = rec.runtime.wait(getattr(ticket, "_graphpass_ticket", None), group)
     record_event("wait", group)
     return out
 
@@ -80,6 +88,7 @@ def _evict(loaded: List[torch.Tensor], srcs: List[torch.Tensor], group: str, aft
     if srcs:
         rec = lookup(srcs[0])
         if rec is not None:
+            group = rec.facts.runtime_group(group, rec.name)
             rec.runtime.evicted(group, loaded)
     record_event("evict", group)
     return _token(loaded)
@@ -99,8 +108,16 @@ def _nothing(*args, **kwargs) -> None:
 
 
 def _guard(module: str) -> None:
+    # "": traced by Dynamo into a graph that graphpass did not schedule (another backend), where the
+    # module is not named (see offloading.install._guard_hook): name the modules it can be
+    if module:
+        who = f"module {module!r}"
+    else:
+        names = [n or "(the model itself)" for n in guarded_module_names()]
+        shown = ", ".join(repr(n) for n in names[:6]) + (f", ... ({len(names)} modules)" if len(names) > 6 else "")
+        who = f"a module graphpass.offload() streams (one of {shown})" if names else "a module graphpass.offload() streams"
     msg = (
-        f"module {module!r} holds weights that graphpass.offload() moved off the device, and it ran outside a "
+        f"{who} holds weights that graphpass.offload() moved off the device, and it ran outside a "
         f"graph graphpass scheduled (an eager call, or torch.compile with another backend). Run it as "
         f"torch.compile(model, backend='graphpass') (any then= delegate) so the loads are in the graph."
     )
@@ -110,14 +127,35 @@ def _guard(module: str) -> None:
     raise OffloadError(msg)
 
 
+def _unloaded_reads(weights: List[torch.Tensor], compiled_for: str) -> None:
+    """A graph without loads, traced from the forward frame of a module that holds no streamed tensor
+    (``compiled_for``), runs for every instance of its class (Dynamo guards on neither), some of which
+    do. Run for one of those, it reads what the model holds: host memory (right, but not streamed: a
+    warning once per module) or device stand-ins (refused) (:func:`facts.runs_eagerly`)."""
+    for w in weights:
+        rec = lookup(w)
+        if rec is None:
+            continue
+        facts = rec.facts
+        module = max((g for g in facts.guarded_code if rec.name.startswith(g + ".") or not g), key=len, default=None)
+        if module is None or module in facts.eager_warned:
+            continue
+        runs_eagerly(facts, module, f"it runs a graph Dynamo compiled for {compiled_for!r}, an instance of the same class "
+                     f"that streams nothing (the class's forward is a frame of its own: a graph break above it), which has "
+                     f"no loads", f"offload every instance of that class or none (include_patterns / exclude_patterns), or "
+                     f"remove the graph break above it (TORCH_LOGS=graph_breaks)")
+
+
 _LIB.impl("load_start", _load_start, "CompositeExplicitAutograd")
 _LIB.impl("load_wait", _load_wait, "CompositeExplicitAutograd")
 _LIB.impl("evict", _evict, "CompositeExplicitAutograd")
 _LIB.impl("offload_guard", _guard, "CompositeExplicitAutograd")
+_LIB.impl("unloaded_reads", _unloaded_reads, "CompositeExplicitAutograd")
 torch.library.register_fake("graphpass::load_start", _load_start_fake, lib=_LIB)
 torch.library.register_fake("graphpass::load_wait", _load_wait_fake, lib=_LIB)
 torch.library.register_fake("graphpass::evict", _evict_fake, lib=_LIB)
 torch.library.register_fake("graphpass::offload_guard", _nothing, lib=_LIB)
+torch.library.register_fake("graphpass::unloaded_reads", _nothing, lib=_LIB)
 
 
 def _wait_setup(ctx, inputs, output) -> None:
@@ -251,6 +289,8 @@ OFFLOAD_GUARD_TARGETS = (OFFLOAD_GUARD, torch.ops.graphpass.offload_guard)  # Dy
 
 torch.fx.node.has_side_effect(EVICT)
 torch.fx.node.has_side_effect(OFFLOAD_GUARD)
+UNLOADED_READS = torch.ops.graphpass.unloaded_reads.default
+torch.fx.node.has_side_effect(UNLOADED_READS)
 torch.fx.node.has_side_effect(torch.ops.graphpass.offload_guard)
 
 

@@ -170,6 +170,12 @@ def facts_guarding(module: str) -> list[OffloadFacts]:
     return [rt.facts for rt in REGISTRY.runtimes() if module in rt.facts.guarded_code]
 
 
+def guarded_module_names() -> list[str]:
+    """The FQNs of the guarded modules of every live offloaded model (for an error raised where the
+    module at fault is not known: a graph another backend compiled, see :func:`offloading.ops._guard`)."""
+    return [n for rt in REGISTRY.runtimes() for n in rt.facts.guarded_code]
+
+
 @dataclass(eq=False)
 class WrappedOffload:
     """A tensor subclass input (torchao's ``Int8Tensor``) whose inner tensors graphpass streams:

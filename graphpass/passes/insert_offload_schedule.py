@@ -42,13 +42,15 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import dynamo_records
 from ..errors import OffloadError
-from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, OFFLOAD_GUARD_TARGETS
+from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, OFFLOAD_GUARD_TARGETS, UNLOADED_READS
 from ..offloading.schedule import LoadGroup, OffloadSchedule  # noqa: F401 (re-exported)
-from ..offloading.facts import OffloadFacts, facts_of, refuse_unpinned_cuda_graph_loads
+from ..offloading.facts import OffloadFacts, check_skipped_frames, facts_of, refuse_unpinned_cuda_graph_loads, runs_eagerly
 from ..offloading.runtime import OffloadedTensor, WrappedOffload, facts_guarding, lookup_input, plain_records
-from ..fx_utils import AliasIndex, example_of, find_calls, find_write, is_graphpass_node, is_view, node_order, views_of
+from ..fx_utils import (AliasIndex, example_of, find_calls, find_write, is_graphpass_node, is_noop_data_swap, is_view,
+                        node_order, views_of)
 from ..tensor_utils import fake_mode_of, flatten_wrappers, is_dtensor, is_wrapper_subclass, unflatten_wrappers
 from ..ops import is_enter, is_exit
+from ..analysis import module_paths
 from .base import GraphPass, PassContext
 
 
@@ -96,28 +98,31 @@ class InsertOffloadSchedule(GraphPass):
         graph = ctx.gm.graph
         guards = find_calls(graph, *OFFLOAD_GUARD_TARGETS)
         records = _offloaded_inputs(ctx)
+        shared = _check_shared_frames(ctx, [rec.facts for rec in records.values()] or _facts_of_roots(ctx), records)
         if not records:
-            replaced = _replaced_weights(ctx, guards)
+            names = guarded_modules(guards, ctx.roots)
+            replaced = _replaced_weights(ctx, names)
             if replaced:
                 raise OffloadError(
-                    f"module {guards[0].args[0]!r} was offloaded with graphpass.offload(), but this graph reads "
+                    f"module {names[0]!r} was offloaded with graphpass.offload(), but this graph reads "
                     f"{replaced[0]!r}, a tensor it holds that offload() does not manage: the tensors were replaced after "
                     f"offload() (.half(), .to(), or a new parameter assigned). Change the model before offloading it, or "
                     f"offload it again on a fresh instance"
                 )
-            _check_hooks_alone(guards, _facts_of_roots(ctx))
+            _check_hooks_alone(names, _facts_of_roots(ctx))
             for node in guards:  # a graph of the module's hooks alone (its forward is another graph)
                 graph.erase_node(node)
-            return bool(guards)
+            return bool(guards) or shared
         for node in guards:
             graph.erase_node(node)
+        _erase_noop_data_swaps(graph, records)
         _refuse_writes(graph, records)
         _refuse_disk_gradients(graph, records)
         models = {id(r.facts): r.facts for r in records.values()}
         if len(models) > 1:
             raise OffloadError("one graph reads tensors offloaded from two different models; offload and compile them separately")
         facts = next(iter(models.values()))
-        _check_skipped_frames(facts)
+        check_skipped_frames(facts)
         order = node_order(graph)
         plan = _plan_groups(graph, records, ctx.analysis.node_trap, order)
         if not plan:
@@ -139,6 +144,8 @@ class InsertOffloadSchedule(GraphPass):
         # The first window (groups 0..prefetch) starts where the graph starts computing: its copies
         # overlap whatever runs before the first streamed trap (resident traps, embeddings).
         first = next(n for n in graph.nodes if n.op != "placeholder")
+        for group in plan:  # what each label's tensors are called here: the runtime relabels a reused graph
+            facts.group_owners.setdefault(group.key, records[group.phs[0]].name)
         for k, group in enumerate(plan):
             for j in window.issued_at(k, len(plan)):
                 _insert_start(graph, plan, done, j, first if k == 0 else group.anchor, k, device, order)
@@ -228,25 +235,6 @@ def _prepare_cuda_graphs(facts: OffloadFacts, groups: list, config) -> None:
     facts.reserve_graph_slots(groups)
 
 
-def _check_skipped_frames(facts: OffloadFacts) -> None:
-    """A module holding streamed tensors whose forward Dynamo skipped (a graph break inside a loop)
-    runs eagerly, outside every graph graphpass schedules: no load serves it, and its pre-hook guard
-    ran inside a compiled caller. It reads what the model holds (:func:`_runs_eagerly`). Checked when
-    any later graph of the model compiles (the skip is recorded as the skipped frame first runs)."""
-    sites = dynamo_records.skipped_frame_sites()
-    if not sites:
-        return
-    for name, code in facts.guarded_code.items():
-        span = code.span
-        hit = next((s for s in sites if span and s.file == span[0] and span[1] <= s.line <= span[2]), None)
-        if hit is None or name in facts.eager_warned:
-            continue
-        first = next((line.strip() for line in hit.record.strip().splitlines() if line.strip()), "")
-        _runs_eagerly(facts, name, f"Dynamo skipped {code.what} ({hit.name} at {hit.file} line {hit.line})",
-                      f"remove the graph break (Dynamo's record starts: {first!r}; TORCH_LOGS=graph_breaks shows it) "
-                      f"or move it out of the loop")
-
-
 def _facts_of_roots(ctx: PassContext) -> list[OffloadFacts]:
     """The offload facts of the models behind the graph's sources (``ctx.roots``)."""
     found = {}
@@ -257,38 +245,73 @@ def _facts_of_roots(ctx: PassContext) -> list[OffloadFacts]:
     return list(found.values())
 
 
-def _check_hooks_alone(guards: list[torch.fx.Node], facts_of_roots: list[OffloadFacts]) -> None:
+def guarded_modules(guards: list[torch.fx.Node], roots) -> list[str]:
+    """The FQN of the module behind each ``offload_guard`` node, in graph order, without repeats.
+
+    A hook traced by Dynamo passes no name (``offload_guard("")``): a per-module constant in the
+    graph would be a Dynamo guard, and one compiled frame could not serve the instances of a class
+    (an MoE's experts compiled once per expert, past ``recompile_limit``). The node runs inside the
+    module's call, so the innermost entry of its ``nn_module_stack``, placed in the whole model by
+    ``roots``, is that module; an empty stack is the frame's own module."""
+    out: dict[str, None] = {}
+    for g in guards:
+        name = g.args[0] if g.args and g.args[0] else None
+        if name is None:
+            paths = module_paths(g, roots)
+            name = paths[-1] if paths else (roots.frame_module if roots is not None else "")
+        out[name] = None
+    return list(out)
+
+
+def _check_shared_frames(ctx: PassContext, facts_list: list[OffloadFacts], records: dict) -> bool:
+    """A graph traced from a module's own forward frame (a graph break above it made it one) that
+    reads that module's weights serves every instance of its class: Dynamo guards neither on which
+    instance runs nor on its hooks. When some instances hold streamed tensors and others do not:
+
+    * compiled for an instance that streams nothing (no loads here), the graph gets a check,
+      ``graphpass::unloaded_reads``, that warns (host memory: right, not streamed) or refuses (device
+      stand-ins) when it runs for an instance that does, as for a frame Dynamo skips;
+    * compiled for one that does, a run for one that does not fails in its first load, naming the
+      tensor (it is not a tensor offload() manages)."""
+    if not facts_list or not ctx.roots.frame_module or records:
+        return False
+    root = ctx.roots.modules.get(("self", ()))
+    model = ctx.roots.models.get(("self", ()))
+    prefix = ctx.roots.frame_module + "."
+    placeholders = {n.name: n for n in ctx.gm.graph.nodes if n.op == "placeholder"}
+    reads = [placeholders[t.node] for t in ctx.analysis.weights()
+             if t.node in placeholders and any(f.startswith(prefix) for f in t.fqns)]
+    if root is None or model is None or not reads:
+        return False
+    if any(is_dtensor(example_of(n)) or is_wrapper_subclass(example_of(n)) for n in reads):
+        return False  # the check takes plain tensors (a sharded or wrapped weight keeps today's behaviour)
+    guarded = [g for facts in dict.fromkeys(facts_list) for g in facts.guarded_code]
+    for name, mod in model.named_modules():
+        if type(mod) is type(root) and next(iter(mod.parameters()), None) is not None \
+                and any(g == name or g.startswith(name + ".") for g in guarded):
+            break
+    else:
+        return False
+    graph = ctx.gm.graph
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        graph.call_function(UNLOADED_READS, (reads, ctx.roots.frame_module))
+    return True
+
+def _check_hooks_alone(names: list[str], facts_of_roots: list[OffloadFacts]) -> None:
     """A graph of a module's hooks alone: the module was called from code running eagerly, and its
     forward is meant to be a graph of its own. Where Dynamo compiles no frame of its own for that
     forward (an inbuilt ``torch.nn`` module on torch 2.9, ``GuardedCode.own_frame``), it runs eagerly.
     The facts come from the graph's roots; a graph whose roots reach no offloaded model (a frame
     without a module ``self``) reads those of the live models guarding a module of that name."""
-    for name in dict.fromkeys(g.args[0] for g in guards):
+    for name in names:
         mine = [f for f in facts_of_roots if name in f.guarded_code]
         for facts in mine or facts_guarding(name):
             if facts.guarded_code[name].own_frame or name in facts.eager_warned:
                 continue
-            _runs_eagerly(facts, name, "it is called from code running eagerly (a frame Dynamo skipped), and this "
+            runs_eagerly(facts, name, "it is called from code running eagerly (a frame Dynamo skipped), and this "
                           "torch's Dynamo compiles no frame of its own for the forward of an inbuilt module",
                           "remove the graph break in the code that calls it (TORCH_LOGS=graph_breaks shows it)")
-
-
-def _runs_eagerly(facts: OffloadFacts, name: str, why: str, fix: str) -> None:
-    """Module ``name`` runs eagerly, outside every graph: with device stand-ins (or a disk region that
-    could not be mapped) it reads no weights, so the result would be wrong: refused, naming the module
-    and why; with the real bytes (host copies, mapped files) the result is right but nothing streams:
-    a warning, once per module."""
-    cls = facts.guarded_code[name].cls
-    where = (f"module {name!r} ({cls}) holds tensors graphpass.offload() streams, and {why}: it runs eagerly, "
-             f"outside every graph graphpass schedules")
-    todo = f"{fix}, or keep the module on the device with exclude_patterns=[{name!r}]"
-    if not facts.eager_reads_real:
-        raise OffloadError(f"{where}, and reads {facts.stand_ins_are} instead of its weights, so its "
-                           f"results would be wrong. What to do: {todo}")
-    facts.eager_warned.add(name)
-    warnings.warn(f"graphpass offload: {where}; it reads its weights from host memory directly, so they are not "
-                  f"streamed (results are right; memory_stats does not count them). To stream them: {todo}",
-                  UserWarning, stacklevel=3)
 
 
 def _offloaded_inputs(ctx: PassContext) -> dict[torch.fx.Node, OffloadedTensor | WrappedOffload]:
@@ -303,15 +326,25 @@ def _offloaded_inputs(ctx: PassContext) -> dict[torch.fx.Node, OffloadedTensor |
     return records
 
 
-def _replaced_weights(ctx: PassContext, guards: list[torch.fx.Node]) -> list[str]:
+def _replaced_weights(ctx: PassContext, guarded: list[str]) -> list[str]:
     """FQNs of weights this graph reads that a guarded (offloaded) module holds, when none of the
     graph's inputs is an offloaded tensor: they were replaced after offload()."""
-    guarded = {g.args[0] for g in guards}
     out = []
     for t in ctx.analysis.weights():
         if any(h == m or h.startswith(m + ".") for m in guarded for h in t.holders):
             out.append(t.fqn)
     return out
+
+
+def _erase_noop_data_swaps(graph: torch.fx.Graph, records: dict) -> None:
+    """``w.data = w.to(w.dtype)`` on an offloaded weight gives it its own data back: not a write, and
+    left in the graph it would be a reader outside the weight's trap. Erased with its ``to`` (when
+    nothing else reads it), so the layer's real readers are what the loads serve."""
+    for node in dict.fromkeys(n for ph in records for n in list(ph.users) if n.args and n.args[0] is ph and is_noop_data_swap(n)):
+        src = node.args[1]
+        graph.erase_node(node)
+        if isinstance(src, torch.fx.Node) and src is not node.args[0] and not src.users:
+            graph.erase_node(src)
 
 
 def _refuse_writes(graph: torch.fx.Graph, records: dict) -> None:

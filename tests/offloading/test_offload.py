@@ -521,10 +521,15 @@ def test_strict_delegate_gets_only_aten_pieces(strict_backend):
 def test_graph_break_inside_the_layer_stack():
     ref, inputs, state, gp, compiled = offloaded("graph_break")
     x = fresh_inputs(inputs)
-    assert torch.equal(run(compiled, *x), ref(*x))
+    with graphpass.trace_traps() as events:
+        assert torch.equal(run(compiled, *x), ref(*x))
     assert len(gp.graphs) >= 2
     loaded = [g.label for rec in gp.graphs if rec.analysis.offload for g in rec.analysis.offload.groups]
-    assert {"layers.0", "layers.1", "layers.2"} <= set(loaded)
+    assert {"layers.0", "layers.1"} <= set(loaded)
+    # Dynamo runs the frame it compiled for one layer for the next (the offload guard puts no module
+    # name in the graph): the load, wait and eviction labels move with the tensors, like trap labels
+    for kind in ("load", "wait", "evict", "enter"):
+        assert {label for k, label in events if k == kind} == {"layers.0", "layers.1", "layers.2"}, (kind, events)
     assert graphpass.memory_stats(compiled).peak_streamed_bytes <= 2 * trap_bytes(state, "layers.0")
 
 
