@@ -235,12 +235,6 @@ class offload_block(trap_block):
         super().__init__(name)
 
 
-# The bucket size of the static-shape graph running now (set by the static-shape bucket
-# dispatcher), so a capture step is named after the bucket its tensors have. Shared runtime
-# context between two features, so it lives here rather than in either.
-CURRENT_BUCKET: contextvars.ContextVar[int | None] = contextvars.ContextVar("graphpass_bucket", default=None)
-
-
 def _local_boundary(op_call, args, kwargs):
     """DTensor handler for the boundary ops: they read no data, so they take the local shards
     (no sharding strategy, no redistribution, so no collective a boundary could add)."""

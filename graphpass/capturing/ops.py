@@ -24,7 +24,7 @@ from typing import Any, List, Sequence
 
 import torch
 
-from ..ops import CURRENT_BUCKET
+from ..bucket_context import current_bucket
 from ..tensor_utils import dtensor_mesh, is_dtensor, local_tensor, register_dtensor_handlers
 
 _LIB = torch.library.Library("graphpass", "FRAGMENT")
@@ -67,7 +67,7 @@ def capture(name: str, t: torch.Tensor, owner: List[torch.Tensor], owner_fqn: st
     if registry is None or not registry.enabled:
         return
     value = t.detach().clone()
-    bucket = CURRENT_BUCKET.get()
+    bucket = current_bucket()
     if bucket is not None:
         registry.bucket = bucket
     if manual:

@@ -19,12 +19,13 @@ by ``load_state_dict(assign=True)`` (``FSDPParam.reset_sharded_param``). Each bl
 ``unshard()`` is wrapped: when it is about to all-gather, the block's shards are loaded
 (``graphpass::load_start`` / ``load_wait``, the same ops and runtime as the graph's loads), handed
 to FSDP2 as the all-gather input, and evicted (``graphpass::evict``) as soon as the all-gather has
-copied them in; the next block's load is then started (``prefetch_distance``; the previous block's
-in the backward), so it runs on the worker while this block computes. Loads, waits and evictions
-are therefore ordered with FSDP2's collectives by construction (load, wait, copy-in and
-all-gather, evict), the same on every rank, and at most one block's shards (plus the one in
-flight ahead) exist outside their home at once. The compiled graphs themselves are unchanged: their
-inputs are the gathered parameters FSDP2 owns and frees. A load started ahead is used only for the
+copied them in; the next block's load is then started (``prefetch_distance >= 1``; the previous
+block's in the backward; ``PrefetchWindow.next_block`` in ``schedule.py``), so it runs on the worker
+while this block computes. Loads, waits and evictions are therefore ordered with FSDP2's
+collectives by construction (load, wait, copy-in and all-gather, evict), the same on every rank,
+and at most one block's shards (plus the one in flight ahead) exist outside their home at once.
+The compiled graphs themselves are unchanged: their inputs are the gathered parameters FSDP2 owns
+and frees. A load started ahead is used only for the
 pass it was started for and while the host copies it read keep the versions they had
 (``Tensor._version``): a block skipped in the pass that started its load (an early exit), whose weights
 are then updated in place (an optimizer step, ``load_state_dict``), is loaded again. (A write through
@@ -46,6 +47,7 @@ import torch
 from torch import nn
 
 from ..errors import OffloadError
+from .schedule import PrefetchWindow
 
 
 @dataclass(eq=False)
@@ -159,15 +161,15 @@ class BlockStream:
     """One FSDP2 param group's streamed shards: loads them for its all-gather, evicts them after.
 
     ``srcs`` are the host tensors the loads read (the records' keys), ``params`` their FSDPParams
-    in the same order. ``order`` is the list of every streamed group's stream in model order (the
-    neighbour whose load is started ahead). Holds no reference to the offload state: the ops find
-    the runtime from ``srcs``.
+    in the same order. ``order`` is the list of every streamed group's stream in model order;
+    ``window`` says which of them has its load started ahead (``PrefetchWindow.next_block``).
+    Holds no reference to the offload state: the ops find the runtime from ``srcs``.
     """
 
     def __init__(self, group: Any, label: str, params: list, srcs: list, device: torch.device,
-                 order: list, prefetch: int, disk: bool) -> None:
+                 order: list, window: PrefetchWindow, disk: bool) -> None:
         self.group, self.label, self.params, self.srcs = group, label, params, srcs
-        self.device, self.order, self.prefetch, self.disk = device, order, prefetch, disk
+        self.device, self.order, self.window, self.disk = device, order, window, disk
         self.orig = group.unshard  # the bound method of the group's class
         # (for the backward?, ticket, versions of srcs when it started) of a load started early
         self.ahead: tuple[bool, torch.Tensor, tuple[int, ...]] | None = None
@@ -207,12 +209,9 @@ class BlockStream:
         return torch.ops.graphpass.load_wait(ticket, self.srcs, self.label, self.device, [])
 
     def _start_neighbour(self) -> None:
-        if self.prefetch < 1:
-            return
-        i = self.order.index(self)
-        step = -1 if self._backward() else 1
-        if 0 <= i + step < len(self.order):
-            other = self.order[i + step]
+        j = self.window.next_block(self.order.index(self), len(self.order), backward=self._backward())
+        if j is not None:
+            other = self.order[j]
             if other.ahead is None and not other.group.is_unsharded:
                 other.ahead = (self._backward(), other._start(), other._versions())
 
@@ -247,9 +246,10 @@ def _hand_over(params: list, data: list) -> list:
 
 
 def install(managed: dict[int, Managed], streamed: list, records: list, device: torch.device,
-            prefetch: int, disk: bool) -> list[_Removable]:
+            window: PrefetchWindow, disk: bool) -> list[_Removable]:
     """Hand FSDP2 the new at-rest parameters and wrap the ``unshard()`` of every group that holds
-    streamed shards. ``streamed`` and ``records`` are parallel (planning record, OffloadedTensor)."""
+    streamed shards. ``streamed`` and ``records`` are parallel (planning record, OffloadedTensor);
+    ``window`` is the model's prefetch window (``OffloadFacts.window``)."""
     per_group: dict[int, tuple[Any, str, list, list]] = {}
     for trec, rec in zip(streamed, records):
         entry = managed.get(id(trec))
@@ -265,7 +265,7 @@ def install(managed: dict[int, Managed], streamed: list, records: list, device: 
         per_group[id(entry.group)][3].append(rec.key)
     order: list[BlockStream] = []
     for group, label, params, srcs in per_group.values():
-        order.append(BlockStream(group, label, params, srcs, device, order, prefetch, disk))
+        order.append(BlockStream(group, label, params, srcs, device, order, window, disk))
     handles = []
     for stream in order:
         stream.group.unshard = stream.unshard  # an instance attribute: FSDP2 calls self.unshard()

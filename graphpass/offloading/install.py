@@ -673,7 +673,7 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
         if use_stand_ins:
             state.facts.eager_reads_real = False  # the model holds stand-ins, not the weights
         # FSDP2 shards are loaded where FSDP2 all-gathers them (eagerly, in its unshard), not in a graph
-        state.hooks += fsdp2.install(sharded, streamed, state.records, device, config.prefetch_distance,
+        state.hooks += fsdp2.install(sharded, streamed, state.records, device, state.facts.window,
                                      config.storage == "disk")
         _install_guards(model, state, [r for r in streamed if id(r) not in sharded])
         _install_state_dict_hooks(model, state, tensors, streamed)

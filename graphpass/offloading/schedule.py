@@ -2,9 +2,9 @@
 
 :class:`PrefetchWindow` is the only place the window is worked out: the forward schedule
 (``insert_offload_schedule``), its backward mirror (``pin_backward_loads``), the budget planner
-(``planning``) and the runtime's fixed CUDA-graph slots all ask it. :class:`OffloadSchedule` /
-:class:`LoadGroup` are what the offload pass decided for one graph, recorded on
-``GraphAnalysis.offload`` for reports and goldens. No torch import: this is plain data.
+(``planning``), the runtime's fixed CUDA-graph slots and FSDP2's streamed blocks (``fsdp2``) all
+ask it. :class:`OffloadSchedule` / :class:`LoadGroup` are what the offload pass decided for one
+graph, recorded on ``GraphAnalysis.offload`` for reports and goldens. No torch import: this is plain data.
 """
 
 from __future__ import annotations
@@ -38,6 +38,19 @@ class PrefetchWindow:
     def ahead(self, k: int, count: int) -> int | None:
         """The load issued by trap ``k``'s wait (``k + d``), None when there is none."""
         return k + self.distance if self.distance and k + self.distance < count else None
+
+    def next_block(self, k: int, count: int, backward: bool = False) -> int | None:
+        """FSDP2 (``fsdp2.BlockStream``): the block whose load block ``k``'s ``unshard()`` starts once
+        its all-gather has copied its own shards in, out of ``count`` blocks in model order; the
+        backward runs them in reverse. A block's shards are evicted right after its all-gather and
+        each block keeps at most one load started ahead, so the window reaches the adjacent block
+        only: the trap window with its distance capped at 1, ``k + 1`` (``k - 1`` in the backward).
+        None at distance 0 (each block loads on demand) or past either end."""
+        near = PrefetchWindow(min(self.distance, 1))
+        if not backward:
+            return near.ahead(k, count)
+        mirrored = near.ahead(count - 1 - k, count)  # position in backward order
+        return None if mirrored is None else count - 1 - mirrored
 
     def device_bytes(self, largest: int) -> int:
         """Device bytes the window needs when its largest streamed unit holds ``largest`` bytes."""

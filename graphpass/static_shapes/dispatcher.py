@@ -38,8 +38,8 @@ from graphpass.backends import Delegate
 
 from ..fx_utils import copy_graph, shape_env_hints
 from ..tensor_utils import shape_env_of
+from ..bucket_context import running_bucket
 from .config import StaticShapesConfig
-from ..ops import CURRENT_BUCKET
 
 
 def scalar_items(gm: torch.fx.GraphModule) -> list[int]:
@@ -229,11 +229,8 @@ class BucketDispatcher:
         if fn is None:
             fn = self.compiled[key] = _compile_bucket(copy_graph(self.gm), padded, self.delegate, self.scalars)
             self.log.append(f"static_shapes: compiled bucket {dict((str(s), b) for s, b in subs.items())}")
-        token = CURRENT_BUCKET.set(max(subs.values()))  # capture steps are named after the bucket
-        try:
+        with running_bucket(max(subs.values())):  # capture steps are named after the bucket
             outs = fn(*padded)
-        finally:
-            CURRENT_BUCKET.reset(token)
         return self._slice(outs, sizes)
 
     @staticmethod

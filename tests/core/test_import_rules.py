@@ -21,7 +21,7 @@ FEATURES = ("offloading", "capturing", "static_shapes", "models", "integrations"
 # modules of the top level that answer graph and config questions and hold the shared data: they
 # never import the passes or the pipeline
 SHARED = ("analysis", "fx_utils", "torch_compat", "patterns", "errors", "roots", "formatting", "atomic_files",
-          "config", "ops", "dynamo_records", "trace_events", "version", "progress")
+          "config", "ops", "bucket_context", "dynamo_records", "trace_events", "version", "progress")
 # what a pass may import from a feature package: what it inserts or looks up, and the data it fills
 PASS_FEATURE_IMPORTS = {
     "graphpass.capturing.ops", "graphpass.offloading.ops", "graphpass.offloading.runtime",

@@ -218,6 +218,23 @@ def offloaded(name="mlp_stack", prefetch=1, then="aot_eager", **kw):
     return ref, inputs, state, gp, torch.compile(model, backend=gp)
 
 
+@pytest.mark.parametrize("distance", [0, 1, 2, 3])
+def test_fsdp2_blocks_prefetch_the_adjacent_block_only(distance):
+    """FSDP2's streamed blocks ask the one window rule (PrefetchWindow.next_block): at distance >= 1
+    a block's unshard starts its neighbour's load (the next in the forward, the previous in the
+    backward), never one further; at distance 0 none."""
+    from graphpass.offloading.schedule import PrefetchWindow
+
+    window = PrefetchWindow(distance)
+    forward = [window.next_block(k, 4) for k in range(4)]
+    backward = [window.next_block(k, 4, backward=True) for k in range(4)]
+    if distance == 0:
+        assert forward == backward == [None] * 4
+    else:
+        assert forward == [1, 2, 3, None] and backward == [None, 0, 1, 2]
+    assert window.next_block(0, 1) is None and window.next_block(0, 1, backward=True) is None
+
+
 def test_one_graph_per_frame_not_per_unit():
     ref, inputs, state, gp, compiled = offloaded("tiny_transformer")
     run(compiled, *inputs)
