@@ -360,16 +360,16 @@ def _schema_writes(op: torch._ops.OpOverload, user: Node, alias: Node) -> bool:
     return False
 
 
-_DATA_SWAPS = (torch.ops.aten.shallow_copy_data_,)
-
-
 def is_noop_data_swap(node: Node) -> bool:
     """Is ``node`` ``t.data = t.to(...)`` where the ``to`` changes nothing (same dtype, device,
     shape and strides, no ``copy=True``)? ``Tensor.to`` then returns ``t`` itself, so the swap gives
     ``t`` its own data back: no write. Dynamo records ``module.to(dtype)`` on a module that already
     has that dtype this way (``nn.Module._apply`` sets ``param.data``), for example the router of
     transformers' NLLB-MoE and Switch, which casts its classifier on every forward."""
-    if node.op != "call_function" or node.target not in (*_DATA_SWAPS, *(p.default for p in _DATA_SWAPS)):
+    if node.op != "call_function" or not isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return False
+    name = op_name(node.target)  # by name: aten.shallow_copy_data_ exists only from torch 2.14 (Dynamo's op)
+    if (name.namespace, name.name) != ("aten", "shallow_copy_data_"):
         return False
     if len(node.args) != 2 or not isinstance(node.args[0], Node):
         return False

@@ -32,6 +32,7 @@ import logging
 import mmap
 import numbers
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -220,6 +221,7 @@ class WriteBehind:
             thread.join()
 
     def _run(self) -> None:
+        _leave_signals_to_the_main_thread()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._closed)
@@ -394,6 +396,7 @@ class ProcessWriteBehind(WriteBehind):
         self._inflight.append((self._seq, nbytes))
 
     def _read_replies(self, proc: subprocess.Popen) -> None:
+        _leave_signals_to_the_main_thread()
         for line in proc.stdout:
             reply = json.loads(line)
             with self._cond:
@@ -438,6 +441,18 @@ class ProcessWriteBehind(WriteBehind):
         if thread is not None:
             thread.join()
         ring.close()
+
+
+_MAIN_THREAD_SIGNALS = {getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, n)}
+
+
+def _leave_signals_to_the_main_thread() -> None:
+    """Block the terminal's signals in this background thread. The kernel hands a signal sent to the
+    process to any thread that does not block it; Python then only sets a flag, and a main thread
+    sleeping or waiting in C (``time.sleep``, a blocking read) is not woken: Ctrl-C would wait for it.
+    Blocked here, it goes to a thread that can take it, normally the main one."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, _MAIN_THREAD_SIGNALS)
 
 
 def _forget_parent(ref: "weakref.ref[ProcessWriteBehind]") -> None:
