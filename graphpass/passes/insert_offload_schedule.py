@@ -34,13 +34,11 @@ else at the trap's first reader) and that the analysis holds ``node_trap``.
 from __future__ import annotations
 
 import operator
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .. import dynamo_records
 from ..errors import OffloadError
 from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, OFFLOAD_GUARD_TARGETS, UNLOADED_READS
 from ..offloading.schedule import LoadGroup, OffloadSchedule  # noqa: F401 (re-exported)
