@@ -37,7 +37,10 @@ def _records(srcs: List[torch.Tensor], group: str) -> list:
         if rec is None:
             raise OffloadError(
                 f"trap {group!r}: input {i} of its load is not a tensor graphpass.offload() manages "
-                f"(shape {tuple(s.shape)}); was the model re-offloaded or its weights replaced after compiling?"
+                f"(shape {tuple(s.shape)}). Either the model was re-offloaded or its weights replaced after "
+                f"compiling, or Dynamo reused this graph, compiled for a streamed instance of a class, for an "
+                f"instance the offload does not stream: offload every instance of that class (include_patterns) "
+                f"or none of them"
             )
         recs.append(rec)
     return recs
