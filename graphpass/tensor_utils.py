@@ -8,11 +8,12 @@ graph, :mod:`graphpass.fx_utils`), answered once.
   :func:`wrapper_inner_tensors`;
 * fake tensors: :func:`fake_mode_of`, :func:`shape_env_of` (torch's ``detect_fake_mode``);
 * DTensor dispatch rules for graphpass's own ops: :func:`register_dtensor_handlers`, called by the
-  ops modules where the ops are defined, never by a pass.
+  ops modules where the ops are defined, never by a pass;
+* FSDP2 (``fully_shard``): :func:`fsdp_param_groups`, the parameter groups of one module's state.
 
 Nothing else in graphpass reads ``_local_tensor``, ``device_mesh``, ``__tensor_flatten__``,
 ``is_traceable_wrapper_subclass``, a tensor's ``fake_mode`` / ``shape_env`` or DTensor's
-``_custom_op_handlers``: ``tests/test_toolkit_rules.py`` holds that.
+``_custom_op_handlers`` or an FSDP state's param groups: ``tests/test_toolkit_rules.py`` holds that.
 """
 
 from __future__ import annotations
@@ -193,3 +194,20 @@ def shape_env_of(values: Any = None) -> Any:
                 if isinstance(s, torch.SymInt):
                     return s.node.shape_env
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2
+# --------------------------------------------------------------------------------------------
+
+
+def fsdp_param_groups(module: Any) -> list:
+    """The ``FSDPParamGroup``\ s of ``module``'s ``fully_shard`` state (empty when it has none):
+    ``_fsdp_param_groups`` on newer torch, one ``_fsdp_param_group`` on older releases."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    state = get_state() if callable(get_state) else None
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ..errors import OffloadError
+from ..tensor_utils import fsdp_param_groups
 from .schedule import PrefetchWindow
 
 
@@ -60,23 +61,13 @@ class Managed:
     fqn: str
 
 
-def _groups(state: Any) -> list:
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # older releases: one group per state
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return list(groups)
-
-
 def managed_parameters(model: nn.Module) -> dict[int, Managed]:
     """id(sharded parameter the model holds at rest) -> its FSDP2 records, for every ``fully_shard`` module."""
     out: dict[int, Managed] = {}
     seen: set[int] = set()
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     for name, module in model.named_modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        state = get_state() if callable(get_state) else None
-        for group in _groups(state):
+        for group in fsdp_param_groups(module):
             if id(group) in seen:
                 continue
             seen.add(id(group))

@@ -29,7 +29,7 @@ import torch
 from ..analysis import TensorOwnership, mesh_text, module_paths, parse_source_name, placement_text
 from ..fx_utils import (example_of, inner_tensor_fields, is_graphpass_node, is_graphpass_op, node_order,
                         wrapper_inner_tensors)
-from ..tensor_utils import dtensor_class, dtensor_mesh, dtensor_placements, local_tensor
+from ..tensor_utils import dtensor_class, dtensor_mesh, dtensor_placements, fsdp_param_groups, local_tensor
 from ..torch_compat import source_name
 from .base import GraphPass, PassContext
 
@@ -115,11 +115,7 @@ def _fsdp_params(model: torch.nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {}
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        group = getattr(get_state(), "_fsdp_param_group", None)
-        for fp in getattr(group, "fsdp_params", None) or []:
+        for fp in [fp for group in fsdp_param_groups(module) for fp in getattr(group, "fsdp_params", None) or []]:
             info = fp._module_info
             pairs = [(info.module, info.param_name)] + list(zip(info.shared_modules, info.shared_param_names))
             for holder, param_name in pairs:

@@ -1,9 +1,10 @@
 """One answer per question (docs/architecture.md, "The toolkit is the only answer").
 
 The scan walks the source of ``graphpass/`` and ``backends/`` (the AST: docstrings and comments do
-not count) and refuses the raw spellings of four questions outside the module that answers them:
+not count) and refuses the raw spellings of five questions outside the module that answers them:
 
 * what a tensor is (DTensor, its local shard and mesh, wrapper subclasses): ``tensor_utils.py``;
+* which FSDP2 parameter groups a ``fully_shard`` module has (``fsdp_param_groups``): ``tensor_utils.py``;
 * which fake mode / shape env a value belongs to (torch's ``detect_fake_mode``): ``tensor_utils.py``;
 * an op's name, namespace, overload, schema: ``fx_utils.py`` (``op_name``, ``schema_position``);
 * DTensor / wrapper-subclass dispatch rules of graphpass's ops: registered by the ops modules
@@ -46,6 +47,9 @@ _ATTRS = {
     "_overloadname": ("op naming", OP_TOOLKIT),
     "_custom_op_handlers": ("dispatch rule", TENSOR_TOOLKIT),
     "_op_dispatcher": ("dispatch rule", TENSOR_TOOLKIT),
+    "_get_fsdp_state": ("FSDP2 groups", TENSOR_TOOLKIT),
+    "_fsdp_param_group": ("FSDP2 groups", TENSOR_TOOLKIT),
+    "_fsdp_param_groups": ("FSDP2 groups", TENSOR_TOOLKIT),
 }
 # names (imported or used) -> (question, allowed modules)
 _NAMES = {
@@ -152,6 +156,7 @@ def test_no_raw_spellings_outside_the_toolkit():
     ("n = t.overloadpacket.__name__", "allocation_audit.py", "op naming"),
     ("n = node.target.__name__", "slice_static_buffers.py", "op naming"),
     ("cls._op_dispatcher._custom_op_handlers[op] = h", "ops.py", "dispatch rule"),
+    ("g = getattr(m._get_fsdp_state(), '_fsdp_param_group', None)", "analyze_ownership.py", "FSDP2 groups"),
     ("class P(GraphPass):\n    def run(self, ctx):\n        let_wrappers_through({int})", "p.py", "dispatch rule"),
     ("class P(GraphPass):\n    pass\ndef f():\n    register_dtensor_handlers({})", "p.py", "dispatch rule"),
     ("def f():\n    register_dtensor_handlers({})", "ops.py", "dispatch rule"),
