@@ -12,7 +12,7 @@ class GraphSlots:
     """Fixed device memory for the loads recorded into a CUDA graph.
 
     A replay copies into the addresses the capture used, so a load under capture takes one of
-    ``count`` slots (``prefetch_distance + 1``) reserved before any capture, outside every graph's
+    ``count`` slots (``PrefetchWindow.traps``, the traps on the device at once) reserved before any capture, outside every graph's
     memory pool. Slots go round: load j takes the slot load j - count held, which the schedule
     evicted before load j starts (its ``after`` token), and the side stream waits for the compute
     stream before copying, so the copy lands after every reader of the previous occupant. A slot

@@ -79,7 +79,7 @@ class OffloadPlan:
         rows = [(u.name, "resident" if u.resident else "streamed", f"{u.nbytes:,}", f"{u.saving_per_byte:.2f}") for u in self.units]
         head = f"budget {self.max_device_bytes:,} bytes" if self.max_device_bytes else "no budget: everything matched streams"
         foot = (f"resident {self.resident_bytes:,} + streaming window {self.window_bytes:,} "
-                f"(prefetch {self.prefetch_distance} + 1 x largest streamed unit)")
+                f"({PrefetchWindow(self.prefetch_distance).traps} traps x largest streamed unit)")
         return f"offload plan ({head})\n" + tabulate(rows, headers=("unit", "decision", "bytes", "transfer saved / byte")) + "\n" + foot
 
 
