@@ -241,7 +241,6 @@ def _assert_bucketed(gp, strict, pieces, lengths):
 
 @pytest.mark.parametrize("family,lengths", FAMILIES, ids=[f for f, _ in FAMILIES])
 def test_chunked_scan_family_pads_to_buckets_through_a_static_only_compiler(strict_backend, family, lengths):
-    torch._dynamo.reset()
     model = conformance.build_model(family)
     gp, pieces = _sweep(model, strict_backend, lengths)
     _assert_bucketed(gp, strict_backend, pieces, lengths)
@@ -249,7 +248,6 @@ def test_chunked_scan_family_pads_to_buckets_through_a_static_only_compiler(stri
 
 def test_a_cache_update_with_the_final_state_is_still_refused():
     # use_cache=True: the scan's final state goes into the cache: not proven, the plan is refused (and exact)
-    torch._dynamo.reset()
     model = conformance.build_model("mamba2")
     gp = graphpass.backend(then="eager", static_shapes={"dims": {"input_ids": 1}, "buckets": [8, 16]})
     compiled = torch.compile(model, backend=gp)
