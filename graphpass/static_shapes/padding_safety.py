@@ -519,7 +519,11 @@ def _causal_scan(node: torch.fx.Node, name: str, ctx: _Ctx) -> bool:
 
 def _masked_softmax(node: torch.fx.Node, name: str, d: int, ctx: _Ctx) -> bool:
     """A softmax over the keys ``d`` of scores plus an additive causal mask (a :class:`_NegMask` on ``d``): every
-    real row's later keys, the padding among them, get exactly 0, so the row equals the unpadded one."""
+    real row's later keys, the padding among them, get exactly 0, so the row equals the unpadded one. A
+    ``logsumexp`` over the same keys (granite_swa's sink scale) is the log of that softmax's denominator: its max is
+    the row's finite max (the diagonal), every fill value's ``exp`` is exactly 0, so it equals the unpadded row's."""
+    if name == "logsumexp":
+        name = "softmax"  # the same proof: a sum of exp(v - max) over the keys, exact zeros from the fill values
     x = _arg(node, 0, "input")
     fact = ctx.facts.get(x) if isinstance(x, torch.fx.Node) else None
     t = example_of(x)
@@ -1478,6 +1482,7 @@ def _is_zero(value: Any) -> bool:
     return isinstance(value, torch.fx.Node) and value.op in ("call_function", "call_method") \
         and _op_name(value) in ("zeros", "zeros_like", "new_zeros")
 _SOFTMAXES = frozenset("softmax _softmax".split())
+_BOUNDED = _SOFTMAXES | {"sigmoid"}  # values in [0, 1] whatever the input: never a fill value
 
 
 def _huge_value(v: Any) -> bool:
@@ -1486,10 +1491,11 @@ def _huge_value(v: Any) -> bool:
 
 def _huge_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """Nodes that may hold a fill value (a constant of magnitude >= 1e30, or not finite) or a sum with one: a
-    mask, not a score. A softmax ends it (its values lie in [0, 1])."""
+    mask, not a score. A softmax or a sigmoid ends it (their values lie in [0, 1] for any input but NaN; granite_swa's
+    sink scale is ``sigmoid(logsumexp(scores + mask) - sink)``)."""
     huge: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method") or _op_name(node) in _SOFTMAXES:
+        if node.op not in ("call_function", "call_method") or _op_name(node) in _BOUNDED:
             continue
         leaves = list(_leaves((node.args, node.kwargs)))
         if any(_huge_value(v) or (isinstance(v, torch.fx.Node) and v in huge) for v in leaves):
