@@ -887,6 +887,27 @@ def _check_conv1d(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     return _value_use(node, ctx)
 
 
+def _check_unfold(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    """``Tensor.unfold(dim, size, step)`` (sliding windows; not ``F.unfold``, im2col) along a padded dim with a
+    static ``size`` and ``step >= 1``: window ``t`` holds input rows ``t * step .. t * step + size - 1``, anchored at
+    row 0 whatever the padding. With ``R`` real input rows the unpadded call has ``(R - size) // step + 1`` windows,
+    exactly the padded output's real count (its length expression at the real length); the last of them ends at row
+    ``<= R - 1``. So every real window reads real rows only, and the windows over padding come after them (inkling2's
+    short convolution: a left ``pad`` by ``size - 1``, then ``unfold(-1, size, 1)``, window ``t`` = tokens ``t - size + 1 .. t``)."""
+    if not (node.op == "call_method" or node.target in (torch.Tensor.unfold, torch.ops.aten.unfold.default)):
+        return None, f"unknown op {_label(node)}: cannot prove row independence"
+    t = example_of(node.args[0] if node.args else _arg(node, 0, "self", None))
+    if not isinstance(t, torch.Tensor):
+        return None, f"{name} of an unreadable tensor: cannot prove row independence"
+    pads = ctx.padded(t)
+    dim, size, step = (_static_int(_arg(node, i, kw, None)) for i, kw in ((1, "dimension"), (2, "size"), (3, "step")))
+    if dim is None or size is None or step is None:
+        return (pads[0] if pads else None), f"{name} with a dim, size or step that is not static"
+    if _norm_dim(dim, t.dim()) in pads and (size < 1 or step < 1):
+        return _norm_dim(dim, t.dim()), f"{name} along the padded dim with size {size}, step {step}"
+    return _value_use(node, ctx)
+
+
 def _exact(expr: sympy.Expr, env: ShapeEnv | None) -> sympy.Expr:
     """``expr`` with every ``a // b`` the shape env knows to be exact (``a % b == 0`` was
     guarded, e.g. by a view) replaced by ``a / b``, so that ``4 * (H // 4)`` cancels to ``H``."""
@@ -992,6 +1013,8 @@ def _handler(name: str) -> Callable[[torch.fx.Node, str, _Ctx], _Finding | None]
         return _check_embedding
     if name in CONVS:
         return _check_conv1d
+    if name == "unfold":
+        return _check_unfold
     return None
 
 
