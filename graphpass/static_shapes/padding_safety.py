@@ -519,7 +519,11 @@ def _causal_scan(node: torch.fx.Node, name: str, ctx: _Ctx) -> bool:
 
 def _masked_softmax(node: torch.fx.Node, name: str, d: int, ctx: _Ctx) -> bool:
     """A softmax over the keys ``d`` of scores plus an additive causal mask (a :class:`_NegMask` on ``d``): every
-    real row's later keys, the padding among them, get exactly 0, so the row equals the unpadded one."""
+    real row's later keys, the padding among them, get exactly 0, so the row equals the unpadded one. A
+    ``logsumexp`` over the same keys (granite_swa's sink scale) is the log of that softmax's denominator: its max is
+    the row's finite max (the diagonal), every fill value's ``exp`` is exactly 0, so it equals the unpadded row's."""
+    if name == "logsumexp":
+        name = "softmax"  # the same proof: a sum of exp(v - max) over the keys, exact zeros from the fill values
     x = _arg(node, 0, "input")
     fact = ctx.facts.get(x) if isinstance(x, torch.fx.Node) else None
     t = example_of(x)
@@ -883,6 +887,27 @@ def _check_conv1d(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     return _value_use(node, ctx)
 
 
+def _check_unfold(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    """``Tensor.unfold(dim, size, step)`` (sliding windows; not ``F.unfold``, im2col) along a padded dim with a
+    static ``size`` and ``step >= 1``: window ``t`` holds input rows ``t * step .. t * step + size - 1``, anchored at
+    row 0 whatever the padding. With ``R`` real input rows the unpadded call has ``(R - size) // step + 1`` windows,
+    exactly the padded output's real count (its length expression at the real length); the last of them ends at row
+    ``<= R - 1``. So every real window reads real rows only, and the windows over padding come after them (inkling2's
+    short convolution: a left ``pad`` by ``size - 1``, then ``unfold(-1, size, 1)``, window ``t`` = tokens ``t - size + 1 .. t``)."""
+    if not (node.op == "call_method" or node.target in (torch.Tensor.unfold, torch.ops.aten.unfold.default)):
+        return None, f"unknown op {_label(node)}: cannot prove row independence"
+    t = example_of(node.args[0] if node.args else _arg(node, 0, "self", None))
+    if not isinstance(t, torch.Tensor):
+        return None, f"{name} of an unreadable tensor: cannot prove row independence"
+    pads = ctx.padded(t)
+    dim, size, step = (_static_int(_arg(node, i, kw, None)) for i, kw in ((1, "dimension"), (2, "size"), (3, "step")))
+    if dim is None or size is None or step is None:
+        return (pads[0] if pads else None), f"{name} with a dim, size or step that is not static"
+    if _norm_dim(dim, t.dim()) in pads and (size < 1 or step < 1):
+        return _norm_dim(dim, t.dim()), f"{name} along the padded dim with size {size}, step {step}"
+    return _value_use(node, ctx)
+
+
 def _exact(expr: sympy.Expr, env: ShapeEnv | None) -> sympy.Expr:
     """``expr`` with every ``a // b`` the shape env knows to be exact (``a % b == 0`` was
     guarded, e.g. by a view) replaced by ``a / b``, so that ``4 * (H // 4)`` cancels to ``H``."""
@@ -988,6 +1013,8 @@ def _handler(name: str) -> Callable[[torch.fx.Node, str, _Ctx], _Finding | None]
         return _check_embedding
     if name in CONVS:
         return _check_conv1d
+    if name == "unfold":
+        return _check_unfold
     return None
 
 
@@ -1478,6 +1505,7 @@ def _is_zero(value: Any) -> bool:
     return isinstance(value, torch.fx.Node) and value.op in ("call_function", "call_method") \
         and _op_name(value) in ("zeros", "zeros_like", "new_zeros")
 _SOFTMAXES = frozenset("softmax _softmax".split())
+_BOUNDED = _SOFTMAXES | {"sigmoid"}  # values in [0, 1] whatever the input: never a fill value
 
 
 def _huge_value(v: Any) -> bool:
@@ -1486,10 +1514,11 @@ def _huge_value(v: Any) -> bool:
 
 def _huge_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """Nodes that may hold a fill value (a constant of magnitude >= 1e30, or not finite) or a sum with one: a
-    mask, not a score. A softmax ends it (its values lie in [0, 1])."""
+    mask, not a score. A softmax or a sigmoid ends it (their values lie in [0, 1] for any input but NaN; granite_swa's
+    sink scale is ``sigmoid(logsumexp(scores + mask) - sink)``)."""
     huge: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method") or _op_name(node) in _SOFTMAXES:
+        if node.op not in ("call_function", "call_method") or _op_name(node) in _BOUNDED:
             continue
         leaves = list(_leaves((node.args, node.kwargs)))
         if any(_huge_value(v) or (isinstance(v, torch.fx.Node) and v in huge) for v in leaves):
