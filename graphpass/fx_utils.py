@@ -479,6 +479,13 @@ def ran_inside_file(node: Node, path_suffix: str, function: str) -> str | None:
     return None
 
 
+def ran_inside_path(node: Node, path_suffix: str) -> bool:
+    """Whether any function of a file whose path ends with ``path_suffix`` was on the Python stack when
+    ``node`` was traced (read off its stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    return any(p == path_suffix or p.endswith("/" + path_suffix) for p, _ in _functions_of_trace(trace))
+
+
 # --------------------------------------------------------------------------------------------
 # Symbolic sizes
 # --------------------------------------------------------------------------------------------

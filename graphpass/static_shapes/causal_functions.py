@@ -1,12 +1,12 @@
 """Library functions that are causal along the sequence dim as a whole: the chunked scans of
-Mamba-2-style state-space layers and of gated-delta-rule linear attention.
+Mamba-2-style state-space layers and of gated-delta-rule linear attention, and Mamba (v1)'s selective scan.
 
 Used by :mod:`graphpass.static_shapes.padding_safety` (which inserts nothing itself): nodes traced
 inside one of these functions are not checked op by op (their zero-padding to a multiple of the chunk,
 the within-chunk triangular masks, the sums over a chunk's positions and the scan over chunks are not
 row-wise one by one) but as a whole, when the padding sits at the end of the padded dim (``causal_ok``).
 
-Why such a function is safe: every output row ``i`` along the sequence dim (dim 1) depends only on
+Why such a function is safe: every output row ``i`` along the sequence dim (dim 1; the last dim for ``mamba_selective_scan``) depends only on
 input rows ``<= i``. Bucketing appends padding rows ``L .. B - 1`` after the real rows ``0 .. L - 1``,
 so a real output row never reads a padding row, and the padded output rows are sliced off. The proof of each function (docs/static-shapes.md, "Chunked
 scans") holds for its code as written, so a function is trusted only when its source, read from the file
@@ -27,6 +27,10 @@ node outside it):
   (a cache update); the per-row output passes;
 * no node inside writes into a tensor from outside (a cache buffer).
 
+A node traced inside one of the function's ``unproven_callees`` (another library's code it may call, whose code
+the proof does not cover: mambapy's ``pscan``) is not trusted: it is checked op by op, and its edges with the
+trusted nodes are checked as above.
+
 Assumption shared with the other proofs: values are finite (the padding rows' values are finite garbage;
 an exact zero weight times a finite value is an exact zero).
 """
@@ -43,7 +47,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from ..fx_utils import example_of, ran_inside_file, size_expr, writes_into
+from ..fx_utils import example_of, ran_inside_file, ran_inside_path, size_expr, writes_into
 
 __all__ = ["CAUSAL_FUNCTIONS", "CausalFunction", "benign_guard", "causal_function_of", "check_causal_edges",
            "source_digest"]
@@ -59,10 +63,14 @@ class CausalFunction:
     # source lines of the function whose length guard may fail at a bucket without changing the real rows:
     # line text -> why (see benign_guard)
     benign_guards: Mapping[str, str] = field(default_factory=dict)
+    # path suffixes of other libraries' code the function may call whose code the proof does not cover: a node
+    # traced inside one of them is not trusted (it is checked op by op)
+    unproven_callees: tuple[str, ...] = ()
 
 
 _MAMBA2 = ("bamba", "falcon_h1", "granitemoehybrid", "mamba2", "nemotron_h", "zamba2")
 _KDA = ("bailing_hybrid", "glm5_next", "kimi_linear")
+_MAMBA1 = ("falcon_mamba", "jamba", "mamba", "zamba")
 _DELTA = ("lara_mini", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp")
 
 _NO_PAD = ("traced with pad_size > 0, the graph pads by pad_size and cuts output[:, :sequence_length]; at a bucket "
@@ -98,6 +106,16 @@ CAUSAL_FUNCTIONS: Mapping[str, CausalFunction] = MappingProxyType({
         "is masked to the lower triangle; the chunk's last-row decay and key update feed only the recurrent state "
         "read by later chunks",
         helpers=("l2norm",), benign_guards={"for i in range(total_sequence_length // chunk_size):": _UNROLLED}),
+    "mamba_selective_scan": CausalFunction(
+        "7741d95862eac581", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _MAMBA1),
+        "Mamba (v1) selective scan, sequence last (batch, channels, length): dt's bias and softplus, "
+        "discrete_A = exp(A * dt), deltaB_u = dt * B * x and the D residual and silu(z) gate are per row; the "
+        "scan h[t] = discrete_A[t] * h[t - 1] + deltaB_u[t] (h[-1] = 0; associative_scan of the affine-map "
+        "composition (a_l * a_r, a_r * b_l + b_r) along dim 2, an inclusive scan: row t combines rows 0 .. t in "
+        "order; the sequential loop computes the same recurrence) passes state forward only, so all_states[t] "
+        "reads rows <= t; the output row t is all_states[t] @ C[t]. The final state (the last row, padding "
+        "included) is a violation when read (return_last_state)",
+        seq_dim=-1, unproven_callees=("mambapy/pscan.py",)),
 })
 
 
@@ -138,6 +156,8 @@ def causal_function_of(node: torch.fx.Node) -> str | None:
         for suffix in fn.files:
             path = ran_inside_file(node, suffix, name)
             if path is not None and source_digest(path, name, fn.helpers) == fn.digest:
+                if any(ran_inside_path(node, callee) for callee in fn.unproven_callees):
+                    return None
                 return name
     return None
 
@@ -190,5 +210,10 @@ def check_causal_edges(node: torch.fx.Node, function: str, padded: Callable[[Any
         return None, (f"{function}'s result {node.name} has no padded dim but is used outside it: a final "
                       "recurrent state sums over every row, the padding included")
     if not _layout_ok(t, seq, padded, is_length):
+        d = seq % t.dim()
+        if padded(t) == (d,):  # the right dim, another size: the trace's row count is not the padded length
+            return None, (f"{function}'s result {node.name} is used outside it with {where} of size "
+                          f"{size_expr(t.shape[d])}, not the padded length: the graph is not the code's trace at "
+                          "another length")
         return None, f"{function}'s result {node.name} is used outside it with the padded dim not {where}"
     return None
