@@ -49,6 +49,7 @@ import operator
 import sympy
 import torch
 
+from .buffer_masks import CausalTable, is_causal_table
 from .causal_functions import causal_function_of, check_causal_edges
 from ..fx_utils import (example_of, flat_nodes, mentions_symbol, op_name, ran_inside, schema_position, size_expr, source_frame,
                         tensors_of, writes_into)
@@ -1281,6 +1282,15 @@ def _arange_fact(node: torch.fx.Node, out: torch.Tensor) -> Any:
     return _Positions(0, start) if start is not None and step == 1 else None
 
 
+def _starts_at_row_0(start: Any) -> bool:
+    """A slice start that is 0 at every size: none, a literal 0, or a SymInt whose expression is the constant 0
+    (GPT-Neo's ``key_length - query_length`` with no cache: Dynamo's ``s - s``)."""
+    if start is None or _static_int(start) == 0:
+        return True
+    v = example_of(start)
+    return isinstance(v, torch.SymInt) and size_expr(v) == 0
+
+
 def _view_map(items: list[Any], ndim: int) -> Callable[[int], int | None] | None:
     """For a subscript of None / int / full-prefix slices / Ellipsis: source dim -> result dim."""
     used = sum(0 if i is None or i is Ellipsis else 1 for i in items)
@@ -1292,7 +1302,7 @@ def _view_map(items: list[Any], ndim: int) -> Callable[[int], int | None] | None
         elif item is Ellipsis:
             for _ in range(ndim - used):
                 mapping[d], d, o = o, d + 1, o + 1
-        elif isinstance(item, slice) and _static_int(item.start or 0) == 0 and item.step in (None, 1):
+        elif isinstance(item, slice) and _starts_at_row_0(item.start) and item.step in (None, 1):
             mapping[d], d, o = o, d + 1, o + 1  # a prefix keeps every position it keeps
         elif _static_int(item) is not None:
             mapping[d], d = None, d + 1
@@ -1534,6 +1544,9 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
             return fact  # minus the row's own max (finite for a real row): the fill values stay <= -1e30
         return None
     if name == "add" and len(node.args) == 2 and out.dtype in _NEG_MASK_DTYPES and "alpha" not in node.kwargs:
+        both = _neg_mask_sum(node, facts, out)
+        if both is not None:
+            return both
         for m, x in (node.args, node.args[::-1]):
             fact = _aligned(facts.get(m), m, out) if isinstance(m, torch.fx.Node) else None
             if isinstance(fact, (_NegMask, _NegKeys)) and isinstance(x, torch.fx.Node) and x not in huge \
@@ -1549,6 +1562,17 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
         if isinstance(fact, _NegKeys) and dim is not None and _norm_dim(dim, out.dim()) == fact.k:
             return _ZeroKeys(fact.k, fact.needs)
     return None
+
+
+def _neg_mask_sum(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+    """``a + b`` of two :class:`_NegMask` on the same dims (GPT-Neo: ``where(tril_buffer, scores, min)`` plus
+    transformers' additive mask): at a key after a real row's query both are ``<= -1e30``, so their sum is (or is
+    ``-inf``, whose softmax weight is 0 as well); on the diagonal both are finite, so the sum is (exactly 0 when both
+    are 0). Needs every input either needs."""
+    a, b = (_aligned(facts.get(x), x, out) if isinstance(x, torch.fx.Node) else None for x in node.args)
+    if not (isinstance(a, _NegMask) and isinstance(b, _NegMask)) or (a.q, a.k) != (b.q, b.k) or a.tail or b.tail:
+        return None
+    return _NegMask(a.q, a.k, a.needs | b.needs, pure=a.pure and b.pure)
 
 
 def _row_max_of(value: Any, src: torch.fx.Node, k: int) -> bool:
@@ -1663,12 +1687,14 @@ def _scalar_tensor_root(value: Any) -> str | None:
 
 
 def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None,
-                     ties: Mapping[Any, Any] | None = None) -> dict[torch.fx.Node, Any]:
+                     ties: Mapping[Any, Any] | None = None, values: Mapping[str, Any] | None = None) -> dict[torch.fx.Node, Any]:
     """The position and causal-mask facts of ``gm``'s nodes (see the section comment above).
     ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim; ``ties``: size symbols padded
-    together (symbol -> the one it equals on every call)."""
+    together (symbol -> the one it equals on every call); ``values``: placeholder name -> the real tensor it takes
+    (a module buffer), whose values may prove it a causal table (:mod:`.buffer_masks`)."""
     ties = MappingProxyType(dict(ties or {}))
     facts: dict[torch.fx.Node, Any] = {n: _ZeroPad(d, n.name) for n, d in (zero_padded or {}).items()}
+    facts.update(_table_facts(gm, values or {}))
     huge = _huge_nodes(gm)
     for node in gm.graph.nodes:
         if node in facts:
@@ -1677,6 +1703,18 @@ def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Nod
         if fact is not None:
             facts[node] = fact
     return facts
+
+
+def _table_facts(gm: torch.fx.GraphModule, values: Mapping[str, Any]) -> dict[torch.fx.Node, Any]:
+    """Placeholders whose real tensor (``values``) is a static-shape boolean table proven on its values to be false
+    above the diagonal of its last two dims and true on it (GPT-Neo's ``tril`` buffer): a :class:`_Causal` on those
+    dims, true on the diagonal with no input needed. A prefix slice keeps it (:func:`_view_map`)."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in values and is_causal_table(values[node.name]):
+            nd = values[node.name].dim()
+            out[node] = _Causal(q=nd - 2, k=nd - 1, diag=frozenset())
+    return out
 
 
 def _identity_index(item: Any, size: Any, ctx: _Ctx) -> bool:
@@ -1734,6 +1772,7 @@ def check_padding_safety(
     gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True,
     ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
     relied_on: set[str] | None = None, trusted: set[str] | None = None,
+    values: Mapping[str, Any] | None = None, tables: dict[str, CausalTable] | None = None,
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -1754,15 +1793,23 @@ def check_padding_safety(
     a whole; their proof is about the function's code at each size, so the caller must also check that the traced
     graph is the code's trace at the bucket's size (Dynamo's guards hold there).
 
+    ``values``: placeholder name -> the real tensor the graph takes there (the backend's example inputs); a
+    boolean one proven causal on its values (:func:`.buffer_masks.is_causal_table`: a ``tril`` buffer) is a causal
+    mask. ``tables``: when given, filled with those the graph reads (name -> :class:`.buffer_masks.CausalTable`);
+    the proof holds only while they keep those values, which the caller checks on every call.
+
     Nodes whose values reach no output (dead code the model computes and never uses) are not checked.
 
     Returns the violations in graph order; an empty list means padding is safe.
     """
     ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=MappingProxyType(index_provenance(
-        gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)), ties)),
+        gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)), ties, values)),
                ties=MappingProxyType(dict(ties or {})))
     out: list[PaddingViolation] = []
     live = _live_nodes(gm)
+    if tables is not None:
+        tables.update({n.name: CausalTable(n.name, values[n.name]) for n in gm.graph.nodes
+                       if n.op == "placeholder" and n in live and isinstance(ctx.facts.get(n), _Causal)})
     for node in gm.graph.nodes:
         found = _check_node(node, ctx) if node in live else None
         if found is None:
