@@ -1225,11 +1225,20 @@ class _ZeroAbove:
     tail: int = 0  # as _NegMask.tail: dropped by a slice [..., :-tail] before any product
 
 
+@dataclass(frozen=True)
+class _OnePad:
+    """A number tensor exactly 1 at every padding row along ``dim`` and 0 at every real one when the ``needs``
+    inputs hold 1: ``1.0 - m`` of a zero-padded input read in place (the legacy additive mask
+    ``(1.0 - attention_mask[:, None, None, :]) * finfo.min`` of GPT-1 and other pre-``masking_utils`` models)."""
+    dim: int
+    needs: frozenset[str] = frozenset()
+
+
 #: Each fact's dim fields, renumbered by :func:`_moved`.
 _FACT_DIMS: Mapping[type, tuple[str, ...]] = MappingProxyType({
     _Positions: ("dim",), _Causal: ("q", "k"), _Diag: ("a", "b"), _AllTrue: (), _ZeroPad: ("dim",),
     _NegMask: ("q", "k"), _MaskedAbove: ("q", "k"), _ZeroAbove: ("q", "k"), _KeysOnly: ("dim",), _NegKeys: ("k",),
-    _ZeroKeys: ("k",)})
+    _ZeroKeys: ("k",), _OnePad: ("dim",)})
 #: Facts about two different dims (they must stay different).
 _PAIR_FACTS = (_Causal, _Diag, _NegMask, _MaskedAbove, _ZeroAbove)
 #: A fill value this negative (or -inf) vanishes from a softmax next to any finite score, in fp32 and bf16.
@@ -1622,6 +1631,8 @@ def _keeps(fact: Any, out: torch.Tensor) -> bool:
         return out.dtype in _NEG_MASK_DTYPES
     if isinstance(fact, (_ZeroAbove, _ZeroKeys)):
         return out.dtype.is_floating_point
+    if isinstance(fact, _OnePad):
+        return out.dtype != torch.bool and not out.dtype.is_complex
     return True
 
 
@@ -1635,6 +1646,10 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
         return _arange_fact(node, out)
     if name == "getitem":
         return _getitem_fact(node, facts, out, ties)
+    if name in ("sub", "rsub", "mul"):
+        found = _legacy_key_mask_fact(node, name, facts, out)
+        if found is not None:
+            return found
     if name in _COMPARES:
         return _compare_fact(node, name, facts, out)
     if name in _ANDS:
@@ -1669,6 +1684,28 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
         return None if at is None else _moved(fact, lambda d: d + (d >= at % out.dim()))
     if name in RESHAPES:
         return _reshape_fact(src, fact, out)
+    return None
+
+
+def _legacy_key_mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+    """``1 - m`` (``rsub(m, 1)``) of a zero-padded input ``m`` read in place: a :class:`_OnePad` (1 at the padding,
+    ``1 - m`` elsewhere, so 0 where ``m`` holds 1); that times a static fill ``<= -1e30``: a :class:`_NegKeys` (the
+    fill at every padding key, ``-0.0`` at every real key where ``m`` holds 1)."""
+    if len(node.args) != 2 or node.kwargs or out.dtype == torch.bool or out.dtype.is_complex:
+        return None
+    a, b = node.args
+    if name in ("sub", "rsub"):
+        one, m = (a, b) if name == "sub" else (b, a)
+        fact = _aligned(facts.get(m), m, out) if isinstance(m, torch.fx.Node) else None
+        if isinstance(one, (int, float)) and not isinstance(one, bool) and one == 1 \
+                and isinstance(fact, _ZeroPad) and fact.source is not None:
+            return _OnePad(fact.dim, frozenset({fact.source}))
+        return None
+    for x, c in ((a, b), (b, a)):
+        fact = _aligned(facts.get(x), x, out) if isinstance(x, torch.fx.Node) else None
+        if isinstance(fact, _OnePad) and isinstance(c, (int, float)) and not isinstance(c, bool) and c <= -_HUGE \
+                and out.dtype in _NEG_MASK_DTYPES:
+            return _NegKeys(fact.dim, fact.needs)
     return None
 
 
