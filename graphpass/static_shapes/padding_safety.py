@@ -1234,11 +1234,18 @@ class _OnePad:
     needs: frozenset[str] = frozenset()
 
 
+@dataclass(frozen=True)
+class _Const:
+    """A tensor holding ``value`` at every element, whatever the padding (``zeros_like(x)``, what compares, selects
+    and indexes keep of it): GIT's text-only ``token_type_ids`` and the block ids and block mask built from them."""
+    value: bool | int | float
+
+
 #: Each fact's dim fields, renumbered by :func:`_moved`.
 _FACT_DIMS: Mapping[type, tuple[str, ...]] = MappingProxyType({
     _Positions: ("dim",), _Causal: ("q", "k"), _Diag: ("a", "b"), _AllTrue: (), _ZeroPad: ("dim",),
     _NegMask: ("q", "k"), _MaskedAbove: ("q", "k"), _ZeroAbove: ("q", "k"), _KeysOnly: ("dim",), _NegKeys: ("k",),
-    _ZeroKeys: ("k",), _OnePad: ("dim",)})
+    _ZeroKeys: ("k",), _OnePad: ("dim",), _Const: ()})
 #: Facts about two different dims (they must stay different).
 _PAIR_FACTS = (_Causal, _Diag, _NegMask, _MaskedAbove, _ZeroAbove)
 #: A fill value this negative (or -inf) vanishes from a softmax next to any finite score, in fp32 and bf16.
@@ -1560,7 +1567,7 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
             fact = _aligned(facts.get(m), m, out) if isinstance(m, torch.fx.Node) else None
             if isinstance(fact, (_NegMask, _NegKeys)) and isinstance(x, torch.fx.Node) and x not in huge \
                     and isinstance(example_of(x), torch.Tensor) and example_of(x).dtype.is_floating_point:
-                return fact
+                return replace(fact, pure=False) if isinstance(fact, _NegMask) else fact  # plus scores: not 0 on the diagonal
         return None
     if name in _SOFTMAXES:
         src = node.args[0]
@@ -1644,6 +1651,9 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
         return None
     if name == "arange":
         return _arange_fact(node, out)
+    const = _const_fact(node, name, facts, out)
+    if const is not None:
+        return const
     if name == "getitem":
         return _getitem_fact(node, facts, out, ties)
     if name in ("sub", "rsub", "mul"):
@@ -1706,6 +1716,69 @@ def _legacy_key_mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.f
         if isinstance(fact, _OnePad) and isinstance(c, (int, float)) and not isinstance(c, bool) and c <= -_HUGE \
                 and out.dtype in _NEG_MASK_DTYPES:
             return _NegKeys(fact.dim, fact.needs)
+    return None
+
+
+_CONST_FACTORIES = MappingProxyType({"zeros": 0, "zeros_like": 0, "new_zeros": 0, "ones": 1, "ones_like": 1, "new_ones": 1})
+_CONST_FILLS = MappingProxyType({"full": 1, "full_like": 1, "new_full": 2})  # name -> position of the fill value
+#: Ops whose every output element is an element of their first input (views, copies, indexing, gathers).
+_CONST_KEEPS = frozenset("getitem expand expand_as broadcast_to unsqueeze squeeze permute transpose view reshape "
+                         "flatten contiguous clone detach alias select narrow slice index_select".split()) | _KEEPS
+_CONST_COMPARES = MappingProxyType({"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
+                                    "gt": operator.gt, "ge": operator.ge})
+
+
+def _const_value(value: Any, facts: Mapping[torch.fx.Node, Any]) -> tuple[bool, Any]:
+    """``(True, v)`` when ``value`` is a static number or a node holding :class:`_Const` ``v``."""
+    if isinstance(value, torch.fx.Node):
+        fact = facts.get(value)
+        if isinstance(fact, _AllTrue):
+            return True, True
+        return (True, fact.value) if isinstance(fact, _Const) else (False, None)
+    if isinstance(value, (bool, int, float)):
+        return True, value
+    return False, None
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if dtype == torch.bool:
+        return bool(value)
+    return float(value) if dtype.is_floating_point else int(value)
+
+
+def _const_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+    """:class:`_Const` facts: constant factories, what keeps a constant's elements, compares and ``where`` of
+    constants, ``x & False``; ``x | False`` is ``x`` (any fact of ``x``, broadcast). Complex dtypes are left alone."""
+    if out.dtype.is_complex:
+        return None
+    args = node.args
+    if name in _CONST_FACTORIES:
+        value = _cast(_CONST_FACTORIES[name], out.dtype)
+        return None if value is True else _Const(value)  # an all-true one is an _AllTrue (and_masks' start)
+    if name in _CONST_FILLS:
+        ok, v = _const_value(_arg(node, _CONST_FILLS[name], "fill_value", None), facts)
+        return _Const(_cast(v, out.dtype)) if ok and not isinstance(v, torch.fx.Node) else None
+    if not args or not isinstance(args[0], torch.fx.Node):
+        return None
+    src = facts.get(args[0])
+    if name in _CONST_KEEPS and isinstance(src, _Const):
+        return _Const(_cast(src.value, out.dtype))
+    if name in _CONST_COMPARES and len(args) == 2:
+        (ok_a, a), (ok_b, b) = _const_value(args[0], facts), _const_value(args[1], facts)
+        return _Const(_CONST_COMPARES[name](a, b)) if ok_a and ok_b else None
+    if name == "where" and len(args) == 3 and isinstance(src, _Const):
+        ok, v = _const_value(args[1] if src.value else args[2], facts)
+        return _Const(_cast(v, out.dtype)) if ok else None
+    if out.dtype == torch.bool and name in ("and_", "logical_and", "bitwise_and"):
+        consts = [_const_value(a, facts) for a in _leaves(args)]
+        return _Const(False) if any(ok and not v for ok, v in consts) else None
+    if out.dtype == torch.bool and name in ("or_", "logical_or", "bitwise_or") and len(args) == 2:
+        for x, other in (args, args[::-1]):
+            ok, v = _const_value(other, facts)
+            if ok and not v and isinstance(x, torch.fx.Node) and isinstance(example_of(x), torch.Tensor) \
+                    and example_of(x).dtype == torch.bool:
+                fact = _aligned(facts.get(x), x, out)
+                return fact if fact is not None else None
     return None
 
 
