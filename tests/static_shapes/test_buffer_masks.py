@@ -202,6 +202,50 @@ def test_a_legacy_key_mask_padded_with_ones_is_refused():
     assert padded == 0 and "softmax" in plans[0].refused[0], [p.refused for p in plans]
 
 
+# ---------------------------------------------------------------------------------------------- GIT's block mask
+
+
+class GitLike(nn.Module):
+    """GIT's text-only mask: ``token_type_ids = zeros_like(embeddings)[..., 0]`` (``image``: ones, every token an
+    image token), block ids ``where(token_type_ids == 1, 0, -1)``, and transformers' ``or_masks(causal, block)`` with
+    ``block = (group[q] == group[kv]) & (group[q] >= 0)``, ANDed with the attention mask (``padding``)."""
+
+    def __init__(self, image: bool = False, padding: bool = True, vocab: int = 13, hidden: int = 8, heads: int = 2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, self.image, self.padding = heads, image, padding
+        self.emb = nn.Embedding(vocab, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids, attention_mask):
+        b, n = input_ids.shape
+        x = self.emb(input_ids)
+        types = (torch.ones_like if self.image else torch.zeros_like)(x, dtype=torch.int)[..., 0]
+        group = torch.where(types == 1, 0, -1)
+        pos, batch = torch.arange(n), torch.arange(b)[:, None, None, None]
+        q, kv = pos[None, None, :, None], pos[None, None, None, :]
+        allowed = q.new_zeros((), dtype=torch.bool) | (kv <= q)
+        allowed = allowed | ((group[batch, q] == group[batch, kv]) & (group[batch, q] >= 0))
+        if self.padding:
+            allowed = allowed & attention_mask.bool()[batch, kv]
+        mask = torch.where(allowed, torch.zeros((), dtype=x.dtype), MIN)
+        qq, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        w = nn.functional.softmax(torch.matmul(qq, k.transpose(-1, -2)) + mask, dim=-1)
+        return self.out(torch.matmul(w, v).transpose(1, 2).reshape(b, n, -1))
+
+
+def test_an_or_mask_with_an_all_false_block_term_is_bucketed_and_exact():
+    plans, padded, warned = _run(GitLike(), mask=True)
+    assert plans and all(p.active for p in plans), [p.refused for p in plans]
+    assert padded == 1 and not warned, warned
+
+
+def test_an_or_mask_whose_block_term_is_all_true_and_unmasked_is_refused():
+    plans, padded, _ = _run(GitLike(image=True, padding=False), mask=True)  # every query sees every key: padding too
+    assert padded == 0 and "softmax" in plans[0].refused[0], [p.refused for p in plans]
+
+
 # ---------------------------------------------------------------------------------------------- the real models
 
 pytest.importorskip("transformers")
@@ -214,7 +258,7 @@ if conformance is None:
     _spec.loader.exec_module(conformance)
 
 
-@pytest.mark.parametrize("family", ["gpt_neo", "openai-gpt"])
+@pytest.mark.parametrize("family", ["gpt_neo", "openai-gpt", "git"])
 def test_real_models_are_bucketed_and_exact(family):
     model = conformance.build_model(family)
 
@@ -229,3 +273,22 @@ def test_real_models_are_bucketed_and_exact(family):
     plans, padded, warned = _run(Call(), mask=True)
     assert plans and all(p.active for p in plans), [p.refused for p in plans]
     assert padded == 1 and not warned, warned
+
+
+def test_scores_plus_a_pure_additive_mask_are_not_pure():
+    """``where(causal, 0, min)`` is exactly 0 on its diagonal (pure), so ``.bool()`` of it is the masked-above
+    entries; scores plus it are not 0 on the diagonal, so ``.bool()`` of those proves nothing."""
+    from graphpass.static_shapes import padding_safety as ps
+
+    def fn(x):
+        pos = torch.arange(x.shape[1])
+        mask = torch.where(pos[None, :] <= pos[:, None], torch.zeros(()), torch.finfo(x.dtype).min)
+        return mask.bool(), (x @ x.transpose(-1, -2) + mask).bool()
+
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(fn, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)(torch.randn(2, 7, 3))
+    facts = ps.index_provenance(graphs[0])
+    pure, summed = [n for n in graphs[0].graph.nodes if ps._op_name(n) == "bool"]
+    assert isinstance(facts.get(pure), ps._MaskedAbove)
+    assert facts.get(summed) is None
