@@ -1741,9 +1741,18 @@ def _const_value(value: Any, facts: Mapping[torch.fx.Node, Any]) -> tuple[bool, 
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
-    if dtype == torch.bool:
-        return bool(value)
-    return float(value) if dtype.is_floating_point else int(value)
+    """``value`` as an element of ``dtype`` (None when it has no such value: an infinity or NaN as an integer)."""
+    if not dtype.is_floating_point and dtype != torch.bool and (value != value or abs(value) == float("inf")):
+        return None
+    try:
+        return torch.tensor(value).to(dtype).item()  # rounded (float16 0.1) or wrapped (int8 300) as torch does
+    except (RuntimeError, OverflowError, TypeError, ValueError):
+        return None
+
+
+def _const_of(value: Any, dtype: torch.dtype) -> Any:
+    v = _cast(value, dtype)
+    return None if v is None else _Const(v)
 
 
 def _const_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
@@ -1757,18 +1766,19 @@ def _const_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, An
         return None if value is True else _Const(value)  # an all-true one is an _AllTrue (and_masks' start)
     if name in _CONST_FILLS:
         ok, v = _const_value(_arg(node, _CONST_FILLS[name], "fill_value", None), facts)
-        return _Const(_cast(v, out.dtype)) if ok and not isinstance(v, torch.fx.Node) else None
+        return _const_of(v, out.dtype) if ok else None
     if not args or not isinstance(args[0], torch.fx.Node):
         return None
     src = facts.get(args[0])
     if name in _CONST_KEEPS and isinstance(src, _Const):
-        return _Const(_cast(src.value, out.dtype))
+        return _const_of(src.value, out.dtype)
     if name in _CONST_COMPARES and len(args) == 2:
         (ok_a, a), (ok_b, b) = _const_value(args[0], facts), _const_value(args[1], facts)
-        return _Const(_CONST_COMPARES[name](a, b)) if ok_a and ok_b else None
+        exact = not isinstance(a, float) and not isinstance(b, float)  # a float compare depends on type promotion
+        return _Const(_CONST_COMPARES[name](a, b)) if ok_a and ok_b and exact else None
     if name == "where" and len(args) == 3 and isinstance(src, _Const):
         ok, v = _const_value(args[1] if src.value else args[2], facts)
-        return _Const(_cast(v, out.dtype)) if ok else None
+        return _const_of(v, out.dtype) if ok else None
     if out.dtype == torch.bool and name in ("and_", "logical_and", "bitwise_and"):
         consts = [_const_value(a, facts) for a in _leaves(args)]
         return _Const(False) if any(ok and not v for ok, v in consts) else None
