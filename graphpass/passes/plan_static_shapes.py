@@ -91,8 +91,10 @@ class PlanStaticShapes(GraphPass):
             zero = {placeholders[i].name for i, v in plan.pad_values.items() if v == 0}
             relied: set[str] = set()
             trusted: set[str] = set()
+            tables: dict = {}
+            values = {n.name: v for n, v in zip(placeholders, ctx.example_inputs) if isinstance(v, torch.Tensor)}
             for v in check_padding_safety(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero, relied_on=relied,
-                                          trusted=trusted):
+                                          trusted=trusted, values=values, tables=tables):
                 plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
             if trusted and not plan.refused:
                 _invalid_buckets(plan, placeholders, syms, cfg.buckets, sorted(trusted))
@@ -100,6 +102,10 @@ class PlanStaticShapes(GraphPass):
                     ctx.log.append(f"{self.name}: buckets where the traced graph is not the code's trace (calls run "
                                    f"unpadded): {plan.invalid_buckets}")
             plan.ones_inputs = {i: n.name for i, n in enumerate(placeholders) if n.name in relied}
+            plan.causal_tables = {i: tables[n.name] for i, n in enumerate(placeholders) if n.name in tables}
+            if plan.causal_tables and not plan.refused:
+                ctx.log.append(f"{self.name}: causal masks read from the values of "
+                               f"{', '.join(t.name for t in plan.causal_tables.values())} (checked unchanged per call)")
             if plan.ones_inputs and not plan.refused:
                 ctx.log.append(f"{self.name}: padded only on calls where {', '.join(plan.ones_inputs.values())} "
                                "holds 1 everywhere (an additive attention mask must leave every real row a key)")

@@ -204,6 +204,11 @@ class BucketDispatcher:
                        "proof of this graph's additive attention mask needs it (a fully masked row's softmax is uniform "
                        "over the padded length); running it unpadded with dynamic shapes")
             return self._run_unpadded(args, self._shape_key(args))
+        changed = [t.name for i, t in plan.causal_tables.items() if not t.holds(args[i])]
+        if changed:
+            self._warn(f"graphpass static_shapes: {', '.join(changed)} is no longer the causal (lower-triangular) table "
+                       "this graph's padding proof read its attention mask from; running it unpadded with dynamic shapes")
+            return self._run_unpadded(args, self._shape_key(args))
         buckets = {sym: self.cfg.bucket_for(n) for sym, n in sizes.items()}
         if any(b is None for b in buckets.values()):
             self._warn(

@@ -49,6 +49,7 @@ import operator
 import sympy
 import torch
 
+from .buffer_masks import CausalTable, is_causal_table
 from .causal_functions import causal_function_of, check_causal_edges
 from ..fx_utils import (example_of, flat_nodes, mentions_symbol, op_name, ran_inside, schema_position, size_expr, source_frame,
                         tensors_of, writes_into)
@@ -1251,11 +1252,27 @@ class _ZeroAbove:
     tail: int = 0  # as _NegMask.tail: dropped by a slice [..., :-tail] before any product
 
 
+@dataclass(frozen=True)
+class _OnePad:
+    """A number tensor exactly 1 at every padding row along ``dim`` and 0 at every real one when the ``needs``
+    inputs hold 1: ``1.0 - m`` of a zero-padded input read in place (the legacy additive mask
+    ``(1.0 - attention_mask[:, None, None, :]) * finfo.min`` of GPT-1 and other pre-``masking_utils`` models)."""
+    dim: int
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class _Const:
+    """A tensor holding ``value`` at every element, whatever the padding (``zeros_like(x)``, what compares, selects
+    and indexes keep of it): GIT's text-only ``token_type_ids`` and the block ids and block mask built from them."""
+    value: bool | int | float
+
+
 #: Each fact's dim fields, renumbered by :func:`_moved`.
 _FACT_DIMS: Mapping[type, tuple[str, ...]] = MappingProxyType({
     _Positions: ("dim",), _Causal: ("q", "k"), _Diag: ("a", "b"), _AllTrue: (), _ZeroPad: ("dim",),
     _NegMask: ("q", "k"), _MaskedAbove: ("q", "k"), _ZeroAbove: ("q", "k"), _KeysOnly: ("dim",), _NegKeys: ("k",),
-    _ZeroKeys: ("k",)})
+    _ZeroKeys: ("k",), _OnePad: ("dim",), _Const: ()})
 #: Facts about two different dims (they must stay different).
 _PAIR_FACTS = (_Causal, _Diag, _NegMask, _MaskedAbove, _ZeroAbove)
 #: A fill value this negative (or -inf) vanishes from a softmax next to any finite score, in fp32 and bf16.
@@ -1308,6 +1325,15 @@ def _arange_fact(node: torch.fx.Node, out: torch.Tensor) -> Any:
     return _Positions(0, start) if start is not None and step == 1 else None
 
 
+def _starts_at_row_0(start: Any) -> bool:
+    """A slice start that is 0 at every size: none, a literal 0, or a SymInt whose expression is the constant 0
+    (GPT-Neo's ``key_length - query_length`` with no cache: Dynamo's ``s - s``)."""
+    if start is None or _static_int(start) == 0:
+        return True
+    v = example_of(start)
+    return isinstance(v, torch.SymInt) and size_expr(v) == 0
+
+
 def _view_map(items: list[Any], ndim: int) -> Callable[[int], int | None] | None:
     """For a subscript of None / int / full-prefix slices / Ellipsis: source dim -> result dim."""
     used = sum(0 if i is None or i is Ellipsis else 1 for i in items)
@@ -1319,7 +1345,7 @@ def _view_map(items: list[Any], ndim: int) -> Callable[[int], int | None] | None
         elif item is Ellipsis:
             for _ in range(ndim - used):
                 mapping[d], d, o = o, d + 1, o + 1
-        elif isinstance(item, slice) and _static_int(item.start or 0) == 0 and item.step in (None, 1):
+        elif isinstance(item, slice) and _starts_at_row_0(item.start) and item.step in (None, 1):
             mapping[d], d, o = o, d + 1, o + 1  # a prefix keeps every position it keeps
         elif _static_int(item) is not None:
             mapping[d], d = None, d + 1
@@ -1563,11 +1589,14 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
             return fact  # minus the row's own max (finite for a real row): the fill values stay <= -1e30
         return None
     if name == "add" and len(node.args) == 2 and out.dtype in _NEG_MASK_DTYPES and "alpha" not in node.kwargs:
+        both = _neg_mask_sum(node, facts, out)
+        if both is not None:
+            return both
         for m, x in (node.args, node.args[::-1]):
             fact = _aligned(facts.get(m), m, out) if isinstance(m, torch.fx.Node) else None
             if isinstance(fact, (_NegMask, _NegKeys)) and isinstance(x, torch.fx.Node) and x not in huge \
                     and isinstance(example_of(x), torch.Tensor) and example_of(x).dtype.is_floating_point:
-                return fact
+                return replace(fact, pure=False) if isinstance(fact, _NegMask) else fact  # plus scores: not 0 on the diagonal
         return None
     if name in _SOFTMAXES:
         src = node.args[0]
@@ -1578,6 +1607,17 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
         if isinstance(fact, _NegKeys) and dim is not None and _norm_dim(dim, out.dim()) == fact.k:
             return _ZeroKeys(fact.k, fact.needs)
     return None
+
+
+def _neg_mask_sum(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+    """``a + b`` of two :class:`_NegMask` on the same dims (GPT-Neo: ``where(tril_buffer, scores, min)`` plus
+    transformers' additive mask): at a key after a real row's query both are ``<= -1e30``, so their sum is (or is
+    ``-inf``, whose softmax weight is 0 as well); on the diagonal both are finite, so the sum is (exactly 0 when both
+    are 0). Needs every input either needs."""
+    a, b = (_aligned(facts.get(x), x, out) if isinstance(x, torch.fx.Node) else None for x in node.args)
+    if not (isinstance(a, _NegMask) and isinstance(b, _NegMask)) or (a.q, a.k) != (b.q, b.k) or a.tail or b.tail:
+        return None
+    return _NegMask(a.q, a.k, a.needs | b.needs, pure=a.pure and b.pure)
 
 
 def _row_max_of(value: Any, src: torch.fx.Node, k: int) -> bool:
@@ -1627,6 +1667,8 @@ def _keeps(fact: Any, out: torch.Tensor) -> bool:
         return out.dtype in _NEG_MASK_DTYPES
     if isinstance(fact, (_ZeroAbove, _ZeroKeys)):
         return out.dtype.is_floating_point
+    if isinstance(fact, _OnePad):
+        return out.dtype != torch.bool and not out.dtype.is_complex
     return True
 
 
@@ -1638,8 +1680,15 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
         return None
     if name == "arange":
         return _arange_fact(node, out)
+    const = _const_fact(node, name, facts, out)
+    if const is not None:
+        return const
     if name == "getitem":
         return _getitem_fact(node, facts, out, ties)
+    if name in ("sub", "rsub", "mul"):
+        found = _legacy_key_mask_fact(node, name, facts, out)
+        if found is not None:
+            return found
     if name in _COMPARES:
         return _compare_fact(node, name, facts, out)
     if name in _ANDS:
@@ -1677,6 +1726,101 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
     return None
 
 
+def _legacy_key_mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+    """``1 - m`` (``rsub(m, 1)``) of a zero-padded input ``m`` read in place: a :class:`_OnePad` (1 at the padding,
+    ``1 - m`` elsewhere, so 0 where ``m`` holds 1); that times a static fill ``<= -1e30``: a :class:`_NegKeys` (the
+    fill at every padding key, ``-0.0`` at every real key where ``m`` holds 1)."""
+    if len(node.args) != 2 or node.kwargs or out.dtype == torch.bool or out.dtype.is_complex:
+        return None
+    a, b = node.args
+    if name in ("sub", "rsub"):
+        one, m = (a, b) if name == "sub" else (b, a)
+        fact = _aligned(facts.get(m), m, out) if isinstance(m, torch.fx.Node) else None
+        if isinstance(one, (int, float)) and not isinstance(one, bool) and one == 1 \
+                and isinstance(fact, _ZeroPad) and fact.source is not None:
+            return _OnePad(fact.dim, frozenset({fact.source}))
+        return None
+    for x, c in ((a, b), (b, a)):
+        fact = _aligned(facts.get(x), x, out) if isinstance(x, torch.fx.Node) else None
+        if isinstance(fact, _OnePad) and isinstance(c, (int, float)) and not isinstance(c, bool) and c <= -_HUGE \
+                and out.dtype in _NEG_MASK_DTYPES:
+            return _NegKeys(fact.dim, fact.needs)
+    return None
+
+
+_CONST_FACTORIES = MappingProxyType({"zeros": 0, "zeros_like": 0, "new_zeros": 0, "ones": 1, "ones_like": 1, "new_ones": 1})
+_CONST_FILLS = MappingProxyType({"full": 1, "full_like": 1, "new_full": 2})  # name -> position of the fill value
+#: Ops whose every output element is an element of their first input (views, copies, indexing, gathers).
+_CONST_KEEPS = frozenset("getitem expand expand_as broadcast_to unsqueeze squeeze permute transpose view reshape "
+                         "flatten contiguous clone detach alias select narrow slice index_select".split()) | _KEEPS
+_CONST_COMPARES = MappingProxyType({"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
+                                    "gt": operator.gt, "ge": operator.ge})
+
+
+def _const_value(value: Any, facts: Mapping[torch.fx.Node, Any]) -> tuple[bool, Any]:
+    """``(True, v)`` when ``value`` is a static number or a node holding :class:`_Const` ``v``."""
+    if isinstance(value, torch.fx.Node):
+        fact = facts.get(value)
+        if isinstance(fact, _AllTrue):
+            return True, True
+        return (True, fact.value) if isinstance(fact, _Const) else (False, None)
+    if isinstance(value, (bool, int, float)):
+        return True, value
+    return False, None
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` as an element of ``dtype`` (None when it has no such value: an infinity or NaN as an integer)."""
+    if not dtype.is_floating_point and dtype != torch.bool and (value != value or abs(value) == float("inf")):
+        return None
+    try:
+        return torch.tensor(value).to(dtype).item()  # rounded (float16 0.1) or wrapped (int8 300) as torch does
+    except (RuntimeError, OverflowError, TypeError, ValueError):
+        return None
+
+
+def _const_of(value: Any, dtype: torch.dtype) -> Any:
+    v = _cast(value, dtype)
+    return None if v is None else _Const(v)
+
+
+def _const_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+    """:class:`_Const` facts: constant factories, what keeps a constant's elements, compares and ``where`` of
+    constants, ``x & False``; ``x | False`` is ``x`` (any fact of ``x``, broadcast). Complex dtypes are left alone."""
+    if out.dtype.is_complex:
+        return None
+    args = node.args
+    if name in _CONST_FACTORIES:
+        value = _cast(_CONST_FACTORIES[name], out.dtype)
+        return None if value is True else _Const(value)  # an all-true one is an _AllTrue (and_masks' start)
+    if name in _CONST_FILLS:
+        ok, v = _const_value(_arg(node, _CONST_FILLS[name], "fill_value", None), facts)
+        return _const_of(v, out.dtype) if ok else None
+    if not args or not isinstance(args[0], torch.fx.Node):
+        return None
+    src = facts.get(args[0])
+    if name in _CONST_KEEPS and isinstance(src, _Const):
+        return _const_of(src.value, out.dtype)
+    if name in _CONST_COMPARES and len(args) == 2:
+        (ok_a, a), (ok_b, b) = _const_value(args[0], facts), _const_value(args[1], facts)
+        exact = not isinstance(a, float) and not isinstance(b, float)  # a float compare depends on type promotion
+        return _Const(_CONST_COMPARES[name](a, b)) if ok_a and ok_b and exact else None
+    if name == "where" and len(args) == 3 and isinstance(src, _Const):
+        ok, v = _const_value(args[1] if src.value else args[2], facts)
+        return _const_of(v, out.dtype) if ok else None
+    if out.dtype == torch.bool and name in ("and_", "logical_and", "bitwise_and"):
+        consts = [_const_value(a, facts) for a in _leaves(args)]
+        return _Const(False) if any(ok and not v for ok, v in consts) else None
+    if out.dtype == torch.bool and name in ("or_", "logical_or", "bitwise_or") and len(args) == 2:
+        for x, other in (args, args[::-1]):
+            ok, v = _const_value(other, facts)
+            if ok and not v and isinstance(x, torch.fx.Node) and isinstance(example_of(x), torch.Tensor) \
+                    and example_of(x).dtype == torch.bool:
+                fact = _aligned(facts.get(x), x, out)
+                return fact if fact is not None else None
+    return None
+
+
 def _scalar_tensor_root(value: Any) -> str | None:
     """The node a 0-d integer tensor is a copy of (through dtype / device conversions), by name: the
     identity of a run-time offset (two conversions of one length are the same offset)."""
@@ -1692,12 +1836,14 @@ def _scalar_tensor_root(value: Any) -> str | None:
 
 
 def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None,
-                     ties: Mapping[Any, Any] | None = None) -> dict[torch.fx.Node, Any]:
+                     ties: Mapping[Any, Any] | None = None, values: Mapping[str, Any] | None = None) -> dict[torch.fx.Node, Any]:
     """The position and causal-mask facts of ``gm``'s nodes (see the section comment above).
     ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim; ``ties``: size symbols padded
-    together (symbol -> the one it equals on every call)."""
+    together (symbol -> the one it equals on every call); ``values``: placeholder name -> the real tensor it takes
+    (a module buffer), whose values may prove it a causal table (:mod:`.buffer_masks`)."""
     ties = MappingProxyType(dict(ties or {}))
     facts: dict[torch.fx.Node, Any] = {n: _ZeroPad(d, n.name) for n, d in (zero_padded or {}).items()}
+    facts.update(_table_facts(gm, values or {}))
     huge = _huge_nodes(gm)
     for node in gm.graph.nodes:
         if node in facts:
@@ -1706,6 +1852,18 @@ def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Nod
         if fact is not None:
             facts[node] = fact
     return facts
+
+
+def _table_facts(gm: torch.fx.GraphModule, values: Mapping[str, Any]) -> dict[torch.fx.Node, Any]:
+    """Placeholders whose real tensor (``values``) is a static-shape boolean table proven on its values to be false
+    above the diagonal of its last two dims and true on it (GPT-Neo's ``tril`` buffer): a :class:`_Causal` on those
+    dims, true on the diagonal with no input needed. A prefix slice keeps it (:func:`_view_map`)."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in values and is_causal_table(values[node.name]):
+            nd = values[node.name].dim()
+            out[node] = _Causal(q=nd - 2, k=nd - 1, diag=frozenset())
+    return out
 
 
 def _identity_index(item: Any, size: Any, ctx: _Ctx) -> bool:
@@ -1763,6 +1921,7 @@ def check_padding_safety(
     gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True,
     ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
     relied_on: set[str] | None = None, trusted: set[str] | None = None,
+    values: Mapping[str, Any] | None = None, tables: dict[str, CausalTable] | None = None,
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -1783,15 +1942,23 @@ def check_padding_safety(
     a whole; their proof is about the function's code at each size, so the caller must also check that the traced
     graph is the code's trace at the bucket's size (Dynamo's guards hold there).
 
+    ``values``: placeholder name -> the real tensor the graph takes there (the backend's example inputs); a
+    boolean one proven causal on its values (:func:`.buffer_masks.is_causal_table`: a ``tril`` buffer) is a causal
+    mask. ``tables``: when given, filled with those the graph reads (name -> :class:`.buffer_masks.CausalTable`);
+    the proof holds only while they keep those values, which the caller checks on every call.
+
     Nodes whose values reach no output (dead code the model computes and never uses) are not checked.
 
     Returns the violations in graph order; an empty list means padding is safe.
     """
     ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=MappingProxyType(index_provenance(
-        gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)), ties)),
+        gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)), ties, values)),
                ties=MappingProxyType(dict(ties or {})))
     out: list[PaddingViolation] = []
     live = _live_nodes(gm)
+    if tables is not None:
+        tables.update({n.name: CausalTable(n.name, values[n.name]) for n in gm.graph.nodes
+                       if n.op == "placeholder" and n in live and isinstance(ctx.facts.get(n), _Causal)})
     for node in gm.graph.nodes:
         found = _check_node(node, ctx) if node in live else None
         if found is None:

@@ -28,6 +28,9 @@ class BucketPlan:
     # placeholder index -> name of an input that must hold 1 at every position for the padding proof (an additive
     # attention mask: no real query row may be fully masked); checked per call, else the call runs unpadded
     ones_inputs: dict[int, str] = field(default_factory=dict)
+    # placeholder index -> a boolean input (a module's ``tril`` buffer) the padding proof read as a causal mask from
+    # its values (:class:`~graphpass.static_shapes.buffer_masks.CausalTable`); checked per call, else the call runs unpadded
+    causal_tables: dict[int, Any] = field(default_factory=dict)
     unsliced: torch.fx.GraphModule | None = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
     # bucket -> the Dynamo guard that fails there (a graph proven through a causal function's code, whose trace
     # at the traced length is not its trace at this bucket): calls landing in such a bucket run unpadded
