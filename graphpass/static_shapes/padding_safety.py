@@ -1733,7 +1733,7 @@ def _live_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 def check_padding_safety(
     gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True,
     ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
-    relied_on: set[str] | None = None, trusted: set[str] | None = None,
+    relied_on: set[str] | None = None, trusted: set[str] | None = None, topk_bounds: list[Any] | None = None,
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -1754,6 +1754,11 @@ def check_padding_safety(
     a whole; their proof is about the function's code at each size, so the caller must also check that the traced
     graph is the code's trace at the bucket's size (Dynamo's guards hold there).
 
+    ``topk_bounds``: when given, filled with the top-k selections proven to only narrow a causal mask
+    (:mod:`.topk_mask`: a sparse-attention indexer); each holds its ``k`` as an expression of the sizes, and the
+    proof needs ``k >= bucket`` at every bucket padded to: the caller marks the other buckets. Without it such a
+    ``topk`` is a violation as before.
+
     Nodes whose values reach no output (dead code the model computes and never uses) are not checked.
 
     Returns the violations in graph order; an empty list means padding is safe.
@@ -1763,8 +1768,15 @@ def check_padding_safety(
                ties=MappingProxyType(dict(ties or {})))
     out: list[PaddingViolation] = []
     live = _live_nodes(gm)
+    proven: set[torch.fx.Node] = set()
+    if topk_bounds is not None and causal_ok:
+        from .topk_mask import topk_masks
+
+        for proof in topk_masks(gm, ctx.facts, ctx.same_size, ctx.padded):
+            topk_bounds.append(proof)
+            proven |= proof.nodes
     for node in gm.graph.nodes:
-        found = _check_node(node, ctx) if node in live else None
+        found = _check_node(node, ctx) if node in live and node not in proven else None
         if found is None:
             continue
         dim, reason = found
