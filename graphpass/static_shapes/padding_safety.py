@@ -1663,12 +1663,15 @@ def _scalar_tensor_root(value: Any) -> str | None:
 
 
 def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None,
-                     ties: Mapping[Any, Any] | None = None) -> dict[torch.fx.Node, Any]:
+                     ties: Mapping[Any, Any] | None = None,
+                     proven: Mapping[torch.fx.Node, Any] | None = None) -> dict[torch.fx.Node, Any]:
     """The position and causal-mask facts of ``gm``'s nodes (see the section comment above).
     ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim; ``ties``: size symbols padded
-    together (symbol -> the one it equals on every call)."""
+    together (symbol -> the one it equals on every call); ``proven``: facts of nodes proven by a whole-pattern rule
+    (a top-k indexer's narrowed additive mask, :mod:`.topk_mask`)."""
     ties = MappingProxyType(dict(ties or {}))
     facts: dict[torch.fx.Node, Any] = {n: _ZeroPad(d, n.name) for n, d in (zero_padded or {}).items()}
+    facts.update(proven or {})
     huge = _huge_nodes(gm)
     for node in gm.graph.nodes:
         if node in facts:
@@ -1772,7 +1775,16 @@ def check_padding_safety(
     if topk_bounds is not None and causal_ok:
         from .topk_mask import topk_masks
 
-        for proof in topk_masks(gm, ctx.facts, ctx.same_size, ctx.padded):
+        carried: dict[torch.fx.Node, Any] = {}
+        while True:  # a narrowed additive mask's fact may let a later layer's indexer be proven: to a fixpoint
+            proofs = topk_masks(gm, ctx.facts, ctx.same_size, ctx.padded)
+            more = {n: f for p in proofs for n, f in p.facts}
+            if more.keys() <= carried.keys():
+                break
+            carried.update(more)
+            ctx = replace(ctx, facts=MappingProxyType(index_provenance(
+                gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)), ties, carried)))
+        for proof in proofs:
             topk_bounds.append(proof)
             proven |= proof.nodes
     for node in gm.graph.nodes:

@@ -47,8 +47,12 @@ What is checked on the graph (anything else keeps the op-by-op verdict, i.e. the
   are views of one node (int indices only on size-1 dims, no transposes), and each dim of the AND maps to the same
   dim of that node through both operands (or to none, where the dim has size 1).
 
-The float-mask path of the same code (``scores + mask``, ``mask.masked_fill(picked, finfo.min)``, taken with eager
-attention) is not covered and stays refused.
+The float-mask path of the same code (eager attention: ``S = X + M1f``, ``M2f.masked_fill(not_kept, finfo.min)``) is
+proven the same way when ``M1f`` and ``M2f`` are size-1-views of one ``where(cond, 0, v <= -1e30)`` (every entry exactly 0
+or a fill value, so after adding finite scores the unmasked entries are strictly above the masked ones) whose fact puts
+a fill value at every key after the query (``_NegMask``) or at every padding key (``_NegKeys``). On every real row the
+narrowed mask then equals ``M2f`` except that some fill values become ``finfo.min`` (still fill values), so it carries
+``M2f``'s fact (``TopkMask.facts``; ``index_provenance(..., proven=)``) into the additive-mask softmax proof.
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ class TopkMask:
     topk: torch.fx.Node
     k: sympy.Expr
     nodes: frozenset[torch.fx.Node]
+    # float-mask path: the ``M2f.masked_fill(not_kept, fill)`` nodes -> the fact of ``M2f`` they carry (equal to
+    # ``M2f`` on every real row up to fill values, at the buckets the proof holds)
+    facts: tuple[tuple[torch.fx.Node, Any], ...] = ()
 
 
 #: ``x.new_*(size)``: a factory that reads only ``x``'s dtype and device, not its values.
@@ -133,10 +140,12 @@ def _prove(topk: torch.fx.Node, facts, huge, same_size, padded) -> TopkMask | No
     k = example_of(ps._arg(topk, 1, "k", None))
     if not isinstance(k, (int, torch.SymInt)) or isinstance(k, bool):
         return None
-    m1 = _masked_scores_mask(s, ts, facts, huge, same_size)
-    if m1 is None:
+    found = _masked_scores_mask(s, ts, facts, huge, same_size)
+    if found is None:
         return None
+    m1, additive = found
     nodes = {topk}
+    carried: list[tuple[torch.fx.Node, Any]] = []
     # the indices, through dtype conversions, into scatters
     idx = _only_users(topk, lambda u: u.op == "call_function" and ps._op_name(u) == "getitem"
                       and len(u.args) == 2 and u.args[1] == 1)
@@ -161,17 +170,27 @@ def _prove(topk: torch.fx.Node, facts, huge, same_size, padded) -> TopkMask | No
     if not scatters:
         return None
     for sc in scatters:
-        chain = _scatter_picked_mask(sc, s, ts, m1, same_size)
+        chain = _scatter_picked_mask(sc, ts, m1, same_size, additive, facts)
         if chain is None:
             return None
-        nodes |= chain
-    return TopkMask(topk, size_expr(k), frozenset(nodes))
+        nodes |= chain[0]
+        carried += chain[1]
+    return TopkMask(topk, size_expr(k), frozenset(nodes), tuple(carried))
 
 
-def _masked_scores_mask(s: torch.fx.Node, ts: torch.Tensor, facts, huge, same_size) -> torch.fx.Node | None:
+def _masked_scores_mask(s: torch.fx.Node, ts: torch.Tensor, facts, huge, same_size) -> tuple[torch.fx.Node, bool] | None:
     """``S = masked_fill(X, ~M1, v <= -1e30)`` with ``M1`` false at every key after the query (or at every padding
-    key) along ``S``'s last two dims: ``M1``, else None."""
+    key) along ``S``'s last two dims: ``(M1, False)``; ``S = X + M1f`` with ``M1f`` an additive mask of 0 and fill values
+    (:func:`_additive_mask`): ``(M1f, True)``; else None."""
     ps = _ps()
+    if ps._op_name(s) == "add" and len(s.args) == 2 and not s.kwargs:
+        for x, m in (s.args, s.args[::-1]):
+            tx = example_of(x)
+            if isinstance(x, torch.fx.Node) and x not in huge and isinstance(tx, torch.Tensor) \
+                    and tx.dtype.is_floating_point and isinstance(m, torch.fx.Node) \
+                    and _additive_mask(m, ts, facts, same_size):
+                return m, True
+        return None
     if ps._op_name(s) != "masked_fill" or len(s.args) != 3 or s.kwargs:
         return None
     x, notm, fill = s.args
@@ -189,13 +208,37 @@ def _masked_scores_mask(s: torch.fx.Node, ts: torch.Tensor, facts, huge, same_si
     fact = facts.get(m1)
     causal = isinstance(fact, ps._Causal) and fact.shift is None and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)
     keys = isinstance(fact, (ps._KeysOnly, ps._ZeroPad)) and fact.dim == t.dim() - 1
-    return m1 if causal or keys else None
+    return (m1, False) if causal or keys else None
 
 
-def _scatter_picked_mask(sc: torch.fx.Node, s: torch.fx.Node, ts: torch.Tensor, m1: torch.fx.Node,
-                         same_size) -> set[torch.fx.Node] | None:
+def _additive_mask(m: torch.fx.Node, ts: torch.Tensor, facts, same_size) -> bool:
+    """``m`` is a size-1-view of ``where(cond, 0, v <= -1e30)`` (every entry exactly 0 or a fill value: after adding
+    finite scores the unmasked entries are strictly above the masked ones) with a fact that puts a fill value at every
+    key after the query (:class:`_NegMask`) or at every padding key (:class:`_NegKeys`), on ``S``'s last two dims."""
+    ps = _ps()
+    t = example_of(m)
+    if not isinstance(t, torch.Tensor) or t.dtype not in ps._NEG_MASK_DTYPES or t.dim() < 2 or t.dim() > ts.dim():
+        return False
+    if not (same_size(t.shape[-1], ts.shape[-1]) and same_size(t.shape[-2], ts.shape[-2])):
+        return False
+    root, _ = _root(m)
+    if ps._op_name(root) != "where" or len(root.args) != 3 or not ps._is_zero(root.args[1]):
+        return False
+    fill = root.args[2]
+    if not ((isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -ps._HUGE)
+            or (isinstance(fill, torch.fx.Node) and ps._is_negative_constant(fill))):
+        return False
+    fact = facts.get(m)
+    return (isinstance(fact, ps._NegMask) and fact.tail == 0 and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)) or (
+        isinstance(fact, ps._NegKeys) and fact.k == t.dim() - 1)
+
+
+def _scatter_picked_mask(sc: torch.fx.Node, ts: torch.Tensor, m1: torch.fx.Node, same_size, additive: bool,
+                         facts) -> tuple[set[torch.fx.Node], list[tuple[torch.fx.Node, Any]]] | None:
     """``scatter(ones_bool, -1, idx, False)`` of ``S``'s sizes, used only through size-1 views, a NOT and an AND with
-    a mask holding ``M1``'s elements: the nodes from the scatter to the NOT, else None."""
+    a mask holding ``M1``'s elements (boolean masks), or, for an additive mask, as the condition of
+    ``M2f.masked_fill(not_kept, v <= -1e30)`` with ``M2f`` holding ``M1f``'s elements: the nodes from the scatter to
+    the NOT, and the masked_fill nodes with the fact they carry (``M2f``'s); else None."""
     ps = _ps()
     base = sc.args[0] if sc.args else None
     tb, tsc = example_of(base), example_of(sc)
@@ -211,6 +254,8 @@ def _scatter_picked_mask(sc: torch.fx.Node, s: torch.fx.Node, ts: torch.Tensor, 
     cur = sc
     while True:  # size-1 views, then the NOT
         users = list(cur.users)
+        if additive:
+            return _fill_consumers(cur, sc, ts, m1, facts, nodes)
         if len(users) != 1:
             return None
         u = users[0]
@@ -229,9 +274,41 @@ def _scatter_picked_mask(sc: torch.fx.Node, s: torch.fx.Node, ts: torch.Tensor, 
         return None
     for a in ands:
         other = a.args[1] if a.args[0] is notp else a.args[0]
-        if other is notp or not isinstance(other, torch.fx.Node) or not _same_elements(a, notp, other, sc, ts, m1):
+        if other is notp or not isinstance(other, torch.fx.Node) or not _same_elements(a, notp.args[0], other, sc, ts, m1):
             return None
-    return nodes
+    return nodes, []
+
+
+def _fill_consumers(cur: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor, m1f: torch.fx.Node, facts,
+                    nodes: set[torch.fx.Node]) -> tuple[set[torch.fx.Node], list[tuple[torch.fx.Node, Any]]] | None:
+    """From the scatter ``cur`` on: size-1 views, then only ``M2f.masked_fill(view, v <= -1e30)`` with ``M2f`` holding
+    ``M1f``'s elements (and of its shape)."""
+    ps = _ps()
+    while True:
+        users = list(cur.users)
+        if len(users) == 1 and _dim_map(users[0]) is not None:
+            cur = users[0]
+            nodes.add(cur)
+            continue
+        break
+    carried = []
+    for u in users:
+        if not (u.op in ("call_function", "call_method") and ps._op_name(u) == "masked_fill" and len(u.args) == 3
+                and not u.kwargs and u.args[1] is cur and isinstance(u.args[0], torch.fx.Node)):
+            return None
+        m2f, fill = u.args[0], u.args[2]
+        if not (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -ps._HUGE):
+            return None
+        tu, tm2 = example_of(u), example_of(m2f)
+        if not (isinstance(tm2, torch.Tensor) and tu.dim() == tm2.dim() and all(
+                size_expr(a) == size_expr(b) for a, b in zip(tu.shape, tm2.shape))):
+            return None
+        if not _same_elements(u, cur, m2f, sc, ts, m1f):
+            return None
+        fact = facts.get(m2f)
+        if fact is not None:
+            carried.append((u, fact))
+    return (nodes, carried) if users else None
 
 
 def _dim_map(node: torch.fx.Node) -> tuple[torch.fx.Node, list[int | None]] | None:
@@ -298,7 +375,7 @@ def _is_one(size: Any) -> bool:
     return _ps()._static_int(size) == 1
 
 
-def _same_elements(a: torch.fx.Node, notp: torch.fx.Node, m2: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor,
+def _same_elements(a: torch.fx.Node, picked: torch.fx.Node, m2: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor,
                    m1: torch.fx.Node) -> bool:
     """At every element of the AND ``a``, the kept-key operand (``~picked``, a size-1-view chain of the scatter,
     whose elements are ``S``'s, masked by ``M1`` broadcast from the right) and ``M2`` read the same element of one
@@ -309,7 +386,7 @@ def _same_elements(a: torch.fx.Node, notp: torch.fx.Node, m2: torch.fx.Node, sc:
     if r1 is not r2:
         return False
     # ~picked -> the scatter's dims (== S's dims) -> M1's dims (right-aligned) -> the root's
-    sc_node, pdims = _root(notp.args[0])
+    sc_node, pdims = _root(picked)
     if sc_node is not sc:
         return False
     tm1 = example_of(m1)

@@ -43,12 +43,14 @@ class Indexed(nn.Module):
         x = self.emb(ids)
         b, n = ids.shape
         pos = torch.arange(n, device=ids.device)
-        if self.variant == "anti_causal":
+        if "anti_causal" in self.variant:
             causal = pos[None, None, None, :] >= pos[None, None, :, None]  # keys after the query: not causal
         else:
             causal = pos[None, None, None, :] <= pos[None, None, :, None]
         mask = causal.expand(b, 1, n, n)                                        # [B, 1, S, T]
         scores = F.relu(self.iq(x) @ self.ik(x).transpose(-1, -2))              # exact zeros: ties
+        if "additive" in self.variant:  # eager attention's float mask (transformers' other branch)
+            return self._additive(x, mask, scores)
         scores = scores.masked_fill(~mask[:, 0, :, :], float("-inf"))
         k = min(self.k, scores.shape[-1])
         idx = scores.topk(k, dim=-1).indices.to(torch.int32)
@@ -63,6 +65,17 @@ class Indexed(nn.Module):
         if self.variant == "gather":  # the indices also used as data
             out = out + torch.gather(x, 1, idx.long()[..., :1].expand(b, n, x.shape[-1]))
         return self.head(out)
+
+    def _additive(self, x, mask, scores):
+        b, n = x.shape[:2]
+        fmask = torch.where(mask, 0.0, torch.finfo(x.dtype).min)                # [B, 1, S, T]
+        scores = scores + fmask[:, 0, :, :]
+        idx = scores.topk(min(self.k, scores.shape[-1]), dim=-1).indices.to(torch.int32)
+        index_mask = idx.new_ones((b, n, n), dtype=torch.bool).scatter(-1, idx.long(), False).unsqueeze(1)
+        fmask = fmask.masked_fill(index_mask, torch.finfo(x.dtype).min)
+        q, kk, v = (f(x)[:, None] for f in (self.q, self.kk, self.v))
+        weights = torch.softmax(q @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5 + fmask, dim=-1)
+        return self.head((weights @ v)[:, 0])
 
 
 def _sweep(model: nn.Module, lengths=LENGTHS, vocab: int = 50, call=None):
@@ -97,6 +110,14 @@ def test_indexer_with_k_at_least_every_bucket_pads_and_matches_eager():
     assert lens <= set(BUCKETS) | {LENGTHS[0]}, lens  # only the first call's exact length and the buckets
 
 
+def test_indexer_with_an_additive_mask_pads_and_matches_eager():
+    plans, lens, _ = _sweep(Indexed(k=16, variant="additive"))
+    assert plans and all(p.active and not p.invalid_buckets for p in plans), [(p.refused, p.invalid_buckets) for p in plans]
+    assert lens <= set(BUCKETS) | {LENGTHS[0]}, lens
+    plans, _, _ = _sweep(Indexed(k=4, variant="additive"))
+    assert plans and not plans[0].active and plans[0].refused[0].startswith("Tensor.topk at node"), plans[0].refused
+
+
 def test_indexer_pads_only_to_the_buckets_k_covers():
     plans, lens, warned = _sweep(Indexed(k=10))  # k = min(10, s): 8 at bucket 8, 10 < 16 at bucket 16
     assert plans and plans[0].active and set(plans[0].invalid_buckets) == {16}, [(p.refused, p.invalid_buckets) for p in plans]
@@ -114,7 +135,7 @@ def test_indexer_with_k_below_every_bucket_is_refused_naming_the_topk():
 
 
 @pytest.mark.parametrize("variant,op", [("anti_causal", "Tensor.topk"), ("other_mask", "Tensor.topk"),
-                                        ("gather", "Tensor.topk")])
+                                        ("gather", "Tensor.topk"), ("additive_anti_causal", "Tensor.topk")])
 def test_near_variants_stay_refused(variant, op):
     plans, _, _ = _sweep(Indexed(k=16, variant=variant))
     assert plans and not plans[0].active
@@ -134,11 +155,14 @@ def _conformance():
     return mod
 
 
-@pytest.mark.parametrize("index_topk,active", [(16, True), (4, False)])
-def test_tiny_deepseek_v32(index_topk, active):
+@pytest.mark.parametrize("family,index_topk,active", [("deepseek_v32", 16, True), ("deepseek_v32", 4, False),
+                                                     ("hy_v4", 16, True)])
+def test_tiny_sparse_attention_lms(family, index_topk, active):
+    """DeepSeek-V3.2 (SDPA: the boolean mask) and HY-V4 (eager attention: the additive mask, and "shared" layers that
+    reuse the previous layer's top-k)."""
     pytest.importorskip("transformers")
     conformance = _conformance()
-    model = conformance.build_model("deepseek_v32")
+    model = conformance.build_model(family)
     for m in model.modules():
         if hasattr(m, "index_topk"):
             m.index_topk = index_topk
@@ -151,4 +175,4 @@ def test_tiny_deepseek_v32(index_topk, active):
     if active:
         assert lens <= {5, 8, 16}, lens
     else:
-        assert plans[0].refused[0].startswith("Tensor.topk at node topk (modeling_deepseek_v32.py"), plans[0].refused
+        assert plans[0].refused[0].startswith(f"Tensor.topk at node topk (modeling_{family}.py"), plans[0].refused
