@@ -218,8 +218,13 @@ class BucketDispatcher:
             return self._run_unpadded(args, self._shape_key(args))
         bad = sorted({b for b in buckets.values() if b in plan.invalid_buckets})
         if bad:
-            self._warn(f"graphpass static_shapes: Dynamo's guard {plan.invalid_buckets[bad[0]]} fails at bucket {bad[0]}, "
-                       "so this graph is not the traced code's graph at that size; running it unpadded with dynamic shapes")
+            why = plan.invalid_buckets[bad[0]]
+            if why.startswith("not proven: "):  # a proof that holds at some buckets only (static_shapes/topk_mask.py)
+                why = f"bucket {bad[0]} is not proven for this graph: {why[len('not proven: '):]}"
+            else:
+                why = (f"Dynamo's guard {why} fails at bucket {bad[0]}, so this graph is not the traced code's graph at "
+                       "that size")
+            self._warn(f"graphpass static_shapes: {why}; running it unpadded with dynamic shapes")
             return self._run_unpadded(args, self._shape_key(args))
         subs = {sym: b for sym, b in buckets.items()}
         others = tuple((i, int(a)) for i, a in enumerate(args) if isinstance(a, int) and i not in plan.size_inputs)

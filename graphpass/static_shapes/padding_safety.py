@@ -1836,14 +1836,17 @@ def _scalar_tensor_root(value: Any) -> str | None:
 
 
 def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None,
-                     ties: Mapping[Any, Any] | None = None, values: Mapping[str, Any] | None = None) -> dict[torch.fx.Node, Any]:
+                     ties: Mapping[Any, Any] | None = None, values: Mapping[str, Any] | None = None,
+                     proven: Mapping[torch.fx.Node, Any] | None = None) -> dict[torch.fx.Node, Any]:
     """The position and causal-mask facts of ``gm``'s nodes (see the section comment above).
     ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim; ``ties``: size symbols padded
     together (symbol -> the one it equals on every call); ``values``: placeholder name -> the real tensor it takes
-    (a module buffer), whose values may prove it a causal table (:mod:`.buffer_masks`)."""
+    (a module buffer), whose values may prove it a causal table (:mod:`.buffer_masks`); ``proven``: facts of nodes
+    proven by a whole-pattern rule (a top-k indexer's narrowed additive mask, :mod:`.topk_mask`)."""
     ties = MappingProxyType(dict(ties or {}))
     facts: dict[torch.fx.Node, Any] = {n: _ZeroPad(d, n.name) for n, d in (zero_padded or {}).items()}
     facts.update(_table_facts(gm, values or {}))
+    facts.update(proven or {})
     huge = _huge_nodes(gm)
     for node in gm.graph.nodes:
         if node in facts:
@@ -1922,6 +1925,7 @@ def check_padding_safety(
     ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
     relied_on: set[str] | None = None, trusted: set[str] | None = None,
     values: Mapping[str, Any] | None = None, tables: dict[str, CausalTable] | None = None,
+    topk_bounds: list[Any] | None = None,
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -1947,6 +1951,11 @@ def check_padding_safety(
     mask. ``tables``: when given, filled with those the graph reads (name -> :class:`.buffer_masks.CausalTable`);
     the proof holds only while they keep those values, which the caller checks on every call.
 
+    ``topk_bounds``: when given, filled with the top-k selections proven to only narrow a causal mask
+    (:mod:`.topk_mask`: a sparse-attention indexer); each holds its ``k`` as an expression of the sizes, and the
+    proof needs ``k >= bucket`` at every bucket padded to: the caller marks the other buckets. Without it such a
+    ``topk`` is a violation as before.
+
     Nodes whose values reach no output (dead code the model computes and never uses) are not checked.
 
     Returns the violations in graph order; an empty list means padding is safe.
@@ -1956,11 +1965,27 @@ def check_padding_safety(
                ties=MappingProxyType(dict(ties or {})))
     out: list[PaddingViolation] = []
     live = _live_nodes(gm)
+    proven: set[torch.fx.Node] = set()
+    if topk_bounds is not None and causal_ok:
+        from .topk_mask import topk_masks
+
+        carried: dict[torch.fx.Node, Any] = {}
+        while True:  # a narrowed additive mask's fact may let a later layer's indexer be proven: to a fixpoint
+            proofs = topk_masks(gm, ctx.facts, ctx.same_size, ctx.padded)
+            more = {n: f for p in proofs for n, f in p.facts}
+            if more.keys() <= carried.keys():
+                break
+            carried.update(more)
+            ctx = replace(ctx, facts=MappingProxyType(index_provenance(
+                gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)), ties, values, carried)))
+        for proof in proofs:
+            topk_bounds.append(proof)
+            proven |= proof.nodes
     if tables is not None:
         tables.update({n.name: CausalTable(n.name, values[n.name]) for n in gm.graph.nodes
                        if n.op == "placeholder" and n in live and isinstance(ctx.facts.get(n), _Causal)})
     for node in gm.graph.nodes:
-        found = _check_node(node, ctx) if node in live else None
+        found = _check_node(node, ctx) if node in live and node not in proven else None
         if found is None:
             continue
         dim, reason = found

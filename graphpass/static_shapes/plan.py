@@ -33,7 +33,9 @@ class BucketPlan:
     causal_tables: dict[int, Any] = field(default_factory=dict)
     unsliced: torch.fx.GraphModule | None = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
     # bucket -> the Dynamo guard that fails there (a graph proven through a causal function's code, whose trace
-    # at the traced length is not its trace at this bucket): calls landing in such a bucket run unpadded
+    # at the traced length is not its trace at this bucket), or "not proven: ..." (a proof that holds at some buckets
+    # only: a top-k indexer keeping fewer keys than the bucket, static_shapes/topk_mask.py): calls landing in such a
+    # bucket run unpadded
     invalid_buckets: dict[int, str] = field(default_factory=dict)
 
     @property
