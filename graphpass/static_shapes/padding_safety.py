@@ -518,7 +518,8 @@ def _zero_padded_count(node: torch.fx.Node, name: str, d: int, ctx: _Ctx) -> boo
     x = _arg(node, 0, "input")
     fact = ctx.facts.get(x) if isinstance(x, torch.fx.Node) else None
     t = example_of(x)
-    if name not in ("sum", "count_nonzero", "any") or not isinstance(fact, (_ZeroPad, _ZeroPadIf)) or fact.dim != d \
+    if not ctx.causal_ok or name not in ("sum", "count_nonzero", "any") or not isinstance(fact, (_ZeroPad, _ZeroPadIf)) \
+            or fact.dim != d \
             or not (t.dtype == torch.bool or _is_int_tensor(t)) or _arg(node, -1, "dtype", None) not in (None, torch.int64):
         return False
     if isinstance(fact, _ZeroPadIf):
@@ -937,7 +938,7 @@ def _check_conv1d(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     k = _static_int(w.shape[-1])
     causal = (ctx.causal_ok and k is not None and stride is not None and padding is not None and dilation is not None
               and stride[0] == 1 and padding[0] >= (k - 1) * dilation[0])
-    if not causal and _valid_conv(stride, padding, dilation, k):
+    if not causal and ctx.causal_ok and _valid_conv(stride, padding, dilation, k):
         return _value_use(node, ctx)
     if not causal:
         return pads[0], f"{name} along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"
