@@ -235,9 +235,11 @@ PADS: frozenset[str] = frozenset("pad constant_pad_nd".split())
 EMBEDDINGS: frozenset[str] = frozenset("embedding".split())
 #: 1-d convolutions: causal along the time dim when padded by at least (kernel - 1) * dilation.
 CONVS: frozenset[str] = frozenset({"conv1d"})
+#: ``Tensor.unfold(dim, size, step)``: sliding windows along a dim (a "valid" convolution's reads).
+WINDOWS: frozenset[str] = frozenset({"unfold"})
 
 _KNOWN: frozenset[str] = (
-    POINTWISE | LAYOUT | RESHAPES | META | ATTENTION | INDEXING | CONCAT | REPEATS | PADS | EMBEDDINGS | CONVS
+    POINTWISE | LAYOUT | RESHAPES | META | ATTENTION | INDEXING | CONCAT | REPEATS | PADS | EMBEDDINGS | CONVS | WINDOWS
     | frozenset(FACTORIES) | frozenset(ALONG_DIM) | frozenset(MATMULS) | frozenset(NORMS)
 )
 
@@ -958,6 +960,28 @@ def _valid_conv(stride: list[int] | None, padding: list[int] | None, dilation: l
             and len(stride) == len(padding) == len(dilation) == 1 and stride[0] == 1 and padding[0] == 0)
 
 
+def _check_unfold(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
+    """``x.unfold(d, size, 1)`` along the padded dim: window ``r`` holds rows ``r .. r + size - 1``, the reads of a
+    valid convolution (:func:`_valid_conv`), so every window that exists at the real length reads real rows only
+    (inkling2's short convolution: ``F.pad(x, (k - 1, 0)).unfold(-1, k, 1)``). Only the tensor method and aten's
+    ``unfold`` (``torch.nn.functional.unfold`` is im2col over images, another op of the same name); a step other
+    than 1 starts the windows at multiples of it, which is still a prefix, but is refused until a model needs it."""
+    if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload):
+        return None, f"unknown op {_label(node)}: cannot prove row independence"
+    x = example_of(_arg(node, 0, "input"))
+    if not isinstance(x, torch.Tensor):
+        return None, f"{name} with an unreadable operand: cannot prove row independence"
+    pads = ctx.padded(x)
+    d = _static_int(_arg(node, 1, "dimension", None))
+    size = _static_int(_arg(node, 2, "size", None))
+    step = _static_int(_arg(node, 3, "step", None))
+    if d is None or size is None or step is None:
+        return (pads[0] if pads else None), f"{name} with arguments that are not static: cannot prove row independence"
+    if _norm_dim(d, x.dim()) in pads and not (ctx.causal_ok and step == 1):
+        return _norm_dim(d, x.dim()), f"{name} along the padded dim with step {step}: not proven"
+    return _value_use(node, ctx)
+
+
 def _exact(expr: sympy.Expr, env: ShapeEnv | None) -> sympy.Expr:
     """``expr`` with every ``a // b`` the shape env knows to be exact (``a % b == 0`` was
     guarded, e.g. by a view) replaced by ``a / b``, so that ``4 * (H // 4)`` cancels to ``H``."""
@@ -1063,6 +1087,8 @@ def _handler(name: str) -> Callable[[torch.fx.Node, str, _Ctx], _Finding | None]
         return _check_embedding
     if name in CONVS:
         return _check_conv1d
+    if name in WINDOWS:
+        return _check_unfold
     return None
 
 

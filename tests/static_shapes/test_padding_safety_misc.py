@@ -1,4 +1,4 @@
-"""Padding-safety rules met in doge, gemma3, inkling, llama4 and zaya (issue 20): plain-torch reproductions of
+"""Padding-safety rules met in doge, gemma3, inkling, inkling2, llama4 and zaya (issue 20): plain-torch reproductions of
 each pattern, checked op by op (no violation, or the unsafe near-variant refused naming its op) and bucketed
 through graphpass (real rows equal eager's at several lengths).
 
@@ -10,6 +10,7 @@ through graphpass (real rows equal eager's at several lengths).
 * the count of left-padding tokens ``(attention_mask.cumsum(-1) == 0).sum(-1)`` of a zero-padded mask that is
   1 at every real position (llama4's chunked mask);
 * ``repeat`` of the rows once per expert, viewed back as ``[experts, tokens, hidden]`` (llama4's MoE).
+* sliding windows ``F.pad(x, (k - 1, 0)).unfold(-1, k, 1)`` (inkling2's short convolution).
 """
 
 from __future__ import annotations
@@ -322,3 +323,41 @@ def test_repeat_of_a_tensor_padded_twice_or_a_sum_over_the_repeated_rows_is_refu
     assert any(v.op == "Tensor.repeat" and "puts padding in the middle" in v.reason for v in got), got
     got, _, _ = _check(RepeatPerExpert("sum_over_tokens"), torch.randn(B, 7, H))
     assert any(v.op == "Tensor.sum" and v.reason == "sum along the padded dim mixes rows" for v in got), got
+
+
+# --------------------------------------------------------------------------------------------
+# sliding windows (Tensor.unfold)
+# --------------------------------------------------------------------------------------------
+
+
+class WindowConv(nn.Module):
+    """inkling2's short convolution: left-pad by k - 1, trim to the last n + k - 1 rows, windows of k rows (the
+    token ``lag`` steps back at ``[..., lag]`` after the flip), a weighted sum per window."""
+
+    def __init__(self, step: int = 1) -> None:
+        super().__init__()
+        self.k, self.step = 4, step
+        self.w = nn.Parameter(torch.randn(C, self.k))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        context = F.pad(x.transpose(1, 2), (self.k - 1, 0))[..., -(n + self.k - 1):]
+        windows = context.unfold(-1, self.k, self.step).flip(-1).transpose(1, 2)  # [b, n, C, k]
+        return (windows * self.w).sum(-1) + x
+
+
+def test_sliding_windows_after_a_left_pad_are_safe():
+    got, _, _ = _check(WindowConv(), torch.randn(B, 7, C))
+    assert got == []
+
+
+def test_sliding_windows_after_a_left_pad_bucket_exactly():
+    g = torch.Generator().manual_seed(4)
+    lengths = _bucketed(WindowConv(), lambda n: (torch.randn(B, n, C, generator=g),), "x")
+    assert lengths <= {LENGTHS[0], *BUCKETS}, lengths
+
+
+def test_sliding_windows_with_a_step_are_refused():
+    x = torch.randn(B, 9, C)
+    got, _, _ = _check(lambda x: x.transpose(1, 2).unfold(-1, 3, 2).sum(-1).transpose(1, 2), x)
+    assert [(v.op, v.reason) for v in got] == [("Tensor.unfold", "unfold along the padded dim with step 2: not proven")], got
