@@ -9,7 +9,7 @@ through graphpass (real rows equal eager's at several lengths).
   finite values on it (doge's dynamic mask ``dt.masked_fill(mask != 0, min)``, inkling's position bias);
 * the count of left-padding tokens ``(attention_mask.cumsum(-1) == 0).sum(-1)`` of a zero-padded mask that is
   1 at every real position (llama4's chunked mask);
-* ``repeat`` of the rows once per expert, viewed back as ``[experts, tokens, hidden]`` (llama4's MoE).
+* ``repeat`` of the rows once per expert, viewed back as ``[experts, tokens, hidden]`` (llama4's MoE);
 * sliding windows ``F.pad(x, (k - 1, 0)).unfold(-1, k, 1)`` (inkling2's short convolution).
 """
 
