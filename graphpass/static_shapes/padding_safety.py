@@ -94,7 +94,7 @@ POINTWISE: frozenset[str] = frozenset(
     copysign eq ne lt le gt ge greater greater_equal less less_equal not_equal logical_and logical_or
     logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not and_ or_ xor invert not_
     lshift rshift isnan isinf isfinite isclose where masked_fill relu relu6 gelu silu mish elu selu
-    celu leaky_relu hardtanh hardswish hardsigmoid softplus softsign tanhshrink threshold logsigmoid
+    celu leaky_relu hardtanh hardswish hardsigmoid softplus softsign tanhshrink threshold logsigmoid log_sigmoid
     prelu dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout native_dropout
     to type type_as float double half bfloat16 int long short bool byte char cpu cuda detach clone
     contiguous requires_grad_ alias lift_fresh _to_copy fill_ zero_ copy_ tril triu real imag
@@ -236,9 +236,11 @@ PADS: frozenset[str] = frozenset("pad constant_pad_nd".split())
 EMBEDDINGS: frozenset[str] = frozenset("embedding".split())
 #: 1-d convolutions: causal along the time dim when padded by at least (kernel - 1) * dilation.
 CONVS: frozenset[str] = frozenset({"conv1d"})
+#: ``Tensor.unfold(dim, size, step)``: sliding windows along a dim (a "valid" convolution's reads).
+WINDOWS: frozenset[str] = frozenset({"unfold"})
 
 _KNOWN: frozenset[str] = (
-    POINTWISE | LAYOUT | RESHAPES | META | ATTENTION | INDEXING | CONCAT | REPEATS | PADS | EMBEDDINGS | CONVS
+    POINTWISE | LAYOUT | RESHAPES | META | ATTENTION | INDEXING | CONCAT | REPEATS | PADS | EMBEDDINGS | CONVS | WINDOWS
     | frozenset(FACTORIES) | frozenset(ALONG_DIM) | frozenset(MATMULS) | frozenset(NORMS)
 )
 
@@ -506,9 +508,26 @@ def _check_along_dim(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
         return None, f"{name} over every dim includes the padded dim {pads[0]} and mixes rows"
     for d in dims:
         d = _norm_dim(d, t.dim())
-        if d in pads and not _causal_scan(node, name, ctx) and not _masked_softmax(node, name, d, ctx):
+        if d in pads and not _causal_scan(node, name, ctx) and not _masked_softmax(node, name, d, ctx) \
+                and not _zero_padded_count(node, name, d, ctx):
             return d, f"{name} {spec.what}"
     return None
+
+
+def _zero_padded_count(node: torch.fx.Node, name: str, d: int, ctx: _Ctx) -> bool:
+    """``sum`` / ``count_nonzero`` / ``any`` along ``d`` of an integer or boolean tensor that is 0 at every padding
+    row along ``d`` (a zero-padded input read in place, or a :class:`_ZeroPadIf`): the padding adds exact zeros,
+    so the result is the unpadded one."""
+    x = _arg(node, 0, "input")
+    fact = ctx.facts.get(x) if isinstance(x, torch.fx.Node) else None
+    t = example_of(x)
+    if not ctx.causal_ok or name not in ("sum", "count_nonzero", "any") or not isinstance(fact, (_ZeroPad, _ZeroPadIf)) \
+            or fact.dim != d \
+            or not (t.dtype == torch.bool or _is_int_tensor(t)) or _arg(node, -1, "dtype", None) not in (None, torch.int64):
+        return False
+    if isinstance(fact, _ZeroPadIf):
+        ctx.relied_on.update(fact.needs)
+    return True
 
 
 def _causal_scan(node: torch.fx.Node, name: str, ctx: _Ctx) -> bool:
@@ -656,9 +675,28 @@ def _check_attention(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
                 break  # row i sees rows <= i; the padding sits after every real row
             if _pad_keys_masked(mask, ctx):
                 break  # the mask is False at every padding key (ANDed with a zero-padded attention mask)
+            if ctx.causal_ok and not causal and _additive_causal_mask(mask, q, t, ctx):
+                break  # a float mask adding <= -1e30 at every later key: softmax weight exactly 0 there
             why = " without is_causal or a mask proven causal" if ctx.causal_ok else ""
             return t.dim() - 2, "attention over the padded sequence" + why
     return _value_use(node, ctx)
+
+
+def _additive_causal_mask(mask: Any, q: Any, k: Any, ctx: _Ctx) -> bool:
+    """A float ``attn_mask`` that is a :class:`_NegMask` on its last two dims (queries, keys), sized like the
+    query and key sequences: the kernel adds it to the finite scores, so every real query row ``i`` gets a value
+    ``<= -1e30`` at each key ``j > i`` (the padding keys among them) and a finite one on its diagonal; the softmax
+    weight of every later key is then exactly 0, as in the hand-written softmax the :class:`_NegMask` proof covers
+    (doge's dynamic mask: ``dt_states.masked_fill(mask != 0, finfo.min)``)."""
+    fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
+    m = example_of(mask)
+    if not (isinstance(fact, _NegMask) and fact.tail == 0 and isinstance(m, torch.Tensor) and m.dim() >= 2
+            and m.dtype in _NEG_MASK_DTYPES and (fact.q, fact.k) == (m.dim() - 2, m.dim() - 1)
+            and isinstance(q, torch.Tensor) and q.dim() >= 2 and isinstance(k, torch.Tensor) and k.dim() >= 2
+            and ctx.same_size(m.shape[-2], q.shape[-2]) and ctx.same_size(m.shape[-1], k.shape[-2])):
+        return False
+    ctx.relied_on.update(fact.needs)
+    return True
 
 
 def _starts_at_zero(start: Any, size: Any, ctx: _Ctx) -> bool:
@@ -695,6 +733,8 @@ def _check_getitem(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None
     if name in ("narrow", "select", "slice"):
         return _check_narrow(node, name, t, pads, ctx)
     idx = node.args[1] if len(node.args) > 1 else None
+    if name == "setitem" and _masked_scalar_write(node, t, idx, ctx):
+        return _value_use(node, ctx)
     items = list(idx) if isinstance(idx, tuple) else [idx]
     if isinstance(idx, list):
         items = [idx]  # x[[0, 2]]: one advanced index on dim 0
@@ -714,6 +754,23 @@ def _check_getitem(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None
                 return dd, f"{verb} the padded dim with an index that {why}"
         d += w
     return None
+
+
+def _masked_scalar_write(node: torch.fx.Node, t: torch.Tensor, idx: Any, ctx: _Ctx) -> bool:
+    """``x[mask] = v`` with one boolean ``mask`` sized like ``x``'s leading dims and a scalar ``v`` (a Python
+    number or a 0-d tensor): the same as ``x.masked_fill_(mask, v)``, so element ``(i, ...)`` of ``x`` reads only
+    ``mask[i, ...]`` and ``v`` (gemma3's ``llm_input_ids[input_ids == image_token_id] = 0``). A value tensor
+    with elements of its own is written in mask order (the k-th true entry takes the k-th value): not row-wise."""
+    m = example_of(idx) if isinstance(idx, torch.fx.Node) else None
+    if not (isinstance(m, torch.Tensor) and m.dtype == torch.bool and 0 < m.dim() <= t.dim()):
+        return False
+    if not all(ctx.same_size(a, b) for a, b in zip(m.shape, t.shape)):
+        return False
+    value = node.args[2] if len(node.args) > 2 else None
+    v = example_of(value)
+    if isinstance(v, torch.Tensor):
+        return v.dim() == 0
+    return isinstance(v, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _check_narrow(
@@ -834,6 +891,11 @@ def _check_repeat(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     for d in pads:
         i = d + len(counts) - t.dim()
         c = _static_int(counts[i]) if 0 <= i < len(counts) else 1
+        if c is not None and c > 1 and len(pads) == 1:
+            # c copies of the rows one after the other: x.unsqueeze(d).expand(c at d).reshape(c * n at d), the
+            # merge of a static dim into the padded one that _reshape_keeps_rows accepts (llama4's MoE repeats
+            # the tokens once per expert and views them back as [experts, tokens, hidden])
+            continue
         if c != 1:
             return d, f"{name} along the padded dim puts padding in the middle"
     return None
@@ -883,29 +945,45 @@ def _check_conv1d(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     k = _static_int(w.shape[-1])
     causal = (ctx.causal_ok and k is not None and stride is not None and padding is not None and dilation is not None
               and stride[0] == 1 and padding[0] >= (k - 1) * dilation[0])
+    if not causal and ctx.causal_ok and _valid_conv(stride, padding, dilation, k):
+        return _value_use(node, ctx)
     if not causal:
         return pads[0], f"{name} along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"
     return _value_use(node, ctx)
 
 
+def _valid_conv(stride: list[int] | None, padding: list[int] | None, dilation: list[int] | None, k: int | None) -> bool:
+    """A ``conv1d`` with stride 1 and no padding (a "valid" convolution) keeps every real row exact, causal or not:
+    output row ``r`` reads input rows ``r .. r + (k - 1) * d``. With ``n`` real input rows the unpadded call has
+    ``n - (k - 1) * d`` output rows, and each of them (``r <= n - 1 - (k - 1) * d``) reads input rows ``<= n - 1``
+    only: the real ones. The bucketed call computes those same rows first and more after them, which the slice
+    back to ``n - (k - 1) * d`` drops. Zaya's CCA stacks two of them after ``F.pad(x, (k1 - 1 + k2 - 1, 0))``: row
+    ``i`` of the result then reads rows ``i - (k1 - 1 + k2 - 1) .. i`` of ``x``. A zero padding inside the
+    convolution (``padding > 0``) is different: the unpadded call's last rows read those zeros, where the bucketed
+    one reads padding rows."""
+    return (k is not None and stride is not None and padding is not None and dilation is not None
+            and len(stride) == len(padding) == len(dilation) == 1 and stride[0] == 1 and padding[0] == 0)
+
+
 def _check_unfold(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
-    """``Tensor.unfold(dim, size, step)`` (sliding windows; not ``F.unfold``, im2col) along a padded dim with a
-    static ``size`` and ``step >= 1``: window ``t`` holds input rows ``t * step .. t * step + size - 1``, anchored at
-    row 0 whatever the padding. With ``R`` real input rows the unpadded call has ``(R - size) // step + 1`` windows,
-    exactly the padded output's real count (its length expression at the real length); the last of them ends at row
-    ``<= R - 1``. So every real window reads real rows only, and the windows over padding come after them (inkling2's
-    short convolution: a left ``pad`` by ``size - 1``, then ``unfold(-1, size, 1)``, window ``t`` = tokens ``t - size + 1 .. t``)."""
-    if not (node.op == "call_method" or node.target in (torch.Tensor.unfold, torch.ops.aten.unfold.default)):
+    """``x.unfold(d, size, 1)`` along the padded dim: window ``r`` holds rows ``r .. r + size - 1``, the reads of a
+    valid convolution (:func:`_valid_conv`), so every window that exists at the real length reads real rows only
+    (inkling2's short convolution: ``F.pad(x, (k - 1, 0)).unfold(-1, k, 1)``). Only the tensor method and aten's
+    ``unfold`` (``torch.nn.functional.unfold`` is im2col over images, another op of the same name); a step other
+    than 1 starts the windows at multiples of it, which is still a prefix, but is refused until a model needs it."""
+    if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload):
         return None, f"unknown op {_label(node)}: cannot prove row independence"
-    t = example_of(node.args[0] if node.args else _arg(node, 0, "self", None))
-    if not isinstance(t, torch.Tensor):
-        return None, f"{name} of an unreadable tensor: cannot prove row independence"
-    pads = ctx.padded(t)
-    dim, size, step = (_static_int(_arg(node, i, kw, None)) for i, kw in ((1, "dimension"), (2, "size"), (3, "step")))
-    if dim is None or size is None or step is None:
-        return (pads[0] if pads else None), f"{name} with a dim, size or step that is not static"
-    if _norm_dim(dim, t.dim()) in pads and (size < 1 or step < 1):
-        return _norm_dim(dim, t.dim()), f"{name} along the padded dim with size {size}, step {step}"
+    x = example_of(_arg(node, 0, "input"))
+    if not isinstance(x, torch.Tensor):
+        return None, f"{name} with an unreadable operand: cannot prove row independence"
+    pads = ctx.padded(x)
+    d = _static_int(_arg(node, 1, "dimension", None))
+    size = _static_int(_arg(node, 2, "size", None))
+    step = _static_int(_arg(node, 3, "step", None))
+    if d is None or size is None or step is None:
+        return (pads[0] if pads else None), f"{name} with arguments that are not static: cannot prove row independence"
+    if _norm_dim(d, x.dim()) in pads and not (ctx.causal_ok and step == 1):
+        return _norm_dim(d, x.dim()), f"{name} along the padded dim with step {step}: not proven"
     return _value_use(node, ctx)
 
 
@@ -1014,7 +1092,7 @@ def _handler(name: str) -> Callable[[torch.fx.Node, str, _Ctx], _Finding | None]
         return _check_embedding
     if name in CONVS:
         return _check_conv1d
-    if name == "unfold":
+    if name in WINDOWS:
         return _check_unfold
     return None
 
@@ -1262,17 +1340,33 @@ class _OnePad:
 
 
 @dataclass(frozen=True)
+class _PadCount:
+    """An integer tensor holding, at every padding row along ``dim``, the number of real rows (>= 1) when the
+    ``needs`` inputs hold 1 at every real position: the running count ``cumsum`` of a zero-padded mask."""
+    dim: int
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class _Const:
     """A tensor holding ``value`` at every element, whatever the padding (``zeros_like(x)``, what compares, selects
     and indexes keep of it): GIT's text-only ``token_type_ids`` and the block ids and block mask built from them."""
     value: bool | int | float
 
 
+@dataclass(frozen=True)
+class _ZeroPadIf:
+    """A tensor that is 0 / False at every padding row along ``dim`` when the ``needs`` inputs hold 1 at every
+    real position (``cumsum(mask) == 0``: transformers' count of left-padding tokens)."""
+    dim: int
+    needs: frozenset[str] = frozenset()
+
+
 #: Each fact's dim fields, renumbered by :func:`_moved`.
 _FACT_DIMS: Mapping[type, tuple[str, ...]] = MappingProxyType({
     _Positions: ("dim",), _Causal: ("q", "k"), _Diag: ("a", "b"), _AllTrue: (), _ZeroPad: ("dim",),
     _NegMask: ("q", "k"), _MaskedAbove: ("q", "k"), _ZeroAbove: ("q", "k"), _KeysOnly: ("dim",), _NegKeys: ("k",),
-    _ZeroKeys: ("k",), _OnePad: ("dim",), _Const: ()})
+    _ZeroKeys: ("k",), _OnePad: ("dim",), _Const: (), _PadCount: ("dim",), _ZeroPadIf: ("dim",)})
 #: Facts about two different dims (they must stay different).
 _PAIR_FACTS = (_Causal, _Diag, _NegMask, _MaskedAbove, _ZeroAbove)
 #: A fill value this negative (or -inf) vanishes from a softmax next to any finite score, in fp32 and bf16.
@@ -1525,11 +1619,18 @@ _NOTS = frozenset("logical_not bitwise_not invert not_".split())
 
 
 def _is_zero(value: Any) -> bool:
-    """A constant 0: a Python 0 or a ``zeros`` / ``zeros_like`` / ``new_zeros`` node."""
+    """A constant 0: a Python 0 or a ``zeros`` / ``zeros_like`` / ``new_zeros`` node, or a ``full`` / ``full_like`` /
+    ``new_full`` one whose fill value is a Python 0 (doge's ``torch.full((), 0.0)``)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value == 0
-    return isinstance(value, torch.fx.Node) and value.op in ("call_function", "call_method") \
-        and _op_name(value) in ("zeros", "zeros_like", "new_zeros")
+    if not (isinstance(value, torch.fx.Node) and value.op in ("call_function", "call_method")):
+        return False
+    name = _op_name(value)
+    if name in FACTORIES and FACTORIES[name] and name != "arange":  # full, full_like, new_full: the fill value
+        pos, kw = FACTORIES[name][0]
+        fill = _arg(value, pos, kw, None)
+        return isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill == 0
+    return name in ("zeros", "zeros_like", "new_zeros")
 _SOFTMAXES = frozenset("softmax _softmax".split())
 _BOUNDED = _SOFTMAXES | {"sigmoid"}  # values in [0, 1] whatever the input: never a fill value
 
@@ -1541,11 +1642,16 @@ def _huge_value(v: Any) -> bool:
 def _huge_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """Nodes that may hold a fill value (a constant of magnitude >= 1e30, or not finite) or a sum with one: a
     mask, not a score. A softmax or a sigmoid ends it (their values lie in [0, 1] for any input but NaN; granite_swa's
-    sink scale is ``sigmoid(logsumexp(scores + mask) - sink)``)."""
+    sink scale is ``sigmoid(logsumexp(scores + mask) - sink)``), and so does an attention kernel whose query, key
+    and value hold none (softmax weights times the values)."""
     huge: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or _op_name(node) in _BOUNDED:
             continue
+        if _op_name(node) in ATTENTION and not any(
+                isinstance(a, torch.fx.Node) and a in huge for a in (_arg(node, i, kw, None) for i, kw in (
+                    (0, "query"), (1, "key"), (2, "value")))):
+            continue  # softmax weights times the values: a fill value in the mask does not reach the result
         leaves = list(_leaves((node.args, node.kwargs)))
         if any(_huge_value(v) or (isinstance(v, torch.fx.Node) and v in huge) for v in leaves):
             huge.add(node)
@@ -1669,7 +1775,28 @@ def _keeps(fact: Any, out: torch.Tensor) -> bool:
         return out.dtype.is_floating_point
     if isinstance(fact, _OnePad):
         return out.dtype != torch.bool and not out.dtype.is_complex
+    if isinstance(fact, _PadCount):  # a count up to the length: no narrow integer type that may wrap it to 0
+        return out.dtype in (torch.int64, torch.int32, torch.float32, torch.float64, torch.bool)
     return True
+
+
+def _count_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor) -> Any:
+    """``cumsum`` of a zero-padded input read in place along its padded dim (a :class:`_PadCount`), and that count
+    compared equal to 0 (a :class:`_ZeroPadIf`): llama4's chunked mask counts left-padding tokens as
+    ``(attention_mask.cumsum(-1) == 0).sum(-1)``."""
+    src = node.args[0] if node.args else None
+    fact = facts.get(src) if isinstance(src, torch.fx.Node) else None
+    if name == "cumsum" and isinstance(fact, _ZeroPad) and fact.source is not None and _is_int_tensor(out):
+        d = _static_int(_arg(node, 1, "dim", None))
+        if d is not None and _norm_dim(d, out.dim()) == fact.dim:
+            return _PadCount(fact.dim, frozenset({fact.source}))  # padding row: the sum of the real rows, L >= 1
+        return None
+    if name == "eq" and out.dtype == torch.bool and len(node.args) == 2:
+        for a, b in (node.args, node.args[::-1]):
+            f = _aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else None
+            if isinstance(f, _PadCount) and _is_zero(b):
+                return _ZeroPadIf(f.dim, f.needs)
+    return None
 
 
 def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node] = frozenset(),
@@ -1693,6 +1820,9 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
         return _compare_fact(node, name, facts, out)
     if name in _ANDS:
         return _and_fact(node, facts, out)
+    counted = _count_fact(node, name, facts, out)
+    if counted is not None:
+        return counted
     if name in _ALL_TRUE_FACTORIES and out.dtype == torch.bool:
         return _AllTrue()
     if name in ("where", "add", "sub", "masked_fill", "cat", "max", "maximum") or name in _SOFTMAXES:
@@ -1712,6 +1842,9 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
             _Positions(fact.dim, fact.offset + (c if name == "add" else -c), fact.base), src, out)
     if isinstance(fact, _Causal) and fact.diag is not None and name in _NOTS:
         return _MaskedAbove(fact.q, fact.k, fact.diag)
+    if isinstance(fact, _NegMask) and fact.pure and out.dtype == torch.bool and name in ("ne", "not_equal") \
+            and len(node.args) == 2 and _is_zero(node.args[1]):
+        return _aligned(_MaskedAbove(fact.q, fact.k, fact.needs), src, out)  # mask != 0: what .bool() gives (doge)
     if isinstance(fact, _NegMask) and fact.pure and out.dtype == torch.bool and name in _KEEPS:
         return _aligned(_MaskedAbove(fact.q, fact.k, fact.needs), src, out)  # nonzero: the fill values
     if name in _KEEPS or (name == "dropout" and isinstance(fact, (_ZeroAbove, _ZeroKeys))):  # dropout keeps zeros zero
