@@ -7,9 +7,9 @@ dtype, shape and byte count, the meta file's text) and a list of buffers (the te
 :meth:`StepFiles.emit` makes the folders and writes the files. In the saving process the buffers
 are the tensors' own memory; in the writer process they are slices of the shared staging ring.
 
-Rules (docs/capture.md, "What a run leaves on disk"): every file goes through
-:func:`graphpass.atomic_files.write_atomic` (a new temporary file created exclusively, then
-renamed); no folder below ``capture_dir`` may be a symbolic link; a step folder holding an earlier
+Rules (docs/capture.md, "What a run leaves on disk"): a step's files are created exclusively in a
+new hidden folder (``.graphpass-<hex>.tmp``) that is then renamed onto the step folder (or, when
+that exists, each file is renamed into place from it), so no file is ever seen half-written; no folder below ``capture_dir`` may be a symbolic link; a step folder holding an earlier
 run's files is refused; a write that fails raises ``CaptureError`` naming the path and removes what
 this step had already written.
 """
