@@ -36,6 +36,7 @@ def temp_names() -> Iterator[str]:
 
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+CREATE_FLAGS = _CREATE  # a new file, created exclusively, never through a link
 
 
 def create_temp(folder: str | os.PathLike) -> tuple[int, str]:
@@ -84,18 +85,26 @@ def write_all(fd: int, data: bytes | memoryview | Sequence) -> None:
             n = os.write(fd, view)
             view = view[n:]
         return
-    views = [v for v in (memoryview(d).cast("B") for d in data) if v.nbytes]
+    views = [memoryview(d) for d in data]
+    n = 0
+    if hasattr(os, "writev") and len(views) <= _IOV_MAX:  # mostly written by this one call, no slicing
+        n = os.writev(fd, views)
+        if n == sum(v.nbytes for v in views):
+            return
+    views = [v for v in (v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views) if v.nbytes]
     if not hasattr(os, "writev"):
         for v in views:
             write_all(fd, v)
         return
-    while views:
-        n = os.writev(fd, views[:_IOV_MAX])
+    while True:
         while n and views:  # drop what was written, keep the rest of a buffer written in part
             if n >= views[0].nbytes:
                 n -= views.pop(0).nbytes
             else:
                 views[0], n = views[0][n:], 0
+        if not views:
+            return
+        n = os.writev(fd, views[:_IOV_MAX])
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[int], None], fsync: bool = False) -> bool:

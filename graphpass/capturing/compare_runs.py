@@ -16,8 +16,8 @@ folder or file in a step that the step's meta file does not list (left over from
 Every step, module, rank and key of either side must be in the other (the completeness contract,
 :mod:`graphpass.capturing.completeness`): what is absent is a ``FAIL`` row naming it, whose
 ``missing`` says on which side. Temporary files an interrupted capture
-left behind (``.graphpass-*.tmp``, :func:`graphpass.atomic_files.is_temp_name`) are never read: a
-note lists them. Only bad arguments raise :class:`CompareError`.
+left behind (``.graphpass-*.tmp`` files, and folders: a step being written) are never read
+(:func:`graphpass.atomic_files.is_temp_name`): a note lists them. Only bad arguments raise :class:`CompareError`.
 Tensors are taken in output order (the meta's key order). A module the two runs hold in different
 pieces (other tensor-parallel ranks or shards, per each rank's meta file) is compared against the
 reference's assembled global tensor, rank by rank (:mod:`graphpass.capturing.shards`); either side
@@ -148,7 +148,9 @@ def _note_temp_files(report: CompareReport, side: str, root: Path, shown: int = 
     """A note naming the temporary files an interrupted capture left under ``root`` (never compared)."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        found += [(Path(dirpath) / f).relative_to(root).as_posix() for f in filenames if is_temp_name(f)]
+        temp = [d for d in dirnames if is_temp_name(d)]  # a step folder being written when the capture stopped
+        dirnames[:] = [d for d in dirnames if d not in temp]
+        found += [(Path(dirpath) / f).relative_to(root).as_posix() for f in filenames + temp if is_temp_name(f)]
     if found:
         found.sort(key=natural)
         more = f" and {len(found) - shown} more" if len(found) > shown else ""

@@ -7,9 +7,9 @@ dtype, shape and byte count, the meta file's text) and a list of buffers (the te
 :meth:`StepFiles.emit` makes the folders and writes the files. In the saving process the buffers
 are the tensors' own memory; in the writer process they are slices of the shared staging ring.
 
-Rules (docs/capture.md, "What a run leaves on disk"): every file goes through
-:func:`graphpass.atomic_files.write_atomic` (a new temporary file created exclusively, then
-renamed); no folder below ``capture_dir`` may be a symbolic link; a step folder holding an earlier
+Rules (docs/capture.md, "What a run leaves on disk"): a step's files are created exclusively in a
+new hidden folder (``.graphpass-<hex>.tmp``) that is then renamed onto the step folder (or, when
+that exists, each file is renamed into place from it), so no file is ever seen half-written; no folder below ``capture_dir`` may be a symbolic link; a step folder holding an earlier
 run's files is refused; a write that fails raises ``CaptureError`` naming the path and removes what
 this step had already written.
 """
@@ -20,6 +20,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import struct
 from pathlib import Path
 from typing import Any, Sequence
@@ -50,16 +51,27 @@ def safetensors_header(tensors: Sequence[dict]) -> tuple[bytes, list[dict]]:
     format's name, ``F32``), ``shape``, ``nbytes``, ``esize``) and the order their bytes follow it:
     an 8-byte little-endian length, the JSON header with each tensor's ``data_offsets``, padded
     with spaces to 8 bytes; wider dtypes first, then by key (``safetensors.torch.save``'s order,
-    so each tensor's bytes are aligned)."""
-    order = sorted(tensors, key=lambda e: (-e["esize"], e["key"]))
-    header: dict[str, dict] = {}
-    offset = 0
-    for e in order:
-        header[e["key"]] = {"dtype": e["dtype"], "shape": e["shape"], "data_offsets": [offset, offset + e["nbytes"]]}
-        offset += e["nbytes"]
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, order
+    so each tensor's bytes are aligned). Kept per layout (keys, dtypes, shapes): the files of a
+    step, and of every step of one size, mostly share one."""
+    sig = tuple((e["key"], e["dtype"], tuple(e["shape"]), e["nbytes"], e["esize"]) for e in tensors)
+    hit = _HEADERS.get(sig)
+    if hit is None:
+        idx = sorted(range(len(tensors)), key=lambda i: (-sig[i][4], sig[i][0]))
+        header: dict[str, dict] = {}
+        offset = 0
+        for i in idx:
+            key, dtype, shape, nbytes, _ = sig[i]
+            header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        if len(_HEADERS) >= 1024:
+            _HEADERS.clear()
+        hit = _HEADERS[sig] = (struct.pack("<Q", len(text)) + text, idx)
+    return hit[0], [tensors[i] for i in hit[1]]
+
+
+_HEADERS: dict[tuple, tuple[bytes, list[int]]] = {}  # safetensors_header's answers, by layout
 
 
 # One captured value of a step, as the planner takes it (a list, in this order: what the saving
@@ -85,16 +97,20 @@ def plan_step(records: Sequence[Sequence], *, step: str, index: int, is_prefill:
     for name, entries in grouped.items():
         by_base.setdefault(entries[0]["base"], []).append(name)
     bases = []
+    file_name = f"rank{tp_rank}.safetensors"
     for base, names in by_base.items():
         step_dir = os.path.join(base, step)
         info: dict[str, list[dict]] = {}
         files = []
         for name in names:
             entries = grouped[name]
-            keyed = file_keys([(None, e["key"]) for e in entries])
-            mod_dir = os.path.join(step_dir, name)  # name: one checked component (no separator, no "..")
-            tensors = [dict(entries[i], key=k) for k, i in keyed]
-            f = {"dir": mod_dir, "path": os.path.join(mod_dir, f"rank{tp_rank}.safetensors"), "tensors": tensors}
+            if len(entries) == 1 and entries[0]["key"]:  # one output (a decoder layer's): its own key
+                tensors = entries
+            else:
+                tensors = [dict(entries[i], key=k) for k, i in file_keys([(None, e["key"]) for e in entries])]
+            mod_dir = step_dir + os.sep + name  # name: one checked component (no separator, no "..")
+            f = {"dir": mod_dir, "path": mod_dir + os.sep + file_name, "name": name, "file": file_name,
+                 "tensors": tensors}
             if any(t["dtype"] is None for t in tensors):
                 f["encode"] = True
             files.append(f)
@@ -155,11 +171,19 @@ class StepFiles:
     def emit(self, plan: dict, buffers: Sequence[Any]) -> list[str]:
         """Write the step ``plan`` describes; ``buffers[i]`` holds the bytes of the plan's tensor or
         file with ``src == i``. Returns the step folders written. On failure nothing of the step is
-        left and ``CaptureError`` names the path."""
+        left and ``CaptureError`` names the path.
+
+        Each step folder's files are written into a new hidden folder beside it (``.graphpass-<hex>.tmp``,
+        made by ``mkdir``, so exclusively), then the hidden folder is renamed onto the step folder in
+        one call: a step appears whole or not at all, and its files cost no temporary name and no
+        rename each. A step folder that already exists (another tensor-parallel rank's, or this
+        writer's own step written again) instead gets each file renamed into place from the hidden
+        folder, one by one, meta last, as a file written on its own would be."""
         root = os.path.realpath(self.capture_dir)
         written: list[str] = []
         new_files: list[str] = []
         new_dirs: list[Any] = []
+        staging: list[str] = []
         where: Any = self.capture_dir
         try:
             for base in plan["bases"]:
@@ -167,18 +191,43 @@ class StepFiles:
                 real = os.path.realpath(step_dir)
                 if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
                     raise CaptureError(f"capture path {step_dir} would leave capture_dir")
-                self._claim(Path(step_dir))
-                _make_dirs(self.capture_dir, Path(step_dir), new_dirs)
+                parent = os.path.dirname(step_dir)
+                _make_dirs(self.capture_dir, Path(parent), new_dirs)
+                tmp = _make_temp_dir(parent)
+                staging.append(tmp)
+                sep = tmp + os.sep
                 for f in base["files"]:
-                    where = f["dir"]
-                    _make_dir(f["dir"], new_dirs)
                     where = f["path"]
-                    _atomic_parts(where, _file_parts(f, buffers), new_files)
+                    name = f["name"]
+                    os.mkdir(sep + name)
+                    _write_new(sep + name + os.sep + f["file"], _file_parts(f, buffers))
                 where = base["meta_path"]
-                _atomic_parts(where, [base["meta"].encode("utf-8")], new_files)
+                meta_name = os.path.basename(where)
+                _write_new(sep + meta_name, [base["meta"].encode("utf-8")])
+                where = step_dir
+                if not self._move_whole(tmp, step_dir):
+                    self._claim(Path(step_dir))
+                    _make_dir(step_dir, new_dirs)
+                    for f in base["files"]:
+                        where = f["dir"]
+                        _make_dir(where, new_dirs)
+                        where = f["path"]
+                        _move_file(sep + f["name"] + os.sep + f["file"], where, new_files)
+                    where = base["meta_path"]
+                    _move_file(sep + meta_name, where, new_files)
+                    _remove_tree(staging.pop())
+                else:  # all of it is this step's: a failure of a later folder removes it
+                    staging.pop()
+                    new_dirs.append(step_dir)
+                    for f in base["files"]:
+                        new_dirs.append(f["dir"])
+                        new_files.append(f["path"])
+                    new_files.append(base["meta_path"])
                 written.append(step_dir)
         except BaseException as exc:
             _roll_back(new_files, new_dirs)
+            for tmp in staging:
+                _remove_tree(tmp)
             if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
                 raise
             hint = "free some disk space" if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) \
@@ -186,6 +235,21 @@ class StepFiles:
             raise CaptureError(f"cannot write capture file {str(where)!r}: {type(exc).__name__}: {exc}; {hint} and "
                                "run the step again (nothing of this step was kept)") from exc
         return written
+
+    def _move_whole(self, tmp: str, step_dir: str) -> bool:
+        """Rename the written hidden folder ``tmp`` onto ``step_dir`` when no step folder is there
+        yet; False (nothing moved) when one is (or appeared meanwhile: ``rename`` refuses a folder
+        that holds anything, and a link or file, since ``tmp`` is a folder)."""
+        if os.path.abspath(step_dir) in self._own_steps or os.path.lexists(step_dir):
+            return False
+        try:
+            os.rename(tmp, step_dir)  # an empty folder made meanwhile (another rank) is replaced: nothing lost
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                return False
+            raise
+        self._own_steps.add(os.path.abspath(step_dir))
+        return True
 
     def _claim(self, step_dir: Path) -> None:
         """Refuse a step folder that holds an earlier run's files (this writer's own are fine)."""
@@ -210,11 +274,40 @@ def _file_parts(f: dict, buffers: Sequence[Any]) -> list:
     return [header] + [buffers[e["src"]] for e in order if e["nbytes"]]
 
 
-def _atomic_parts(path: str, parts: list, created: list) -> None:
-    """Write ``parts`` back to back onto ``path`` (atomically); ``path`` is appended to ``created``
-    when it did not exist before."""
-    if atomic_files.write_atomic(path, lambda fd: atomic_files.write_all(fd, parts)):
+def _write_new(path: str, parts: list) -> None:
+    """Create ``path`` exclusively (never through a link) in a folder of this step's own and write
+    ``parts`` back to back onto it."""
+    fd = os.open(path, atomic_files.CREATE_FLAGS, 0o666)
+    try:
+        atomic_files.write_all(fd, parts)
+    finally:
+        os.close(fd)
+
+
+def _move_file(src: str, path: str, created: list) -> None:
+    """Rename the finished file ``src`` onto ``path`` (``os.replace``: a link at ``path`` is
+    replaced, never followed); ``path`` is appended to ``created`` when it did not exist before."""
+    existed = os.path.lexists(path)
+    os.replace(src, path)
+    if not existed:
         created.append(path)
+
+
+def _make_temp_dir(parent: str) -> str:
+    """A new hidden folder in ``parent`` (``mkdir`` fails on any existing name, a link included)."""
+    for _, name in zip(range(100), atomic_files.temp_names()):
+        path = os.path.join(parent, name)
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary folder name", parent)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a hidden folder of this writer's (never follows a link in it)."""
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _earlier_run_file(step_dir: Path, tp_rank: int) -> Path | None:

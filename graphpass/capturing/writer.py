@@ -2,9 +2,10 @@
 
 Rules for what lands on disk (docs/capture.md, "What a run leaves on disk"):
 
-* every file is written to a new temporary file created exclusively (``O_CREAT | O_EXCL |
-  O_NOFOLLOW``, random name) in its target folder, then renamed into place; nothing is written
-  through a symbolic link, and no folder below ``capture_dir`` may be a link;
+* every file is created exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``) in a new hidden folder
+  (random name) beside its step folder, which is then renamed onto the step folder (or each file
+  into place, when the step folder exists); nothing is written through a symbolic link, and no
+  folder below ``capture_dir`` may be a link;
 * a step folder that already holds files of an earlier run is refused (``CaptureError``), so two
   runs never mix; other tensor-parallel ranks' ``rank{r}.safetensors`` files and the shared meta
   file are not "an earlier run";

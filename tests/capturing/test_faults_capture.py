@@ -96,6 +96,31 @@ def test_compare_flags_module_folders_the_meta_does_not_list(tmp_path):
     assert "all" not in str(report).splitlines()[-1]
 
 
+
+def test_a_step_lands_whole_from_a_hidden_folder_and_a_leftover_one_is_noted(tmp_path, monkeypatch):
+    t = torch.arange(3.0)
+    renames = []
+    real_rename = os.rename
+    monkeypatch.setattr(os, "rename", lambda a, b: renames.append((os.path.basename(a), os.path.basename(b)))
+                        or real_rename(a, b))
+    w = CaptureWriter(tmp_path / "ref")
+    w.write([("a", t), ("b", t * 2)], is_prefill=True, size=3, meta={})
+    assert [b for a, b in renames] == ["prefill_s3_0"] and atomic_files.is_temp_name(renames[0][0])  # one rename
+    # written again into its own step folder: file by file, no hidden folder left
+    plan, buffers = w.plan([("a", t), ("b", t * 2)], step="prefill_s3_0", index=0, is_prefill=True, size=3, meta={})
+    w._files.emit(plan, [b.numpy() for b in buffers])
+    monkeypatch.undo()
+    assert files_under(tmp_path / "ref") == ["dp0/prefill_s3_0/a/rank0.safetensors", "dp0/prefill_s3_0/b/rank0.safetensors",
+                                             "dp0/prefill_s3_0/prefill_s3_0_meta.json"]
+    assert not [d for d in os.listdir(tmp_path / "ref" / "dp0") if d.startswith(".")]
+    CaptureWriter(tmp_path / "test").write([("a", t), ("b", t * 2)], is_prefill=True, size=3, meta={})
+    left = tmp_path / "test" / "dp0" / ".graphpass-0123abcd.tmp" / "a"  # a capture killed while writing
+    left.mkdir(parents=True)
+    (left / "rank0.safetensors").write_bytes(b"half")
+    report = compare(tmp_path / "ref", tmp_path / "test")
+    assert report.passed and any("dp0/.graphpass-0123abcd.tmp" in n for n in report.notes)
+
+
 # --- 2. nothing is written through a planted symlink ---------------------------------------------
 
 def _forced_names(monkeypatch):
