@@ -96,7 +96,6 @@ def test_compare_flags_module_folders_the_meta_does_not_list(tmp_path):
     assert "all" not in str(report).splitlines()[-1]
 
 
-
 def test_a_step_lands_whole_from_a_hidden_folder_and_a_leftover_one_is_noted(tmp_path, monkeypatch):
     t = torch.arange(3.0)
     renames = []
