@@ -183,7 +183,7 @@ class StepFiles:
         written: list[str] = []
         new_files: list[str] = []
         new_dirs: list[Any] = []
-        staging: list[str] = []
+        staging: list[str] = []  # hidden folders not yet renamed or removed
         where: Any = self.capture_dir
         try:
             for base in plan["bases"]:
@@ -201,8 +201,7 @@ class StepFiles:
                     name = f["name"]
                     os.mkdir(sep + name)
                     _write_new(sep + name + os.sep + f["file"], _file_parts(f, buffers))
-                where = base["meta_path"]
-                meta_name = os.path.basename(where)
+                where, meta_name = base["meta_path"], os.path.basename(base["meta_path"])
                 _write_new(sep + meta_name, [base["meta"].encode("utf-8")])
                 where = step_dir
                 if not self._move_whole(tmp, step_dir):
@@ -218,11 +217,8 @@ class StepFiles:
                     _remove_tree(staging.pop())
                 else:  # all of it is this step's: a failure of a later folder removes it
                     staging.pop()
-                    new_dirs.append(step_dir)
-                    for f in base["files"]:
-                        new_dirs.append(f["dir"])
-                        new_files.append(f["path"])
-                    new_files.append(base["meta_path"])
+                    new_dirs += [step_dir, *(f["dir"] for f in base["files"])]
+                    new_files += [*(f["path"] for f in base["files"]), base["meta_path"]]
                 written.append(step_dir)
         except BaseException as exc:
             _roll_back(new_files, new_dirs)
@@ -230,10 +226,7 @@ class StepFiles:
                 _remove_tree(tmp)
             if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
                 raise
-            hint = "free some disk space" if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) \
-                else "check the path and its permissions"
-            raise CaptureError(f"cannot write capture file {str(where)!r}: {type(exc).__name__}: {exc}; {hint} and "
-                               "run the step again (nothing of this step was kept)") from exc
+            raise _write_error(exc, where) from exc
         return written
 
     def _move_whole(self, tmp: str, step_dir: str) -> bool:
@@ -370,3 +363,11 @@ def _roll_back(files: list, dirs: list) -> None:
             os.rmdir(d)  # only if empty: another rank's files stay
         except OSError:
             pass
+
+
+def _write_error(exc: Exception, where: Any) -> CaptureError:
+    """The error a step whose write failed raises: the path, the cause and what to do."""
+    hint = "free some disk space" if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) \
+        else "check the path and its permissions"
+    return CaptureError(f"cannot write capture file {str(where)!r}: {type(exc).__name__}: {exc}; {hint} and "
+                        "run the step again (nothing of this step was kept)")

@@ -94,12 +94,13 @@ class PlanStaticShapes(GraphPass):
             tables: dict = {}
             topks: list = []
             values = {n.name: v for n, v in zip(placeholders, ctx.example_inputs) if isinstance(v, torch.Tensor)}
+            from ..static_shapes.topk_mask import topk_invalid_buckets, topk_masks
+
             for v in check_padding_safety(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero, relied_on=relied,
-                                          trusted=trusted, values=values, tables=tables, topk_bounds=topks):
+                                          trusted=trusted, values=values, tables=tables, rules=[topk_masks],
+                                          proofs=topks):
                 plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
             if topks and not plan.refused:
-                from ..static_shapes.topk_mask import topk_invalid_buckets
-
                 topk_invalid_buckets(plan, syms, cfg.buckets, topks)
             if trusted and not plan.refused:
                 _invalid_buckets(plan, placeholders, syms, cfg.buckets, sorted(trusted))

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import operator
 
@@ -2053,12 +2053,31 @@ def _live_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return live
 
 
+#: A whole-pattern rule: ``rule(gm, facts, same_size, padded)`` -> its proofs, each with ``nodes`` (the pattern's
+#: nodes, not checked op by op) and ``facts`` (pairs node -> fact proven for the nodes it produces).
+PatternRule = Callable[..., list]
+
+
+def _prove_patterns(gm: torch.fx.GraphModule, ctx: _Ctx, rules: Sequence[PatternRule],
+                    provenance: Callable[[dict], Mapping]) -> tuple[_Ctx, list]:
+    """Run ``rules`` to a fixpoint: the facts their proofs carry are added to the index-provenance facts
+    (``provenance(carried)``) until no rule proves a new node; return the context with those facts and the proofs."""
+    carried: dict[torch.fx.Node, Any] = {}
+    while True:
+        found = [p for rule in rules for p in rule(gm, ctx.facts, ctx.same_size, ctx.padded)]
+        more = {n: f for p in found for n, f in p.facts}
+        if more.keys() <= carried.keys():
+            return ctx, found
+        carried.update(more)
+        ctx = replace(ctx, facts=provenance(carried))
+
+
 def check_padding_safety(
     gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True,
     ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
     relied_on: set[str] | None = None, trusted: set[str] | None = None,
     values: Mapping[str, Any] | None = None, tables: dict[str, CausalTable] | None = None,
-    topk_bounds: list[Any] | None = None,
+    rules: Sequence[PatternRule] = (), proofs: list[Any] | None = None,
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -2078,53 +2097,37 @@ def check_padding_safety(
     ``trusted``: when given, filled with the names of the causal functions (:mod:`.causal_functions`) checked as
     a whole; their proof is about the function's code at each size, so the caller must also check that the traced
     graph is the code's trace at the bucket's size (Dynamo's guards hold there).
-
     ``values``: placeholder name -> the real tensor the graph takes there (the backend's example inputs); a
     boolean one proven causal on its values (:func:`.buffer_masks.is_causal_table`: a ``tril`` buffer) is a causal
     mask. ``tables``: when given, filled with those the graph reads (name -> :class:`.buffer_masks.CausalTable`);
     the proof holds only while they keep those values, which the caller checks on every call.
-
-    ``topk_bounds``: when given, filled with the top-k selections proven to only narrow a causal mask
-    (:mod:`.topk_mask`: a sparse-attention indexer); each holds its ``k`` as an expression of the sizes, and the
-    proof needs ``k >= bucket`` at every bucket padded to: the caller marks the other buckets. Without it such a
-    ``topk`` is a violation as before.
+    ``rules``: whole-pattern rules (:data:`PatternRule`, e.g. :func:`.topk_mask.topk_masks`, a sparse-attention
+    indexer's top-k that only narrows a causal mask): the nodes of each pattern a rule proves are not checked op by
+    op, and the facts it proves feed the index-provenance facts, to a fixpoint (a later layer's pattern may be proven
+    through an earlier one's). Only where the padding sits at the end (``causal_ok``). ``proofs``: when given, filled
+    with the proofs; a proof may hold conditions on the bucket sizes that the caller checks (a top-k's ``k``).
 
     Nodes whose values reach no output (dead code the model computes and never uses) are not checked.
-
     Returns the violations in graph order; an empty list means padding is safe.
     """
-    ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=MappingProxyType(index_provenance(
-        gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)), ties, values)),
+    def provenance(carried: dict | None = None) -> MappingProxyType:
+        zero = _zero_padded(gm, set(zero_padded), _symbol_names(symbols))
+        return MappingProxyType(index_provenance(gm, zero, ties, values, carried))
+
+    ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=provenance(),
                ties=MappingProxyType(dict(ties or {})))
     out: list[PaddingViolation] = []
     live = _live_nodes(gm)
-    proven: set[torch.fx.Node] = set()
-    if topk_bounds is not None and causal_ok:
-        from .topk_mask import topk_masks
-
-        carried: dict[torch.fx.Node, Any] = {}
-        while True:  # a narrowed additive mask's fact may let a later layer's indexer be proven: to a fixpoint
-            proofs = topk_masks(gm, ctx.facts, ctx.same_size, ctx.padded)
-            more = {n: f for p in proofs for n, f in p.facts}
-            if more.keys() <= carried.keys():
-                break
-            carried.update(more)
-            ctx = replace(ctx, facts=MappingProxyType(index_provenance(
-                gm, _zero_padded(gm, set(zero_padded), _symbol_names(symbols)), ties, values, carried)))
-        for proof in proofs:
-            topk_bounds.append(proof)
-            proven |= proof.nodes
+    ctx, found = _prove_patterns(gm, ctx, rules, provenance) if rules and causal_ok else (ctx, [])
+    (proofs if proofs is not None else []).extend(found)
+    proven = {n for proof in found for n in proof.nodes}
     if tables is not None:
         tables.update({n.name: CausalTable(n.name, values[n.name]) for n in gm.graph.nodes
                        if n.op == "placeholder" and n in live and isinstance(ctx.facts.get(n), _Causal)})
-    for node in gm.graph.nodes:
-        found = _check_node(node, ctx) if node in live and node not in proven else None
-        if found is None:
-            continue
-        dim, reason = found
-        out.append(PaddingViolation(node=node.name, op=_label(node), dim=dim, reason=reason, source=_source(node)))
-    if relied_on is not None:
-        relied_on.update(ctx.relied_on)
-    if trusted is not None:
-        trusted.update(ctx.trusted)
+    for node in (n for n in gm.graph.nodes if n in live and n not in proven):
+        if (hit := _check_node(node, ctx)) is not None:
+            out.append(PaddingViolation(node=node.name, op=_label(node), dim=hit[0], reason=hit[1], source=_source(node)))
+    for into, got in ((relied_on, ctx.relied_on), (trusted, ctx.trusted)):
+        if into is not None:
+            into.update(got)
     return out

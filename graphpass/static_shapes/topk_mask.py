@@ -64,6 +64,7 @@ import sympy
 import torch
 
 from ..fx_utils import example_of, size_expr
+from . import padding_safety
 
 __all__ = ["TopkMask", "topk_masks"]
 
@@ -85,8 +86,7 @@ _METADATA_FACTORIES = frozenset("new_ones new_zeros new_empty new_full".split())
 
 
 def _ps():
-    from . import padding_safety  # imported lazily: padding_safety imports this module inside a function
-    return padding_safety
+    return padding_safety  # the analysis this rule extends (check_padding_safety(..., rules=[topk_masks]))
 
 
 def _fill_tainted(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
