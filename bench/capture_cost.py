@@ -21,10 +21,17 @@ time over blocks and its ratio to ``off`` measured in the same run, and the call
 time per step (``time.thread_time``; it leaves out the writer's work, which the wall time of a
 block, flush included, does not).
 
+``--device cuda --mode reduce-overhead`` measures the same on a GPU with the graphs under CUDA graphs
+(graphpass -> inductor ``mode="reduce-overhead"``; issue 24's "capture on under CUDA graphs within 1.10x capture
+off", run by ``bench/gpu_check.sh``): the model and inputs live on the device, each call and each block end with
+``torch.cuda.synchronize()``, and the run prints how many graphs inductor kept off CUDA graphs
+(``counters["inductor"]["cudagraph_skips"]``) with its reasons, so a ratio measured without CUDA graphs is seen as such.
+
 ``--threads`` (default 1): torch's intra-op threads. With 1 on a 2-core machine the writer has a
 core of its own, as on a GPU server, whose host cores are mostly idle while the device computes.
 
     python bench/capture_cost.py [--layers 32] [--hidden 512] [--rounds 15] [--block 8] [--prefill 128]
+    python bench/capture_cost.py --device cuda --mode reduce-overhead --hidden 4096 --layers 32
 """
 
 from __future__ import annotations
@@ -58,11 +65,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--delegate", default="inductor")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--mode", default=None, help="torch.compile mode passed to the delegate (reduce-overhead: CUDA graphs)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: the writer gets the other core of a 2-core machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = torch.compile(build(args.layers, args.hidden), backend=graphpass.backend(then=args.delegate))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    model = build(args.layers, args.hidden).to(args.device)
+    model = torch.compile(model, backend=graphpass.backend(then=args.delegate, mode=args.mode))
     modules = [f"model.layers.0-{args.layers - 1}"]
     tmp = tempfile.TemporaryDirectory(prefix="gp-capture-cost-")
     caps = {w: graphpass.ModelCapture(model, modules=modules, capture_dir=f"{tmp.name}/{w}",
@@ -76,29 +88,39 @@ def main() -> None:
             rows += measure(label, n, model, caps, args)
             print(tabulate(rows[-4:]), flush=True)  # partial results as they come (the full table follows)
     print(f"LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, every decoder layer captured "
-          f"({args.layers} files a step), graphpass -> {args.delegate}, torch {torch.__version__}, "
+          f"({args.layers} files a step), graphpass -> {args.delegate}"
+          f"{f' mode={args.mode}' if args.mode else ''} on {args.device}, torch {torch.__version__}, "
           f"{args.threads} intra-op thread(s); {args.rounds} rounds x {args.block} calls per variant, interleaved "
           "(order reversed every round), one step per call; block time includes the final flush()")
     print(tabulate(rows, headers=["step", "variant", "wall ms / step (median)", "wall min", "wall ratio to off",
                                   "caller CPU ms / step", "CPU ratio to off"]))
+    if args.device == "cuda":
+        from torch._dynamo.utils import counters
+
+        skips = dict(counters["inductor"].get("cudagraph_skips", {})) if "cudagraph_skips" in counters["inductor"] \
+            else {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+        print(f"inductor graphs kept off CUDA graphs: {skips or 'none'}")
     for cap in caps.values():
         cap.disable()
     tmp.cleanup()
 
 
 def measure(label: str, n: int, model, caps: dict, args) -> list[list]:
-    ids = torch.randint(0, 1024, (1, n))
+    ids = torch.randint(0, 1024, (1, n), device=args.device)
     is_prefill = n > 1
     pos = torch.arange(n)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     def block(writer: str | None, wait: bool) -> tuple[float, float]:
         for w, cap in caps.items():
             (cap.enable if w == writer else cap.disable)()
         cap = caps[writer or "process"]
+        sync()
         t, c = time.perf_counter(), time.thread_time()
         for _ in range(args.block):
             with cap.step(is_prefill=is_prefill, positions=pos, wait=wait):
                 model(ids)
+            sync()
         c = time.thread_time() - c  # CPU time of the calling thread (not the writer's), before the flush
         cap.flush()
         return (time.perf_counter() - t) / args.block, c / args.block

@@ -9,6 +9,8 @@
 #   4. peers on one diffusers transformer: diffusers group offloading, FlexTensor (bench/gpu_peers.py)
 #   5. offload from pinned memory at 256 tokens against the bound and accelerate (bench/gpu_offload.py)
 #   6. static-shape buckets against dynamic inductor (bench/gpu_static_shapes.py)
+#   7. capture on against capture off under CUDA graphs, decode steps (bench/capture_cost.py --device cuda
+#      --mode reduce-overhead); it prints how many graphs inductor kept off CUDA graphs
 # The lent machine is offline: wheels it lacks (diffusers, flextensor and their needs) travel in .whl/
 # (see docs/benchmarks.md for the download command) and are installed from there.
 set -uo pipefail
@@ -40,7 +42,7 @@ section() {
 }
 
 # GPU_SECTIONS picks a subset for a rerun (default: all, in this order)
-sections=" ${GPU_SECTIONS:-tests decode train peers offload static} "
+sections=" ${GPU_SECTIONS:-tests decode train peers capture offload static} "
 want() { [[ "$sections" == *" $1 "* ]]; }
 if want tests; then
   if python3 -c "import pytest" 2>/dev/null; then
@@ -54,6 +56,8 @@ want decode && section "decode under CUDA graphs" 130 decode_gpu.txt python3 ben
 want train && section "training with offload" 80 train_gpu.txt \
   python3 bench/train_offload.py --device cuda --then inductor --layers 6 --hidden 4096 --inter 16384 --tokens 4096 --steps 5 --warmup 2
 want peers && section "peers on a diffusers transformer" 160 peers_gpu.txt python3 bench/gpu_peers.py --time-budget 115
+want capture && section "capture on under CUDA graphs" 90 capture_gpu.txt \
+  python3 bench/capture_cost.py --device cuda --mode reduce-overhead --layers 16 --hidden 2048 --prefill 0 --rounds 8 --block 8
 want offload && section "offload from pinned memory" 45 offload_gpu.txt python3 bench/gpu_offload.py --layers 8 --tokens 256 --variants graphpass accelerate
 want static && section "static-shape buckets" 40 static_shapes_gpu.txt python3 bench/gpu_static_shapes.py --lengths 16
 echo "== done at ${SECONDS} s =="
