@@ -202,7 +202,7 @@ def shape_env_of(values: Any = None) -> Any:
 
 
 def fsdp_param_groups(module: Any) -> list:
-    """The ``FSDPParamGroup``\ s of ``module``'s ``fully_shard`` state (empty when it has none):
+    """The ``FSDPParamGroup`` objects of ``module``'s ``fully_shard`` state (empty when it has none):
     ``_fsdp_param_groups`` on newer torch, one ``_fsdp_param_group`` on older releases."""
     get_state = getattr(module, "_get_fsdp_state", None)
     state = get_state() if callable(get_state) else None
