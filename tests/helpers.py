@@ -131,3 +131,31 @@ class LoopExpertsStack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+def dynamo_graph(fn, *inputs):
+    """The single Dynamo graph of ``fn(*inputs)`` traced with dynamic shapes (a graph break fails)."""
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
+    with torch.no_grad():
+        compiled(*inputs)
+    assert len(graphs) == 1, f"{len(graphs)} graphs (graph break?)"
+    return graphs[0]
+
+
+def tied_padding_violations(gm, zero_padded=("attention_mask",)):
+    """``check_padding_safety`` of ``gm`` padding dim 1 of every tensor input whose dim 1 is symbolic, those
+    symbols tied together, the inputs named like ``zero_padded`` padded with 0. Returns the violations, the
+    inputs the accepted proofs need to hold 1 at every real position, and the zero-padded input names."""
+    from graphpass.static_shapes.padding_safety import check_padding_safety
+
+    values = {n.name: n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"}
+    padded = {name: v for name, v in values.items() if isinstance(v, torch.Tensor) and v.dim() >= 2
+              and isinstance(v.shape[1], torch.SymInt)}
+    syms = {v.shape[1].node.expr for v in padded.values()}
+    zero = [name for name in padded if any(z in name for z in zero_padded)]
+    relied: set[str] = set()
+    got = check_padding_safety(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms}, relied_on=relied)
+    return got, relied, zero
+

@@ -21,34 +21,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphpass
-from graphpass.static_shapes.padding_safety import check_padding_safety
+from helpers import dynamo_graph, tied_padding_violations
 
 B, H, C, E, V = 2, 16, 6, 3, 11
 LENGTHS = (3, 5, 7, 9, 12, 16)
 BUCKETS = [8, 16]
 
 
-def _graph(model, *inputs):
-    graphs = []
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
-    with torch.no_grad():
-        compiled(*inputs)
-    assert len(graphs) == 1, f"{len(graphs)} graphs (graph break?)"
-    return graphs[0]
-
-
 def _check(model, *inputs, zero_padded=("attention_mask",)):
     """Violations of padding dim 1 of every tensor input (tied together), the attention mask padded with 0;
     and the inputs the accepted proofs need to hold 1 at every real position."""
-    gm = _graph(model, *inputs)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
-             and n.meta["example_value"].dim() >= 2 and "parameters" not in n.name]
-    syms = {n.meta["example_value"].shape[1].node.expr for n in gm.graph.nodes if n.name in names}
-    zero = [n for n in names if any(z in n for z in zero_padded)]
-    relied: set[str] = set()
-    got = check_padding_safety(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms}, relied_on=relied)
-    return got, relied, zero
+    return tied_padding_violations(dynamo_graph(model, *inputs), zero_padded)
 
 
 def _bucketed(model, make_inputs, dim_name, lengths=LENGTHS):

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import graphpass
 from graphpass.static_shapes.padding_safety import check_padding_safety
 
+from helpers import dynamo_graph, tied_padding_violations
+
 B, L, H = 2, 7, 16
 
 
@@ -62,18 +64,7 @@ class LseSinkAttention(nn.Module):
 
 
 def _check(model: nn.Module):
-    graphs = []
-    f = torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
-    with torch.no_grad():
-        f(torch.randn(B, L, H), torch.ones(B, L, dtype=torch.long))
-    gm = graphs[0]
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]
-    syms = {n.meta["example_value"].shape[1].node.expr for n in gm.graph.nodes
-            if n.name in names and n.meta["example_value"].dim() > 1 and isinstance(n.meta["example_value"].shape[1], torch.SymInt)}
-    zero = [n for n in names if "attention_mask" in n]
-    relied: set[str] = set()
-    got = check_padding_safety(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms}, relied_on=relied)
-    return got, relied, zero
+    return tied_padding_violations(dynamo_graph(model, torch.randn(B, L, H), torch.ones(B, L, dtype=torch.long)))
 
 
 def test_logsumexp_sink_scale_over_masked_keys_is_safe():
