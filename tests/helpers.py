@@ -159,3 +159,18 @@ def tied_padding_violations(gm, zero_padded=("attention_mask",)):
     got = check_padding_safety(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms}, relied_on=relied)
     return got, relied, zero
 
+
+def bench_conformance():
+    """``bench/conformance.py`` as a module (its tiny configs and ``build_model``), loaded once per process."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "graphpass_bench_conformance"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / "conformance.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+

@@ -15,8 +15,6 @@ import importlib.util
 import logging
 import operator
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +25,7 @@ from graphpass.delegation import runs_on_host, split_at_boundaries
 from graphpass.fx_utils import copy_graph, is_tensor_node, node_order, writes_into
 from graphpass.models.corpus import build
 
-from helpers import StrictAtenBackend, fresh_inputs
+from helpers import StrictAtenBackend, bench_conformance, fresh_inputs
 
 # ------------------------------------------------------------------ custom ops the tests route
 
@@ -66,14 +64,7 @@ needs_transformers = pytest.mark.skipif(transformers_spec is None, reason="trans
 
 def _conformance():
     """bench/conformance.py, whose tiny configs (2 layers, 4 experts top-2) the harness also uses."""
-    name = "graphpass_bench_conformance"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[2] / "bench" / "conformance.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return bench_conformance()
 
 
 FAMILIES = ["opt", "mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"]

@@ -3,10 +3,7 @@ mask ``(1 - attention_mask[:, None, None, :]) * finfo.min`` (GPT-1): bucketed on
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +11,8 @@ import torch.nn as nn
 
 import graphpass
 from graphpass.static_shapes.buffer_masks import CausalTable, is_causal_table
+
+from helpers import bench_conformance
 
 BUCKETS = [8, 16]
 LENGTHS = [5, 7, 3, 9, 12, 16, 11]  # the first call traces exact, the second dynamic; every bucket is used
@@ -249,13 +248,7 @@ def test_an_or_mask_whose_block_term_is_all_true_and_unmasked_is_refused():
 # ---------------------------------------------------------------------------------------------- the real models
 
 pytest.importorskip("transformers")
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "conformance.py"
-_spec = importlib.util.spec_from_file_location("graphpass_bench_conformance", _PATH)
-conformance = sys.modules.get(_spec.name)
-if conformance is None:
-    conformance = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = conformance
-    _spec.loader.exec_module(conformance)
+conformance = bench_conformance()
 
 
 @pytest.mark.parametrize("family", ["gpt_neo", "openai-gpt", "git"])

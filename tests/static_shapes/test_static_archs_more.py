@@ -14,7 +14,6 @@ does.
 
 import ast
 import importlib.util
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -27,15 +26,11 @@ from graphpass.backends import NeuronDelegate
 from graphpass.static_shapes.causal_functions import CAUSAL_FUNCTIONS, source_digest
 from graphpass.static_shapes.padding_safety import check_padding_safety
 
+from helpers import bench_conformance
+
 transformers = pytest.importorskip("transformers")
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "conformance.py"
-_spec = importlib.util.spec_from_file_location("graphpass_bench_conformance", _PATH)
-conformance = sys.modules.get(_spec.name)
-if conformance is None:
-    conformance = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = conformance
-    _spec.loader.exec_module(conformance)
+conformance = bench_conformance()
 
 _HELPERS = {"mamba2": ("pad_tensor_by_size", "reshape_into_chunks", "segment_sum", "mamba2_chunk_scan"),
             "qwen3_next": ("l2norm", "torch_chunk_gated_delta_rule")}

@@ -8,9 +8,6 @@ Dynamo gives a length symbol of its own) and with ``use_cache=False`` (transform
 mask path, indexing ``position_ids`` with position tensors).
 """
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,15 +15,11 @@ import torch
 import graphpass
 from graphpass.backends import NeuronDelegate
 
+from helpers import bench_conformance
+
 pytest.importorskip("transformers")
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "conformance.py"
-_spec = importlib.util.spec_from_file_location("graphpass_bench_conformance", _PATH)
-conformance = sys.modules.get(_spec.name)
-if conformance is None:
-    conformance = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = conformance
-    _spec.loader.exec_module(conformance)
+conformance = bench_conformance()
 
 BUCKETS = [16, 32, 64]
 LENGTHS = [2, 5, 9, 16, 17, 23, 31, 33, 40, 47, 58, 63]  # 12 lengths over all three buckets

@@ -10,10 +10,7 @@ without any valid bucket is refused, naming the ``topk``.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphpass
+
+from helpers import bench_conformance
 
 BUCKETS = [8, 16]
 LENGTHS = [3, 5, 8, 9, 12, 16, 6]
@@ -142,17 +141,7 @@ def test_near_variants_stay_refused(variant, op):
     assert any(r.startswith(op) and "topk along the padded dim mixes rows" in r for r in plans[0].refused), plans[0].refused
 
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "conformance.py"
-
-
-def _conformance():
-    spec = importlib.util.spec_from_file_location("graphpass_bench_conformance", _PATH)
-    mod = sys.modules.get(spec.name)
-    if mod is None:
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    return mod
+_conformance = bench_conformance
 
 
 @pytest.mark.parametrize("family,index_topk,active", [("deepseek_v32", 16, True), ("deepseek_v32", 4, False),
