@@ -17,7 +17,9 @@ class RebuildError(GraphpassError, ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What splitting fused projections needs, per tensor-parallel rank (the engine's meta ``model``)."""
+    """What splitting fused projections needs, per tensor-parallel rank (the engine's meta ``model``).
+    ``tp_rank`` is not in the meta (each rank's meta says its own ``tp_rank``): ``compare`` sets it
+    to the rank whose tensors a family's ``rebuild`` is given."""
 
     model_type: str
     num_attention_heads: int | None = None
@@ -25,6 +27,7 @@ class ModelShape:
     head_dim: int | None = None
     intermediate_size: int | None = None
     tp_size: int = 1
+    tp_rank: int = 0
 
     @classmethod
     def from_meta(cls, doc: Any) -> "ModelShape | None":
@@ -45,7 +48,7 @@ class ModelShape:
                    getattr(config, "intermediate_size", None), tp_size)
 
     def to_meta(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "tp_rank"}
 
     def need(self, *names: str) -> list[int]:
         values = [getattr(self, n) for n in names]

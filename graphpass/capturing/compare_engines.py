@@ -22,12 +22,22 @@ Rows: one :class:`CompareRow` per test step, module and key, over all of that st
 reference's rows gathered in the test's token order); ``first_failure`` is then the first diverging
 module of the first step where anything diverges. The completeness contract holds as in
 :func:`compare`: a token of a test step that the reference lacks, a token of the reference that no test
-step holds, a module or key one side lacks, are ``FAIL`` rows naming it (``missing``). Only the
-engine's tensor-parallel rank 0 of a one-rank run is read (``tp_size`` > 1 raises).
+step holds, a module or key one side lacks, are ``FAIL`` rows naming it (``missing``).
+
+Tensor parallelism (the engine's meta ``model.tp_size`` > 1): every rank ``0 .. tp_size-1`` of the
+engine is compared with the reference, one row per rank. The family rebuilds each rank's tensors
+(``ModelShape.tp_rank``); a tensor every rank holds whole (a decoder layer's output, all-reduced) is
+compared whole, a rank's shard (a :class:`~graphpass.capturing.engine_families.Slice`: its q/k/v heads,
+its part of gate/up) with the matching part of the reference's tensor. So ranks that disagree are
+named: the rank whose copy diverges fails. Each rank wrote its own meta: they must describe the same
+tokens (requests, positions, token ids) as rank 0's, else a ``FAIL`` row names the rank (its steps are
+not the engine's steps of rank 0); a rank with no meta file or no tensor file is a ``FAIL`` row too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,12 +48,15 @@ from safetensors.torch import load_file
 from .compare_report import FAIL, CompareError, CompareReport, CompareRow
 from .compare_tensors import compare_tensors
 from .completeness import StepScan, execution_order, find_steps, natural
-from .engine_families import FAMILIES, FamilyRegistry, ModelShape, RebuildError
+from .engine_families import FAMILIES, FamilyRegistry, ModelShape, RebuildError, Slice
+from .step_files import meta_file_name
 
 __all__ = ["ENGINES", "compare_engines", "engine_of"]
 
 ENGINES = ("vllm", "transformers")  # the meta's "engine" values compare_engines reads
 TOKENS = "<input_ids>"  # the module name of the token rows
+ROW_FIELDS = ("req_ids", "positions", "token_request", "input_ids")  # what each rank's meta must agree on
+OTHER_MODELS = ("draft", "vision")  # subdirectories where an engine's other models' steps are (ModelCapture)
 
 
 def engine_of(scans: dict[str, StepScan]) -> str | None:
@@ -63,7 +76,7 @@ class _Step:
     scan: StepScan
     engine: str
     tokens: list[tuple[str, int] | None] = field(default_factory=list)  # row -> (request, position); None: padding
-    _loaded: dict[str, dict[str, torch.Tensor] | str] = field(default_factory=dict)
+    _loaded: dict[tuple[str, int], dict[str, torch.Tensor] | str] = field(default_factory=dict)
 
     @classmethod
     def read(cls, rel: str, scan: StepScan, engine: str) -> "_Step":
@@ -79,14 +92,15 @@ class _Step:
             step.tokens.append((_request(str(req_ids[i]), engine), int(pos)) if ok else None)
         return step
 
-    def tensors(self, module: str) -> dict[str, torch.Tensor] | str:
-        """``module``'s rank-0 tensors, rows = tokens (the reference's batch dim of 1 dropped), or why not."""
-        if module not in self._loaded:
-            self._loaded[module] = self._load(module)
-        return self._loaded[module]
+    def tensors(self, module: str, rank: int = 0) -> dict[str, torch.Tensor] | str:
+        """``module``'s tensors of tensor-parallel rank ``rank``, rows = tokens (the reference's batch dim
+        of 1 dropped), or why not."""
+        if (module, rank) not in self._loaded:
+            self._loaded[module, rank] = self._load(module, rank)
+        return self._loaded[module, rank]
 
-    def _load(self, module: str) -> dict[str, torch.Tensor] | str:
-        path = self.scan.files.get(module, {}).get(0)
+    def _load(self, module: str, rank: int) -> dict[str, torch.Tensor] | str:
+        path = self.scan.files.get(module, {}).get(rank)
         if path is None:
             return "rank file missing"
         try:
@@ -112,8 +126,8 @@ def compare_engines(ref: Path, test: Path, report: CompareReport, families: Fami
     """Append to ``report`` the rows of ``test`` (an engine's captures) against ``ref`` (see the module docstring)."""
     families = FAMILIES if families is None else families
     sides = []
-    for root in (ref, test):
-        scans = {rel: StepScan.read(root / rel) for rel in find_steps(root)}
+    for name, root in (("ref", ref), ("test", test)):
+        scans = _one_model({rel: StepScan.read(root / rel) for rel in find_steps(root)}, name, root, report)
         sides.append((scans, engine_of(scans)))
     (ref_scans, ref_engine), (test_scans, test_engine) = sides
     for name, engine in (("ref", ref_engine), ("test", test_engine)):
@@ -126,16 +140,29 @@ def compare_engines(ref: Path, test: Path, report: CompareReport, families: Fami
     test_steps = [_Step.read(rel, test_scans[rel], test_engine) for rel in order]
     shape = _shape(test_steps, ref_steps)
     family = families.lookup(shape.model_type)
-    if shape.tp_size > 1:
-        raise CompareError(f"test: tensor-parallel captures (tp_size {shape.tp_size}) cannot be compared across "
-                           "engines yet: capture with tensor_parallel_size=1")
     report.notes.append(f"across engines: {test_engine} against {ref_engine}, aligned by request and position; "
                         f"modules rebuilt by the {family.name!r} family")
+    if shape.tp_size > 1:
+        report.notes.append(f"test: {shape.tp_size} tensor-parallel ranks, each compared with the reference "
+                            "(whole tensors whole, each rank's shard with its part)")
     where = _index(ref_steps, report)
     seen: set[tuple[str, int]] = set()
     for step in test_steps:
         _compare_step(report, step, where, family, shape, seen)
     _unmatched(report, ref_steps, seen)
+
+
+def _one_model(scans: dict[str, StepScan], name: str, root: Path, report: CompareReport) -> dict[str, StepScan]:
+    """The steps of the served model only: a run's ``draft/`` and ``vision/`` steps are another model's
+    (aligned by the same requests and positions, but other modules): left out, with a note. Given the
+    ``draft`` folder itself, its steps are the ones compared."""
+    others = {rel for rel in scans if rel.split("/", 1)[0] in OTHER_MODELS}
+    if not others or len(others) == len(scans):
+        return scans
+    folders = sorted({rel.split("/", 1)[0] for rel in others})
+    report.notes.append(f"{name}: the steps under {', '.join(f + '/' for f in folders)} are another model's "
+                        f"(left out here): compare them on their own, e.g. {str(Path(root, folders[0]))!r}")
+    return {rel: scan for rel, scan in scans.items() if rel not in others}
 
 
 def _shape(test_steps: list[_Step], ref_steps: list[_Step]) -> ModelShape:
@@ -184,21 +211,49 @@ def _compare_step(report: CompareReport, step: _Step, where: dict, family: Any, 
     if not rows:
         return
     _compare_tokens(report, step, rows, where)
-    test_modules = _rebuilt(step, family, shape, report)
-    for module, why in list(test_modules.items()):
-        if isinstance(why, str) and why.startswith("cannot rebuild"):  # its pieces are then missing rows
-            report.rows.append(CompareRow(step.rel, module, 0, None, FAIL, note=why))
-            del test_modules[module]
+    ranks = sorted(set(range(shape.tp_size)) | step.scan.ranks)
+    _check_rank_metas(report, step, ranks)
+    per_rank = {}
+    for rank in ranks:
+        per_rank[rank] = _rebuilt(step, family, dataclasses.replace(shape, tp_rank=rank), rank)
+        for module, why in list(per_rank[rank].items()):
+            if isinstance(why, str) and why.startswith("cannot rebuild"):  # its pieces are then missing rows
+                report.rows.append(CompareRow(step.rel, module, rank, None, FAIL, note=why))
+                del per_rank[rank][module]
     ref_order = _ref_modules(rows, where)
-    for module in ref_order + [m for m in test_modules if m not in ref_order]:
-        _compare_module(report, step, module, rows, where, test_modules.get(module))
+    extra = [m for r in ranks for m in per_rank[r] if m not in ref_order]
+    for module in ref_order + list(dict.fromkeys(extra)):
+        ref = _ref_rows(module, rows, where)
+        for rank in ranks:
+            _compare_module(report, step, module, rank, rows, ref, per_rank[rank].get(module))
 
 
-def _rebuilt(step: _Step, family: Any, shape: ModelShape, report: CompareReport) -> dict[str, Any]:
-    """transformers module -> {key: tensor of the step's rows}, or a str saying why it cannot be had."""
+def _check_rank_metas(report: CompareReport, step: _Step, ranks: list[int]) -> None:
+    """A FAIL row for each rank > 0 whose own meta file is missing or describes other tokens than rank 0's."""
+    base = step.scan.meta or {}
+    name = str(base.get("step") or step.scan.dir.name)
+    for rank in ranks[1:]:
+        path = step.scan.dir / meta_file_name(name, rank)
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            why = "no meta file" if isinstance(exc, FileNotFoundError) else f"unreadable meta file ({exc})"
+            report.rows.append(CompareRow(step.rel, "<meta>", rank, None, FAIL, missing="test",
+                                          note=f"rank {rank}: {why} {path.name}"))
+            continue
+        differ = [f for f in ROW_FIELDS if doc.get(f) != base.get(f)] if isinstance(doc, dict) else ["all"]
+        if differ:
+            report.rows.append(CompareRow(step.rel, "<meta>", rank, None, FAIL,
+                                          note=f"rank {rank}'s meta differs from rank 0's in {', '.join(differ)}: "
+                                               "the ranks did not capture the same engine step here"))
+
+
+def _rebuilt(step: _Step, family: Any, shape: ModelShape, rank: int) -> dict[str, Any]:
+    """transformers module -> {key: tensor (or Slice) of the step's rows} of tensor-parallel rank ``rank``,
+    or a str saying why it cannot be had."""
     out: dict[str, Any] = {}
     for module in step.scan.listed or sorted(step.scan.files, key=natural):
-        tensors = step.tensors(module)
+        tensors = step.tensors(module, rank)
         if isinstance(tensors, str):
             out[module] = tensors
             continue
@@ -227,9 +282,8 @@ def _compare_tokens(report: CompareReport, step: _Step, rows: list, where: dict)
     report.rows.append(compare_tensors(step.rel, TOKENS, 0, "input_ids", want, got, report.rtol, report.atol))
 
 
-def _compare_module(report: CompareReport, step: _Step, module: str, rows: list, where: dict,
-                    test: dict[str, torch.Tensor] | str | None) -> None:
-    """Rows for one transformers module of one test step: each key, the reference's rows gathered."""
+def _ref_rows(module: str, rows: list, where: dict) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The reference's tensors of ``module`` at these rows (key -> stacked rows), and what is missing."""
     ref_keys: dict[str, list[torch.Tensor]] = {}
     problems: list[str] = []
     for _, tok in rows:
@@ -241,22 +295,37 @@ def _compare_module(report: CompareReport, step: _Step, module: str, rows: list,
             continue
         for key, t in tensors.items():
             ref_keys.setdefault(key, []).append(t[ref_row])
+    return {k: torch.stack(v) for k, v in ref_keys.items() if len(v) == len(rows)}, problems
+
+
+def _compare_module(report: CompareReport, step: _Step, module: str, rank: int, rows: list,
+                    ref: tuple[dict[str, torch.Tensor], list[str]], test: dict[str, Any] | str | None) -> None:
+    """Rows for one transformers module of one test step and rank: each key against the reference's rows
+    (a :class:`Slice` against its part of the last dim)."""
+    ref_keys, problems = ref
     if test is None or isinstance(test, str) or problems:
         missing = _missing(test is None or test == "rank file missing",
                            any(p.endswith(("module missing", "rank file missing")) for p in problems))
         test_note = ["module missing in test"] if test is None else [f"test: {test}"] if isinstance(test, str) else []
-        report.rows.append(CompareRow(step.rel, module, 0, None, FAIL, missing=missing,
+        report.rows.append(CompareRow(step.rel, module, rank, None, FAIL, missing=missing,
                                       note="; ".join(test_note + list(dict.fromkeys(problems))[:3])))
         return
     test_rows = [row for row, _ in rows]
     for key in list(ref_keys) + [k for k in test if k not in ref_keys]:
-        if key not in test or len(ref_keys.get(key, [])) != len(rows):
+        if key not in test or key not in ref_keys:
             side = "test" if key not in test else "ref"
-            report.rows.append(CompareRow(step.rel, module, 0, key, FAIL, missing=side, note=f"key missing in {side}"))
+            report.rows.append(CompareRow(step.rel, module, rank, key, FAIL, missing=side,
+                                          note=f"key missing in {side}"))
             continue
-        want = torch.stack(ref_keys[key])
-        got = test[key][test_rows] if test[key].dim() else test[key]
-        report.rows.append(compare_tensors(step.rel, module, 0, key, want, got, report.rtol, report.atol))
+        want, got, note = ref_keys[key], test[key], ""
+        if isinstance(got, Slice):
+            want, note = want[..., got.start:got.stop], f"rank {rank}'s shard [..., {got.start}:{got.stop}]"
+            got = got.tensor
+        got = got[test_rows] if got.dim() else got
+        row = compare_tensors(step.rel, module, rank, key, want, got, report.rtol, report.atol)
+        if note:
+            row.note = "; ".join(n for n in (row.note, note) if n)
+        report.rows.append(row)
 
 
 def _missing(in_test: bool, in_ref: bool) -> str | None:

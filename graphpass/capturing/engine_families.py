@@ -16,10 +16,14 @@ Adding a family (docs/vllm.md, "Comparing with a reference")::
     register_family(Family("qwen2", model_types=("qwen2",), rebuild=rebuild_llama))
 
 ``rebuild(module, tensors, shape)`` gets the engine module's name (``model.layers.3.self_attn.qkv_proj``),
-its tensors by key path (``[0]``, ``[1]``, ``output``; the engine's ``other[...]`` keys, tensors it wrote
-in place, are dropped before) and the :class:`ModelShape` from the engine's meta; it returns the
-transformers modules and their tensors by key (``output`` for a module returning one tensor). The
-registry is an instance (:class:`FamilyRegistry`); :data:`FAMILIES` is the one ``compare`` reads.
+one tensor-parallel rank's tensors by key path (``[0]``, ``[1]``, ``output``; the engine's ``other[...]``
+keys, tensors it wrote in place, are dropped before) and the :class:`ModelShape` from the engine's meta,
+with ``tp_rank`` set to that rank; it returns the transformers modules and their tensors by key
+(``output`` for a module returning one tensor). A tensor that is the whole of transformers' tensor
+(a decoder layer's output, which every rank holds after the all-reduce) is returned as is; a rank's
+shard of it (a column-parallel projection's heads) as a :class:`Slice` saying where in transformers'
+last dimension it lies. The registry is an instance (:class:`FamilyRegistry`); :data:`FAMILIES` is the
+one ``compare`` reads.
 """
 
 from __future__ import annotations
@@ -33,9 +37,23 @@ import torch
 from ..errors import ConfigError, GraphpassError  # noqa: F401
 from ..model_shape import ModelShape, RebuildError  # noqa: F401 (re-exported)
 
-__all__ = ["Family", "FamilyRegistry", "FAMILIES", "ModelShape", "RebuildError", "register_family", "rebuild_llama"]
+__all__ = ["Family", "FamilyRegistry", "FAMILIES", "ModelShape", "RebuildError", "Slice", "register_family",
+           "rebuild_llama"]
 
 _LAYER_RE = re.compile(r"(?:.*\.)?layers\.[0-9]+")  # a decoder layer: model.layers.3 (fullmatch)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One tensor-parallel rank's shard of a transformers tensor: ``tensor`` (rows = tokens) is
+    transformers' ``[..., start:start + tensor.shape[-1]]``."""
+
+    tensor: torch.Tensor
+    start: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + int(self.tensor.shape[-1])
 
 
 Rebuild = Callable[[str, "dict[str, torch.Tensor]", ModelShape], "dict[str, dict[str, torch.Tensor]]"]
@@ -96,32 +114,53 @@ def _main(module: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     raise RebuildError(f"{module}: neither 'output' nor '[0]' among its keys {sorted(tensors)}")
 
 
-def _split(module: str, t: torch.Tensor, names: list[str], sizes: list[int]) -> dict[str, dict[str, torch.Tensor]]:
+def _split(module: str, t: torch.Tensor, names: list[str], sizes: list[int], starts: list[int],
+           tp_size: int) -> dict[str, dict[str, Any]]:
+    """``t``'s last dim split into ``names`` of ``sizes``; with ``tp_size`` > 1 each piece is a
+    :class:`Slice` starting at ``starts`` in transformers' tensor."""
     if t.shape[-1] != sum(sizes):
         raise RebuildError(f"{module}: last dim {t.shape[-1]} is not {' + '.join(map(str, sizes))} "
                            f"({', '.join(names)})")
     prefix = module.rpartition(".")[0]
-    return {f"{prefix}.{n}": {"output": piece} for n, piece in zip(names, torch.split(t, sizes, dim=-1))}
+    pieces = torch.split(t, sizes, dim=-1)
+    return {f"{prefix}.{n}": {"output": piece if tp_size == 1 else Slice(piece, start)}
+            for n, piece, start in zip(names, pieces, starts)}
+
+
+def _qkv_sizes(shape: ModelShape) -> tuple[list[int], list[int]]:
+    """Sizes of q, k, v in one rank's ``qkv_proj`` output and where they start in transformers' q, k, v,
+    as vLLM's ``QKVParallelLinear`` shards them: ``heads / tp`` query heads per rank; ``kv / tp`` kv heads
+    per rank, or with fewer kv heads than ranks one kv head per rank, replicated on ``tp / kv`` ranks."""
+    heads, kv, dim = shape.need("num_attention_heads", "num_key_value_heads", "head_dim")
+    tp, rank = shape.tp_size, shape.tp_rank
+    if heads % tp or (kv % tp and tp % kv):
+        raise RebuildError(f"{heads} attention heads and {kv} kv heads do not shard over {tp} tensor-parallel ranks")
+    kv_here, replicas = max(1, kv // tp), max(1, tp // kv)
+    q, k = heads // tp * dim, kv_here * dim
+    return [q, k, k], [rank * q, rank // replicas * k, rank // replicas * k]
 
 
 def rebuild_llama(module: str, tensors: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, dict[str, torch.Tensor]]:
     """vLLM's Llama-style modules in transformers' terms: a decoder layer's ``[0] + [1]`` (hidden +
     residual); ``qkv_proj`` split into ``q_proj``, ``k_proj``, ``v_proj`` (heads x head_dim, kv heads x
     head_dim, per tensor-parallel rank); ``gate_up_proj`` into ``gate_proj``, ``up_proj``; any other
-    module its main output (:func:`_main`) as ``output``."""
+    module its main output (:func:`_main`) as ``output``. With ``tp_size`` > 1 the split pieces are
+    :class:`Slice` s of rank ``tp_rank`` (vLLM's column-parallel shards); everything else is whole on
+    every rank (decoder layers, ``o_proj`` and ``down_proj`` after their all-reduce, norms)."""
     if _LAYER_RE.fullmatch(module):
         if "[0]" in tensors and "[1]" in tensors:
             return {module: {"output": tensors["[0]"] + tensors["[1]"]}}
         return {module: {"output": _main(module, tensors)}}
     if module.endswith(".qkv_proj"):
-        heads, kv, dim = shape.need("num_attention_heads", "num_key_value_heads", "head_dim")
-        tp = shape.tp_size
-        q, k = heads // tp * dim, max(1, kv // tp) * dim
-        return _split(module, _main(module, tensors), ["q_proj", "k_proj", "v_proj"], [q, k, k])
+        sizes, starts = _qkv_sizes(shape)
+        return _split(module, _main(module, tensors), ["q_proj", "k_proj", "v_proj"], sizes, starts, shape.tp_size)
     if module.endswith(".gate_up_proj"):
         (inter,) = shape.need("intermediate_size")
+        if inter % shape.tp_size:
+            raise RebuildError(f"intermediate size {inter} does not shard over {shape.tp_size} tensor-parallel ranks")
         half = inter // shape.tp_size
-        return _split(module, _main(module, tensors), ["gate_proj", "up_proj"], [half, half])
+        return _split(module, _main(module, tensors), ["gate_proj", "up_proj"], [half, half],
+                      [shape.tp_rank * half] * 2, shape.tp_size)
     return {module: {"output": _main(module, tensors)}}
 
 

@@ -5,6 +5,7 @@ q_proj/k_proj/v_proj, gate_proj/up_proj, layer output one tensor) against an eng
 qkv_proj / gate_up_proj, linears returning ``(out, bias)``). No vLLM needed; the end-to-end test with
 vLLM is tests/in_vllm/test_compare_engines_vllm.py."""
 
+import dataclasses
 import json
 import zlib
 
@@ -206,9 +207,22 @@ def test_rebuild_llama_splits_by_heads_kv_heads_and_tensor_parallel_rank():
     out = rebuild_llama("model.layers.3.self_attn.qkv_proj", {"[0]": x, "[1]": torch.zeros(1)}, shape)
     assert {m: t["output"].shape[-1] for m, t in out.items()} == {
         "model.layers.3.self_attn.q_proj": 8, "model.layers.3.self_attn.k_proj": 4, "model.layers.3.self_attn.v_proj": 4}
+    # tensor parallelism: each rank's q/k/v heads are Slices of transformers' q/k/v (vLLM's QKVParallelLinear)
     tp2 = ModelShape.from_meta({**MODEL, "num_key_value_heads": 2, "tp_size": 2})
-    out = rebuild_llama("m.layers.0.self_attn.qkv_proj", {"[0]": torch.zeros(1, 4 + 4 + 4)}, tp2)
-    assert [t["output"].shape[-1] for t in out.values()] == [4, 4, 4]
+    assert tp2.tp_rank == 0 and "tp_rank" not in tp2.to_meta()
+    for rank in (0, 1):
+        out = rebuild_llama("m.layers.0.self_attn.qkv_proj", {"[0]": torch.zeros(1, 4 + 4 + 4)},
+                            dataclasses.replace(tp2, tp_rank=rank))
+        assert [(t["output"].tensor.shape[-1], t["output"].start) for t in out.values()] == [(4, 4 * rank)] * 3
+    # one kv head, two ranks: the kv head is replicated, both ranks' k and v are transformers' whole k and v
+    one_kv = ModelShape.from_meta({**MODEL, "tp_size": 2, "num_key_value_heads": 1})
+    out = rebuild_llama("m.layers.0.self_attn.qkv_proj", {"[0]": torch.zeros(1, 4 + 4 + 4)},
+                        dataclasses.replace(one_kv, tp_rank=1))
+    assert [(t["output"].start, t["output"].stop) for t in out.values()] == [(4, 8), (0, 4), (0, 4)]
+    out = rebuild_llama("m.layers.0.mlp.gate_up_proj", {"[0]": torch.zeros(1, 6)}, dataclasses.replace(one_kv, tp_rank=1))
+    assert [(t["output"].start, t["output"].stop) for t in out.values()] == [(3, 6), (3, 6)]
+    with pytest.raises(RebuildError, match="do not shard over 3"):
+        rebuild_llama("m.layers.0.self_attn.qkv_proj", {"[0]": x}, ModelShape.from_meta({**MODEL, "tp_size": 3}))
     layer = rebuild_llama("model.layers.3", {"[0]": torch.ones(2, 3), "[1]": torch.full((2, 3), 2.0)}, shape)
     assert torch.equal(layer["model.layers.3"]["output"], torch.full((2, 3), 3.0))
     assert rebuild_llama("model.norm", {"[0]": x, "[1]": x + 1}, shape)["model.norm"]["output"] is x
@@ -248,3 +262,93 @@ def test_cli_compare_across_engines(ref, tmp_path, capsys):
     bad = write_engine(tmp_path / "bad", perturb=lambda m, r, p: m == "model.layers.1")
     assert main(["compare", str(ref), str(bad)]) == 1
     assert "first diverging module: model.layers.1 (step dp0/prefill_s8_0" in capsys.readouterr().out
+
+
+def to_tp2(root, change=None):
+    """An engine run of write_engine re-laid out as vLLM's tensor_parallel_size=2 writes it: per module one
+    rank{r}.safetensors per rank (decoder layers whole on both ranks; qkv_proj: rank r's query head and the
+    one kv head, replicated; gate_up_proj: rank r's half of gate and of up) and a meta file per rank.
+    ``change(step, module, rank, tensors)`` may alter a rank's tensors before they are written."""
+    from safetensors.torch import load_file
+
+    q, half = HEADS // 2 * HEAD_DIM, INTER // 2
+    for step in sorted((root / "dp0").iterdir()):
+        meta_path = step / f"{step.name}_meta.json"
+        meta = json.loads(meta_path.read_text())
+        meta["model"] = {**MODEL, "tp_size": 2}
+        for module in meta["modules"]:
+            whole = load_file(str(step / module / "rank0.safetensors"))
+            for rank in (0, 1):
+                t = dict(whole)
+                if module.endswith("qkv_proj"):
+                    x = whole["[0]"]
+                    t["[0]"] = torch.cat([x[:, rank * q:(rank + 1) * q], x[:, HEADS * HEAD_DIM:]], dim=-1)
+                elif module.endswith("gate_up_proj"):
+                    x = whole["[0]"]
+                    t["[0]"] = torch.cat([x[:, rank * half:(rank + 1) * half],
+                                          x[:, INTER + rank * half:INTER + (rank + 1) * half]], dim=-1)
+                if change:
+                    change(step.name, module, rank, t)
+                save_file({k: v.contiguous() for k, v in t.items()}, str(step / module / f"rank{rank}.safetensors"))
+        for rank in (0, 1):
+            name = meta_path.name if rank == 0 else f"{step.name}_meta.rank1.json"
+            (step / name).write_text(json.dumps({**meta, "tp_rank": rank, "tp_size": 2}))
+    return root
+
+
+def test_tensor_parallel_ranks_are_each_compared_whole_or_by_their_shard(ref, tmp_path):
+    report = compare(ref, to_tp2(write_engine(tmp_path / "vllm")), rtol=1e-5, atol=1e-6)
+    assert report.passed, str(report)
+    assert any("2 tensor-parallel ranks" in n for n in report.notes)
+    first = [(r.module, r.rank) for r in report.rows if r.step == "dp0/prefill_s8_0"]
+    assert first == [("<input_ids>", 0)] + [(m, rank) for m in REF_MODULES for rank in (0, 1)]
+    notes = {(r.module, r.rank): r.note for r in report.rows if r.step == "dp0/prefill_s8_0"}
+    assert notes["model.layers.0.self_attn.q_proj", 1] == "rank 1's shard [..., 4:8]"
+    assert notes["model.layers.0.self_attn.k_proj", 1] == "rank 1's shard [..., 0:4]"  # the replicated kv head
+    assert notes["model.layers.0.mlp.up_proj", 1] == "rank 1's shard [..., 3:6]"
+    assert notes["model.layers.1", 1] == ""
+
+
+@pytest.mark.parametrize("module, key, rank, want", [
+    # one rank's shard of a fused projection: that projection, on that rank
+    ("model.layers.0.mlp.gate_up_proj", "[0]", 1, "model.layers.0.mlp.up_proj"),
+    # the ranks disagree on a whole (all-reduced) layer output: the rank whose copy differs is named
+    ("model.layers.1", "[1]", 1, "model.layers.1"),
+])
+def test_a_diverging_rank_is_named(ref, tmp_path, module, key, rank, want):
+    def change(step, mod, r, t):
+        if step == "decode_b2_1" and mod == module and r == rank:
+            t[key] = t[key].clone()
+            t[key][:, -1] += 1e-2
+
+    report = compare(ref, to_tp2(write_engine(tmp_path / "vllm"), change), rtol=1e-5, atol=1e-6)
+    bad = report.first_failure
+    assert (bad.step, bad.module, bad.rank) == ("dp0/decode_b2_1", want, rank), str(report)
+    assert {(r.module, r.rank) for r in report.rows if not r.passed} == {(want, rank)}
+
+
+def test_a_rank_whose_meta_or_file_is_missing_or_other_is_a_fail_row(ref, tmp_path):
+    test = to_tp2(write_engine(tmp_path / "vllm"))
+    step = test / "dp0" / "decode_b2_0"
+    meta = json.loads((step / "decode_b2_0_meta.rank1.json").read_text())
+    (step / "decode_b2_0_meta.rank1.json").write_text(json.dumps({**meta, "positions": meta["positions"][::-1]}))
+    (test / "dp0" / "decode_b2_2" / "decode_b2_2_meta.rank1.json").unlink()
+    (test / "dp0" / "decode_b2_1" / "model.layers.1" / "rank1.safetensors").unlink()
+    report = compare(ref, test, rtol=1e-5, atol=1e-6)
+    bad = [(r.step, r.module, r.rank, r.missing) for r in report.rows if not r.passed]
+    assert bad == [("dp0/decode_b2_0", "<meta>", 1, None), ("dp0/decode_b2_1", "model.layers.1", 1, "test"),
+                   ("dp0/decode_b2_2", "<meta>", 1, "test")], str(report)
+    notes = [r.note for r in report.rows if not r.passed]
+    assert "rank 1's meta differs from rank 0's in positions" in notes[0]
+    assert "rank file missing" in notes[1] and "no meta file decode_b2_2_meta.rank1.json" in notes[2]
+
+
+def test_the_draft_models_steps_are_compared_on_their_own(ref, tmp_path):
+    test = write_engine(tmp_path / "vllm")
+    # the draft model's steps beside the engine's: same requests and positions, another model (here: off by 1)
+    write_engine(tmp_path / "vllm" / "draft", perturb=lambda m, r, p: True)
+    report = compare(ref, test, rtol=1e-5, atol=1e-6)
+    assert report.passed and all(not r.step.startswith("draft/") for r in report.rows), str(report)
+    assert any("the steps under draft/ are another model's" in n for n in report.notes)
+    bad = compare(ref, test / "draft", rtol=1e-5, atol=1e-6).first_failure
+    assert (bad.step, bad.module) == ("dp0/prefill_s8_0", REF_MODULES[0])

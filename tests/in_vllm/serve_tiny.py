@@ -2,7 +2,8 @@
 
 ``python serve_tiny.py SPEC_JSON``; SPEC: model, settings (``additional_config["graphpass"]``), prompts
 (token-id lists), max_new_tokens, result (path), optionally profile_dir (vLLM's torch profiler writes its
-trace there, around ``generate``). Writes the result: tokens and request ids per prompt,
+trace there, around ``generate``) and llm_kwargs (more keyword arguments of ``LLM``:
+``tensor_parallel_size``, ``speculative_config``). Writes the result: tokens and request ids per prompt,
 and the worker's ``graphpass_stats`` after start-up and after serving.
 """
 
@@ -19,7 +20,7 @@ def main() -> None:
         profile = {"profiler_config": {"profiler": "torch", "torch_profiler_dir": spec["profile_dir"],
                                        "torch_profiler_use_gzip": False, "torch_profiler_with_stack": False}}
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=4,
-              additional_config={"graphpass": spec["settings"]}, **profile)
+              additional_config={"graphpass": spec["settings"]}, **profile, **(spec.get("llm_kwargs") or {}))
     before = llm.collective_rpc("graphpass_stats")
     params = SamplingParams(max_tokens=spec["max_new_tokens"], temperature=0, detokenize=False)
     if profile:

@@ -33,6 +33,9 @@ def test_the_plugin_is_registered_with_vllm():
     ({"tensor_capture": {"modules": "model.layers.0", "capture_dir": "x"}}, "tensor_capture.modules", "list"),
     ({"tensor_capture": {"modules": ["model.layers.0"]}}, "tensor_capture.capture_dir", "folder"),
     ({"offload": {"device": "cpu"}}, "offload", "packed oneDNN weights"),
+    # the draft model of speculative decoding: this engine has no speculative_config
+    ({"tensor_capture": {"modules": ["model.layers.0"], "capture_dir": "x", "draft_modules": ["model.layers.0"]}},
+     "tensor_capture.draft_modules", "no speculative_config"),
     ({"options": {"then": "no-such-delegate"}}, "then", ""),
     ({"tracing": True}, "additional_config.graphpass", "unknown keys"),
 ])

@@ -19,6 +19,10 @@ TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_l
             num_key_value_heads=1, max_position_embeddings=256)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 MAX_NEW_TOKENS = 4
+# tensor_parallel_size=2 on vLLM's CPU engine: its automatic thread binding puts each rank on a NUMA node of
+# its own and refuses one node for two ranks ("Not enough allowed NUMA nodes to bind threads of 2 local
+# CPUWorkers"); bound by hand, one core each
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def write_tiny_llama(path: Path, seed: int = 0) -> Path:
@@ -32,13 +36,16 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
 
 
 def serve(model: Path, out: Path, settings: dict, prompts=PROMPTS, max_new_tokens=MAX_NEW_TOKENS,
-          timeout: int = 1200, profile_dir: Path | None = None) -> dict:
-    """Run ``serve_tiny.py`` (vLLM's ``LLM`` with ``additional_config={"graphpass": settings}``);
-    returns its result (tokens, request ids, worker stats)."""
+          timeout: int = 1200, profile_dir: Path | None = None, llm_kwargs: dict | None = None,
+          env: dict | None = None) -> dict:
+    """Run ``serve_tiny.py`` (vLLM's ``LLM`` with ``additional_config={"graphpass": settings}`` and
+    ``llm_kwargs``; ``env``: more environment variables); returns its result (tokens, request ids, worker
+    stats)."""
     out.mkdir(parents=True, exist_ok=True)
     spec = {"model": str(model), "settings": settings, "prompts": prompts, "max_new_tokens": max_new_tokens,
-            "result": str(out / "result.json"), "profile_dir": str(profile_dir) if profile_dir else None}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+            "result": str(out / "result.json"), "profile_dir": str(profile_dir) if profile_dir else None,
+            "llm_kwargs": llm_kwargs or {}}
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     env.setdefault("VLLM_CACHE_ROOT", str(out / "vllm-cache"))
     proc = subprocess.run([sys.executable, str(HERE / "serve_tiny.py"), json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -10,7 +10,7 @@ import torch
 
 from graphpass.errors import ConfigError
 from graphpass.integrations.vllm.config import parse
-from graphpass.integrations.vllm.steps import engine_step
+from graphpass.integrations.vllm.steps import draft_step, engine_step
 
 
 def test_no_graphpass_key_changes_nothing():
@@ -25,6 +25,9 @@ def test_settings_are_read(tmp_path):
     assert s.tensor_capture.modules == ("model.layers.0-1",)
     assert s.tensor_capture.capture_filter == ("model.layers.1",)
     assert s.tensor_capture.capture_dir == str(tmp_path / "c")
+    assert s.tensor_capture.draft_modules is None
+    s = parse({"graphpass": {"tensor_capture": {"modules": ["a"], "capture_dir": "c", "draft_modules": ["model.norm"]}}})
+    assert s.tensor_capture.draft_modules == ("model.norm",)
 
 
 def test_a_relative_capture_dir_is_made_absolute(tmp_path, monkeypatch):
@@ -40,7 +43,7 @@ def test_a_relative_capture_dir_is_made_absolute(tmp_path, monkeypatch):
     ({"tensor_capture": {"modules": [], "capture_dir": "x"}}, "tensor_capture.modules", "non-empty"),
     ({"tensor_capture": {"modules": ["a"]}}, "tensor_capture.capture_dir", "folder"),
     ({"tensor_capture": {"modules": ["a"], "capture_dir": "x", "vision": 1}}, "tensor_capture", "unknown keys"),
-    ({"tensor_capture": {"modules": ["a"], "capture_dir": "x", "draft_modules": ["a"]}}, "draft_modules", "not supported"),
+    ({"tensor_capture": {"modules": ["a"], "capture_dir": "x", "draft_modules": "a"}}, "draft_modules", "list"),
     ({"offload": {"device": "cpu"}}, "offload", "packed oneDNN weights"),
     ({"options": {"then": 3}}, "then", ""),
     ({"options": "eager"}, "options", "dict"),
@@ -79,3 +82,28 @@ def test_a_decode_step_and_padding_tokens():
     runner = _runner(["a-1", "b-2"], [1, 1], computed=[6, 4], prompt=[5, 3])
     step = engine_step(runner, torch.tensor([6, 4, 0]))  # one padding token after the scheduled ones
     assert not step.is_prefill and step.token_request == [0, 1, -1]
+
+
+def test_draft_passes_are_steps_with_each_tokens_request():
+    # the draft's first pass after a prefill of a (5 tokens) and b (3): each request's tokens plus its next one
+    runner = _runner(["a-1", "b-2"], [5, 3], computed=[0, 0], prompt=[5, 3])
+    target = engine_step(runner, torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]))
+    first = draft_step(runner, torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2, 3]), torch.tensor([0, 6, 10]), target, 0)
+    assert first.is_prefill and first.req_ids == ["a-1", "b-2"]
+    assert first.token_request == [0] * 6 + [1] * 4
+    # a later pass: one token per request, then padding rows
+    later = draft_step(runner, torch.tensor([6, 4, 0]), torch.tensor([0, 1, 2]), target, 1)
+    assert not later.is_prefill and later.token_request == [0, 1, -1]
+    # without attention metadata no row is attributed to a request (compare then skips them), nothing is guessed
+    assert draft_step(runner, torch.tensor([6, 4]), None, target, 1).token_request == [-1, -1]
+
+
+@pytest.mark.parametrize("spec, words", [(None, "no speculative_config"),
+                                         (SimpleNamespace(method="ngram"), "method 'ngram', which runs no model")])
+def test_draft_modules_need_a_draft_model(spec, words):
+    from graphpass.integrations.vllm import _check_draft
+
+    with pytest.raises(ConfigError) as info:
+        _check_draft(spec, ("model.layers.0",))
+    assert "tensor_capture.draft_modules" in str(info.value) and words in str(info.value)
+    _check_draft(SimpleNamespace(method="draft_model"), ("model.layers.0",))  # accepted

@@ -75,3 +75,20 @@ def update_config(vllm_config: Any, settings: VllmPluginConfig) -> None:
         raise ConfigError(PREFIX, "worker_cls", f"graphpass inside vLLM is supported with vLLM's CPU "
                           f"worker only; this engine uses {parallel.worker_cls!r}")
     parallel.worker_cls = worker or parallel.worker_cls
+    if settings.tensor_capture is not None and settings.tensor_capture.draft_modules:
+        _check_draft(vllm_config.speculative_config, settings.tensor_capture.draft_modules)
+
+
+# speculative decoding methods whose drafter runs a model of its own (vLLM's SpeculativeConfig.method)
+DRAFT_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+
+
+def _check_draft(spec: Any, draft_modules: tuple[str, ...]) -> None:
+    """``draft_modules`` needs speculative decoding with a draft model (ngram and suffix decoding have none)."""
+    method = getattr(spec, "method", None)
+    if method not in DRAFT_METHODS:
+        why = "no speculative_config" if spec is None else f"speculative_config method {method!r}, which runs no model"
+        raise ConfigError(f"{PREFIX}.tensor_capture.draft_modules", list(draft_modules),
+                          f"captures the draft model of speculative decoding, but this engine has {why}: give "
+                          f"speculative_config a draft model (method one of {', '.join(DRAFT_METHODS)}; "
+                          "'draft_model' is the tested one) or leave draft_modules out")

@@ -38,7 +38,9 @@ OFFLOAD_REFUSED = (
 @dataclass(frozen=True)
 class TensorCaptureConfig:
     """``tensor_capture``: which modules of the served model (``modules``, patterns as in
-    ``ModelCapture``) are captured into ``capture_dir``; ``capture_filter``: which of them are written."""
+    ``ModelCapture``) are captured into ``capture_dir``; ``capture_filter``: which of them are written;
+    ``draft_modules``: which modules of the draft model (speculative decoding) are captured, into
+    ``capture_dir/draft``."""
 
     modules: tuple[str, ...]
     capture_dir: str
@@ -74,15 +76,12 @@ def _capture(value: Any) -> TensorCaptureConfig | None:
     capture_dir = value.get("capture_dir")
     if not isinstance(capture_dir, (str, os.PathLike)) or not str(capture_dir):
         raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", capture_dir, "must be a folder path")
-    draft = _patterns("draft_modules", value.get("draft_modules"), required=False)
-    if draft is not None:
-        raise ConfigError(f"{PREFIX}.tensor_capture.draft_modules", list(draft),
-                          "capturing vLLM's draft model (speculative decoding) is not supported yet: leave it out")
     return TensorCaptureConfig(
         modules=_patterns("modules", value.get("modules"), required=True),
         # absolute: the workers may not share the caller's working folder
         capture_dir=os.path.abspath(os.fspath(capture_dir)),
         capture_filter=_patterns("capture_filter", value.get("capture_filter"), required=False),
+        draft_modules=_patterns("draft_modules", value.get("draft_modules"), required=False),
     )
 
 

@@ -9,6 +9,11 @@
 - each ``_model_forward`` of the runner (one per engine step; vLLM's warm-up and profile runs call
   the model directly, so they are never steps) runs inside ``capture.step(...)`` named and described
   by :func:`.steps.engine_step`;
+- with ``draft_modules`` (speculative decoding with a draft model), a second ModelCapture of the
+  drafter's model (``model_runner.drafter.model``) writes under ``capture_dir/draft/``: each forward of
+  the draft model is one step (:func:`.steps.draft_step`; the drafter runs it once over the target
+  step's tokens, then once per further speculative token), its meta with ``draft_pass`` (0, 1, ...)
+  and ``target_step_index`` (the ``step_index`` of the target step it drafts after);
 - capture is enabled only after vLLM's warm-up (``compile_or_warm_up_model``). Enabling it changes
   no graph: the capture nodes are compiled in from the first (warm-up) compilation.
 
@@ -22,8 +27,9 @@ import functools
 import logging
 from typing import Any
 
-from .config import parse
-from .steps import engine_step
+from ...errors import ConfigError
+from .config import PREFIX, parse
+from .steps import EngineStep, draft_step, engine_step, forward_query_starts
 
 log = logging.getLogger("graphpass.integrations.vllm")
 
@@ -56,6 +62,7 @@ class _GraphpassWorkerMixin:
     """vLLM's CPU worker, capturing each engine step with graphpass (see the module docstring)."""
 
     graphpass_capture: Any = None
+    graphpass_draft_capture: Any = None
 
     def determine_available_memory(self) -> int:
         with _current(self):  # vLLM's CPU worker compiles here (warm-up)
@@ -71,7 +78,9 @@ class _GraphpassWorkerMixin:
         from torch._dynamo.utils import counters
 
         return {"unique_graphs": int(counters["stats"]["unique_graphs"]),
-                "capture_enabled": bool(self.graphpass_capture is not None and self.graphpass_capture.enabled)}
+                "capture_enabled": bool(self.graphpass_capture is not None and self.graphpass_capture.enabled),
+                "draft_capture_enabled": bool(self.graphpass_draft_capture is not None
+                                              and self.graphpass_draft_capture.enabled)}
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -86,15 +95,24 @@ class _GraphpassWorkerMixin:
         self.graphpass_capture = graphpass.ModelCapture(
             runner.model, modules=list(tc.modules), capture_dir=tc.capture_dir,
             capture_filter=list(tc.capture_filter) if tc.capture_filter else None, dp_rank=dp_rank, tp_rank=tp)
-        runner._model_forward = _stepping(runner, runner._model_forward, self.graphpass_capture)
+        state = _Steps()
+        runner._model_forward = _stepping(runner, runner._model_forward, self.graphpass_capture, state)
         log.info("graphpass captures %s of %s into %s (dp%d)", list(tc.modules), type(runner.model).__name__,
                  tc.capture_dir, dp_rank)
+        if tc.draft_modules:
+            draft = _draft_model(runner)
+            self.graphpass_draft_capture = graphpass.ModelCapture(
+                draft, modules=list(tc.draft_modules), capture_dir=tc.capture_dir, subdirectory="draft",
+                dp_rank=dp_rank, tp_rank=tp)
+            draft.forward = _draft_stepping(runner, draft.forward, self.graphpass_draft_capture, state)
+            log.info("graphpass captures the draft model's %s into %s/draft", list(tc.draft_modules), tc.capture_dir)
 
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
         with _current(self):
             out = super().compile_or_warm_up_model(*args, **kwargs)
-        if self.graphpass_capture is not None:
-            self.graphpass_capture.enable()
+        for capture in (self.graphpass_capture, self.graphpass_draft_capture):
+            if capture is not None:
+                capture.enable()
         return out
 
 
@@ -109,10 +127,40 @@ def _current(worker: Any) -> Any:
     return set_current_vllm_config(worker.vllm_config)
 
 
-def _stepping(runner: Any, forward: Any, capture: Any) -> Any:
-    """``runner._model_forward`` wrapped: one capture step per call while capture is enabled. Each
-    meta also gets ``model`` (model type and head sizes, for ``compare`` across engines) and
-    ``input_ids``."""
+class _Steps:
+    """One worker's last captured target step (its EngineStep and ``step_index``) and the draft passes
+    since, shared by the target's and the draft model's wrappers."""
+
+    def __init__(self) -> None:
+        self.target: EngineStep | None = None
+        self.target_index = -1
+        self.draft_pass = 0
+
+
+def _draft_model(runner: Any) -> Any:
+    """The drafter's model (speculative decoding), or a ConfigError: ``draft_modules`` needs one."""
+    import torch
+
+    model = getattr(getattr(runner, "drafter", None), "model", None)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"{PREFIX}.tensor_capture.draft_modules", None,
+                          f"this engine's speculative decoding has no draft model to capture (drafter "
+                          f"{type(getattr(runner, 'drafter', None)).__name__}): leave draft_modules out")
+    return model
+
+
+def _meta(step: EngineStep, kwargs: dict, model: dict) -> dict:
+    """The extra meta of a step: ``token_request``, ``engine``, ``model`` (model type and head sizes, for
+    ``compare`` across engines) and ``input_ids`` (the token fed at each row)."""
+    extra = {"token_request": step.token_request, "engine": "vllm", "model": model}
+    ids = kwargs.get("input_ids")
+    if ids is not None:
+        extra["input_ids"] = ids.detach().reshape(-1)[: len(step.token_request)].tolist()
+    return extra
+
+
+def _stepping(runner: Any, forward: Any, capture: Any, state: _Steps) -> Any:
+    """``runner._model_forward`` wrapped: one capture step per call while capture is enabled."""
     from graphpass.model_shape import ModelShape
 
     config = runner.vllm_config
@@ -124,12 +172,34 @@ def _stepping(runner: Any, forward: Any, capture: Any) -> Any:
         if not capture.enabled:
             return forward(*args, **kwargs)
         step = engine_step(runner, kwargs.get("positions"))
-        extra = {"token_request": step.token_request, "engine": "vllm", "model": model}
-        ids = kwargs.get("input_ids")
-        if ids is not None:  # the token fed at each row (compare checks them against the reference's)
-            extra["input_ids"] = ids.detach().reshape(-1)[: len(step.token_request)].tolist()
+        with capture.step(positions=step.positions, is_prefill=step.is_prefill, req_ids=step.req_ids,
+                          extra_meta=_meta(step, kwargs, model)):
+            out = forward(*args, **kwargs)
+        state.target, state.target_index, state.draft_pass = step, state.target_index + 1, 0
+        return out
+
+    return model_forward
+
+
+def _draft_stepping(runner: Any, forward: Any, capture: Any, state: _Steps) -> Any:
+    """The draft model's ``forward`` wrapped: one capture step (under ``draft/``) per call while capture
+    is enabled, described by :func:`.steps.draft_step`."""
+    from graphpass.model_shape import ModelShape
+
+    spec = runner.vllm_config.speculative_config
+    model = ModelShape.from_config(spec.draft_model_config.hf_config,
+                                   int(spec.draft_parallel_config.tensor_parallel_size)).to_meta()
+
+    @functools.wraps(forward)
+    def draft_forward(*args: Any, **kwargs: Any) -> Any:
+        if not capture.enabled:
+            return forward(*args, **kwargs)
+        step = draft_step(runner, kwargs.get("positions"), forward_query_starts(), state.target, state.draft_pass)
+        extra = {**_meta(step, kwargs, model), "draft_pass": state.draft_pass,
+                 "target_step_index": state.target_index}
+        state.draft_pass += 1
         with capture.step(positions=step.positions, is_prefill=step.is_prefill, req_ids=step.req_ids,
                           extra_meta=extra):
             return forward(*args, **kwargs)
 
-    return model_forward
+    return draft_forward
