@@ -21,6 +21,7 @@ Assumes :mod:`analyze_ownership` ran (input names).
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 import warnings
 from typing import Any
 
@@ -28,7 +29,7 @@ import sympy
 import torch
 
 from .. import dynamo_records
-from ..analysis import TensorOwnership
+from ..analysis import TensorOwnership, parse_source_name
 from ..errors import ConfigError
 from ..fx_utils import example_of, is_symbolic, shape_env_hints, size_expr
 from ..tensor_utils import shape_env_of
@@ -86,35 +87,7 @@ class PlanStaticShapes(GraphPass):
         _plan_outputs(plan, ctx.gm, syms)
         unmasked = syms - masked_syms
         if unmasked and not plan.refused:
-            from ..static_shapes.padding_safety import check_padding_safety
-
-            zero = {placeholders[i].name for i, v in plan.pad_values.items() if v == 0}
-            relied: set[str] = set()
-            trusted: set[str] = set()
-            tables: dict = {}
-            topks: list = []
-            values = {n.name: v for n, v in zip(placeholders, ctx.example_inputs) if isinstance(v, torch.Tensor)}
-            from ..static_shapes.topk_mask import topk_invalid_buckets, topk_masks
-
-            for v in check_padding_safety(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero, relied_on=relied,
-                                          trusted=trusted, values=values, tables=tables, rules=[topk_masks],
-                                          proofs=topks):
-                plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
-            if topks and not plan.refused:
-                topk_invalid_buckets(plan, syms, cfg.buckets, topks)
-            if trusted and not plan.refused:
-                _invalid_buckets(plan, placeholders, syms, cfg.buckets, sorted(trusted))
-                if plan.invalid_buckets:
-                    ctx.log.append(f"{self.name}: buckets where the traced graph is not the code's trace (calls run "
-                                   f"unpadded): {plan.invalid_buckets}")
-            plan.ones_inputs = {i: n.name for i, n in enumerate(placeholders) if n.name in relied}
-            plan.causal_tables = {i: tables[n.name] for i, n in enumerate(placeholders) if n.name in tables}
-            if plan.causal_tables and not plan.refused:
-                ctx.log.append(f"{self.name}: causal masks read from the values of "
-                               f"{', '.join(t.name for t in plan.causal_tables.values())} (checked unchanged per call)")
-            if plan.ones_inputs and not plan.refused:
-                ctx.log.append(f"{self.name}: padded only on calls where {', '.join(plan.ones_inputs.values())} "
-                               "holds 1 everywhere (an additive attention mask must leave every real row a key)")
+            _prove_padding(ctx, plan, placeholders, unmasked, syms)
         from ..fx_utils import copy_graph
 
         plan.unsliced = copy_graph(ctx.gm)  # the dynamic fallback must not slice fixed-size buffers
@@ -168,6 +141,56 @@ class PlanStaticShapes(GraphPass):
         if missing:
             ctx.log.append(f"{self.name}: inputs {missing} not in this graph; bucketing the others")
         return symbols, masked_syms
+
+
+
+def _prove_padding(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.fx.Node], unmasked: set,
+                   syms: set) -> None:
+    """Run the padding-safety analysis on the dims bucketing pads without a user mask (``unmasked``): its
+    violations refuse the plan; what its proofs need (buckets they hold at, inputs checked per call) goes into it."""
+    from ..static_shapes.padding_safety import check_padding_safety
+    from ..static_shapes.position_tables import table_invalid_buckets
+    from ..static_shapes.topk_mask import topk_invalid_buckets, topk_masks
+
+    cfg = ctx.config.static_shapes
+    zero = {placeholders[i].name for i, v in plan.pad_values.items() if v == 0}
+    relied: set[str] = set()
+    trusted: set[str] = set()
+    tables: dict = {}
+    topks: list = []
+    reads: list = []
+    values = {n.name: v for n, v in zip(placeholders, ctx.example_inputs) if isinstance(v, torch.Tensor)}
+    for v in check_padding_safety(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero, relied_on=relied,
+                                  trusted=trusted, values=values, tables=tables, rules=[topk_masks],
+                                  proofs=topks, table_reads=reads):
+        plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
+    if topks and not plan.refused:
+        topk_invalid_buckets(plan, syms, cfg.buckets, topks)
+    if reads and not plan.refused:
+        table_invalid_buckets(plan, syms, cfg.buckets, [replace(r, table=_input_name(placeholders, r.table))
+                                                        for r in reads])
+    if trusted and not plan.refused:
+        _invalid_buckets(plan, placeholders, syms, cfg.buckets, sorted(trusted))
+        if plan.invalid_buckets:
+            ctx.log.append(f"{PlanStaticShapes.name}: buckets where the traced graph is not the code's trace (calls run "
+                           f"unpadded): {plan.invalid_buckets}")
+    plan.ones_inputs = {i: n.name for i, n in enumerate(placeholders) if n.name in relied}
+    plan.causal_tables = {i: tables[n.name] for i, n in enumerate(placeholders) if n.name in tables}
+    if plan.causal_tables and not plan.refused:
+        ctx.log.append(f"{PlanStaticShapes.name}: causal masks read from the values of "
+                       f"{', '.join(t.name for t in plan.causal_tables.values())} (checked unchanged per call)")
+    if plan.ones_inputs and not plan.refused:
+        ctx.log.append(f"{PlanStaticShapes.name}: padded only on calls where {', '.join(plan.ones_inputs.values())} "
+                       "holds 1 everywhere (an additive attention mask must leave every real row a key)")
+
+
+def _input_name(placeholders: list[torch.fx.Node], name: str) -> str:
+    """The module attribute (``transformer.wpe.weight``) or input a placeholder named ``name`` holds, as its
+    Dynamo source says; ``name`` itself when it has none."""
+    ph = next((p for p in placeholders if p.name == name), None)
+    source = getattr(ph.meta.get("grapharg"), "source", None) if ph is not None else None
+    parsed = parse_source_name(source_name(source)) if source is not None else None
+    return parsed.fqn if parsed is not None and parsed.path else name
 
 
 def _tied_symbols(placeholders: list[torch.fx.Node], symbols: dict) -> dict:

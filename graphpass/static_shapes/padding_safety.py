@@ -51,6 +51,7 @@ import torch
 
 from .buffer_masks import CausalTable, is_causal_table
 from .causal_functions import causal_function_of, check_causal_edges
+from .position_tables import TableRead
 from ..fx_utils import (example_of, flat_nodes, mentions_symbol, op_name, ran_inside, schema_position, size_expr, source_frame,
                         tensors_of, writes_into)
 from ..tensor_utils import shape_env_of
@@ -454,6 +455,7 @@ class _Ctx:
     ties: Mapping[Any, Any] = field(default_factory=dict)  # symbol -> the padded symbol it equals on every call
     relied_on: set[str] = field(default_factory=set)  # zero-padded inputs an accepted proof needs to hold 1 (filled)
     trusted: set[str] = field(default_factory=set)  # causal functions checked as a whole (filled)
+    table_reads: list[TableRead] = field(default_factory=list)  # static-size tables looked up by position (filled)
 
     def same_size(self, a: Any, b: Any) -> bool:
         return size_expr(a).xreplace(self.ties) == size_expr(b).xreplace(self.ties)
@@ -747,6 +749,8 @@ def _check_getitem(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None
         w = _index_width(item)
         for dd in range(d, d + w):
             if dd not in pads:
+                if w == 1 and name != "setitem":
+                    _note_table_read(node, item, target, t.shape[dd], ctx)
                 continue
             why = _bad_index(item, ctx, t.shape[dd])
             if why:
@@ -921,10 +925,29 @@ def _check_pad(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
 
 
 def _check_embedding(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
-    w = example_of(_arg(node, 1, "weight", None))
+    table = _arg(node, 1, "weight", None)
+    w = example_of(table)
     if isinstance(w, torch.Tensor) and w.dim() and 0 in ctx.padded(w):
         return 0, "embedding looks up rows of a table along the padded dim"
+    if isinstance(w, torch.Tensor) and w.dim():
+        _note_table_read(node, _arg(node, 0, "input", None), table, w.shape[0], ctx)
     return None
+
+
+def _note_table_read(node: torch.fx.Node, index: Any, table: Any, rows: Any, ctx: _Ctx) -> None:
+    """Record a lookup of a static-size table (``rows`` along the looked-up dim) by a position index (its value
+    at row ``i`` is ``i + offset``): its padding rows read past the table at a bucket too long for it
+    (:mod:`.position_tables`)."""
+    fact = ctx.facts.get(index) if isinstance(index, torch.fx.Node) else None
+    rows = _static_int(rows)
+    if not isinstance(fact, _Positions) or fact.base is not None or rows is None:
+        return
+    length = size_expr(example_of(index).shape[fact.dim])
+    if not any(str(s) in ctx.names for s in length.free_symbols):
+        return
+    where = _source(node)
+    ctx.table_reads.append(TableRead(f"{_label(node)} at node {node.name}{f' ({where})' if where else ''}",
+                                     getattr(table, "name", str(table)), rows, length - 1 + fact.offset))
 
 
 def _check_conv1d(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
@@ -2077,7 +2100,7 @@ def check_padding_safety(
     ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
     relied_on: set[str] | None = None, trusted: set[str] | None = None,
     values: Mapping[str, Any] | None = None, tables: dict[str, CausalTable] | None = None,
-    rules: Sequence[PatternRule] = (), proofs: list[Any] | None = None,
+    rules: Sequence[PatternRule] = (), proofs: list[Any] | None = None, table_reads: list[TableRead] | None = None,
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -2106,6 +2129,7 @@ def check_padding_safety(
     op, and the facts it proves feed the index-provenance facts, to a fixpoint (a later layer's pattern may be proven
     through an earlier one's). Only where the padding sits at the end (``causal_ok``). ``proofs``: when given, filled
     with the proofs; a proof may hold conditions on the bucket sizes that the caller checks (a top-k's ``k``).
+    ``table_reads``: when given, filled with the lookups of static-size tables by position (:mod:`.position_tables`).
 
     Nodes whose values reach no output (dead code the model computes and never uses) are not checked.
     Returns the violations in graph order; an empty list means padding is safe.
@@ -2127,7 +2151,7 @@ def check_padding_safety(
     for node in (n for n in gm.graph.nodes if n in live and n not in proven):
         if (hit := _check_node(node, ctx)) is not None:
             out.append(PaddingViolation(node=node.name, op=_label(node), dim=hit[0], reason=hit[1], source=_source(node)))
-    for into, got in ((relied_on, ctx.relied_on), (trusted, ctx.trusted)):
+    for into, got in ((relied_on, ctx.relied_on), (trusted, ctx.trusted), (table_reads, ctx.table_reads)):
         if into is not None:
-            into.update(got)
+            into.update(got) if isinstance(into, set) else into.extend(got)
     return out

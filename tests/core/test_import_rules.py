@@ -27,6 +27,7 @@ PASS_FEATURE_IMPORTS = {
     "graphpass.capturing.ops", "graphpass.offloading.ops", "graphpass.offloading.runtime",
     "graphpass.offloading.facts", "graphpass.offloading.schedule", "graphpass.static_shapes.plan", "graphpass.static_shapes.padding_safety",
     "graphpass.static_shapes.causal_functions", "graphpass.static_shapes.topk_mask",
+    "graphpass.static_shapes.position_tables",
 }
 BACKENDS_MAY_IMPORT = {"graphpass.errors", "graphpass.fx_utils", "graphpass.torch_compat"}
 
