@@ -3,7 +3,8 @@
 Child processes are forked from one fork server per module (tests/forkserver.py) that imported torch
 once, instead of each starting a new interpreter. ``GRAPHPASS_FULL_FAULTS=1`` runs the randomized
 loops at their full counts (the figures docs/reliability.md records): 4 trials per change in
-``test_file_changed_at_random_points_of_forwards_never_kills_the_process`` (default 2).
+``test_file_changed_at_random_points_of_forwards_never_kills_the_process`` (default 2), 60 SIGINTs
+per run in ``test_sigint_at_random_times_inside_and_outside_graphpass_never_hangs`` (default 20).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ from graphpass.offloading.runtime import OffloadRuntime
 FAULTS: Counter = Counter()
 FULL_FAULTS = os.environ.get("GRAPHPASS_FULL_FAULTS") == "1"
 RANDOM_TRIALS = 4 if FULL_FAULTS else 2  # trials per change of the random-points test (see the module doc)
+SIGINTS = 60 if FULL_FAULTS else 20  # SIGINTs sent per run of the random-SIGINT test (see the module doc)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -1032,7 +1034,7 @@ def test_sigint_at_random_times_inside_and_outside_graphpass_never_hangs(tmp_pat
     result afterwards, no stuck load, no "Exception ignored" and no mapping left."""
     runs = [("cpu", 0), ("disk", 1), ("disk", 3)]
     for mode, seed in runs:
-        rc, out, err = _run_child(forks, _SIGINT_CHILD, mode, 60, seed, tmp_path, timeout=120)
+        rc, out, err = _run_child(forks, _SIGINT_CHILD, mode, SIGINTS, seed, tmp_path, timeout=120)
         FAULTS["signal_runs_tried"] += 1
         FAULTS["signal_hangs"] += rc == "hang"
         assert rc == 0, (mode, seed, rc, out[-2000:], err[-3000:])
