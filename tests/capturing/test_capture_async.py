@@ -1,5 +1,8 @@
 """Capture written behind the compute (graphpass/capturing/staging.py) and capture sites resolved
-once (registry.CaptureSites): nothing lost, nothing partial, memory bounded, policies as documented."""
+once (registry.CaptureSites): nothing lost, nothing partial, memory bounded, policies as documented.
+
+The saving processes of the exit and kill tests are forked from one fork server (tests/forkserver.py)
+that imported torch once; each runs its script as ``python -c`` would, to a real interpreter exit."""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forkserver import ForkServer
 from safetensors.torch import load_file
 
 from graphpass import CaptureError, ModelCapture, atomic_files
@@ -42,6 +45,14 @@ def steps_on_disk(root: Path) -> dict[str, dict]:
 
 
 WRITERS = ["process", "thread"]
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+    """Child processes forked from one that imported torch once (tests/forkserver.py)."""
+    server = ForkServer(tmp_path_factory.mktemp("forks"))
+    yield server
+    server.close()
 
 
 @pytest.fixture(params=WRITERS)
@@ -215,16 +226,15 @@ def assert_four_steps(root: Path) -> None:
 @pytest.mark.parametrize("ending", ["pass", "raise KeyboardInterrupt", "raise RuntimeError('boom')",
                                     "with cap.step(is_prefill=True, positions=torch.arange(2), wait=False):\n"
                                     "    capture_tensor('x', torch.ones(2)); raise KeyboardInterrupt"])
-def test_interpreter_exit_exception_or_ctrl_c_loses_no_completed_step(tmp_path, ending, writer):
+def test_interpreter_exit_exception_or_ctrl_c_loses_no_completed_step(tmp_path, ending, writer, forks):
     script = _EXIT_SCRIPT.replace("{ending}", ending)
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path), writer], capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
-    assert "staged" in proc.stdout, proc.stderr
-    assert int(proc.stdout.split()[1]) >= 2  # most of the steps were still staged when the script ended
+    rc, out, err = forks.run(script, tmp_path, writer, timeout=300)
+    assert rc != "hang" and "staged" in out, (rc, err[-3000:])
+    assert int(out.split()[1]) >= 2  # most of the steps were still staged when the script ended
     assert_four_steps(tmp_path)
 
 
-def test_ctrl_c_to_the_process_group_is_ignored_by_the_writer_process(tmp_path):
+def test_ctrl_c_to_the_process_group_is_ignored_by_the_writer_process(tmp_path, forks):
     """The terminal sends Ctrl-C to every process of the foreground group, the writer process
     included: it ignores it, and writes every step staged before the interrupt."""
     # A terminal's Python program: Ctrl-C raises KeyboardInterrupt. Python installs that handler only
@@ -232,27 +242,27 @@ def test_ctrl_c_to_the_process_group_is_ignored_by_the_writer_process(tmp_path):
     # background (`.ci/run &`): the script sets it itself.
     script = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
               + _EXIT_SCRIPT.replace("{ending}", "for _ in range(1200):\n    time.sleep(0.1)"))
-    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path), "process"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
-    assert proc.stdout.readline().startswith("staged"), proc.stderr.read()
+    proc = forks.spawn(script, tmp_path, "process", new_session=True)
+    assert proc.readline().startswith("staged"), proc.stderr()
     os.killpg(proc.pid, signal.SIGINT)  # the saving process's group (its writer process has its own session)
     try:
-        _, err = proc.communicate(timeout=120)
+        proc.wait(120)
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail(f"the saving process outlived its Ctrl-C: {proc.communicate()[1][-2000:]}")
+        proc.wait(60)
+        pytest.fail(f"the saving process outlived its Ctrl-C: {proc.stderr()[-2000:]}")
+    err = proc.stderr()
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
     assert_four_steps(tmp_path)
 
 
-def test_steps_staged_before_the_saving_process_is_killed_are_still_written(tmp_path):
+def test_steps_staged_before_the_saving_process_is_killed_are_still_written(tmp_path, forks):
     """SIGKILL: no exit handler runs in the saving process; its writer process sees its input end
     and writes every step it was sent."""
     script = _EXIT_SCRIPT.replace("{ending}", "print('writer', cap._behind._proc.pid, flush=True); time.sleep(120)")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path), "process"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO)
-    assert proc.stdout.readline().startswith("staged"), proc.stderr.read()
-    child = int(proc.stdout.readline().split()[1])
+    proc = forks.spawn(script, tmp_path, "process")
+    assert proc.readline().startswith("staged"), proc.stderr()
+    child = int(proc.readline(line=1).split()[1])
     proc.kill()
     proc.wait(60)
     os.kill(child, signal.SIGCONT)  # its timer died with it

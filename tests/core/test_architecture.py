@@ -232,18 +232,43 @@ def test_torch_trace_holds_each_pass_graph_before_and_after(tmp_path):
 # ------------------------------------------------------------------ registration and code shape
 
 
+_IMPORT_ORDERS_CHILD = """
+import os, sys, traceback
+import torch  # imported once; each order then runs in a fork that has loaded no graphpass module
+assert not [m for m in sys.modules if m.split(".")[0] == "graphpass"], "graphpass was imported before the forks"
+failed = []
+for first in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        rc = 1
+        try:
+            __import__(first)
+            from graphpass.op_registry import register_all
+            register_all()
+            for op in ('trap_enter', 'trap_exit', 'capture', 'load_start', 'load_wait', 'evict', 'offload_guard',
+                       'accumulate_grad'):
+                getattr(torch.ops.graphpass, op).default
+            rc = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(rc)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        failed.append(first)
+print("failed", *failed)
+"""
+
+
 def test_ops_register_whatever_is_imported_first():
-    for first in ("graphpass.offloading.ops", "graphpass.capturing.ops", "graphpass.ops", "graphpass.fx_utils", "graphpass.op_registry"):
-        code = (
-            f"import {first}\n"
-            "import torch\n"
-            "from graphpass.op_registry import register_all\n"
-            "register_all()\n"
-            "for op in ('trap_enter', 'trap_exit', 'capture', 'load_start', 'load_wait', 'evict', 'offload_guard', 'accumulate_grad'):\n"
-            "    getattr(torch.ops.graphpass, op).default\n"
-        )
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, (first, out.stderr)
+    """Each graphpass module imported first, in a process that had loaded no graphpass module (one
+    interpreter importing torch once, a fork per order), registers every op."""
+    firsts = ("graphpass.offloading.ops", "graphpass.capturing.ops", "graphpass.ops", "graphpass.fx_utils",
+              "graphpass.op_registry")
+    out = subprocess.run([sys.executable, "-c", _IMPORT_ORDERS_CHILD, *firsts], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.split() == ["failed"], (out.stdout, out.stderr[-3000:])
 
 
 def test_no_public_function_is_shadowed_by_a_module():

@@ -1,4 +1,11 @@
-"""Offload under hostile or faulty conditions: planted links, files written by graphpass."""
+"""Offload under hostile or faulty conditions: planted links, files written by graphpass.
+
+Child processes are forked from one fork server per module (tests/forkserver.py) that imported torch
+once, instead of each starting a new interpreter. ``GRAPHPASS_FULL_FAULTS=1`` runs the randomized
+loops at their full counts (the figures docs/reliability.md records): 4 trials per change in
+``test_file_changed_at_random_points_of_forwards_never_kills_the_process`` (default 2), 60 SIGINTs
+per run in ``test_sigint_at_random_times_inside_and_outside_graphpass_never_hangs`` (default 20).
+"""
 
 from __future__ import annotations
 
@@ -53,7 +60,6 @@ import random
 import re
 import signal
 import struct
-import subprocess
 import sys
 import textwrap
 from collections import Counter
@@ -61,6 +67,7 @@ from pathlib import Path
 
 import helpers
 import pytest
+from forkserver import ForkServer
 import torch.nn as nn
 from safetensors.torch import save_file
 
@@ -68,7 +75,18 @@ from graphpass.offloading import install, safetensors_io
 from graphpass.offloading.runtime import OffloadRuntime
 
 FAULTS: Counter = Counter()
+FULL_FAULTS = os.environ.get("GRAPHPASS_FULL_FAULTS") == "1"
+RANDOM_TRIALS = 4 if FULL_FAULTS else 2  # trials per change of the random-points test (see the module doc)
+SIGINTS = 60 if FULL_FAULTS else 20  # SIGINTs sent per run of the random-SIGINT test (see the module doc)
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+    """The module's child processes are forked from one that imported torch once (tests/forkserver.py)."""
+    server = ForkServer(tmp_path_factory.mktemp("forks"))
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -277,14 +295,13 @@ _CHANGED_FILE_CHILD = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("source", ["checkpoint", "disk_path"])
-def test_file_changed_while_serving_is_an_offload_error_not_a_crash(source, tmp_path):
+def test_file_changed_while_serving_is_an_offload_error_not_a_crash(source, tmp_path, forks):
     """Before: a file rewritten in place was served silently (other bytes), and a region mapped
     past a shortened file killed the process with SIGBUS (-7). The child must exit normally."""
-    out = subprocess.run([sys.executable, "-c", _CHANGED_FILE_CHILD, str(tmp_path), source],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    rc, out, err = _run_child(forks, _CHANGED_FILE_CHILD, tmp_path, source, timeout=300)
     FAULTS["tried"] += 4
-    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])  # -7 would be SIGBUS
-    assert out.stdout.split()[-1] == "3", out.stdout
+    assert rc == 0, (rc, err[-3000:])  # -7 would be SIGBUS
+    assert out.split()[-1] == "3", out
     FAULTS["survived"] += 4
 
 
@@ -360,28 +377,26 @@ _DURING_FORWARD_CHILD = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("how", ["truncate", "shorten", "cp"])
-def test_file_changed_during_a_forward_is_an_offload_error_not_sigbus(how, tmp_path):
+def test_file_changed_during_a_forward_is_an_offload_error_not_sigbus(how, tmp_path, forks):
     """Before: a file truncated while the compute read a mapped region of it killed the process
     with SIGBUS (-7; reproduce with NO_LEASES=1), and one rewritten in place (cp) fed the compute
     the new bytes. The change is made by another process right after the first trap's weights
     reach the compute; the process must survive, finish that trap on the bytes it had and
     raise OffloadError at the next load."""
-    out = subprocess.run([sys.executable, "-c", _DURING_FORWARD_CHILD, str(tmp_path), how, "1", "0"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    rc, out, err = _run_child(forks, _DURING_FORWARD_CHILD, tmp_path, how, 1, 0, timeout=300)
     FAULTS["tried"] += 1
-    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
-    assert out.stdout.split()[-1] == "1", out.stdout  # one lease break, handled
+    assert rc == 0, (rc, err[-3000:])
+    assert out.split()[-1] == "1", out  # one lease break, handled
     FAULTS["survived"] += 1
 
 
-def test_file_changed_at_random_points_of_forwards_never_kills_the_process(tmp_path):
+def test_file_changed_at_random_points_of_forwards_never_kills_the_process(tmp_path, forks):
     """The same faults at random points of a loop of forwards (a timer thread runs truncate/cp)."""
     for i, how in enumerate(("truncate", "shorten", "cp")):
-        out = subprocess.run([sys.executable, "-c", _DURING_FORWARD_CHILD, str(tmp_path), how, "4", str(i)],
-                             capture_output=True, text=True, timeout=600, cwd=ROOT)
-        FAULTS["tried"] += 4
-        assert out.returncode == 0, (how, out.returncode, out.stderr[-3000:])
-        FAULTS["survived"] += 4
+        rc, out, err = _run_child(forks, _DURING_FORWARD_CHILD, tmp_path, how, RANDOM_TRIALS, i, timeout=600)
+        FAULTS["tried"] += RANDOM_TRIALS
+        assert rc == 0, (how, rc, err[-3000:])
+        FAULTS["survived"] += RANDOM_TRIALS
 
 
 def test_a_file_that_cannot_be_leased_is_read_not_mapped(tmp_path):
@@ -457,13 +472,12 @@ _THREAD_CHILD = textwrap.dedent("""
 """)
 
 
-def test_offload_from_a_thread_before_any_lease_reads_instead_of_mapping(tmp_path):
+def test_offload_from_a_thread_before_any_lease_reads_instead_of_mapping(tmp_path, forks):
     """The SIGIO handler can only be installed from the main thread: a process whose first disk
     offload runs in another thread maps nothing (reads copies), with the same results."""
-    out = subprocess.run([sys.executable, "-c", _THREAD_CHILD, str(tmp_path)], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["True", "0"], out.stdout
+    rc, out, err = _run_child(forks, _THREAD_CHILD, tmp_path, timeout=300)
+    assert rc == 0, (rc, err[-3000:])
+    assert out.split()[-2:] == ["True", "0"], out
 
 
 # ------------------------------------------------------------------ 4b. files changed under eager readers
@@ -537,40 +551,38 @@ EAGER_CHANGES = ["rewrite", "truncate", "truncate0", "replace", "append"]
 
 
 @pytest.mark.parametrize("how", EAGER_CHANGES)
-def test_a_file_changed_between_forwards_never_reaches_eager_readers(how, tmp_path):
+def test_a_file_changed_between_forwards_never_reaches_eager_readers(how, tmp_path, forks):
     """Before: "rewrite" (in place, mtime restored) served the new bytes (WRONG), "truncate" and
     "truncate0" died of SIGBUS (-7). Now every forward and a direct read of a weight see the bytes
     offload() found; the regions the model held were mapped (under a lease) and, for a change made
     by opening the file for writing, privatized by the break."""
-    out = subprocess.run([sys.executable, "-c", _EAGER_READER_CHILD, str(tmp_path), how, "between", "0"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    rc, out, err = _run_child(forks, _EAGER_READER_CHILD, tmp_path, how, "between", 0, timeout=300)
     FAULTS["tried"] += 1
     FAULTS["eager_file_changes_tried"] += 1
-    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])  # -7: SIGBUS
-    words = out.stdout.split()
+    assert rc == 0, (rc, err[-3000:])  # -7: SIGBUS
+    words = out.split()
     held = words[words.index("held") + 1: words.index("results")]
     results = words[words.index("results") + 1:]
-    assert "WRONG" not in results and results, out.stdout
+    assert "WRONG" not in results and results, out
     assert int(held[0]) + int(held[1]) > 0, "the model held no mapped region: the test would prove nothing"
     if how != "replace":  # a writer opened the file: the break privatized what the model held
-        assert int(held[1]) > 0, out.stdout
+        assert int(held[1]) > 0, out
     FAULTS["survived"] += 1
     FAULTS["eager_file_changes_survived"] += 1
 
 
-def test_a_file_changed_during_eager_forwards_never_reaches_eager_readers(tmp_path):
+def test_a_file_changed_during_eager_forwards_never_reaches_eager_readers(tmp_path, forks):
     """The same changes at random points of a loop of forwards whose streamed weights are all read
     eagerly (a timer thread starts the writer): never SIGBUS, never the new bytes."""
     for i, how in enumerate(EAGER_CHANGES):
         sub = tmp_path / how
         sub.mkdir()
-        out = subprocess.run([sys.executable, "-c", _EAGER_READER_CHILD, str(sub), how, "during", str(i)],
-                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        rc, out, err = _run_child(forks, _EAGER_READER_CHILD, sub, how, "during", i, timeout=300)
         FAULTS["tried"] += 1
         FAULTS["eager_file_changes_tried"] += 1
-        assert out.returncode == 0, (how, out.returncode, out.stderr[-3000:])
-        results = out.stdout.split()[out.stdout.split().index("results") + 1:]
-        assert results and "WRONG" not in results, (how, out.stdout)
+        assert rc == 0, (how, rc, err[-3000:])
+        results = out.split()[out.split().index("results") + 1:]
+        assert results and "WRONG" not in results, (how, out)
         FAULTS["survived"] += 1
         FAULTS["eager_file_changes_survived"] += 1
 
@@ -589,18 +601,17 @@ _WRITER_CHILD = textwrap.dedent("""
 """)
 
 
-def _writer(folder, end="wait"):
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER_CHILD, str(folder), end], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    return proc, proc.stdout.readline().strip()
+def _writer(forks, folder, end="wait"):
+    proc = forks.spawn(_WRITER_CHILD, folder, end)
+    return proc, proc.readline().strip()
 
 
-def test_files_of_killed_writers_are_removed_by_the_next_offload(tmp_path):
+def test_files_of_killed_writers_are_removed_by_the_next_offload(tmp_path, forks):
     # in this order: each writer's offload() cleans the folder too, so the one that exits comes last
-    procs = {end: _writer(tmp_path, end) for end in ("live", "kill", "term", "exit")}
+    procs = {end: _writer(forks, tmp_path, end) for end in ("live", "kill", "term", "exit")}
     try:
         for end, (proc, path) in procs.items():
-            assert os.path.isfile(path), (end, proc.stderr.read() if proc.poll() is not None else "")
+            assert os.path.isfile(path), (end, proc.stderr() if proc.poll() is not None else "")
         procs["kill"][0].send_signal(signal.SIGKILL)
         procs["term"][0].send_signal(signal.SIGTERM)
         assert procs["kill"][0].wait(60) == -signal.SIGKILL
@@ -929,25 +940,20 @@ _LOCK_INTERRUPT_CHILD = textwrap.dedent("""
 """)
 
 
-def _run_child(code, *args, timeout):
-    """(returncode or "hang", stdout, stderr) of a child running ``code``."""
-    try:
-        out = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                             timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired as exc:
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        return "hang", text(exc.stdout), text(exc.stderr)
-    return out.returncode, out.stdout, out.stderr
+def _run_child(forks, code, *args, timeout):
+    """(returncode or "hang", stdout, stderr) of a child running ``code`` as ``python -c code *args``
+    would (forked from the module's fork server: no torch import per child)."""
+    return forks.run(code, *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("mode", ["cpu", "disk"])
-def test_ctrl_c_inside_the_stdlib_lock_code_never_hangs_the_runtime(mode, tmp_path):
+def test_ctrl_c_inside_the_stdlib_lock_code_never_hangs_the_runtime(mode, tmp_path, forks):
     """Issue 22 items 8 and 16. Before: a KeyboardInterrupt landing inside threading.Condition.__enter__
     (Future.result, ThreadPoolExecutor.submit's semaphore) right after the lock was taken leaked it:
     the next submit blocked forever (a hang here), or the worker blocked in set_result and every later
     load waited out the load timeout. One landing in weakref.finalize (a ticket's, a mapped region's)
     printed "Exception ignored" and could leak the mapping and its lease-table entry."""
-    rc, out, err = _run_child(_LOCK_INTERRUPT_CHILD, mode, tmp_path, 30, timeout=300)
+    rc, out, err = _run_child(forks, _LOCK_INTERRUPT_CHILD, mode, tmp_path, 30, timeout=300)
     FAULTS["signal_runs_tried"] += 1
     FAULTS["signal_hangs"] += rc == "hang"
     assert rc == 0, (rc, out[-2000:], err[-3000:])
@@ -1021,14 +1027,14 @@ _SIGINT_CHILD = textwrap.dedent("""
 """)
 
 
-def test_sigint_at_random_times_inside_and_outside_graphpass_never_hangs(tmp_path):
+def test_sigint_at_random_times_inside_and_outside_graphpass_never_hangs(tmp_path, forks):
     """Issue 22 item 8 with real signals: a thread sends SIGINT (pthread_kill to the main thread, or
     kill to the process) at random times while the main thread runs forwards; interrupts land in
     graphpass, torch, the stdlib's lock code and the loop itself. Every run must end, with the right
     result afterwards, no stuck load, no "Exception ignored" and no mapping left."""
     runs = [("cpu", 0), ("disk", 1), ("disk", 3)]
     for mode, seed in runs:
-        rc, out, err = _run_child(_SIGINT_CHILD, mode, 60, seed, tmp_path, timeout=120)
+        rc, out, err = _run_child(forks, _SIGINT_CHILD, mode, SIGINTS, seed, tmp_path, timeout=120)
         FAULTS["signal_runs_tried"] += 1
         FAULTS["signal_hangs"] += rc == "hang"
         assert rc == 0, (mode, seed, rc, out[-2000:], err[-3000:])
@@ -1068,11 +1074,11 @@ _FORK_CHILD = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("mode", ["cpu", "disk"])
-def test_fork_after_a_forward_serves_in_the_child_and_keeps_the_parents_files(mode, tmp_path):
+def test_fork_after_a_forward_serves_in_the_child_and_keeps_the_parents_files(mode, tmp_path, forks):
     """Issue 22 item 9. Before: the child inherited the parent's dead offload worker, and its every
     forward waited the whole load timeout, then failed; on exit its copy of the state removed the
     parent's disk offload file. Now the child starts its own worker and reopens its files."""
-    rc, out, err = _run_child(_FORK_CHILD, mode, tmp_path, timeout=240)
+    rc, out, err = _run_child(forks, _FORK_CHILD, mode, tmp_path, timeout=240)
     FAULTS["fork_tried"] += 1
     FAULTS["fork_hangs"] += rc == "hang"
     assert rc == 0, (rc, out[-2000:], err[-3000:])
@@ -1158,7 +1164,7 @@ _FORK_LEASE_CHILD = _FORK_AS_THE_LEASE_SERVICE_WAKES + textwrap.dedent("""
 
 
 @pytest.mark.parametrize("fork_at", ["after_a_forward", "as_the_lease_service_wakes"])
-def test_forked_workers_on_a_disk_checkpoint_survive_a_writer(fork_at, tmp_path):
+def test_forked_workers_on_a_disk_checkpoint_survive_a_writer(fork_at, tmp_path, forks):
     """Issue 22 item 10. Before: a child made by fork() mapped regions under the lease its parent
     took on their shared open file, whose break signal went to the parent's main thread: the parent
     released the lease without copying the child's regions (or, stopped, let the writer wait the
@@ -1170,7 +1176,7 @@ def test_forked_workers_on_a_disk_checkpoint_survive_a_writer(fork_at, tmp_path)
     exactly that moment (always -7, after a 45 s writer, before the fix). Now the child reopens the
     file, takes its own lease aimed at its own main thread, serves breaks on a queue of its own, and
     copies its regions."""
-    rc, out, err = _run_child(_FORK_LEASE_CHILD, tmp_path, fork_at, timeout=240)
+    rc, out, err = _run_child(forks, _FORK_LEASE_CHILD, tmp_path, fork_at, timeout=240)
     FAULTS["fork_tried"] += 1
     FAULTS["fork_hangs"] += rc == "hang"
     assert rc == 0, (rc, out[-2000:], err[-3000:])
@@ -1207,13 +1213,13 @@ _LEASE_SERVICE_FORK_CHILD = _FORK_AS_THE_LEASE_SERVICE_WAKES + textwrap.dedent("
 """)
 
 
-def test_a_child_forked_as_the_lease_service_wakes_has_a_working_service():
+def test_a_child_forked_as_the_lease_service_wakes_has_a_working_service(forks):
     """Issue 22 item 10, the root of the SIGBUS race above, without a model: fork() while the lease
     service's thread has taken its request queue's lock and waits for the GIL. Before: the child's
     copy of the queue stayed locked, so its service thread never ran a request (``child 1 []``: the
     request left queued, the dead region never unmapped). Now the child serves its own queue, and a
     region alive at the fork, once dead in the child, is unmapped there."""
-    rc, out, err = _run_child(_LEASE_SERVICE_FORK_CHILD, timeout=120)
+    rc, out, err = _run_child(forks, _LEASE_SERVICE_FORK_CHILD, timeout=120)
     FAULTS["fork_tried"] += 1
     FAULTS["fork_hangs"] += rc == "hang"
     assert rc == 0 and "service woke True" in out and out.split()[-1] == "0", (rc, out[-2000:], err[-3000:])
