@@ -5,7 +5,9 @@ inside the traps they serve.
 
 Each group of cases runs in one set of spawned ranks (``dist_helpers.run_ranks``: a free
 MASTER_PORT per spawn, every child killed after a hard timeout), shared by the tests through a
-module fixture, so the file costs two spawns (2 ranks, 4 ranks) plus one for inductor.
+module fixture, so the file costs two spawns (2 ranks, 4 ranks). The inductor cases join those two
+spawns (after the aot_eager cases) when an ``inductor``-marked test of this file is selected, and
+are left out of them under ``-m "not inductor"``.
 
 Tolerances (fp32): forward logits atol 1e-5, gradients atol 1e-5 (measured: <= 3e-7 and <= 3e-8;
 aot_eager runs the same aten ops as eager, only collectives reorder sums). Inductor: atol 1e-4.
@@ -27,18 +29,32 @@ MODELS = ["tiny", "llama"]
 TWO_RANK_CASES = [(f"{engine}:{m}", engine, {"model_name": m}) for engine in ("tp", "fsdp2", "ddp", "explain_tp")
                   for m in MODELS]
 FOUR_RANK_CASES = [(f"tp_fsdp2:{m}", "tp_fsdp2", {"model_name": m}) for m in MODELS]
+# Inductor as the delegate (the tests marked ``inductor``): TP on the Llama, the split-graph engines
+# and the 2-D mesh on the bundled transformer. Named "<engine>:<model>:inductor".
+TWO_RANK_INDUCTOR = [("tp:llama:inductor", "tp", {"model_name": "llama", "then": "inductor"})]
+TWO_RANK_INDUCTOR += [(f"{e}:tiny:inductor", e, {"model_name": "tiny", "then": "inductor"}) for e in ("fsdp2", "ddp")]
+FOUR_RANK_INDUCTOR = [("tp_fsdp2:tiny:inductor", "tp_fsdp2", {"model_name": "tiny", "then": "inductor"})]
+
+
+def _inductor_selected(request) -> bool:
+    """Whether this run selected an ``inductor``-marked test of this file (their cases then share
+    the aot_eager cases' spawns instead of paying spawns of their own)."""
+    return any(item.get_closest_marker("inductor") and getattr(item, "module", None) is request.module
+               for item in request.session.items)
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
+def two_ranks(request):
     pytest.importorskip("transformers")
-    return run_ranks(2, TWO_RANK_CASES, timeout=300)
+    inductor = _inductor_selected(request)
+    return run_ranks(2, TWO_RANK_CASES + (TWO_RANK_INDUCTOR if inductor else []), timeout=660 if inductor else 300)
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
+def four_ranks(request):
     pytest.importorskip("transformers")
-    return run_ranks(4, FOUR_RANK_CASES, timeout=240)
+    inductor = _inductor_selected(request)
+    return run_ranks(4, FOUR_RANK_CASES + (FOUR_RANK_INDUCTOR if inductor else []), timeout=600 if inductor else 240)
 
 
 def _check(per_rank, grads: bool) -> None:
@@ -109,24 +125,19 @@ def test_explain_shows_placement_mesh_and_bytes_same_traps_on_every_rank(two_ran
 
 
 @pytest.mark.inductor
-def test_tensor_parallel_with_inductor_matches_eager():
-    pytest.importorskip("transformers")
-    results = run_ranks(2, [("tp:llama", "tp", {"model_name": "llama", "then": "inductor"})], timeout=300)
-    per_rank = ok(results, "tp:llama")
+def test_tensor_parallel_with_inductor_matches_eager(two_ranks):
+    per_rank = ok(two_ranks, "tp:llama:inductor")
     for res in per_rank:
         assert res["out_diff"] <= 1e-4, res["out_diff"]
 
 
 @pytest.mark.inductor
-def test_fsdp2_ddp_and_tp_x_fsdp2_with_inductor_match_eager():
+def test_fsdp2_ddp_and_tp_x_fsdp2_with_inductor_match_eager(two_ranks, four_ranks):
     """The engines whose graphs Dynamo splits (FSDP2's hooks, DDP's buckets) and the 2-D mesh, with
     inductor as the delegate: forward and a training step's gradients within 1e-4 of eager
     (inductor reorders float math)."""
-    pytest.importorskip("transformers")
-    two = run_ranks(2, [(f"{e}:tiny", e, {"model_name": "tiny", "then": "inductor"}) for e in ("fsdp2", "ddp")],
-                    timeout=420)
-    four = run_ranks(4, [("tp_fsdp2:tiny", "tp_fsdp2", {"model_name": "tiny", "then": "inductor"})], timeout=420)
-    for results, case in ((two, "fsdp2:tiny"), (two, "ddp:tiny"), (four, "tp_fsdp2:tiny")):
+    for results, case in ((two_ranks, "fsdp2:tiny:inductor"), (two_ranks, "ddp:tiny:inductor"),
+                          (four_ranks, "tp_fsdp2:tiny:inductor")):
         per_rank = ok(results, case)
         for rank, res in enumerate(per_rank):
             assert res["out_diff"] <= 1e-4 and res["grad_diff"] <= 1e-4, (case, rank, res["out_diff"], res["grad_diff"])
