@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import select
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -54,10 +59,59 @@ USER_TEST = textwrap.dedent(
 )
 
 
-def run(pytester, *args):
-    """A fresh interpreter per run: the plugin is loaded from the pytest11 entry point, as for users
-    (an in-process run would also re-import torch's lazily imported modules and trip over them)."""
-    return pytester.runpytest_subprocess(*args, timeout=300)
+# A fork server: one interpreter imports torch and graphpass once, then forks a child per inner pytest run.
+# Each child is a fresh pytest session (pytest.main) in the pytester folder with the test's environment, and
+# loads the plugin from the pytest11 entry point, as for users; only the torch import is shared. An in-process
+# run (pytester.runpytest_inprocess) would instead re-import torch's lazily imported modules and trip over them.
+_FORK_SERVER = r"""
+import json, os, sys
+import pytest, torch, graphpass
+assert "graphpass.testing" not in sys.modules  # the child loads the plugin through its entry point
+reply = os.fdopen(os.dup(1), "w")
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.path.insert(0, req["cwd"])
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the requests stay the server's
+        for fd, path in ((1, req["out"]), (2, req["err"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        code = 3
+        try:
+            code = int(pytest.main(req["args"]))
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    reply.write(json.dumps({"ret": os.waitstatus_to_exitcode(status)}) + "\n"); reply.flush()
+"""
+
+
+@pytest.fixture(scope="module")
+def forks():
+    proc = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    yield proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+def run(forks, pytester, *args):
+    """One inner pytest run in a child forked from ``forks`` (see _FORK_SERVER), as a RunResult."""
+    out, err = (pytester.path / f"run-{os.getpid()}-{time.monotonic_ns()}.{k}" for k in ("out", "err"))
+    start = time.monotonic()
+    forks.stdin.write(json.dumps({"cwd": str(pytester.path), "env": dict(os.environ), "args": list(args),
+                                  "out": str(out), "err": str(err)}) + "\n")
+    forks.stdin.flush()
+    ready, _, _ = select.select([forks.stdout], [], [], 300)
+    assert ready, "inner pytest run timed out"
+    ret = json.loads(forks.stdout.readline())["ret"]
+    outlines, errlines = (p.read_text().splitlines() for p in (out, err))
+    result = pytest.RunResult(ret, outlines, errlines, time.monotonic() - start)
+    print("\n".join(outlines), "\n".join(errlines), sep="\n")  # shown when the test fails
+    return result
 
 
 def test_plugin_is_registered_through_the_pytest11_entry_point():
@@ -65,17 +119,17 @@ def test_plugin_is_registered_through_the_pytest11_entry_point():
     assert [ep.value for ep in eps] == ["graphpass.testing"]
 
 
-def test_fixture_records_passes_fails_with_a_diff_and_re_accepts(pytester, monkeypatch):
+def test_fixture_records_passes_fails_with_a_diff_and_re_accepts(forks, pytester, monkeypatch):
     monkeypatch.delenv("GRAPHPASS_ACCEPT_GOLDEN", raising=False)
     monkeypatch.delenv("USER_MODEL_VARIANT", raising=False)
     pytester.makepyfile(test_user=USER_TEST)
     golden = pytester.path / "golden"
 
-    missing = run(pytester, "-q", "-p", "no:cacheprovider")
+    missing = run(forks, pytester, "-q", "-p", "no:cacheprovider")
     missing.assert_outcomes(failed=1)
     missing.stdout.fnmatch_lines(["*golden summary*test_net_graph.summary.json is missing*--graphpass-accept-golden*"])
 
-    run(pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=1)
+    run(forks, pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=1)
     assert sorted(p.name for p in golden.iterdir()) == [
         "test_net_graph.meta.json", "test_net_graph.summary.json", "test_net_graph.txt"]
     meta = json.loads((golden / "test_net_graph.meta.json").read_text())
@@ -85,29 +139,29 @@ def test_fixture_records_passes_fails_with_a_diff_and_re_accepts(pytester, monke
     assert summary["fqn_traps"]["layers.1.fc.weight"] == ["layers.1"]
     assert "trap_enter" in (golden / "test_net_graph.txt").read_text()
 
-    run(pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    run(forks, pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=1)
 
     monkeypatch.setenv("USER_MODEL_VARIANT", "relu")  # the model changed: the exact rendering differs
-    changed = run(pytester, "-q", "-p", "no:cacheprovider")
+    changed = run(forks, pytester, "-q", "-p", "no:cacheprovider")
     changed.assert_outcomes(failed=1)
     changed.stdout.fnmatch_lines(["*GoldenMismatch: graph differs from golden*test_net_graph.txt*",
                                   "E * --- *test_net_graph.txt (golden)", "E * +++ actual",
                                   "E * @@ -*", "E * +*torch.relu(y)*"])
 
-    run(pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=1)
-    run(pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    run(forks, pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=1)
+    run(forks, pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=1)
     monkeypatch.delenv("USER_MODEL_VARIANT")
     monkeypatch.setenv("GRAPHPASS_ACCEPT_GOLDEN", "1")  # the environment variable accepts too
-    run(pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    run(forks, pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=1)
     monkeypatch.delenv("GRAPHPASS_ACCEPT_GOLDEN")
-    run(pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    run(forks, pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 
-def test_ini_option_names_the_golden_folder(pytester, monkeypatch):
+def test_ini_option_names_the_golden_folder(forks, pytester, monkeypatch):
     monkeypatch.delenv("GRAPHPASS_ACCEPT_GOLDEN", raising=False)
     pytester.makeini("[pytest]\ngraphpass_golden_dir = goldens/here\n")
     pytester.makepyfile(test_user=USER_TEST)
-    run(pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=1)
+    run(forks, pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=1)
     assert (pytester.path / "goldens" / "here" / "test_net_graph.summary.json").exists()
 
 
@@ -273,33 +327,33 @@ CLASS_TESTS = USER_TEST.replace("def test_net_graph(graphpass_golden):", "def _u
 )
 
 
-def test_tests_in_two_classes_with_one_method_name_have_their_own_goldens(pytester, monkeypatch):
+def test_tests_in_two_classes_with_one_method_name_have_their_own_goldens(forks, pytester, monkeypatch):
     """Issue 22 item 12: both classes' test_graph wrote and read golden/test_graph.*, so the second
     accepted overwrote the first and the first then failed (or passed against the wrong graph)."""
     monkeypatch.delenv("GRAPHPASS_ACCEPT_GOLDEN", raising=False)
     monkeypatch.delenv("USER_MODEL_VARIANT", raising=False)
     pytester.makepyfile(test_user=CLASS_TESTS)
     golden = pytester.path / "golden"
-    run(pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=3)
+    run(forks, pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=3)
     assert sorted(p.name for p in golden.glob("*.txt")) == ["TestPlain.test_graph.txt", "TestRelu.test_graph.txt",
                                                             "test_graph.txt"]  # a module-level test keeps its name
     assert "relu" in (golden / "TestRelu.test_graph.txt").read_text()
     assert "relu" not in (golden / "TestPlain.test_graph.txt").read_text()
-    run(pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=3)
+    run(forks, pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=3)
 
 
-def test_a_golden_recorded_before_class_names_is_still_read_while_its_name_is_unambiguous(pytester, monkeypatch):
+def test_a_golden_recorded_before_class_names_is_still_read_while_its_name_is_unambiguous(forks, pytester, monkeypatch):
     monkeypatch.delenv("GRAPHPASS_ACCEPT_GOLDEN", raising=False)
     monkeypatch.delenv("USER_MODEL_VARIANT", raising=False)
     one_class = CLASS_TESTS.split("class TestRelu")[0]  # TestPlain.test_graph only
     pytester.makepyfile(test_user=one_class)
     golden = pytester.path / "golden"
-    run(pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=1)
+    run(forks, pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=1)
     for suffix in (".txt", ".summary.json", ".meta.json"):  # as the plugin named it before
         (golden / f"TestPlain.test_graph{suffix}").rename(golden / f"test_graph{suffix}")
-    run(pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    run(forks, pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=1)
     pytester.makepyfile(test_user=CLASS_TESTS)  # now two classes (and a function) share that name: not read
     for selected in ("TestPlain", "TestRelu"):  # whatever is selected
-        missing = run(pytester, "-q", "-p", "no:cacheprovider", "-k", selected)
+        missing = run(forks, pytester, "-q", "-p", "no:cacheprovider", "-k", selected)
         missing.assert_outcomes(failed=1)
         missing.stdout.fnmatch_lines([f"*{selected}.test_graph.summary.json is missing*"])
