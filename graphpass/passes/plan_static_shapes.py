@@ -29,7 +29,7 @@ import sympy
 import torch
 
 from .. import dynamo_records
-from ..analysis import TensorOwnership, parse_source_name
+from ..analysis import TensorOwnership
 from ..errors import ConfigError
 from ..fx_utils import example_of, is_symbolic, shape_env_hints, size_expr
 from ..tensor_utils import shape_env_of
@@ -167,8 +167,9 @@ def _prove_padding(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.
     if topks and not plan.refused:
         topk_invalid_buckets(plan, syms, cfg.buckets, topks)
     if reads and not plan.refused:
-        table_invalid_buckets(plan, syms, cfg.buckets, [replace(r, table=_input_name(placeholders, r.table))
-                                                        for r in reads])
+        owners = ctx.analysis.tensors  # placeholder name -> its owner (analyze_ownership): the table's FQN
+        table_invalid_buckets(plan, syms, cfg.buckets, [replace(r, table=owners[r.table].fqn) if r.table in owners
+                                                        else r for r in reads])
     if trusted and not plan.refused:
         _invalid_buckets(plan, placeholders, syms, cfg.buckets, sorted(trusted))
         if plan.invalid_buckets:
@@ -182,15 +183,6 @@ def _prove_padding(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.
     if plan.ones_inputs and not plan.refused:
         ctx.log.append(f"{PlanStaticShapes.name}: padded only on calls where {', '.join(plan.ones_inputs.values())} "
                        "holds 1 everywhere (an additive attention mask must leave every real row a key)")
-
-
-def _input_name(placeholders: list[torch.fx.Node], name: str) -> str:
-    """The module attribute (``transformer.wpe.weight``) or input a placeholder named ``name`` holds, as its
-    Dynamo source says; ``name`` itself when it has none."""
-    ph = next((p for p in placeholders if p.name == name), None)
-    source = getattr(ph.meta.get("grapharg"), "source", None) if ph is not None else None
-    parsed = parse_source_name(source_name(source)) if source is not None else None
-    return parsed.fqn if parsed is not None and parsed.path else name
 
 
 def _tied_symbols(placeholders: list[torch.fx.Node], symbols: dict) -> dict:

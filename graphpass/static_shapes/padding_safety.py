@@ -943,7 +943,7 @@ def _note_table_read(node: torch.fx.Node, index: Any, table: Any, rows: Any, ctx
     if not isinstance(fact, _Positions) or fact.base is not None or rows is None:
         return
     length = size_expr(example_of(index).shape[fact.dim])
-    if not any(str(s) in ctx.names for s in length.free_symbols):
+    if not mentions_symbol(length, ctx.names):
         return
     where = _source(node)
     ctx.table_reads.append(TableRead(f"{_label(node)} at node {node.name}{f' ({where})' if where else ''}",
@@ -2139,7 +2139,7 @@ def check_padding_safety(
         return MappingProxyType(index_provenance(gm, zero, ties, values, carried))
 
     ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=provenance(),
-               ties=MappingProxyType(dict(ties or {})))
+               ties=MappingProxyType(dict(ties or {})), table_reads=[] if table_reads is None else table_reads)
     out: list[PaddingViolation] = []
     live = _live_nodes(gm)
     ctx, found = _prove_patterns(gm, ctx, rules, provenance) if rules and causal_ok else (ctx, [])
@@ -2151,7 +2151,7 @@ def check_padding_safety(
     for node in (n for n in gm.graph.nodes if n in live and n not in proven):
         if (hit := _check_node(node, ctx)) is not None:
             out.append(PaddingViolation(node=node.name, op=_label(node), dim=hit[0], reason=hit[1], source=_source(node)))
-    for into, got in ((relied_on, ctx.relied_on), (trusted, ctx.trusted), (table_reads, ctx.table_reads)):
+    for into, got in ((relied_on, ctx.relied_on), (trusted, ctx.trusted)):
         if into is not None:
-            into.update(got) if isinstance(into, set) else into.extend(got)
+            into.update(got)
     return out
