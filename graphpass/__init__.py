@@ -31,8 +31,10 @@ from .ops import offload_block, trace_traps, trap_block
 from .static_shapes import AuditReport, audit
 from .tracing import TraceReport, trace
 from .op_registry import register_all as _register_all
+from .static_shapes.scan_trace import install as _install_scan_trace
 
 _register_all()  # every graphpass:: custom op, whatever was imported first
+_install_scan_trace()  # Dynamo traces Mamba (v1)'s scan as one op for graphpass with static shapes
 
 # What users call. Internals (the pipeline, the backend class, the registry, offload state,
 # patterns) stay importable from their modules: graphpass.pipeline.PIPELINE,

@@ -31,7 +31,7 @@ from torch.fx.passes.split_module import split_module
 from graphpass.backends import Delegate, InductorDelegate
 
 from .errors import DelegateError, GraphpassError, _short
-from .fx_utils import aten_decomposition, copy_graph, graphpass_op_name, is_custom_op, is_graphpass_node
+from .fx_utils import aten_decomposition, copy_graph, example_of, find_calls, graphpass_op_name, is_custom_op, is_graphpass_node
 
 log = logging.getLogger("graphpass.delegation")
 
@@ -169,6 +169,7 @@ def call_delegate(delegate: Delegate, gm: torch.fx.GraphModule, example_inputs: 
     or returns something that is not callable raises a :class:`DelegateError` naming the delegate and
     the graph, the delegate's own exception as its cause (Dynamo would report either as its generic
     backend failure, naming graphpass instead of the delegate)."""
+    scans_off_gpu_as_generic(gm, example_inputs)
     try:
         fn = with_post_grad_passes(delegate).compile(gm, example_inputs)
     except (GraphpassError, *_dynamo_fallbacks()):
@@ -180,6 +181,45 @@ def call_delegate(delegate: Delegate, gm: torch.fx.GraphModule, example_inputs: 
             f"delegate {delegate.name!r} returned {_short(fn)} instead of a callable when compiling {graph_name}: a "
             "backend must return the compiled function (for example gm.forward)")
     return fn
+
+
+def scans_off_gpu_as_generic(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+    """Point every ``torch.ops.higher_order.associative_scan`` node of ``gm`` whose tensors are not on CUDA or XPU
+    at torch's own implementation of the op there (:func:`generic_associative_scan`: the generic odd/even
+    decomposition, what the op runs eagerly off those devices). Returns how many nodes.
+
+    Only CUDA and XPU have code generation for the op (inductor refuses it on the CPU, a static-only compiler
+    takes no higher-order op). Traced again by a delegate that lowers to aten (aot_eager, inductor, Neuron,
+    XLA), the decomposition unrolls into plain aten ops at the graph's sizes: at a bucket's static size (how
+    ``graphpass.static_shapes.scan_trace`` means it), or under guards on a symbolic length, which Dynamo adds
+    to the frame's (the same specialization the generic trace has). Eager delegates run what they ran."""
+    try:
+        from torch._higher_order_ops.associative_scan import associative_scan_op
+    except ImportError:
+        return 0
+    nodes = find_calls(gm.graph, associative_scan_op)
+    if not nodes:
+        return 0
+    inputs = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    count = 0
+    for node in nodes:
+        values = [example_of(n) for n in node.all_input_nodes]
+        devices = {v.device.type for v in values if isinstance(v, torch.Tensor)} or {t.device.type for t in inputs}
+        if devices & {"cuda", "xpu"}:
+            continue
+        node.target = generic_associative_scan
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def generic_associative_scan(combine_fn: Callable, xs: list, additional_inputs: tuple) -> list:
+    """torch's implementation of ``associative_scan`` off CUDA (the odd/even decomposition), called as a plain
+    function: what :func:`scans_off_gpu_as_generic` points a scan node at."""
+    from torch._higher_order_ops.associative_scan import associative_scan_op_dense
+
+    return associative_scan_op_dense(combine_fn, xs, additional_inputs)
 
 
 def with_post_grad_passes(delegate: Delegate) -> Delegate:

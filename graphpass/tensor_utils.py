@@ -211,3 +211,13 @@ def fsdp_param_groups(module: Any) -> list:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
     return list(groups)
+
+
+def traced_user_stack() -> list:
+    """While Dynamo traces: the user's frames at the point being traced (``FrameSummary`` objects, innermost
+    last; the inlined calls included), read from Dynamo's tracing context. Empty when not tracing."""
+    from torch._guards import TracingContext
+
+    if TracingContext.try_get() is None:
+        return []
+    return list(TracingContext.extract_stack())

@@ -11,13 +11,19 @@ What Dynamo traces depends on the ``combine_mode`` transformers picks from the d
   the graph buckets. These tests run on CPU, so they get that trace by making ``associative_scan`` use
   ``"pointwise"`` (``pointwise_scan`` below; the transformers function itself is unchanged, its digest
   matches; on CPU the higher-order op runs torch's generic fallback).
-* ``"generic"`` (CPU): the odd/even recursion is unrolled for the traced length, under Dynamo guards on the
+* ``"generic"`` (CPU, XLA): the odd/even recursion is unrolled for the traced length, under Dynamo guards on the
   parities of ``s, s // 2, s // 4, ...`` that pin the length (plain torch.compile compiles every length
   anew). The scan's rows come out sized by an expression equal to ``s`` only under those guards, and the
   layout check refuses the graph: it runs with dynamic shapes, exact.
+
+When the graph goes to graphpass with static shapes, ``graphpass.static_shapes.scan_trace`` has Dynamo trace the
+proven function's ``"generic"`` call as ``"pointwise"`` (one node), on any device: the real model buckets on this
+CPU with no help, and a static-only compiler gets the op unrolled at the bucket's size. Other backends, graphpass
+without static shapes and an edited copy of the function trace the generic recursion as before.
 """
 
 import ast
+import operator
 import importlib
 import importlib.util
 from pathlib import Path
@@ -222,19 +228,128 @@ def _sweep(model, lengths, use_cache=False):
     return plans, seen
 
 
-def test_mamba_pads_to_buckets_with_the_pointwise_scan(pointwise_scan):
-    plans, seen = _sweep(_model(), LENGTHS)
+def _shape_checks(plans, seen, lengths):
     assert plans and all(p.active for p in plans), [p.refused for p in plans]
     assert len(seen) <= len(BUCKETS) + 1, len(seen)  # the first call's exact length, then one graph per bucket
-    lengths = {s[1] for shapes in seen for s in shapes if len(s) == 2 and s[0] == 1}
-    assert lengths <= set(BUCKETS) | {LENGTHS[0]}, lengths
+    seq = {s[1] for shapes in seen for s in shapes if len(s) == 2 and s[0] == 1}
+    assert seq <= set(BUCKETS) | {lengths[0]}, seq
 
 
-def test_mamba_with_the_generic_scan_is_refused_and_exact():
+def test_mamba_pads_to_buckets_with_the_pointwise_scan(pointwise_scan):
+    _shape_checks(*_sweep(_model(), LENGTHS), LENGTHS)
+
+
+def test_mamba_pads_to_buckets_on_the_cpu_with_no_help():
+    # no fixture: transformers asks for combine_mode="generic" here; graphpass with static shapes traces it as one op
+    _shape_checks(*_sweep(_model(), LENGTHS), LENGTHS)
+
+
+def _scan_nodes(backend, model=None, n=(5, 7)):
+    """The scan nodes (the higher-order op, or graphpass's call of its decomposition off CUDA) of each graph
+    ``backend`` compiles."""
+    from graphpass.delegation import generic_associative_scan
+
+    model = model or _model(layers=1)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend(keep))
+    with torch.no_grad():
+        for length in n:
+            compiled(input_ids=torch.randint(0, 64, (1, length)), use_cache=False)
+    return [sum(len(gm.graph.find_nodes(op="call_function", target=t))
+                for t in (torch.ops.higher_order.associative_scan, generic_associative_scan)) for gm in graphs]
+
+
+def test_the_generic_scan_is_traced_as_before_for_other_backends_and_without_static_shapes():
+    # another backend, and graphpass without static shapes: Dynamo unrolls the recursion (no scan node)
+    assert _scan_nodes(lambda keep: keep) == [0, 0]
+    assert _scan_nodes(lambda keep: graphpass.backend(then=keep)) == [0, 0]
+    # graphpass with static shapes: one scan node per layer
+    static = {"dims": {"input_ids": 1}, "buckets": BUCKETS}
+    assert _scan_nodes(lambda keep: graphpass.backend(then=keep, static_shapes=static))[-1] == 1
+
+
+def test_mamba_with_the_generic_scan_is_refused_and_exact(monkeypatch):
+    # a caller that is not the proven function (here: the check says so) keeps the generic recursion: refused
+    from graphpass.static_shapes import scan_trace
+
+    monkeypatch.setattr(scan_trace, "_caller_is_proven", lambda: False)
     plans, _ = _sweep(_model(layers=1), LENGTHS[:2])  # the second length is traced with a symbolic length
     refused = [str(r) for p in plans for r in (p.refused or [])]
     assert plans and not any(p.active for p in plans), refused
     assert any("mamba_selective_scan" in r and "modeling_mamba.py" in r for r in refused), refused
+
+
+def test_only_the_proven_source_is_traced_as_one_op(tmp_path):
+    # the check behind the switch reads the caller's file: the installed function passes, an edited copy (same
+    # meaning, another digest) does not, nor does the same code under another name
+    from graphpass.static_shapes import scan_trace
+
+    seen = {}
+    real = scan_trace._caller_is_proven
+
+    def spy():
+        seen["last"] = real()
+        return seen["last"]
+
+    static = {"dims": {"hidden_states": 2, "dt": 2, "B": 2, "C": 2, "z": 2}, "buckets": [8, 16]}
+    for edit, want in [(None, True),
+                       (lambda s: s.replace("dim=2, combine_mode", "dim=2, reverse=False, combine_mode"), False)]:
+        mod = _copy_scan(tmp_path / str(want), edit=edit)
+
+        def fn(hidden_states, dt, B, C, z):
+            return _scan(mod, hidden_states, dt, B, C, z)
+
+        torch._dynamo.reset()
+        seen.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(scan_trace, "_caller_is_proven", spy)
+            compiled = torch.compile(fn, backend=graphpass.backend(then="eager", static_shapes=static))
+            with torch.no_grad():
+                for n in (5, 7):
+                    inputs = _inputs(n)
+                    torch.testing.assert_close(compiled(*inputs.values()), _scan(mod, *inputs.values()),
+                                               rtol=1e-5, atol=1e-6)
+        assert seen.get("last") is want, (edit, seen)
+
+
+def test_a_static_only_compiler_gets_the_scan_unrolled_only_at_static_sizes():
+    # graphpass.delegation points a scan node off CUDA at torch's generic decomposition, so that lowering to aten
+    # (a bucket's static piece for Neuron) unrolls it at that size. The whole path, through the static-only
+    # stand-in: test_static_lm_buckets.py's mamba case. On CUDA the node stays (inductor generates its code)
+    from graphpass.delegation import scans_off_gpu_as_generic
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    def scan(a, b):
+        return torch._higher_order_ops.associative_scan(lambda x, y: x * y + y, a * b, dim=0,
+                                                        combine_mode="pointwise")
+
+    for dynamic in (True, False):
+        torch._dynamo.reset()
+        torch.compile(scan, backend=keep, dynamic=dynamic)(torch.rand(5, 3), torch.rand(5, 3))
+    for gm, example_inputs in graphs:  # dynamic, then static
+        assert scans_off_gpu_as_generic(gm, example_inputs) == 1
+        assert scans_off_gpu_as_generic(gm, example_inputs) == 0  # none left
+    a, b = torch.rand(5, 3), torch.rand(5, 3)
+    torch.testing.assert_close(graphs[1][0](a, b)[0], scan(a, b))
+    # lowered to aten at a static size: no higher-order op left
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    lowered = []
+    gm, example_inputs = graphs[1]
+    aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, _: lowered.append(g) or g.forward)
+    assert lowered and not [n for n in lowered[0].graph.nodes if n.op == "call_function"
+                            and not isinstance(n.target, torch._ops.OpOverload) and n.target is not operator.getitem]
 
 
 def test_a_cache_update_with_the_final_state_is_still_refused(pointwise_scan):

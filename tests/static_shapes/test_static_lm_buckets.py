@@ -27,11 +27,13 @@ LENGTHS = [2, 5, 9, 16, 17, 23, 31, 33, 40, 47, 58, 63]  # 12 lengths over all t
 # checked as a row-wise function), eager attention with transformers' additive mask (gemma2: softcapped scores,
 # sliding-window layers; bloom: ALiBi scores through baddbmm and bmm; mpt: masked_fill with the mask
 # converted to bool; megatron-bert: the bidirectional mask of a BERT-style model used as a language model; gpt_oss:
-# attention sinks appended after the keys and dropped after the softmax); bench/conformance.py's static column covers
+# attention sinks appended after the keys and dropped after the softmax; mamba: the selective scan traced as one
+# op and unrolled at each bucket's size for the static-only compiler); bench/conformance.py's static column covers
 # every causal-LM architecture
 CASES = [("llama", "attention_mask"), ("gpt2", "no_cache"), ("qwen3", "attention_mask"), ("olmo2", "no_cache"),
          ("mixtral", "attention_mask"), ("gemma2", "attention_mask"), ("bloom", "attention_mask"),
-         ("mpt", "attention_mask"), ("megatron-bert", "attention_mask"), ("gpt_oss", "attention_mask")]
+         ("mpt", "attention_mask"), ("megatron-bert", "attention_mask"), ("gpt_oss", "attention_mask"),
+         ("mamba", "no_cache")]
 CALLS = {
     "attention_mask": lambda ids: {"attention_mask": torch.ones_like(ids)},
     "no_cache": lambda ids: {"use_cache": False},

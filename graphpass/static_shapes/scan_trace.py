@@ -1,0 +1,149 @@
+"""Mamba (v1)'s selective scan traced as one scan op when graphpass pads to buckets, on any device.
+
+transformers' ``mamba_selective_scan`` (Mamba, Falcon-Mamba, Jamba, Zamba) calls torch's ``associative_scan``
+with ``combine_mode="pointwise"`` on CUDA and XPU and ``"generic"`` elsewhere (the CPU, and XLA, which Neuron
+is built on). Under Dynamo the two trace differently:
+
+* ``"pointwise"``: one ``torch.ops.higher_order.associative_scan`` node, no guard on the length. The padding
+  proof trusts the whole function (:mod:`graphpass.static_shapes.causal_functions`) and the graph buckets.
+* ``"generic"``: torch's odd/even recursion is inlined and unrolled for the traced length, under guards on the
+  parities of ``s, s // 2, ...`` that pin the length: every length compiles anew, padded or not.
+
+What this module inserts: nothing into a graph. :func:`install` registers, once per process, a Dynamo
+substitute for torch's ``associative_scan`` (``torch.compiler.substitute_in_graph``; eager calls never see
+it). While Dynamo traces a call, the substitute asks once (:func:`_one_op_wanted`, evaluated at trace time and
+kept as a constant) whether all of these hold, and only then traces ``"generic"`` as ``"pointwise"``:
+
+1. the graph goes to a graphpass backend whose config pads to buckets (``static_shapes`` set): other backends,
+   and graphpass without static shapes, trace exactly what they traced before;
+2. the caller is transformers' ``mamba_selective_scan`` itself, in one of the files of its proof and with the
+   proven source digest (the same check that lets the padding proof trust it): its ``combine_fn`` is the
+   pointwise composition of affine maps ``(a_l * a_r, a_r * b_l + b_r)``, so ``"pointwise"`` is valid for it.
+
+Why it computes the same function: the higher-order op's implementation off CUDA is torch's generic
+decomposition itself (``associative_scan_op_dense`` calls ``generic_associative_scan``), run at the call's
+real (or padded) size; only the float summation tree of the scan may differ from the unrolled one, as it
+already differs from transformers' eager loop. A delegate that cannot run host code (Neuron, XLA) gets the
+op decomposed to aten at the bucket's static size (``graphpass.backends.neuron``).
+
+Assumes torch's ``associative_scan`` signature ``(combine_fn, xs, dim, reverse=False, combine_mode=...)``; a
+torch without it, or a substitute someone else registered first, leaves tracing as it was (logged at DEBUG).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import types
+from typing import Any
+
+import torch
+import torch._dynamo
+
+__all__ = ["install", "ONE_OP_CALLERS"]
+
+log = logging.getLogger("graphpass.static_shapes.scan_trace")
+
+# The proven functions (graphpass.static_shapes.causal_functions) whose associative_scan call may be traced as
+# one op: their combine_fn is pointwise.
+ONE_OP_CALLERS = ("mamba_selective_scan",)
+
+_lock = threading.Lock()
+_installed: list[bool] = []  # [True] once the substitute is registered (or [False]: it could not be)
+
+
+def install() -> bool:
+    """Register the substitute for torch's ``associative_scan`` (idempotent, thread-safe). Returns whether
+    it is in place."""
+    with _lock:
+        if not _installed:
+            _installed.append(_register())
+        return _installed[0]
+
+
+def _register() -> bool:
+    try:
+        module = importlib.import_module("torch._higher_order_ops.associative_scan")
+        original = module.associative_scan
+    except (ImportError, AttributeError):
+        log.debug("torch has no associative_scan: Mamba (v1) scans trace as torch decides")
+        return False
+    # The substitute calls a copy of the original (same code, another function object): calling the original
+    # itself from inside the substitute would be substituted again.
+    frontend = types.FunctionType(original.__code__, original.__globals__, original.__name__,
+                                  original.__defaults__, original.__closure__)
+    frontend.__kwdefaults__ = original.__kwdefaults__
+
+    def associative_scan(combine_fn, xs, dim, reverse=False, combine_mode="pointwise"):
+        if combine_mode == "generic" and _one_op_wanted():
+            combine_mode = "pointwise"
+        return frontend(combine_fn, xs, dim, reverse=reverse, combine_mode=combine_mode)
+
+    try:
+        torch.compiler.substitute_in_graph(original)(associative_scan)
+    except Exception as exc:  # a signature torch changed, a substitute someone else registered, an older torch
+        log.debug("not substituting torch's associative_scan under Dynamo: %s", exc)
+        return False
+    return True
+
+
+# Evaluated by Dynamo at trace time, its result a constant of the trace (no guard): what it reads, the backend of
+# the frame being compiled and the caller's source, does not change for that frame.
+@torch._dynamo.assume_constant_result
+def _one_op_wanted() -> bool:
+    return _pads_to_buckets(_current_backend()) and _caller_is_proven()
+
+
+def _current_backend() -> Any:
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # not tracing
+        return None
+    return getattr(getattr(tx, "output", None), "compiler_fn", None)
+
+
+def _pads_to_buckets(fn: Any) -> bool:
+    """Whether the compiler Dynamo hands this graph to is a graphpass backend configured with static shapes
+    (unwrapping torch.compile's and Dynamo's wrappers)."""
+    from ..config import GraphpassConfig
+    from ..dynamo_backend import GraphpassBackend, graphpass_backend
+
+    seen: set[int] = set()
+    options: Any = None
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        if isinstance(fn, GraphpassBackend):
+            return fn.config.static_shapes is not None
+        if fn is graphpass_backend:  # backend="graphpass", options={...}
+            try:
+                return GraphpassConfig.from_options(options).static_shapes is not None
+            except Exception:  # invalid options: the compile itself reports them
+                return False
+        kwargs = getattr(fn, "kwargs", None)
+        if isinstance(kwargs, dict) and "options" in kwargs:
+            options = kwargs["options"]
+        fn = (getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
+              or getattr(fn, "__wrapped__", None))
+    return False
+
+
+def _caller_is_proven() -> bool:
+    """Whether the frame that called ``associative_scan`` is one of :data:`ONE_OP_CALLERS`, with its proof's
+    source digest."""
+    from ..tensor_utils import traced_user_stack
+    from .causal_functions import CAUSAL_FUNCTIONS, source_digest
+
+    stack = traced_user_stack()
+    if len(stack) < 2:
+        return False
+    caller = stack[-2]  # stack[-1] is the substitute above
+    if caller.name not in ONE_OP_CALLERS:
+        return False
+    proven = CAUSAL_FUNCTIONS[caller.name]
+    path = caller.filename.replace("\\", "/")
+    if not any(path.endswith("/" + suffix) for suffix in proven.files):
+        return False
+    return source_digest(caller.filename, caller.name, proven.helpers) == proven.digest
