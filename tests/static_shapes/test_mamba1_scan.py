@@ -272,6 +272,16 @@ def test_the_generic_scan_is_traced_as_before_for_other_backends_and_without_sta
     # graphpass with static shapes: one scan node per layer
     static = {"dims": {"input_ids": 1}, "buckets": BUCKETS}
     assert _scan_nodes(lambda keep: graphpass.backend(then=keep, static_shapes=static))[-1] == 1
+    # the same through the registered name: torch.compile(model, backend="graphpass", options={...})
+    model, graphs = _model(layers=1), []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="graphpass", options={
+        "then": lambda gm, ex: graphs.append(gm) or gm.forward, "static_shapes": static})
+    with torch.no_grad():
+        for length in (5, 7):
+            compiled(input_ids=torch.randint(0, 64, (1, length)), use_cache=False)
+    from graphpass.delegation import generic_associative_scan
+    assert len(graphs[-1].graph.find_nodes(op="call_function", target=generic_associative_scan)) == 1
 
 
 def test_mamba_with_the_generic_scan_is_refused_and_exact(monkeypatch):
