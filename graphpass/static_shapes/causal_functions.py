@@ -50,7 +50,7 @@ import torch
 from ..fx_utils import example_of, ran_inside_file, ran_inside_path, size_expr, writes_into
 
 __all__ = ["CAUSAL_FUNCTIONS", "CausalFunction", "benign_guard", "causal_function_of", "check_causal_edges",
-           "source_digest"]
+           "is_proven_source", "source_digest"]
 
 
 @dataclass(frozen=True)
@@ -150,12 +150,24 @@ def source_digest(path: str, function: str, helpers: tuple[str, ...] = ()) -> st
     return _digest_at(path, (function, *helpers), mtime)
 
 
+def is_proven_source(path: str, function: str) -> bool:
+    """Whether top-level ``function`` of the file at ``path`` is the proven code of ``CAUSAL_FUNCTIONS[function]``:
+    the path ends like one of its files and the source (with its helpers) has the recorded digest."""
+    fn = CAUSAL_FUNCTIONS.get(function)
+    if fn is None:
+        return False
+    posix = path.replace("\\", "/")
+    if not any(posix == suffix or posix.endswith("/" + suffix) for suffix in fn.files):
+        return False
+    return source_digest(path, function, fn.helpers) == fn.digest
+
+
 def causal_function_of(node: torch.fx.Node) -> str | None:
     """The proven causal function ``node`` was traced inside (its name), or None."""
     for name, fn in CAUSAL_FUNCTIONS.items():
         for suffix in fn.files:
             path = ran_inside_file(node, suffix, name)
-            if path is not None and source_digest(path, name, fn.helpers) == fn.digest:
+            if path is not None and is_proven_source(path, name):
                 if any(ran_inside_path(node, callee) for callee in fn.unproven_callees):
                     return None
                 return name

@@ -23,8 +23,9 @@ kept as a constant) whether all of these hold, and only then traces ``"generic"`
 Why it computes the same function: the higher-order op's implementation off CUDA is torch's generic
 decomposition itself (``associative_scan_op_dense`` calls ``generic_associative_scan``), run at the call's
 real (or padded) size; only the float summation tree of the scan may differ from the unrolled one, as it
-already differs from transformers' eager loop. A delegate that cannot run host code (Neuron, XLA) gets the
-op decomposed to aten at the bucket's static size (``graphpass.backends.neuron``).
+already differs from transformers' eager loop. Off CUDA no delegate gets the op itself: before compiling,
+``graphpass.delegation.scans_off_gpu_as_generic`` points it at that decomposition, which a delegate lowering to
+aten (inductor, Neuron, XLA) unrolls at the bucket's static size.
 
 Assumes torch's ``associative_scan`` signature ``(combine_fn, xs, dim, reverse=False, combine_mode=...)``; a
 torch without it, or a substitute someone else registered first, leaves tracing as it was (logged at DEBUG).
@@ -134,16 +135,10 @@ def _caller_is_proven() -> bool:
     """Whether the frame that called ``associative_scan`` is one of :data:`ONE_OP_CALLERS`, with its proof's
     source digest."""
     from ..tensor_utils import traced_user_stack
-    from .causal_functions import CAUSAL_FUNCTIONS, source_digest
+    from .causal_functions import is_proven_source
 
     stack = traced_user_stack()
     if len(stack) < 2:
         return False
     caller = stack[-2]  # stack[-1] is the substitute above
-    if caller.name not in ONE_OP_CALLERS:
-        return False
-    proven = CAUSAL_FUNCTIONS[caller.name]
-    path = caller.filename.replace("\\", "/")
-    if not any(path.endswith("/" + suffix) for suffix in proven.files):
-        return False
-    return source_digest(caller.filename, caller.name, proven.helpers) == proven.digest
+    return caller.name in ONE_OP_CALLERS and is_proven_source(caller.filename, caller.name)

@@ -23,15 +23,16 @@ without static shapes and an edited copy of the function trace the generic recur
 """
 
 import ast
-import operator
 import importlib
 import importlib.util
+import operator
 from pathlib import Path
 
 import pytest
 import torch
 
 import graphpass
+from graphpass.fx_utils import find_calls
 from graphpass.static_shapes.causal_functions import CAUSAL_FUNCTIONS, source_digest
 from graphpass.static_shapes.padding_safety import check_padding_safety
 
@@ -244,12 +245,11 @@ def test_mamba_pads_to_buckets_on_the_cpu_with_no_help():
     _shape_checks(*_sweep(_model(), LENGTHS), LENGTHS)
 
 
-def _scan_nodes(backend, model=None, n=(5, 7)):
-    """The scan nodes (the higher-order op, or graphpass's call of its decomposition off CUDA) of each graph
-    ``backend`` compiles."""
+def _scan_nodes(compile_kwargs):
+    """The scan nodes (the higher-order op, or graphpass's call of its decomposition off CUDA) of each graph the
+    delegate compiles, with ``torch.compile(model, **compile_kwargs(delegate))``."""
     from graphpass.delegation import generic_associative_scan
 
-    model = model or _model(layers=1)
     graphs = []
 
     def keep(gm, example_inputs):
@@ -257,31 +257,23 @@ def _scan_nodes(backend, model=None, n=(5, 7)):
         return gm.forward
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend(keep))
+    compiled = torch.compile(_model(layers=1), **compile_kwargs(keep))
     with torch.no_grad():
-        for length in n:
+        for length in (5, 7):
             compiled(input_ids=torch.randint(0, 64, (1, length)), use_cache=False)
-    return [sum(len(gm.graph.find_nodes(op="call_function", target=t))
-                for t in (torch.ops.higher_order.associative_scan, generic_associative_scan)) for gm in graphs]
+    return [len(find_calls(gm.graph, torch.ops.higher_order.associative_scan, generic_associative_scan))
+            for gm in graphs]
 
 
 def test_the_generic_scan_is_traced_as_before_for_other_backends_and_without_static_shapes():
     # another backend, and graphpass without static shapes: Dynamo unrolls the recursion (no scan node)
-    assert _scan_nodes(lambda keep: keep) == [0, 0]
-    assert _scan_nodes(lambda keep: graphpass.backend(then=keep)) == [0, 0]
-    # graphpass with static shapes: one scan node per layer
+    assert _scan_nodes(lambda keep: {"backend": keep}) == [0, 0]
+    assert _scan_nodes(lambda keep: {"backend": graphpass.backend(then=keep)}) == [0, 0]
+    # graphpass with static shapes: one scan node per layer, also through the registered name
     static = {"dims": {"input_ids": 1}, "buckets": BUCKETS}
-    assert _scan_nodes(lambda keep: graphpass.backend(then=keep, static_shapes=static))[-1] == 1
-    # the same through the registered name: torch.compile(model, backend="graphpass", options={...})
-    model, graphs = _model(layers=1), []
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="graphpass", options={
-        "then": lambda gm, ex: graphs.append(gm) or gm.forward, "static_shapes": static})
-    with torch.no_grad():
-        for length in (5, 7):
-            compiled(input_ids=torch.randint(0, 64, (1, length)), use_cache=False)
-    from graphpass.delegation import generic_associative_scan
-    assert len(graphs[-1].graph.find_nodes(op="call_function", target=generic_associative_scan)) == 1
+    assert _scan_nodes(lambda keep: {"backend": graphpass.backend(then=keep, static_shapes=static)})[-1] == 1
+    by_name = _scan_nodes(lambda keep: {"backend": "graphpass", "options": {"then": keep, "static_shapes": static}})
+    assert by_name[-1] == 1
 
 
 def test_mamba_with_the_generic_scan_is_refused_and_exact(monkeypatch):
@@ -297,7 +289,7 @@ def test_mamba_with_the_generic_scan_is_refused_and_exact(monkeypatch):
 
 def test_only_the_proven_source_is_traced_as_one_op(tmp_path):
     # the check behind the switch reads the caller's file: the installed function passes, an edited copy (same
-    # meaning, another digest) does not, nor does the same code under another name
+    # meaning, another digest) does not
     from graphpass.static_shapes import scan_trace
 
     seen = {}
