@@ -1,3 +1,5 @@
+import logging
+
 import pytest
 import torch
 
@@ -33,3 +35,36 @@ def pytest_collection_modifyitems(config, items):
     if unstable:
         raise pytest.UsageError("test ids built from an object's address (give the parametrization ids=): "
                                 + ", ".join(unstable[:5]))
+
+
+# pytest (9.x) attaches its log-capture handlers to every non-propagating logger, torch's structured
+# trace ("torch.__trace") included, for each setup, call and teardown. torch builds a structured-trace
+# payload (every graph Dynamo, AOT autograd and graphpass make, printed as text) whenever that logger
+# has any handler, so under pytest each compile paid for printing graphs nobody reads. These wrappers
+# run inside pytest's (trylast: innermost) and take its handlers off that one logger; torch's own
+# handler (TORCH_TRACE) is left alone, and tests that read the trace run it in a child process.
+_TORCH_TRACE_LOG = logging.getLogger("torch.__trace")
+
+
+def _pytest_off_torch_trace() -> None:
+    for handler in list(_TORCH_TRACE_LOG.handlers):
+        if type(handler).__module__.startswith("_pytest."):
+            _TORCH_TRACE_LOG.removeHandler(handler)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_setup(item):
+    _pytest_off_torch_trace()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_call(item):
+    _pytest_off_torch_trace()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    _pytest_off_torch_trace()
+    return (yield)

@@ -1,6 +1,7 @@
 """The CI entry point: .ci/run runs the three legs and fails if any fails; the XLA and vLLM legs count
 pytest's exit 5 (no test collected) as a failure; the vLLM leg's install overlaps the other legs.
-`make` and the vLLM leg are replaced by stand-ins, so nothing is installed or run here."""
+`make` and the vLLM leg are replaced by stand-ins, so nothing is installed or run here. And the suite's
+own harness: pytest's log capture stays off torch's structured trace (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -112,3 +113,21 @@ def test_vllm_leg_installs_the_exact_versions_removes_its_venv_and_counts_no_tes
     assert '"$status" -eq 5' in script and "tests/in_vllm" in script
     make = (REPO / "Makefile").read_text()
     assert "test-vllm:" in make and ".ci/vllm-leg" in make
+
+
+
+@pytest.mark.skipif(bool(os.environ.get("TORCH_TRACE")), reason="TORCH_TRACE keeps torch's own trace handler")
+def test_pytest_capture_stays_off_torchs_structured_trace():
+    """tests/conftest.py takes pytest's log-capture handlers off ``torch.__trace`` for every setup, call
+    and teardown. torch builds a structured-trace payload (every graph of every compile, printed)
+    whenever that logger has any handler; its own lazy handler (no TORCH_TRACE) leaves at the first
+    record, so after a compile the logger must have none."""
+    import logging
+
+    import torch
+
+    import graphpass
+
+    fn = torch.compile(lambda x: x.sin() + 1, backend=graphpass.backend(then="eager"))
+    assert torch.equal(fn(torch.ones(3)), torch.ones(3).sin() + 1)
+    assert logging.getLogger("torch.__trace").handlers == []

@@ -2,9 +2,10 @@
 
 Each architecture is built from a tiny random config (no downloads) and checked against eager by
 ``check_arch``: traps, offload (cpu and disk storage), capture of two blocks, static-shape buckets
-(a refusal to pad, with a reason, passes) and, for llama / gpt2 / mistral / qwen2 / mixtral, greedy
-generate() with the compiled forward. The full run over every causal-LM architecture is
-``make conformance`` (docs/conformance.md).
+(a refusal to pad, with a reason, passes) and, for llama / gpt2 / mixtral, greedy generate() with the
+compiled forward. One architecture per kind of model: mistral and qwen2 (llama's layers, with a
+sliding window and with attention biases) left this subset for make test's time; they, and every
+other causal-LM architecture, are in the full run, ``make conformance`` (docs/conformance.md).
 """
 
 import importlib.util
@@ -21,8 +22,9 @@ conformance = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = conformance
 _spec.loader.exec_module(conformance)
 
-# dense (gpt2: tied embeddings), mixture-of-experts (mixtral, qwen3_moe, olmoe), hybrid attention/state-space (bamba: mamba2 + attention)
-ARCHS = ["llama", "gpt2", "mistral", "qwen2", "mixtral", "qwen3_moe", "olmoe", "bamba"]
+# dense (llama; gpt2: tied embeddings), mixture-of-experts (mixtral, qwen3_moe, olmoe), hybrid
+# attention/state-space (bamba: mamba2 + attention)
+ARCHS = ["llama", "gpt2", "mixtral", "qwen3_moe", "olmoe", "bamba"]
 
 # known library bugs being fixed elsewhere: (arch, column, text in the error) -> xfail instead of fail
 KNOWN: list = []
