@@ -115,7 +115,6 @@ def test_vllm_leg_installs_the_exact_versions_removes_its_venv_and_counts_no_tes
     assert "test-vllm:" in make and ".ci/vllm-leg" in make
 
 
-
 @pytest.mark.skipif(bool(os.environ.get("TORCH_TRACE")), reason="TORCH_TRACE keeps torch's own trace handler")
 def test_pytest_capture_stays_off_torchs_structured_trace():
     """tests/conftest.py takes pytest's log-capture handlers off ``torch.__trace`` for every setup, call
