@@ -21,7 +21,6 @@ Assumes :mod:`analyze_ownership` ran (input names).
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 import warnings
 from typing import Any
 
@@ -146,37 +145,26 @@ class PlanStaticShapes(GraphPass):
 
 def _prove_padding(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.fx.Node], unmasked: set,
                    syms: set) -> None:
-    """Run the padding-safety analysis on the dims bucketing pads without a user mask (``unmasked``): its
-    violations refuse the plan; what its proofs need (buckets they hold at, inputs checked per call) goes into it."""
-    from ..static_shapes.padding_safety import check_padding_safety
-    from ..static_shapes.position_tables import table_invalid_buckets
-    from ..static_shapes.topk_mask import topk_invalid_buckets, topk_masks
+    """Run the padding proof on the dims bucketing pads without a user mask (``unmasked``): its violations refuse
+    the plan; what it needs checked goes into it: the per-call checks (``plan.call_checks``, looped over by the
+    dispatcher) and the buckets where it does not hold, with typed reasons (``plan.invalid_buckets``)."""
+    from ..static_shapes.padding_proof import prove_padding
+    from ..static_shapes.topk_mask import TOPK_MASKS
 
     cfg = ctx.config.static_shapes
     zero = {placeholders[i].name for i, v in plan.pad_values.items() if v == 0}
-    relied: set[str] = set()
-    trusted: set[str] = set()
-    tables: dict = {}
-    topks: list = []
-    reads: list = []
     values = {n.name: v for n, v in zip(placeholders, ctx.example_inputs) if isinstance(v, torch.Tensor)}
-    for v in check_padding_safety(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero, relied_on=relied,
-                                  trusted=trusted, values=values, tables=tables, rules=[topk_masks],
-                                  proofs=topks, table_reads=reads):
+    owners = {name: t.fqn for name, t in ctx.analysis.tensors.items()}  # placeholder -> its owner: a table's FQN
+    proof = prove_padding(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero, values=values, rules=[TOPK_MASKS],
+                          buckets=cfg.buckets, bucket_symbols=syms, table_names=owners)
+    for v in proof.violations:
         plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
-    if topks and not plan.refused:
-        topk_invalid_buckets(plan, syms, cfg.buckets, topks)
-    if reads and not plan.refused:
-        owners = ctx.analysis.tensors  # placeholder name -> its owner (analyze_ownership): the table's FQN
-        table_invalid_buckets(plan, syms, cfg.buckets, [replace(r, table=owners[r.table].fqn) if r.table in owners
-                                                        else r for r in reads])
-    if trusted and not plan.refused:
-        _invalid_buckets(plan, placeholders, syms, cfg.buckets, sorted(trusted))
-        if plan.invalid_buckets:
-            ctx.log.append(f"{PlanStaticShapes.name}: buckets where the traced graph is not the code's trace (calls run "
-                           f"unpadded): {plan.invalid_buckets}")
-    plan.ones_inputs = {i: n.name for i, n in enumerate(placeholders) if n.name in relied}
-    plan.causal_tables = {i: tables[n.name] for i, n in enumerate(placeholders) if n.name in tables}
+    plan.refused += proof.refused
+    plan.invalid_buckets.update(proof.invalid_buckets)
+    plan.call_checks = list(proof.call_checks)
+    if proof.trusted and proof.safe and plan.invalid_buckets:
+        ctx.log.append(f"{PlanStaticShapes.name}: buckets where the traced graph is not the code's trace (calls run "
+                       f"unpadded): {plan.invalid_buckets}")
     if plan.causal_tables and not plan.refused:
         ctx.log.append(f"{PlanStaticShapes.name}: causal masks read from the values of "
                        f"{', '.join(t.name for t in plan.causal_tables.values())} (checked unchanged per call)")
@@ -336,49 +324,6 @@ def _plan_inputs(plan: BucketPlan, placeholders: list[torch.fx.Node], syms: set,
         if dims:
             plan.pad[i] = tuple(dims)
             plan.pad_values[i] = float(pad_by_name.get(ph.name, 0))
-
-
-def _invalid_buckets(plan: BucketPlan, placeholders: list[torch.fx.Node], syms: set, buckets: tuple[int, ...],
-                     trusted: list[str]) -> None:
-    """Fill ``plan.invalid_buckets``: buckets at which a guard Dynamo recorded on a padded length fails.
-
-    A causal function's proof (``static_shapes/causal_functions.py``) is about its code at every size. The graph
-    is the code's trace at the traced length: a branch on the length (``if pad_size > 0``, a loop over the chunk
-    count, the parity tests of ``associative_scan``'s recursion) is baked in and guarded. At a bucket where such a
-    guard fails, the graph is not the code's trace at that size, so the proof says nothing there. Each guard that
-    mentions only padded symbols is evaluated with every one set to the bucket; a false or undecided guard marks the
-    bucket. A guard that also mentions another size (``Eq(s16, s27)``: the length of an input of another graph of
-    the frame, checked by Dynamo on the real call) is not about this graph's trace, and neither is a guard at one of
-    the trusted function's lines listed as benign (``CausalFunction.benign_guards``: ``if pad_size > 0``, the loop
-    over the chunks, each with its reason). Every bucket marked: the plan is refused."""
-    from ..static_shapes.causal_functions import benign_guard
-
-    env = shape_env_of([example_of(p) for p in placeholders])
-    if env is None:
-        plan.refused.append(f"{', '.join(trusted)}: no shape environment to check Dynamo's guards at the buckets")
-        return
-    names = {str(s) for s in syms}
-    for b in buckets:
-        for guard in getattr(env, "guards", ()):
-            padded = [s for s in guard.expr.free_symbols if str(s) in names]
-            if not padded:
-                continue
-            try:
-                value = guard.expr.xreplace({s: sympy.Integer(b) for s in padded})
-            except TypeError:
-                value = None
-            if isinstance(value, sympy.Basic) and value.free_symbols:
-                continue  # relates the length to another size (``Eq(s16, s27)``: a mask of another graph)
-            if value is not sympy.true:
-                where = re.sub(r"\s*\((_dynamo|torch)/[^()]*\)$", "", str(getattr(guard, "sloc", "")))
-                if benign_guard(where, trusted) is not None:
-                    continue  # a branch of the proven code that is the same at the bucket for the real rows
-                plan.invalid_buckets[b] = f"{guard.expr} ({where})"
-                break
-    if len(plan.invalid_buckets) == len(buckets):
-        b, why = next(iter(plan.invalid_buckets.items()))
-        plan.refused.append(f"{', '.join(trusted)} proven for the code, but Dynamo's guard {why} fails at every bucket "
-                            f"(at {b} first): the traced graph is not the code's trace at any bucket size")
 
 
 def _refuse_unrelated_sizes(plan: BucketPlan, placeholders: list[torch.fx.Node], syms: set, frame: str) -> None:

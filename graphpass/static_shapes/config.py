@@ -1,11 +1,15 @@
 """``StaticShapesConfig``: the ``static_shapes`` option (dims, buckets, mask contract, pad values),
 validated; and :func:`check_buckets`, the one check of a bucket list (also used by
-:func:`~graphpass.static_shapes.choose_buckets` and :class:`~graphpass.static_shapes.BucketedCache`)."""
+:func:`~graphpass.static_shapes.choose_buckets` and :class:`~graphpass.static_shapes.BucketedCache`); and
+:func:`pads_on_host`, whether a tensor's padding runs on the host (a lazy-tensor device), read by the dispatcher
+and by the padding proof's per-call checks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+import torch
 
 from ..errors import ConfigError
 
@@ -78,3 +82,11 @@ def check_static_shapes(value: Any) -> StaticShapesConfig | None:
                                                for k, v in pad.items()):
         raise ConfigError(f"{key}.pad_value", pad, "expected a dict input name (from 'dims') -> number")
     return StaticShapesConfig(norm_dims, tuple(buckets), tuple(masked), dict(pad))
+
+
+LAZY_DEVICE_TYPES = ("xla", "lazy")  # devices where every eager op is traced and compiled for its shapes
+
+
+def pads_on_host(t: Any) -> bool:
+    """Whether ``t`` lives on a lazy-tensor device, where padding and slicing run on the host."""
+    return isinstance(t, torch.Tensor) and t.device.type in LAZY_DEVICE_TYPES

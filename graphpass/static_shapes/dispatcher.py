@@ -39,7 +39,7 @@ from graphpass.backends import Delegate
 from ..fx_utils import copy_graph, shape_env_hints
 from ..tensor_utils import shape_env_of
 from ..bucket_context import running_bucket
-from .config import StaticShapesConfig
+from .config import LAZY_DEVICE_TYPES, StaticShapesConfig, pads_on_host  # noqa: F401 (re-exported)
 
 
 def scalar_items(gm: torch.fx.GraphModule) -> list[int]:
@@ -116,22 +116,6 @@ def _floats_specialized(fakes: Sequence[Any]):
         TensorifyState.force_specializations.update(saved)
 
 
-LAZY_DEVICE_TYPES = ("xla", "lazy")  # devices where every eager op is traced and compiled for its shapes
-
-
-def pads_on_host(t: Any) -> bool:
-    """Whether ``t`` lives on a lazy-tensor device, where padding and slicing run on the host."""
-    return isinstance(t, torch.Tensor) and t.device.type in LAZY_DEVICE_TYPES
-
-
-def _all_ones(t: Any) -> bool:
-    """Every element of ``t`` is 1 (read on the host for a lazy-tensor device, where a device-side reduction
-    would compile a computation per length)."""
-    if not isinstance(t, torch.Tensor):
-        return False
-    return bool((t.cpu() if pads_on_host(t) else t).eq(1).all())
-
-
 class BucketDispatcher:
     def __init__(self, gm: torch.fx.GraphModule, plan: Any, cfg: StaticShapesConfig, delegate: Delegate,
                  log: list[str] | None = None) -> None:
@@ -198,17 +182,10 @@ class BucketDispatcher:
         if any(sizes[t] != sizes[sym] for t, sym in plan.ties.items()):
             self._warn_untied(sizes)
             return self._run_unpadded(args, self._shape_key(args))
-        not_ones = [name for i, name in plan.ones_inputs.items() if not _all_ones(args[i])]
-        if not_ones:
-            self._warn(f"graphpass static_shapes: {', '.join(not_ones)} is not 1 everywhere in this call, and the padding "
-                       "proof of this graph's additive attention mask needs it (a fully masked row's softmax is uniform "
-                       "over the padded length); running it unpadded with dynamic shapes")
-            return self._run_unpadded(args, self._shape_key(args))
-        changed = [t.name for i, t in plan.causal_tables.items() if not t.holds(args[i])]
-        if changed:
-            self._warn(f"graphpass static_shapes: {', '.join(changed)} is no longer the causal (lower-triangular) table "
-                       "this graph's padding proof read its attention mask from; running it unpadded with dynamic shapes")
-            return self._run_unpadded(args, self._shape_key(args))
+        for check in plan.call_checks:  # what the padding proof holds under (padding_proof.CallCheck)
+            if not check.holds(args):
+                self._warn(f"graphpass static_shapes: {check.why()}; running it unpadded with dynamic shapes")
+                return self._run_unpadded(args, self._shape_key(args))
         buckets = {sym: self.cfg.bucket_for(n) for sym, n in sizes.items()}
         if any(b is None for b in buckets.values()):
             self._warn(
@@ -217,14 +194,9 @@ class BucketDispatcher:
             )
             return self._run_unpadded(args, self._shape_key(args))
         bad = sorted({b for b in buckets.values() if b in plan.invalid_buckets})
-        if bad:
-            why = plan.invalid_buckets[bad[0]]
-            if why.startswith("not proven: "):  # a proof that holds at some buckets only (static_shapes/topk_mask.py)
-                why = f"bucket {bad[0]} is not proven for this graph: {why[len('not proven: '):]}"
-            else:
-                why = (f"Dynamo's guard {why} fails at bucket {bad[0]}, so this graph is not the traced code's graph at "
-                       "that size")
-            self._warn(f"graphpass static_shapes: {why}; running it unpadded with dynamic shapes")
+        if bad:  # a typed reason (padding_proof.InvalidBucket) that words its own warning
+            self._warn(f"graphpass static_shapes: {plan.invalid_buckets[bad[0]].warning(bad[0])}; running it unpadded "
+                       "with dynamic shapes")
             return self._run_unpadded(args, self._shape_key(args))
         subs = {sym: b for sym, b in buckets.items()}
         others = tuple((i, int(a)) for i, a in enumerate(args) if isinstance(a, int) and i not in plan.size_inputs)

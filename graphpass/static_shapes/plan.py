@@ -25,18 +25,28 @@ class BucketPlan:
     outputs: list[Any]  # per output: None (no padded dim) or per-dim None / (symbol, a, b): size a*L + b
     refused: list[str] = field(default_factory=list)  # why this graph runs dynamic (empty: bucketed)
     ties: dict[sympy.Symbol, sympy.Symbol] = field(default_factory=dict)  # symbol of another input's dim -> the bucketed symbol it must equal
-    # placeholder index -> name of an input that must hold 1 at every position for the padding proof (an additive
-    # attention mask: no real query row may be fully masked); checked per call, else the call runs unpadded
-    ones_inputs: dict[int, str] = field(default_factory=dict)
-    # placeholder index -> a boolean input (a module's ``tril`` buffer) the padding proof read as a causal mask from
-    # its values (:class:`~graphpass.static_shapes.buffer_masks.CausalTable`); checked per call, else the call runs unpadded
-    causal_tables: dict[int, Any] = field(default_factory=dict)
+    # what the padding proof holds under, checked by the dispatcher on every call (``padding_proof.CallCheck``: an
+    # input that must hold 1 everywhere, a causal table that must keep its values); a failed one: the call runs unpadded
+    call_checks: list[Any] = field(default_factory=list)
     unsliced: torch.fx.GraphModule | None = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
-    # bucket -> the Dynamo guard that fails there (a graph proven through a causal function's code, whose trace
-    # at the traced length is not its trace at this bucket), or "not proven: ..." (a proof that holds at some buckets
-    # only: a top-k indexer keeping fewer keys than the bucket, static_shapes/topk_mask.py): calls landing in such a
-    # bucket run unpadded
-    invalid_buckets: dict[int, str] = field(default_factory=dict)
+    # bucket -> why calls landing there run unpadded (``padding_proof.InvalidBucket``: ``GuardFails``, a Dynamo guard
+    # that fails there for a graph proven through a causal function's code; ``NotProven``, a proof that holds at some
+    # buckets only: a top-k indexer keeping fewer keys than the bucket, a position table too short)
+    invalid_buckets: dict[int, Any] = field(default_factory=dict)
+
+    @property
+    def ones_inputs(self) -> dict[int, str]:
+        """Placeholder index -> name of an input that must hold 1 at every position (from :attr:`call_checks`)."""
+        from .padding_proof import OnesCheck
+
+        return {i: n for c in self.call_checks if isinstance(c, OnesCheck) for i, n in c.ones.items()}
+
+    @property
+    def causal_tables(self) -> dict[int, Any]:
+        """Placeholder index -> the :class:`~.buffer_masks.CausalTable` read from it (from :attr:`call_checks`)."""
+        from .padding_proof import CausalTablesCheck
+
+        return {i: t for c in self.call_checks if isinstance(c, CausalTablesCheck) for i, t in c.tables.items()}
 
     @property
     def active(self) -> bool:

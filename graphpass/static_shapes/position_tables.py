@@ -8,8 +8,8 @@ too: at bucket ``b`` the last one reads row ``b - 1 + offset``. A table of ``T``
 lookup (``IndexError: index out of range``) on a length the model itself serves, or, on a device whose
 gather does not check, reads past the table.
 
-:class:`TableRead` records one such lookup (found by ``check_padding_safety(..., table_reads=)``);
-:func:`table_invalid_buckets` marks the buckets whose padding would read past a table as not proven
+:class:`TableRead` records one such lookup (found by the padding proof, ``PaddingProof.table_reads``);
+``padding_proof.conditions.TableBuckets`` marks the buckets whose padding would read past a table as not proven
 (``BucketPlan.invalid_buckets``): calls landing there run unpadded, with a warning naming the table and the
 largest bucket it allows. Every bucket marked: the plan is refused, naming the table.
 """
@@ -17,11 +17,10 @@ largest bucket it allows. Every bucket marked: the plan is refused, naming the t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
 
 import sympy
 
-__all__ = ["TableRead", "table_invalid_buckets"]
+__all__ = ["TableRead"]
 
 
 @dataclass(frozen=True)
@@ -45,23 +44,3 @@ def _largest_fitting(read: TableRead, names: set[str]) -> int | None:
     if len(padded) != 1 or (read.last - padded[0]).free_symbols:
         return None
     return read.rows - 1 - int(read.last - padded[0])
-
-
-def table_invalid_buckets(plan: Any, syms: Iterable[Any], buckets: tuple[int, ...], reads: list[TableRead]) -> None:
-    """Mark ``plan.invalid_buckets`` where a padding row would read past a position table (see the module
-    docstring); every bucket marked: the plan is refused."""
-    names = {str(s) for s in syms}
-    for read in reads:
-        largest = _largest_fitting(read, names)
-        fits = f"; buckets up to {largest} fit" if largest is not None else ""
-        for b in buckets:
-            last = _last_at(read, b, names)
-            if b in plan.invalid_buckets or (last is not None and last < read.rows):
-                continue
-            plan.invalid_buckets[b] = (
-                f"not proven: {read.what} reads row {last if last is not None else read.last} of {read.table}, which "
-                f"has {read.rows} rows, at bucket {b} (its padding rows read positions past the table){fits}")
-        if len(plan.invalid_buckets) == len(buckets):
-            plan.refused.append(f"{read.what} reads {read.table} ({read.rows} rows) by position: every bucket "
-                                f"({', '.join(map(str, buckets))}) would read past it with its padding rows{fits}")
-            return

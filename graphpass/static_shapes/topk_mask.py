@@ -12,7 +12,7 @@ The ``topk`` reads the whole key row and the ``scatter`` writes positions chosen
 rules refuse both. This module proves the pattern as a whole, when it is safe, and says when it is not.
 
 **Why it is exact when ``k`` is at least the padded length.** Take a real query row ``i < L``. ``M1`` is false at
-every key ``j > i`` (a causal fact, :class:`~graphpass.static_shapes.padding_safety._Causal`) or at every padding key
+every key ``j > i`` (a causal fact, :class:`~graphpass.static_shapes.padding_safety.Causal`) or at every padding key
 (a bidirectional mask), so row ``i`` of ``S`` holds at most ``L`` values that are not ``-inf``: finite scores (values
 are assumed finite, as in every other proof). ``topk`` with ``k >= L`` keeps ``k`` entries of the row, and an entry
 that is strictly larger than ``k`` or more entries of the row is always among them; every finite value is strictly
@@ -50,7 +50,7 @@ What is checked on the graph (anything else keeps the op-by-op verdict, i.e. the
 The float-mask path of the same code (eager attention: ``S = X + M1f``, ``M2f.masked_fill(not_kept, finfo.min)``) is
 proven the same way when ``M1f`` and ``M2f`` are size-1-views of one ``where(cond, 0, v <= -1e30)`` (every entry exactly 0
 or a fill value, so after adding finite scores the unmasked entries are strictly above the masked ones) whose fact puts
-a fill value at every key after the query (``_NegMask``) or at every padding key (``_NegKeys``). On every real row the
+a fill value at every key after the query (``NegMask``) or at every padding key (``NegKeys``). On every real row the
 narrowed mask then equals ``M2f`` except that some fill values become ``finfo.min`` (still fill values), so it carries
 ``M2f``'s fact (``TopkMask.facts``; ``index_provenance(..., proven=)``) into the additive-mask softmax proof.
 """
@@ -64,9 +64,13 @@ import sympy
 import torch
 
 from ..fx_utils import example_of, size_expr
-from . import padding_safety
+from .padding_proof import NotProven, PaddingProof, ProofContext
+from .padding_proof.facts import Causal, KeysOnly, NegKeys, NegMask, ZeroPad
+from .padding_proof.nodes import _arg, _is_int_tensor, _label, _leaves, _norm_dim, _op_name, _source, _static_int
+from .padding_proof.provenance import _huge_value, _is_negative_constant, _is_zero
+from .padding_proof.tables import _ALL_TRUE_FACTORIES, _ANDS, _HUGE, _KEEPS, _NEG_MASK_DTYPES, _NOTS, _SOFTMAXES
 
-__all__ = ["TopkMask", "topk_masks"]
+__all__ = ["TOPK_MASKS", "TopkBuckets", "TopkMask", "TopkMaskRule", "topk_masks", "topk_invalid_buckets"]
 
 
 @dataclass(frozen=True)
@@ -80,30 +84,54 @@ class TopkMask:
     # ``M2f`` on every real row up to fill values, at the buckets the proof holds)
     facts: tuple[tuple[torch.fx.Node, Any], ...] = ()
 
+    @property
+    def bucket_checks(self) -> tuple["TopkBuckets", ...]:
+        """The buckets this proof holds at are those where ``k`` covers the length (:func:`topk_invalid_buckets`)."""
+        return (TopkBuckets(self),)
+
+
+@dataclass(frozen=True)
+class TopkBuckets:
+    """The buckets at which a proven top-k keeps fewer keys than the bucket's length (a :class:`~.padding_proof.BucketCheck`)."""
+    proof: TopkMask
+    name: str = "topk_mask"
+
+    def mark(self, proof: PaddingProof, names: set[str], buckets: tuple[int, ...]) -> None:
+        topk_invalid_buckets(proof, names, buckets, [self.proof])
+
+
+@dataclass(frozen=True)
+class TopkMaskRule:
+    """:func:`topk_masks` as a whole-pattern rule of the padding proof (:class:`~.padding_proof.PatternRule`)."""
+    name: str = "topk_mask"
+    needs_causal: bool = True
+
+    def prove(self, gm: torch.fx.GraphModule, ctx: ProofContext) -> list[TopkMask]:
+        return topk_masks(gm, ctx.facts, ctx.same_size, ctx.padded)
+
+
+#: The rule ``plan_static_shapes`` passes to ``prove_padding(rules=)``.
+TOPK_MASKS = TopkMaskRule()
+
 
 #: ``x.new_*(size)``: a factory that reads only ``x``'s dtype and device, not its values.
 _METADATA_FACTORIES = frozenset("new_ones new_zeros new_empty new_full".split())
 
 
-def _ps():
-    return padding_safety  # the analysis this rule extends (check_padding_safety(..., rules=[topk_masks]))
-
-
 def _fill_tainted(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """Nodes that may hold a fill value (a constant of magnitude >= 1e30, or not finite), like
-    ``padding_safety._huge_nodes``, except that an integer or boolean tensor holds none (top-k indices, masks), so
+    ``padding_proof.provenance._huge_nodes``, except that an integer or boolean tensor holds none (top-k indices, masks), so
     the scores of a later layer, computed through a boolean attention mask, are not tainted by an earlier layer's
     ``masked_fill(..., -inf)``."""
-    ps = _ps()
     tainted: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method") or ps._op_name(node) in ps._SOFTMAXES:
+        if node.op not in ("call_function", "call_method") or _op_name(node) in _SOFTMAXES:
             continue
         out = example_of(node)
-        if isinstance(out, torch.Tensor) and (out.dtype == torch.bool or ps._is_int_tensor(out)):
+        if isinstance(out, torch.Tensor) and (out.dtype == torch.bool or _is_int_tensor(out)):
             continue
-        leaves = list(ps._leaves((node.args, node.kwargs)))
-        if any(ps._huge_value(v) or (isinstance(v, torch.fx.Node) and v in tainted) for v in leaves):
+        leaves = list(_leaves((node.args, node.kwargs)))
+        if any(_huge_value(v) or (isinstance(v, torch.fx.Node) and v in tainted) for v in leaves):
             tainted.add(node)
     return tainted
 
@@ -114,7 +142,7 @@ def topk_masks(gm: torch.fx.GraphModule, facts: Mapping[torch.fx.Node, Any],
     huge = _fill_tainted(gm)
     found = []
     for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method") and _ps()._op_name(node) == "topk":
+        if node.op in ("call_function", "call_method") and _op_name(node) == "topk":
             proof = _prove(node, facts, huge, same_size, padded)
             if proof is not None:
                 found.append(proof)
@@ -127,17 +155,16 @@ def _only_users(node: torch.fx.Node, ok: Callable[[torch.fx.Node], bool]) -> lis
 
 
 def _prove(topk: torch.fx.Node, facts, huge, same_size, padded) -> TopkMask | None:
-    ps = _ps()
-    s = ps._arg(topk, 0, "input")
+    s = _arg(topk, 0, "input")
     ts = example_of(s)
     if not isinstance(s, torch.fx.Node) or not isinstance(ts, torch.Tensor) or ts.dim() < 2:
         return None
-    dim = ps._static_int(ps._arg(topk, 2, "dim", -1))
-    if dim is None or ps._norm_dim(dim, ts.dim()) != ts.dim() - 1 or ts.dim() - 1 not in padded(ts):
+    dim = _static_int(_arg(topk, 2, "dim", -1))
+    if dim is None or _norm_dim(dim, ts.dim()) != ts.dim() - 1 or ts.dim() - 1 not in padded(ts):
         return None
-    if ps._arg(topk, 3, "largest", True) is not True:
+    if _arg(topk, 3, "largest", True) is not True:
         return None
-    k = example_of(ps._arg(topk, 1, "k", None))
+    k = example_of(_arg(topk, 1, "k", None))
     if not isinstance(k, (int, torch.SymInt)) or isinstance(k, bool):
         return None
     found = _masked_scores_mask(s, ts, facts, huge, same_size)
@@ -147,7 +174,7 @@ def _prove(topk: torch.fx.Node, facts, huge, same_size, padded) -> TopkMask | No
     nodes = {topk}
     carried: list[tuple[torch.fx.Node, Any]] = []
     # the indices, through dtype conversions, into scatters
-    idx = _only_users(topk, lambda u: u.op == "call_function" and ps._op_name(u) == "getitem"
+    idx = _only_users(topk, lambda u: u.op == "call_function" and _op_name(u) == "getitem"
                       and len(u.args) == 2 and u.args[1] == 1)
     if idx is None:
         return None
@@ -157,10 +184,10 @@ def _prove(topk: torch.fx.Node, facts, huge, same_size, padded) -> TopkMask | No
         n = todo.pop()
         nodes.add(n)
         for u in n.users:
-            name = ps._op_name(u) if u.op in ("call_function", "call_method") else None
-            if name in ps._KEEPS and u.args and u.args[0] is n and len(u.args) <= 2:
+            name = _op_name(u) if u.op in ("call_function", "call_method") else None
+            if name in _KEEPS and u.args and u.args[0] is n and len(u.args) <= 2:
                 todo.append(u)
-            elif name == "scatter" and ps._arg(u, 2, "index", None) is n:
+            elif name == "scatter" and _arg(u, 2, "index", None) is n:
                 scatters.append(u)
             elif name in _METADATA_FACTORIES and u.args and u.args[0] is n and n not in u.args[1:] \
                     and n not in u.kwargs.values():
@@ -182,8 +209,7 @@ def _masked_scores_mask(s: torch.fx.Node, ts: torch.Tensor, facts, huge, same_si
     """``S = masked_fill(X, ~M1, v <= -1e30)`` with ``M1`` false at every key after the query (or at every padding
     key) along ``S``'s last two dims: ``(M1, False)``; ``S = X + M1f`` with ``M1f`` an additive mask of 0 and fill values
     (:func:`_additive_mask`): ``(M1f, True)``; else None."""
-    ps = _ps()
-    if ps._op_name(s) == "add" and len(s.args) == 2 and not s.kwargs:
+    if _op_name(s) == "add" and len(s.args) == 2 and not s.kwargs:
         for x, m in (s.args, s.args[::-1]):
             tx = example_of(x)
             if isinstance(x, torch.fx.Node) and x not in huge and isinstance(tx, torch.Tensor) \
@@ -191,13 +217,13 @@ def _masked_scores_mask(s: torch.fx.Node, ts: torch.Tensor, facts, huge, same_si
                     and _additive_mask(m, ts, facts, same_size):
                 return m, True
         return None
-    if ps._op_name(s) != "masked_fill" or len(s.args) != 3 or s.kwargs:
+    if _op_name(s) != "masked_fill" or len(s.args) != 3 or s.kwargs:
         return None
     x, notm, fill = s.args
-    if not (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -ps._HUGE):
+    if not (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -_HUGE):
         return None
     if not isinstance(x, torch.fx.Node) or x in huge or not isinstance(notm, torch.fx.Node) \
-            or ps._op_name(notm) not in ps._NOTS or len(notm.args) != 1 or not isinstance(notm.args[0], torch.fx.Node):
+            or _op_name(notm) not in _NOTS or len(notm.args) != 1 or not isinstance(notm.args[0], torch.fx.Node):
         return None
     m1 = notm.args[0]
     t = example_of(m1)
@@ -206,31 +232,30 @@ def _masked_scores_mask(s: torch.fx.Node, ts: torch.Tensor, facts, huge, same_si
     if not (same_size(t.shape[-1], ts.shape[-1]) and same_size(t.shape[-2], ts.shape[-2])):
         return None  # the mask must not be broadcast along the query or key dim
     fact = facts.get(m1)
-    causal = isinstance(fact, ps._Causal) and fact.shift is None and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)
-    keys = isinstance(fact, (ps._KeysOnly, ps._ZeroPad)) and fact.dim == t.dim() - 1
+    causal = isinstance(fact, Causal) and fact.shift is None and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)
+    keys = isinstance(fact, (KeysOnly, ZeroPad)) and fact.dim == t.dim() - 1
     return (m1, False) if causal or keys else None
 
 
 def _additive_mask(m: torch.fx.Node, ts: torch.Tensor, facts, same_size) -> bool:
     """``m`` is a size-1-view of ``where(cond, 0, v <= -1e30)`` (every entry exactly 0 or a fill value: after adding
     finite scores the unmasked entries are strictly above the masked ones) with a fact that puts a fill value at every
-    key after the query (:class:`_NegMask`) or at every padding key (:class:`_NegKeys`), on ``S``'s last two dims."""
-    ps = _ps()
+    key after the query (:class:`NegMask`) or at every padding key (:class:`NegKeys`), on ``S``'s last two dims."""
     t = example_of(m)
-    if not isinstance(t, torch.Tensor) or t.dtype not in ps._NEG_MASK_DTYPES or t.dim() < 2 or t.dim() > ts.dim():
+    if not isinstance(t, torch.Tensor) or t.dtype not in _NEG_MASK_DTYPES or t.dim() < 2 or t.dim() > ts.dim():
         return False
     if not (same_size(t.shape[-1], ts.shape[-1]) and same_size(t.shape[-2], ts.shape[-2])):
         return False
     root, _ = _root(m)
-    if ps._op_name(root) != "where" or len(root.args) != 3 or not ps._is_zero(root.args[1]):
+    if _op_name(root) != "where" or len(root.args) != 3 or not _is_zero(root.args[1]):
         return False
     fill = root.args[2]
-    if not ((isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -ps._HUGE)
-            or (isinstance(fill, torch.fx.Node) and ps._is_negative_constant(fill))):
+    if not ((isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -_HUGE)
+            or (isinstance(fill, torch.fx.Node) and _is_negative_constant(fill))):
         return False
     fact = facts.get(m)
-    return (isinstance(fact, ps._NegMask) and fact.tail == 0 and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)) or (
-        isinstance(fact, ps._NegKeys) and fact.k == t.dim() - 1)
+    return (isinstance(fact, NegMask) and fact.tail == 0 and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)) or (
+        isinstance(fact, NegKeys) and fact.k == t.dim() - 1)
 
 
 def _scatter_picked_mask(sc: torch.fx.Node, ts: torch.Tensor, m1: torch.fx.Node, same_size, additive: bool,
@@ -239,14 +264,13 @@ def _scatter_picked_mask(sc: torch.fx.Node, ts: torch.Tensor, m1: torch.fx.Node,
     a mask holding ``M1``'s elements (boolean masks), or, for an additive mask, as the condition of
     ``M2f.masked_fill(not_kept, v <= -1e30)`` with ``M2f`` holding ``M1f``'s elements: the nodes from the scatter to
     the NOT, and the masked_fill nodes with the fact they carry (``M2f``'s); else None."""
-    ps = _ps()
     base = sc.args[0] if sc.args else None
     tb, tsc = example_of(base), example_of(sc)
-    dim = ps._static_int(ps._arg(sc, 1, "dim", None))
-    value = ps._arg(sc, 3, "value", ps._arg(sc, 3, "src", None))
+    dim = _static_int(_arg(sc, 1, "dim", None))
+    value = _arg(sc, 3, "value", _arg(sc, 3, "src", None))
     if not (isinstance(base, torch.fx.Node) and isinstance(tb, torch.Tensor) and tb.dtype == torch.bool
-            and ps._op_name(base) in ps._ALL_TRUE_FACTORIES and len(base.users) == 1 and dim is not None
-            and ps._norm_dim(dim, tb.dim()) == tb.dim() - 1 and value is False and "reduce" not in sc.kwargs
+            and _op_name(base) in _ALL_TRUE_FACTORIES and len(base.users) == 1 and dim is not None
+            and _norm_dim(dim, tb.dim()) == tb.dim() - 1 and value is False and "reduce" not in sc.kwargs
             and len(sc.args) <= 4 and tb.dim() == ts.dim()
             and all(same_size(a, b) for a, b in zip(tb.shape, ts.shape))):
         return None
@@ -259,8 +283,8 @@ def _scatter_picked_mask(sc: torch.fx.Node, ts: torch.Tensor, m1: torch.fx.Node,
         if len(users) != 1:
             return None
         u = users[0]
-        name = ps._op_name(u) if u.op in ("call_function", "call_method") else None
-        if name in ps._NOTS and len(u.args) == 1:
+        name = _op_name(u) if u.op in ("call_function", "call_method") else None
+        if name in _NOTS and len(u.args) == 1:
             nodes.add(u)
             notp = u
             break
@@ -268,7 +292,7 @@ def _scatter_picked_mask(sc: torch.fx.Node, ts: torch.Tensor, m1: torch.fx.Node,
             return None
         nodes.add(u)
         cur = u
-    ands = _only_users(notp, lambda a: a.op in ("call_function", "call_method") and ps._op_name(a) in ps._ANDS
+    ands = _only_users(notp, lambda a: a.op in ("call_function", "call_method") and _op_name(a) in _ANDS
                        and len(a.args) == 2 and not a.kwargs and example_of(a).dtype == torch.bool)
     if ands is None:
         return None
@@ -283,7 +307,6 @@ def _fill_consumers(cur: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor, m1f
                     nodes: set[torch.fx.Node]) -> tuple[set[torch.fx.Node], list[tuple[torch.fx.Node, Any]]] | None:
     """From the scatter ``cur`` on: size-1 views, then only ``M2f.masked_fill(view, v <= -1e30)`` with ``M2f`` holding
     ``M1f``'s elements (and of its shape)."""
-    ps = _ps()
     while True:
         users = list(cur.users)
         if len(users) == 1 and _dim_map(users[0]) is not None:
@@ -293,11 +316,11 @@ def _fill_consumers(cur: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor, m1f
         break
     carried = []
     for u in users:
-        if not (u.op in ("call_function", "call_method") and ps._op_name(u) == "masked_fill" and len(u.args) == 3
+        if not (u.op in ("call_function", "call_method") and _op_name(u) == "masked_fill" and len(u.args) == 3
                 and not u.kwargs and u.args[1] is cur and isinstance(u.args[0], torch.fx.Node)):
             return None
         m2f, fill = u.args[0], u.args[2]
-        if not (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -ps._HUGE):
+        if not (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -_HUGE):
             return None
         tu, tm2 = example_of(u), example_of(m2f)
         if not (isinstance(tm2, torch.Tensor) and tu.dim() == tm2.dim() and all(
@@ -314,14 +337,13 @@ def _fill_consumers(cur: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor, m1f
 def _dim_map(node: torch.fx.Node) -> tuple[torch.fx.Node, list[int | None]] | None:
     """``node`` as a view of its input that keeps dims in order: (input, per output dim the input dim or None for
     an inserted size-1 dim). Only ``unsqueeze`` and subscripts of None, full slices, Ellipsis and ints on size-1 dims."""
-    ps = _ps()
-    name = ps._op_name(node) if node.op in ("call_function", "call_method") else None
+    name = _op_name(node) if node.op in ("call_function", "call_method") else None
     src = node.args[0] if node.args else None
     t, out = example_of(src), example_of(node)
     if not isinstance(src, torch.fx.Node) or not isinstance(t, torch.Tensor) or not isinstance(out, torch.Tensor):
         return None
     if name == "unsqueeze":
-        at = ps._static_int(ps._arg(node, 1, "dim", None))
+        at = _static_int(_arg(node, 1, "dim", None))
         if at is None:
             return None
         at %= out.dim()
@@ -345,7 +367,7 @@ def _dim_map(node: torch.fx.Node) -> tuple[torch.fx.Node, list[int | None]] | No
         elif isinstance(item, slice) and item == slice(None):
             res.append(d)
             d += 1
-        elif isinstance(item, int) and not isinstance(item, bool) and ps._static_int(t.shape[d]) == 1 and item in (0, -1):
+        elif isinstance(item, int) and not isinstance(item, bool) and _static_int(t.shape[d]) == 1 and item in (0, -1):
             d += 1  # the only index of a size-1 dim
         else:
             return None
@@ -372,7 +394,7 @@ def _drop_ones(node: torch.fx.Node, dims: list[int | None]) -> list[int | None]:
 
 
 def _is_one(size: Any) -> bool:
-    return _ps()._static_int(size) == 1
+    return _static_int(size) == 1
 
 
 def _same_elements(a: torch.fx.Node, picked: torch.fx.Node, m2: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor,
@@ -404,11 +426,10 @@ def topk_invalid_buckets(plan: Any, syms: set, buckets: tuple[int, ...], proofs:
     """Mark ``plan.invalid_buckets`` where a proven top-k keeps fewer than the bucket's length of keys (``k(b) < b``,
     or not decided): there a real row may have more unmasked keys than ``k``, and which of them ``topk`` keeps on a
     tie is not the same with padding. Every bucket marked: the plan is refused, naming the ``topk``."""
-    ps = _ps()
     names = {str(s) for s in syms}
     for proof in proofs:
-        where = ps._source(proof.topk)
-        what = f"{ps._label(proof.topk)} at node {proof.topk.name}{f' ({where})' if where else ''}"
+        where = _source(proof.topk)
+        what = f"{_label(proof.topk)} at node {proof.topk.name}{f' ({where})' if where else ''}"
         for prev, b in zip((0, *sorted(buckets)), sorted(buckets)):
             if b in plan.invalid_buckets:
                 continue
@@ -418,8 +439,8 @@ def topk_invalid_buckets(plan: Any, syms: set, buckets: tuple[int, ...], proofs:
             ok = k is not None and k >= b and b - prev <= _MAX_CHECKED and all(
                 (kl := _k_at(proof.k, n, names)) is not None and kl >= n for n in range(prev + 1, b))
             if not ok:
-                plan.invalid_buckets[b] = (
-                    f"not proven: {what} keeps k = {proof.k} keys per query row, {k} at bucket {b}: a real row with more "
+                plan.invalid_buckets[b] = NotProven(
+                    f"{what} keeps k = {proof.k} keys per query row, {k} at bucket {b}: a real row with more "
                     "unmasked keys than k picks among them, and a tie at the k-th score is broken differently with padding")
         if len(plan.invalid_buckets) == len(buckets):
             k0 = proof.k.xreplace({s: sympy.Integer(buckets[0]) for s in proof.k.free_symbols if str(s) in names})

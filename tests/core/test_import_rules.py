@@ -26,6 +26,7 @@ SHARED = ("analysis", "fx_utils", "torch_compat", "patterns", "errors", "roots",
 PASS_FEATURE_IMPORTS = {
     "graphpass.capturing.ops", "graphpass.offloading.ops", "graphpass.offloading.runtime",
     "graphpass.offloading.facts", "graphpass.offloading.schedule", "graphpass.static_shapes.plan", "graphpass.static_shapes.padding_safety",
+    "graphpass.static_shapes.padding_proof",
     "graphpass.static_shapes.causal_functions", "graphpass.static_shapes.topk_mask",
     "graphpass.static_shapes.position_tables",
 }

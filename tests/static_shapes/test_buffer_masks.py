@@ -271,7 +271,8 @@ def test_real_models_are_bucketed_and_exact(family):
 def test_scores_plus_a_pure_additive_mask_are_not_pure():
     """``where(causal, 0, min)`` is exactly 0 on its diagonal (pure), so ``.bool()`` of it is the masked-above
     entries; scores plus it are not 0 on the diagonal, so ``.bool()`` of those proves nothing."""
-    from graphpass.static_shapes import padding_safety as ps
+    from graphpass.static_shapes import padding_proof as ps
+    from graphpass.static_shapes.padding_proof.nodes import _op_name
 
     def fn(x):
         pos = torch.arange(x.shape[1])
@@ -282,6 +283,6 @@ def test_scores_plus_a_pure_additive_mask_are_not_pure():
     torch._dynamo.reset()
     torch.compile(fn, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)(torch.randn(2, 7, 3))
     facts = ps.index_provenance(graphs[0])
-    pure, summed = [n for n in graphs[0].graph.nodes if ps._op_name(n) == "bool"]
-    assert isinstance(facts.get(pure), ps._MaskedAbove)
+    pure, summed = [n for n in graphs[0].graph.nodes if _op_name(n) == "bool"]
+    assert isinstance(facts.get(pure), ps.MaskedAbove)
     assert facts.get(summed) is None
