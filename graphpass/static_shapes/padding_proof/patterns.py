@@ -15,7 +15,7 @@ claim before them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
