@@ -109,3 +109,13 @@ def test_an_attention_mask_lists_the_ones_check():
     assert not check.holds([am0 if "attention_mask" in n else None for n in names])
     assert "is not 1 everywhere in this call" in check.why()
     assert proof.proven_by[_node(gm, "softmax").name] == "masked_softmax"
+
+
+def test_invalid_bucket_reasons_are_typed_and_word_their_own_warning():
+    from graphpass.static_shapes.padding_proof import GuardFails, InvalidBucket, NotProven
+
+    guard, topk = GuardFails("Eq(s0, 6) (f.py:3 in scan)"), NotProven("Tensor.topk at node topk keeps k = 4 keys")
+    assert isinstance(guard, InvalidBucket) and isinstance(topk, InvalidBucket) and "topk" in topk
+    assert guard.warning(16) == ("Dynamo's guard Eq(s0, 6) (f.py:3 in scan) fails at bucket 16, so this graph is not the "
+                                 "traced code's graph at that size")
+    assert topk.warning(16) == "bucket 16 is not proven for this graph: Tensor.topk at node topk keeps k = 4 keys"
