@@ -1,7 +1,8 @@
 """Static shapes: the allocation audit, padding to buckets and slices of static buffers.
 
 Modules: ``allocation_audit`` (:func:`audit`: every variable-size allocation with a verdict),
-``padding_safety`` (may a graph be padded along a dim, with its op tables), ``dispatcher`` (one
+``padding_proof`` (may a graph be padded along a dim: a package of op, fact and pattern rules registered by
+name, :func:`~.padding_proof.prove_padding`; ``padding_safety`` re-exports its older names), ``dispatcher`` (one
 static graph per bucket at run time), ``buckets`` (:func:`choose_buckets`: the bucket sizes that pad
 a workload's lengths least for a budget of graphs), ``bucketed_cache`` (:class:`BucketedCache`: a
 transformers key/value cache sized by decode-context buckets, for ``generate()``; imported on first use,
