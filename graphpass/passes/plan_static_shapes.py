@@ -162,7 +162,8 @@ def _prove_padding(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.
     values = {n.name: v for n, v in zip(placeholders, ctx.example_inputs) if isinstance(v, torch.Tensor)}
     for v in check_padding_safety(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero, relied_on=relied,
                                   trusted=trusted, values=values, tables=tables, rules=[topk_masks],
-                                  proofs=topks, table_reads=reads):
+                                  proofs=topks, table_reads=reads,
+                                  upper={str(s): cfg.largest for s in (*plan.symbols, *plan.ties)}):
         plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
     if topks and not plan.refused:
         topk_invalid_buckets(plan, syms, cfg.buckets, topks)

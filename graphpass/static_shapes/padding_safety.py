@@ -13,7 +13,7 @@ tensor inputs and output and at its arguments, and decides whether the op mixes 
 padded dim:
 
 * **safe** -- pointwise ops (:data:`POINTWISE`), dim-wise layout ops (:data:`LAYOUT`), reshapes that
-  keep rows apart (:data:`RESHAPES`, see :func:`_reshape_keeps_rows`), indexing that counts from
+  keep rows apart (:data:`RESHAPES`, decided by :mod:`.padding_layout`), indexing that counts from
   the start of the padded dim, factories (:data:`FACTORIES`: ``arange(L)`` gives row ``i`` the
   value ``i`` with or without padding), size queries (:data:`META`), ops along / contracting /
   normalising over dims that are not padded, ``cat`` whose padded piece is the last one, ``stack``,
@@ -51,9 +51,10 @@ import torch
 
 from .buffer_masks import CausalTable, is_causal_table
 from .causal_functions import causal_function_of, check_causal_edges
+from .padding_layout import layout_sweep
 from .position_tables import TableRead
-from ..fx_utils import (example_of, flat_nodes, mentions_symbol, op_name, ran_inside, schema_position, size_expr, source_frame,
-                        tensors_of, writes_into)
+from ..fx_utils import (example_of, flat_nodes, mentions_symbol, op_name, ran_inside_file, schema_position, size_expr,
+                        size_range, source_frame, tensors_of, writes_into)
 from ..tensor_utils import shape_env_of
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ LAYOUT: frozenset[str] = frozenset(
     "expand_as broadcast_to stack".split()
 )
 
-#: Reshapes reinterpret the row-major element order: checked by :func:`_reshape_keeps_rows`.
+#: Reshapes reinterpret the row-major element order: where each padded factor lands is :mod:`.padding_layout`'s.
 RESHAPES: frozenset[str] = frozenset(
     "view reshape flatten unflatten view_as reshape_as _unsafe_view ravel".split()
 )
@@ -245,20 +246,54 @@ _KNOWN: frozenset[str] = (
     | frozenset(FACTORIES) | frozenset(ALONG_DIM) | frozenset(MATMULS) | frozenset(NORMS)
 )
 
-#: Library functions checked as a whole instead of op by op: every output row of each, along the
-#: padded dim, depends only on the same rows of its inputs, for the reason given. Their inner ops
-#: (a sort of the tokens by expert, gathers, a count per expert, grouped GEMMs, the inverse
-#: permutation) are not row-wise one by one, but the function is. (path suffix, function) -> reason.
-ROW_WISE_FUNCTIONS: Mapping[tuple[str, str], str] = MappingProxyType({
-    ("transformers/integrations/moe.py", "grouped_mm_experts_forward"):
+@dataclass(frozen=True)
+class RowWiseFunction:
+    """A library function trusted as row-wise as a whole: its code (with ``helpers``, the same file's module-level
+    functions it calls) must have ``digest`` (:func:`.causal_functions.source_digest`), so an edited or vendored copy,
+    or another release's, is checked op by op again; ``reason``: why every output row depends on its own row only."""
+
+    digest: str
+    reason: str
+    helpers: tuple[str, ...] = ()
+
+
+#: Library functions checked as a whole instead of op by op: every output row of each, along the padded dim,
+#: depends only on the same rows of its inputs, for the reason given. Their inner ops (a sort of the tokens by expert,
+#: gathers, a count per expert, grouped GEMMs, the inverse permutation) are not row-wise one by one, but the function
+#: is. A node is trusted when it was traced inside one of them, its innermost frame is the function or one of its
+#: helpers (not a model's own ``_apply_gate`` it calls), and the file's source has the digest. (path suffix,
+#: function) -> the proven code.
+ROW_WISE_FUNCTIONS: Mapping[tuple[str, str], RowWiseFunction] = MappingProxyType({
+    ("transformers/integrations/moe.py", "grouped_mm_experts_forward"): RowWiseFunction(
+        "4b3136e0cabfa5ba",
         "dropless top-k experts: the token-expert pairs are sorted by expert, each row is multiplied by its own "
         "expert's weights (the group offsets are counted from the same sorted rows), the inverse permutation puts "
         "every row back, and a token's k results are summed in its own row; no capacity, so no token is dropped "
         "because of another",
-    ("transformers/integrations/moe.py", "batched_mm_experts_forward"):
+        helpers=("_grouped_linear", "_grouped_mm", "_can_use_grouped_mm", "_default_apply_gate")),
+    ("transformers/integrations/moe.py", "batched_mm_experts_forward"): RowWiseFunction(
+        "2d673d4ddafb277c",
         "dropless top-k experts: each token-expert pair is multiplied by its own gathered expert weights and a "
         "token's k results are summed in its own row",
+        helpers=("_batched_linear", "_default_apply_gate")),
 })
+
+
+def _row_wise_function(node: torch.fx.Node) -> str | None:
+    """The trusted row-wise function ``node`` was traced inside (its name), or None (see :data:`ROW_WISE_FUNCTIONS`)."""
+    from .causal_functions import source_digest
+
+    for (suffix, name), fn in ROW_WISE_FUNCTIONS.items():
+        path = ran_inside_file(node, suffix, name)
+        if path is None:
+            continue
+        frame = source_frame(node)
+        if frame is None or frame.file != suffix.rsplit("/", 1)[-1] or frame.function not in (name, *fn.helpers):
+            continue  # a model's own code called from inside it (an overridden _apply_gate): checked op by op
+        if source_digest(path, name, fn.helpers) == fn.digest:
+            return name
+    return None
+
 
 #: Namespaces whose OpOverloads are read through the tables above; graphpass's are always safe.
 _TABLE_NAMESPACES = frozenset({"aten", "prims"})
@@ -673,6 +708,10 @@ def _check_attention(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
         if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.dim() - 2 in ctx.padded(t):
             mask = _arg(node, 3, "attn_mask", None)
             causal = _arg(node, 5, "is_causal", False) is True or _causal_mask(mask, ctx)
+            if causal and ctx.causal_ok and not _rows_aligned(q, k, ctx):
+                return t.dim() - 2, ("causal attention whose queries and keys do not have the same padded length "
+                                     f"({size_expr(q.shape[-2]) if isinstance(q, torch.Tensor) and q.dim() >= 2 else '?'} "
+                                     f"queries, {size_expr(k.shape[-2])} keys): a real query row may see a padding key")
             if causal and ctx.causal_ok:
                 break  # row i sees rows <= i; the padding sits after every real row
             if _pad_keys_masked(mask, ctx):
@@ -682,6 +721,16 @@ def _check_attention(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | No
             why = " without is_causal or a mask proven causal" if ctx.causal_ok else ""
             return t.dim() - 2, "attention over the padded sequence" + why
     return _value_use(node, ctx)
+
+
+def _rows_aligned(q: Any, k: Any, ctx: _Ctx) -> bool:
+    """Causality along the padded dim needs the query and key rows to line up: query ``i`` may see keys ``j <= i``,
+    and that keeps a real query row off the padding keys only when there are at least as many real keys as real
+    queries. Both rows start at row 0 of their tensors (anything else is refused where it is sliced), so that holds
+    when both dims have the same padded length (the same size expression). A key tensor that is a shifted slice of
+    the queries' rows (``h[:, :, 1:]``, ``L - 1`` rows against ``L``) or static queries over padded keys do not."""
+    return isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 2 and k.dim() >= 2 \
+        and ctx.same_size(q.shape[-2], k.shape[-2])
 
 
 def _additive_causal_mask(mask: Any, q: Any, k: Any, ctx: _Ctx) -> bool:
@@ -695,7 +744,8 @@ def _additive_causal_mask(mask: Any, q: Any, k: Any, ctx: _Ctx) -> bool:
     if not (isinstance(fact, _NegMask) and fact.tail == 0 and isinstance(m, torch.Tensor) and m.dim() >= 2
             and m.dtype in _NEG_MASK_DTYPES and (fact.q, fact.k) == (m.dim() - 2, m.dim() - 1)
             and isinstance(q, torch.Tensor) and q.dim() >= 2 and isinstance(k, torch.Tensor) and k.dim() >= 2
-            and ctx.same_size(m.shape[-2], q.shape[-2]) and ctx.same_size(m.shape[-1], k.shape[-2])):
+            and ctx.same_size(m.shape[-2], q.shape[-2]) and ctx.same_size(m.shape[-1], k.shape[-2])
+            and _rows_aligned(q, k, ctx)):
         return False
     ctx.relied_on.update(fact.needs)
     return True
@@ -897,7 +947,7 @@ def _check_repeat(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
         c = _static_int(counts[i]) if 0 <= i < len(counts) else 1
         if c is not None and c > 1 and len(pads) == 1:
             # c copies of the rows one after the other: x.unsqueeze(d).expand(c at d).reshape(c * n at d), the
-            # merge of a static dim into the padded one that _reshape_keeps_rows accepts (llama4's MoE repeats
+            # merge of a static dim into the padded one that the layout sweep follows (llama4's MoE repeats
             # the tokens once per expert and views them back as [experts, tokens, hidden])
             continue
         if c != 1:
@@ -972,7 +1022,69 @@ def _check_conv1d(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
         return _value_use(node, ctx)
     if not causal:
         return pads[0], f"{name} along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"
+    extra = 2 * padding[0] - (k - 1) * dilation[0]
+    if extra > 0:
+        bad = _unsliced_extra_rows(node, x.dim() - 1, x.shape[-1], ctx)
+        if bad is not None:
+            return pads[0], (f"{name}'s {extra} output rows past the input's length read its zero padding unpadded and "
+                             f"padding rows bucketed; {_label(bad)} at node {bad.name} reads them (only a slice "
+                             "[..., :length] may, before anything else)")
     return _value_use(node, ctx)
+
+
+def _unsliced_extra_rows(node: torch.fx.Node, dim: int, length: Any, ctx: _Ctx) -> torch.fx.Node | None:
+    """The obligation of a causal convolution: its output rows ``length ..`` (past the input's length; the last rows
+    of an unpadded call read the convolution's own zero padding, of a bucketed one the bucket's padding rows) are
+    dropped by a prefix slice ``[..., :length]`` of ``dim`` before anything else reads them. Pointwise ops with no
+    other padded operand may come first (they keep those rows in place). Returns the first node that reads them, or
+    None."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            name = _op_name(u) if u.op in ("call_function", "call_method") else None
+            out = example_of(u)
+            if name == "getitem" and _prefix_slice_of(u, dim, length, ctx):
+                continue
+            if name in ("narrow", "slice") and _static_int(_arg(u, 1, "dim", None)) in (dim, dim - example_of(n).dim()) \
+                    and _starts_at_row_0(_arg(u, 2, "start", None)) \
+                    and ctx.same_size(_arg(u, 3, "length" if name == "narrow" else "end", None), length) \
+                    and _static_int(_arg(u, 4, "step", 1)) in (1, None):
+                continue
+            others = [a for a in _iter_nodes((u.args, u.kwargs)) if a is not n and ctx.padded(a)]
+            if name in POINTWISE and not others and isinstance(out, torch.Tensor) \
+                    and out.dim() == example_of(n).dim() and ctx.same_size(out.shape[dim], example_of(n).shape[dim]):
+                todo.append(u)
+                continue
+            return u
+    return None
+
+
+def _prefix_slice_of(node: torch.fx.Node, dim: int, length: Any, ctx: _Ctx) -> bool:
+    """``node`` is ``x[..., :length]`` along ``dim`` of ``x`` (a full slice or an Ellipsis on every other dim)."""
+    t = example_of(node.args[0])
+    idx = node.args[1] if len(node.args) > 1 else None
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    if not isinstance(t, torch.Tensor) or any(i is None or isinstance(example_of(i), torch.Tensor) for i in items) \
+            or sum(1 for i in items if i is Ellipsis) > 1:
+        return False
+    d, found = 0, False
+    for item in items:
+        if item is Ellipsis:
+            d += t.dim() - (len(items) - 1)
+            continue
+        if not isinstance(item, slice):
+            return False
+        if d == dim:
+            found = _starts_at_row_0(item.start) and item.step in (None, 1) and item.stop is not None \
+                and ctx.same_size(item.stop, length)
+        elif item != slice(None):
+            return False
+        d += 1
+    return found
 
 
 def _valid_conv(stride: list[int] | None, padding: list[int] | None, dilation: list[int] | None, k: int | None) -> bool:
@@ -1010,63 +1122,38 @@ def _check_unfold(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
     return _value_use(node, ctx)
 
 
-def _exact(expr: sympy.Expr, env: ShapeEnv | None) -> sympy.Expr:
-    """``expr`` with every ``a // b`` the shape env knows to be exact (``a % b == 0`` was
-    guarded, e.g. by a view) replaced by ``a / b``, so that ``4 * (H // 4)`` cancels to ``H``."""
-    from torch.utils._sympy.functions import FloorDiv
-
-    known = getattr(env, "divisible", None) or ()
-    reps = {}
-    for atom in expr.atoms(FloorDiv):
-        base, div = atom.args
-        if any(m.args == (base, div) for m in known):
-            reps[atom] = base / div
-    return sympy.expand(expr.xreplace(reps)) if reps else expr
-
-
-def _divides(a: sympy.Expr, b: sympy.Expr) -> bool:
-    """``a`` divides ``b`` for every value of the symbols (as far as sympy can tell)."""
-    if a == 0:
-        return False
-    return sympy.cancel(b / a).is_integer is True
-
-
-def _reshape_keeps_rows(src: torch.Tensor, dst: torch.Tensor, ctx: _Ctx) -> bool:
-    """Whether a row-major reshape ``src -> dst`` keeps rows apart.
-
-    For a padded dim ``d`` of a shape ``S`` let ``C = prod(S[d+1:])`` (the row stride) and
-    ``E = prod(S[d:])`` (the block of all rows). Rows survive the reshape when every padded dim
-    on either side pairs with one on the other side whose ``C`` and ``E`` nest the same way:
-    merging the padded dim with its trailing dims ([B, L, H] -> [B, L*H]) or its leading dims
-    ([B, L, H] -> [B*L, H]) and splitting those back. [B, L, H] -> [B, H, L] scrambles rows.
-    """
-    env = shape_env_of(src) or shape_env_of(dst)
-
-    def blocks(t: torch.Tensor) -> list[tuple[sympy.Expr, sympy.Expr]]:
-        shape = [_exact(size_expr(s), env) for s in t.shape]
-        return [(sympy.Mul(*shape[d + 1:]), sympy.Mul(*shape[d:])) for d in ctx.padded(t)]
-
-    a, b = blocks(src), blocks(dst)
-
-    def pairs(c1: sympy.Expr, e1: sympy.Expr, c2: sympy.Expr, e2: sympy.Expr) -> bool:
-        return (_divides(c1, c2) and _divides(e2, e1)) or (_divides(c2, c1) and _divides(e1, e2))
-
-    return all(any(pairs(c, e, c2, e2) for c2, e2 in b) for c, e in a) and all(
-        any(pairs(c, e, c2, e2) for c2, e2 in a) for c, e in b
-    )
-
-
 def _check_reshape(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
-    src = example_of(node.args[0] if node.args else _arg(node, 0, "input"))
-    dst = example_of(node)
-    if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
+    """Reshapes are decided by the layout sweep (:mod:`.padding_layout`): where each padded factor lands, and
+    whether the rows come back in the same order. Here only a reshape whose sizes are values of the length."""
+    return None
+
+
+def _along_dims(node: torch.fx.Node, name: str | None) -> list[int] | None:
+    """The dims an op of :data:`ALONG_DIM` combines values along (every dim when none is given), or None for
+    another op (read as :func:`_check_along_dim` reads them)."""
+    if name not in ALONG_DIM:
         return None
-    if _reshape_keeps_rows(src, dst, ctx):
+    t = example_of(_arg(node, 0, "input"))
+    if not isinstance(t, torch.Tensor):
         return None
-    pads = ctx.padded(src)
-    return (pads[0] if pads else None), (
-        f"{name} {tuple(src.shape)} -> {tuple(dst.shape)} moves padding rows away from the end of the padded dim"
-    )
+    if name in ("max", "min") and _is_tensor_arg(_arg(node, 1, "other", None)):
+        return []
+    spec = ALONG_DIM[name]
+    raw = _arg(node, spec.pos, spec.kw, _MISSING)
+    if node.op == "call_method" and name == "flip" and len(node.args) > 2:
+        raw = list(node.args[1:])
+    if raw is _MISSING or raw is None or isinstance(raw, bool):
+        raw = spec.default
+    dims = None if isinstance(raw, str) else _dims(raw)
+    if not dims:
+        return list(range(t.dim()))
+    return [_norm_dim(d, t.dim()) for d in dims]
+
+
+#: Ops that may read a padded dim whose rows are interleaved with another dim's (after a reshape merged them): they
+#: treat every index of that dim alike (their own rules still refuse them along it).
+_ROW_WISE_ANY_LAYOUT = POINTWISE | frozenset(NORMS) | frozenset(ALONG_DIM) | META | frozenset(FACTORIES) | frozenset(
+    {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "stack"})
 
 
 def _check_factory(node: torch.fx.Node, name: str, ctx: _Ctx) -> _Finding | None:
@@ -1219,8 +1306,8 @@ def _check_node(node: torch.fx.Node, ctx: _Ctx) -> _Finding | None:
         return None
     if node.op == "call_function" and _namespace(node.target) in _SAFE_NAMESPACES:
         return None  # graphpass's own markers: no outputs, run-time side effects only
-    if any(ran_inside(node, path, fn) for path, fn in ROW_WISE_FUNCTIONS):
-        return None  # inside a library function that is row-wise as a whole
+    if _row_wise_function(node) is not None:
+        return None  # inside a library function that is row-wise as a whole (its proven source)
     causal_fn = causal_function_of(node) if ctx.causal_ok else None
     if causal_fn is not None:  # inside a proven causal scan: only its edges are checked
         ctx.trusted.add(causal_fn)
@@ -1798,8 +1885,8 @@ def _keeps(fact: Any, out: torch.Tensor) -> bool:
         return out.dtype.is_floating_point
     if isinstance(fact, _OnePad):
         return out.dtype != torch.bool and not out.dtype.is_complex
-    if isinstance(fact, _PadCount):  # a count up to the length: no narrow integer type that may wrap it to 0
-        return out.dtype in (torch.int64, torch.int32, torch.float32, torch.float64, torch.bool)
+    if isinstance(fact, _PadCount):  # a count up to the length: integer types whose range _values_fit checks
+        return out.dtype in _INT_DTYPES
     return True
 
 
@@ -1823,7 +1910,48 @@ def _count_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, An
 
 
 def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node] = frozenset(),
-             ties: Mapping[Any, Any] = MappingProxyType({})) -> Any:
+             ties: Mapping[Any, Any] = MappingProxyType({}), upper: Mapping[str, int] | None = None) -> Any:
+    """The fact of ``node``'s value, or None. An integer fact (positions, a pad count) is kept only where every value
+    it stands for fits the node's dtype at every size (:func:`_values_fit`): a fact derived in a wider type, or in
+    this one before it wrapped, says nothing about a value that wrapped (``arange(L).to(torch.int8)`` past 127)."""
+    fact = _derive_fact(node, facts, huge, ties)
+    if isinstance(fact, (_Positions, _PadCount)) and not _values_fit(fact, example_of(node), upper):
+        return None
+    return fact
+
+
+#: The integer dtypes whose every value a 64-bit index holds exactly (a position or count that fits survives).
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64)
+
+
+def _values_fit(fact: Any, out: Any, upper: Mapping[str, int] | None) -> bool:
+    """Whether every value ``fact`` says ``out`` holds lies in ``out``'s dtype at every size the graph runs at.
+
+    :class:`_Positions` holds ``i + offset`` at index ``i < n`` (``n`` the size of its dim) plus a run-time ``base``;
+    :class:`_PadCount` holds counts ``0 .. n``. The ends come from torch's value-range analysis
+    (:func:`~graphpass.fx_utils.size_range`) over the symbols' ranges, capped by ``upper`` (symbol name -> the largest
+    bucket, the largest size a padded call runs at). A run-time base has no known range: only ``int64`` keeps it."""
+    if not isinstance(out, torch.Tensor) or out.dtype not in _INT_DTYPES:
+        return False
+    if out.dtype == torch.int64:
+        return True  # no size reaches 2**63
+    if getattr(fact, "base", None) is not None:
+        return False
+    n = size_expr(out.shape[fact.dim])
+    if isinstance(fact, _Positions):
+        lo, hi = size_range(n - 1 + fact.offset, shape_env_of(out), upper)
+        lo = min(lo, fact.offset)
+    else:
+        lo, hi = 0, size_range(n, shape_env_of(out), upper)[1]
+    info = torch.iinfo(out.dtype)
+    try:
+        return bool(lo >= info.min) and bool(hi <= info.max)
+    except TypeError:  # an end sympy cannot order (a symbol left over)
+        return False
+
+
+def _derive_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node] = frozenset(),
+                 ties: Mapping[Any, Any] = MappingProxyType({})) -> Any:
     out = example_of(node)
     name = _op_name(node) if node.op in ("call_function", "call_method") else None
     if name is None or not isinstance(out, torch.Tensor):
@@ -1993,12 +2121,15 @@ def _scalar_tensor_root(value: Any) -> str | None:
 
 def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None,
                      ties: Mapping[Any, Any] | None = None, values: Mapping[str, Any] | None = None,
-                     proven: Mapping[torch.fx.Node, Any] | None = None) -> dict[torch.fx.Node, Any]:
+                     proven: Mapping[torch.fx.Node, Any] | None = None,
+                     upper: Mapping[str, int] | None = None) -> dict[torch.fx.Node, Any]:
     """The position and causal-mask facts of ``gm``'s nodes (see the section comment above).
     ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim; ``ties``: size symbols padded
     together (symbol -> the one it equals on every call); ``values``: placeholder name -> the real tensor it takes
     (a module buffer), whose values may prove it a causal table (:mod:`.buffer_masks`); ``proven``: facts of nodes
-    proven by a whole-pattern rule (a top-k indexer's narrowed additive mask, :mod:`.topk_mask`)."""
+    proven by a whole-pattern rule (a top-k indexer's narrowed additive mask, :mod:`.topk_mask`); ``upper``: symbol
+    name -> the largest size a padded call runs at (the largest bucket), which bounds the values of integer facts
+    (:func:`_values_fit`)."""
     ties = MappingProxyType(dict(ties or {}))
     facts: dict[torch.fx.Node, Any] = {n: _ZeroPad(d, n.name) for n, d in (zero_padded or {}).items()}
     facts.update(_table_facts(gm, values or {}))
@@ -2007,7 +2138,7 @@ def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Nod
     for node in gm.graph.nodes:
         if node in facts:
             continue
-        fact = _fact_of(node, facts, huge, ties)
+        fact = _fact_of(node, facts, huge, ties, upper)
         if fact is not None:
             facts[node] = fact
     return facts
@@ -2101,6 +2232,7 @@ def check_padding_safety(
     relied_on: set[str] | None = None, trusted: set[str] | None = None,
     values: Mapping[str, Any] | None = None, tables: dict[str, CausalTable] | None = None,
     rules: Sequence[PatternRule] = (), proofs: list[Any] | None = None, table_reads: list[TableRead] | None = None,
+    upper: Mapping[str, int] | None = None,
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -2130,13 +2262,15 @@ def check_padding_safety(
     through an earlier one's). Only where the padding sits at the end (``causal_ok``). ``proofs``: when given, filled
     with the proofs; a proof may hold conditions on the bucket sizes that the caller checks (a top-k's ``k``).
     ``table_reads``: when given, filled with the lookups of static-size tables by position (:mod:`.position_tables`).
+    ``upper``: symbol name -> the largest size a padded call runs at (the largest bucket): integer facts survive a
+    narrow dtype only when their values fit it up to there (without it, only the shape env's ranges count).
 
     Nodes whose values reach no output (dead code the model computes and never uses) are not checked.
     Returns the violations in graph order; an empty list means padding is safe.
     """
     def provenance(carried: dict | None = None) -> MappingProxyType:
         zero = _zero_padded(gm, set(zero_padded), _symbol_names(symbols))
-        return MappingProxyType(index_provenance(gm, zero, ties, values, carried))
+        return MappingProxyType(index_provenance(gm, zero, ties, values, carried, upper))
 
     ctx = _Ctx(names=_symbol_names(symbols), causal_ok=causal_ok, facts=provenance(),
                ties=MappingProxyType(dict(ties or {})), table_reads=[] if table_reads is None else table_reads)
@@ -2148,8 +2282,16 @@ def check_padding_safety(
     if tables is not None:
         tables.update({n.name: CausalTable(n.name, values[n.name]) for n in gm.graph.nodes
                        if n.op == "placeholder" and n in live and isinstance(ctx.facts.get(n), _Causal)})
-    for node in (n for n in gm.graph.nodes if n in live and n not in proven):
-        if (hit := _check_node(node, ctx)) is not None:
+    _, layout = layout_sweep(gm, padded=ctx.padded, name_of=_op_name, arg_of=_arg, along_dims=_along_dims,
+                             row_wise=lambda name: name in _ROW_WISE_ANY_LAYOUT,
+                             transparent=lambda n: n.op == "call_function" and _namespace(n.target) in _SAFE_NAMESPACES,
+                             inside=lambda n: ("causal" if causal_ok and causal_function_of(n) is not None else
+                                               "row_wise" if _row_wise_function(n) is not None else None))
+    for node in (n for n in gm.graph.nodes if (n in live or n.op == "output") and n not in proven):
+        hit = _check_node(node, ctx)  # the op's own rule first: it names what the op does along the padded dim
+        if hit is None:
+            hit = layout.get(node)
+        if hit is not None:
             out.append(PaddingViolation(node=node.name, op=_label(node), dim=hit[0], reason=hit[1], source=_source(node)))
     for into, got in ((relied_on, ctx.relied_on), (trusted, ctx.trusted)):
         if into is not None:
