@@ -177,6 +177,7 @@ def _prove_padding(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.
             ctx.log.append(f"{PlanStaticShapes.name}: buckets where the traced graph is not the code's trace (calls run "
                            f"unpadded): {plan.invalid_buckets}")
     plan.ones_inputs = {i: n.name for i, n in enumerate(placeholders) if n.name in relied}
+    plan.zero_inputs = _zero_inputs(ctx, plan, placeholders, unmasked, values, (relied, trusted, set(tables)))
     plan.causal_tables = {i: tables[n.name] for i, n in enumerate(placeholders) if n.name in tables}
     if plan.causal_tables and not plan.refused:
         ctx.log.append(f"{PlanStaticShapes.name}: causal masks read from the values of "
@@ -184,6 +185,48 @@ def _prove_padding(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.
     if plan.ones_inputs and not plan.refused:
         ctx.log.append(f"{PlanStaticShapes.name}: padded only on calls where {', '.join(plan.ones_inputs.values())} "
                        "holds 1 everywhere (an additive attention mask must leave every real row a key)")
+
+
+def _zero_inputs(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.fx.Node], unmasked: set,
+                 values: dict, checked: tuple[set, set, set]) -> dict[int, str]:
+    """The padded inputs whose zero padding the padding proof may rely on (``BucketPlan.zero_inputs``: the checked
+    mode keeps their fill and varies every other one). Conservatively every zero-padded integer or boolean input
+    (token ids, attention masks: the proof reads a mask's zero padding). A zero-padded floating-point input counts
+    too where the proof needs it (a float attention mask read as a boolean): in the checked mode the proof is run
+    again with only the integer and boolean inputs zero-padded, and when it fails, with each floating-point input
+    dropped in turn from the zero-padded ones and kept out where the proof still holds, with no per-call check that the
+    proof with all of them did not already need (``checked``: the inputs it needs to hold 1, the trusted functions,
+    the causal tables). The proof holds with exactly these inputs zero-padded, so varying every other padding never
+    contradicts it (no false alarm)."""
+    zero = {i: placeholders[i].name for i, v in plan.pad_values.items() if v == 0}
+    exact = {i: name for i, name in zero.items() if (t := example_of(placeholders[i])) is not None
+             and not (t.is_floating_point() or t.is_complex())}
+    if exact == zero or plan.refused or not ctx.config.static_shapes.verify:
+        return exact
+    from ..static_shapes.padding_safety import check_padding_safety
+    from ..static_shapes.topk_mask import topk_masks
+
+    upper = {str(s): ctx.config.static_shapes.largest for s in (*plan.symbols, *plan.ties)}  # as _prove_padding's
+
+    def holds(kept: dict[int, str]) -> bool:
+        relied: set[str] = set()
+        trusted: set[str] = set()
+        tables: dict = {}
+        return not check_padding_safety(ctx.gm, unmasked, ties=plan.ties, zero_padded=set(kept.values()),
+                                        relied_on=relied, trusted=trusted, values=values, tables=tables,
+                                        rules=[topk_masks], proofs=[], table_reads=[], upper=upper) \
+            and relied <= checked[0] and trusted <= checked[1] and set(tables) <= checked[2]
+
+    if holds(exact):
+        return exact
+    kept = dict(zero)
+    for i in [i for i in zero if i not in exact]:
+        trial = {j: n for j, n in kept.items() if j != i}
+        if holds(trial):
+            kept = trial
+    ctx.log.append(f"{PlanStaticShapes.name}: the padding proof relies on the zero padding of "
+                   f"{', '.join(n for i, n in kept.items() if i not in exact)} too (verify keeps it)")
+    return kept
 
 
 def _tied_symbols(placeholders: list[torch.fx.Node], symbols: dict) -> dict:

@@ -31,6 +31,9 @@ class BucketPlan:
     # placeholder index -> a boolean input (a module's ``tril`` buffer) the padding proof read as a causal mask from
     # its values (:class:`~graphpass.static_shapes.buffer_masks.CausalTable`); checked per call, else the call runs unpadded
     causal_tables: dict[int, Any] = field(default_factory=dict)
+    # placeholder index -> name of a padded input whose zero padding the padding proof may rely on (a mask read from
+    # the padding of an attention mask); the checked mode (``verify``) keeps their fill and varies every other one
+    zero_inputs: dict[int, str] = field(default_factory=dict)
     unsliced: torch.fx.GraphModule | None = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
     # bucket -> the Dynamo guard that fails there (a graph proven through a causal function's code, whose trace
     # at the traced length is not its trace at this bucket), or "not proven: ..." (a proof that holds at some buckets
