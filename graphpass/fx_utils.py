@@ -27,7 +27,7 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Iterator, NamedTuple
+from typing import Any, Hashable, Iterable, Iterator, Mapping, NamedTuple
 
 import sympy
 import torch
@@ -421,6 +421,7 @@ class SourceFrame:
     file: str  # basename of the file
     line: int
     code: str = ""  # that line's code, when the trace shows it
+    function: str = ""  # the function the frame is in, when the trace names it
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}"
@@ -440,7 +441,7 @@ def _frame_of_trace(trace: str) -> SourceFrame | None:
         if not m or _internal(os.path.abspath(m.group(1))):
             continue
         code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
-        best = SourceFrame(os.path.basename(m.group(1)), int(m.group(2)), code)
+        best = SourceFrame(os.path.basename(m.group(1)), int(m.group(2)), code, m.group(3) or "")
     return best
 
 
@@ -508,6 +509,32 @@ def shape_env_hints(env: Any) -> dict:
     if hints is None:
         hints = getattr(env, "var_to_val", {})
     return hints
+
+
+def size_range(expr: Any, env: Any = None, upper: "Mapping[str, int] | None" = None) -> tuple[Any, Any]:
+    """The lower and upper end of a size expression (an int, a SymInt, a sympy expression) over its symbols'
+    ranges: each symbol's range in the shape env ``env`` (``var_to_range``; ``[0, oo]`` when it has none),
+    narrowed by ``upper`` (symbol name -> a largest value, e.g. the largest bucket). Torch's own value-range
+    analysis (``bound_sympy``) computes it, so it is sound where the expression decreases too. The ends are sympy
+    numbers; an unbounded end is ``int_oo`` / ``-int_oo``."""
+    from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+
+    expr = size_expr(expr)
+    if not expr.free_symbols:
+        return expr, expr
+    known = getattr(env, "var_to_range", None) or {}
+    ranges = {}
+    for s in expr.free_symbols:
+        vr = known.get(s)
+        if vr is None:
+            vr = next((r for k, r in known.items() if str(k) == str(s)), None)
+        if vr is None:
+            vr = ValueRanges(0, sympy.oo)
+        if upper and str(s) in upper:
+            vr = vr & ValueRanges(vr.lower, upper[str(s)])
+        ranges[s] = vr
+    vr = bound_sympy(expr, ranges)
+    return vr.lower, vr.upper
 
 
 def is_symbolic(size: Any) -> bool:

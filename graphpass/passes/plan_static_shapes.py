@@ -155,13 +155,17 @@ def _prove_padding(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.
     zero = {placeholders[i].name for i, v in plan.pad_values.items() if v == 0}
     values = {n.name: v for n, v in zip(placeholders, ctx.example_inputs) if isinstance(v, torch.Tensor)}
     owners = {name: t.fqn for name, t in ctx.analysis.tensors.items()}  # placeholder -> its owner: a table's FQN
+    upper = {str(s): cfg.largest for s in (*plan.symbols, *plan.ties)}  # the largest size a padded call runs at
     proof = prove_padding(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero, values=values, rules=[TOPK_MASKS],
-                          buckets=cfg.buckets, bucket_symbols=syms, table_names=owners)
+                          buckets=cfg.buckets, bucket_symbols=syms, table_names=owners, upper=upper)
     for v in proof.violations:
         plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
     plan.refused += proof.refused
     plan.invalid_buckets.update(proof.invalid_buckets)
     plan.call_checks = list(proof.call_checks)
+    plan.zero_inputs = _zero_inputs(ctx, plan, placeholders, unmasked, values,
+                                    dict(rules=[TOPK_MASKS], buckets=cfg.buckets, bucket_symbols=syms,
+                                         table_names=owners, upper=upper), proof)
     if proof.trusted and proof.safe and plan.invalid_buckets:
         ctx.log.append(f"{PlanStaticShapes.name}: buckets where the traced graph is not the code's trace (calls run "
                        f"unpadded): {plan.invalid_buckets}")
@@ -171,6 +175,42 @@ def _prove_padding(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.
     if plan.ones_inputs and not plan.refused:
         ctx.log.append(f"{PlanStaticShapes.name}: padded only on calls where {', '.join(plan.ones_inputs.values())} "
                        "holds 1 everywhere (an additive attention mask must leave every real row a key)")
+
+
+def _zero_inputs(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.fx.Node], unmasked: set,
+                 values: dict, options: dict, proof: Any) -> dict[int, str]:
+    """The padded inputs whose zero padding the padding proof may rely on (``BucketPlan.zero_inputs``: the checked
+    mode keeps their fill and varies every other one). Conservatively every zero-padded integer or boolean input
+    (token ids, attention masks: the proof reads a mask's zero padding). A zero-padded floating-point input counts
+    too where the proof needs it (a float attention mask read as a boolean): in the checked mode the proof is run
+    again with only the integer and boolean inputs zero-padded, and when it fails, with each floating-point input
+    dropped in turn from the zero-padded ones and kept out where the proof still holds, with no per-call check that
+    ``proof`` (the proof with all of them) did not already need (the inputs it needs to hold 1, the trusted
+    functions, the causal tables). The proof holds with exactly these inputs zero-padded, so varying every other
+    padding never contradicts it (no false alarm). ``options``: the other arguments ``proof`` was made with."""
+    zero = {i: placeholders[i].name for i, v in plan.pad_values.items() if v == 0}
+    exact = {i: name for i, name in zero.items() if (t := example_of(placeholders[i])) is not None
+             and not (t.is_floating_point() or t.is_complex())}
+    if exact == zero or plan.refused or not ctx.config.static_shapes.verify:
+        return exact
+    from ..static_shapes.padding_proof import prove_padding
+
+    def holds(kept: dict[int, str]) -> bool:
+        trial = prove_padding(ctx.gm, unmasked, ties=plan.ties, zero_padded=set(kept.values()), values=values,
+                              **options)
+        return trial.safe and not trial.refused and trial.relied_on <= proof.relied_on \
+            and trial.trusted <= proof.trusted and set(trial.tables) <= set(proof.tables)
+
+    if holds(exact):
+        return exact
+    kept = dict(zero)
+    for i in [i for i in zero if i not in exact]:
+        trial = {j: n for j, n in kept.items() if j != i}
+        if holds(trial):
+            kept = trial
+    ctx.log.append(f"{PlanStaticShapes.name}: the padding proof relies on the zero padding of "
+                   f"{', '.join(n for i, n in kept.items() if i not in exact)} too (verify keeps it)")
+    return kept
 
 
 def _tied_symbols(placeholders: list[torch.fx.Node], symbols: dict) -> dict:

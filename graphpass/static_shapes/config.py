@@ -1,4 +1,4 @@
-"""``StaticShapesConfig``: the ``static_shapes`` option (dims, buckets, mask contract, pad values),
+"""``StaticShapesConfig``: the ``static_shapes`` option (dims, buckets, mask contract, pad values, checked mode),
 validated; and :func:`check_buckets`, the one check of a bucket list (also used by
 :func:`~graphpass.static_shapes.choose_buckets` and :class:`~graphpass.static_shapes.BucketedCache`); and
 :func:`pads_on_host`, whether a tensor's padding runs on the host (a lazy-tensor device), read by the dispatcher
@@ -23,12 +23,17 @@ class StaticShapesConfig:
     masked: inputs whose padding the model masks itself (a mask contract): the padding-safety
         analysis is skipped for graphs that vary only through them.
     pad_value: value written into the padding, per input (default 0).
+    verify: checked mode: the first call of each bucket runs a second time with another padding fill and
+        the real rows of the outputs are compared: ``True``, bitwise or within the dtype's rounding (padding
+        tokens routed to a mixture of experts change its GEMMs' row counts, so their rounding); ``"bitwise"``,
+        bitwise only. A mismatch refuses that bucket (its calls run unpadded), with a warning naming it.
     """
 
     dims: Mapping[str, tuple[int, ...]]
     buckets: tuple[int, ...]
     masked: tuple[str, ...] = ()
     pad_value: Mapping[str, float] = field(default_factory=dict)
+    verify: bool | str = False  # False, True or "bitwise"
 
     @property
     def largest(self) -> int:
@@ -58,7 +63,7 @@ def check_static_shapes(value: Any) -> StaticShapesConfig | None:
         return value
     if not isinstance(value, Mapping):
         raise ConfigError(key, value, f"expected a dict with 'dims' and 'buckets', not {type(value).__name__}")
-    allowed = {"dims", "buckets", "masked", "pad_value"}
+    allowed = {"dims", "buckets", "masked", "pad_value", "verify"}
     for k in value:
         if k not in allowed:
             raise ConfigError(f"{key}.{k}", value[k], f"unknown key (known: {', '.join(sorted(allowed))})")
@@ -81,7 +86,10 @@ def check_static_shapes(value: Any) -> StaticShapesConfig | None:
     if not isinstance(pad, Mapping) or not all(k in norm_dims and isinstance(v, (int, float)) and not isinstance(v, bool)
                                                for k, v in pad.items()):
         raise ConfigError(f"{key}.pad_value", pad, "expected a dict input name (from 'dims') -> number")
-    return StaticShapesConfig(norm_dims, tuple(buckets), tuple(masked), dict(pad))
+    verify = value.get("verify", False)
+    if not isinstance(verify, bool) and verify != "bitwise":
+        raise ConfigError(f"{key}.verify", verify, "expected True, False or 'bitwise'")
+    return StaticShapesConfig(norm_dims, tuple(buckets), tuple(masked), dict(pad), verify)
 
 
 LAZY_DEVICE_TYPES = ("xla", "lazy")  # devices where every eager op is traced and compiled for its shapes

@@ -19,6 +19,15 @@ staging buffer, padded there and transferred to the device; an output is transfe
 sliced and transferred back. Transfers compile nothing, so the only XLA compilations are the
 bucket graphs' own.
 
+With ``static_shapes={..., "verify": True}`` (the checked mode) the first call that lands in a bucket
+(per compiled graph) also runs a second time, with the padding of every padded input the proof does not
+read as zeros (``BucketPlan.zero_inputs``) filled with another value (:func:`other_fill`), from separate
+buffers; the real rows of both results are compared bitwise. Equal, or different only within the
+dtype's rounding (a mixture of experts routes the padding tokens too, which changes the sizes of its
+experts' GEMMs): the bucket is verified and costs nothing more. Otherwise the bucket is refused (its calls run unpadded with dynamic shapes, with one
+warning naming the bucket, the output and the largest difference), and that call returns the unpadded
+result. Inputs the graph writes in place are restored between the runs (:meth:`BucketDispatcher._verify`).
+
 Graphs whose plan was refused (padding not proven safe) never get here: graphpass compiles them
 as the dynamic graphs Dynamo traced, with one warning naming the node and the reason. A call
 larger than the largest bucket runs the unpadded graph with dynamic shapes (warned once), compiled
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -116,6 +126,131 @@ def _floats_specialized(fakes: Sequence[Any]):
         TensorifyState.force_specializations.update(saved)
 
 
+def other_fill(pad: float, dtype: torch.dtype) -> float | int | bool:
+    """The checked mode's second padding value for an input of ``dtype`` padded with ``pad``.
+
+    Floating point: ``pad + 1`` (``pad - 1``, 0 or 1 where that rounds back to ``pad`` or ``pad`` is not finite): a
+    finite value of the scale of real activations, so every sum, mean, max or softmax that reads the padding moves,
+    while a sound proof that multiplies padding rows by exact zeros (an additive mask's zero attention weights) still
+    gets exact zeros (``0 * inf`` and ``0 * nan`` are NaN: a false alarm). Integers: one step from ``pad`` towards
+    1 (``pad - 1`` when ``pad >= 1``, else ``pad + 1``): still a valid index wherever ``pad`` and 0 are (an
+    embedding's vocabulary: ``pad + 1`` past a last-token pad id would index out of range). Booleans: ``not pad``."""
+    if dtype == torch.bool:
+        return not pad
+    if not (dtype.is_floating_point or dtype.is_complex):
+        p = int(pad)
+        return p - 1 if p >= 1 else p + 1
+    for alt in (pad + 1, pad - 1, 0.0, 1.0):
+        if abs(alt) != float("inf") and alt == alt and bool(torch.tensor(alt, dtype=dtype) != torch.tensor(pad, dtype=dtype)):
+            return alt
+    return 1.0  # pragma: no cover - every candidate rounds to pad: not a float dtype we know
+
+
+def _tensors(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _kept(result: Any) -> tuple[Any, Any]:
+    """``(to return, to compare)``: copies of ``result`` that the next run of the same graph cannot overwrite (its
+    outputs may alias the graph's own buffers: CUDA graphs' static outputs). On a lazy-tensor device the outputs are
+    values already: they are returned as they are and compared from a host copy."""
+    def keep(t: Any) -> tuple[Any, Any]:
+        if not isinstance(t, torch.Tensor):
+            return t, t
+        if pads_on_host(t):
+            return t, t.cpu()
+        c = t.clone()
+        return c, c
+
+    if not isinstance(result, (tuple, list)):
+        return keep(result)
+    pairs = [keep(t) for t in result]
+    wrap = tuple if isinstance(result, tuple) else list
+    return wrap(p[0] for p in pairs), wrap(p[1] for p in pairs)
+
+
+def first_difference(a: Any, b: Any) -> tuple[int, str] | None:
+    """``(output index, what differs)`` for the first output where ``a`` and ``b`` are not bitwise equal (NaN at the
+    same positions counts as equal), or None. Compared on the host for a lazy-tensor device."""
+    for k, (x, y) in enumerate(zip(_tensors(a), _tensors(b))):
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            if x is not y and x != y:
+                return k, f"{x!r} vs {y!r}"
+            continue
+        x, y = (x.cpu() if pads_on_host(x) else x), (y.cpu() if pads_on_host(y) else y)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return k, f"shape/dtype {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}"
+        if torch.equal(x, y):
+            continue
+        if x.is_floating_point() or x.is_complex():
+            nx, ny = x.isnan(), y.isnan()
+            same_nan = torch.equal(nx, ny)
+            if same_nan and torch.equal(x.masked_fill(nx, 0), y.masked_fill(ny, 0)):
+                continue
+            both = ~(nx | ny)
+            diff = (x[both] - y[both]).abs()
+            largest = f"largest difference {diff.max().item():.6g}" if diff.numel() else "no finite pair"
+            return k, largest + ("" if same_nan else f", NaN in {int((nx ^ ny).sum())} positions of one only")
+        diff = (x.long() - y.long()).abs() if x.dtype != torch.bool else (x ^ y).long()
+        return k, f"largest difference {int(diff.max())}"
+    return None
+
+
+#: dtype -> (rtol, atol): torch.testing.assert_close's defaults (a floating type not listed: bfloat16's)
+ROUNDING = {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
+            torch.float64: (1e-7, 1e-7), torch.complex64: (1.3e-6, 1e-5), torch.complex128: (1e-7, 1e-7)}
+
+
+def within_rounding(a: Any, b: Any) -> bool:
+    """Every floating-point output of ``a`` and ``b`` close within its dtype's rounding (:data:`ROUNDING`:
+    float32 ``rtol=1.3e-6, atol=1e-5``, bfloat16 ``1.6e-2, 1e-5``, ...; NaN where the other is NaN), every other
+    output equal. The accuracy bucketing promises (padded results match unpadded ones within rounding)."""
+    for x, y in zip(_tensors(a), _tensors(b)):
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            if x is not y and x != y:
+                return False
+            continue
+        x, y = (x.cpu() if pads_on_host(x) else x), (y.cpu() if pads_on_host(y) else y)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if not (x.is_floating_point() or x.is_complex()):
+            if not torch.equal(x, y):
+                return False
+            continue
+        rtol, atol = ROUNDING.get(x.dtype, ROUNDING[torch.bfloat16])
+        if not torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True).all():
+            return False
+    return True
+
+
+@dataclass
+class _CheckedRun:
+    """One checked first call of a bucket (:meth:`BucketDispatcher._verify`): what it runs, and the inputs the graph
+    writes in place as they were before the call (``before``) and after its first run (``after``)."""
+
+    key: tuple
+    fn: Callable
+    slice: Callable  # BucketDispatcher._slice: outputs -> their real rows
+    args: Sequence[Any]
+    padded: list
+    sizes: dict
+    subs: dict
+    first: Any = None  # the first run's results, kept (:func:`_kept`)
+    before: dict = field(default_factory=dict)
+    after: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The bucket, as the messages name it: its size, or each symbol's where the graph has several."""
+        buckets = self.key[0]
+        return ", ".join(f"{s}={b}" for s, b in buckets) if len(buckets) > 1 else str(buckets[0][1])
+
+    def run(self, inputs: list) -> Any:
+        """The bucket's graph on ``inputs``, its outputs sliced to this call's sizes."""
+        with running_bucket(max(self.subs.values())):
+            return self.slice(self.fn(*inputs), self.sizes)
+
+
 class BucketDispatcher:
     def __init__(self, gm: torch.fx.GraphModule, plan: Any, cfg: StaticShapesConfig, delegate: Delegate,
                  log: list[str] | None = None) -> None:
@@ -130,6 +265,8 @@ class BucketDispatcher:
         self.warned = False
         self.log = log if log is not None else []
         self.scalars = scalar_items(gm)
+        self.verified: dict[tuple, str] = {}  # checked mode: bucket key -> "verified" / "unchecked: why" / "refused: why"
+        self._written: list[int] | None = None  # checked mode: placeholders the graph writes in place
 
     # -- helpers -------------------------------------------------------------------------------
     def _warn(self, msg: str) -> None:
@@ -202,6 +339,10 @@ class BucketDispatcher:
         others = tuple((i, int(a)) for i, a in enumerate(args) if isinstance(a, int) and i not in plan.size_inputs)
         key = (tuple(sorted((str(s), b) for s, b in subs.items())), others,
                tuple(args[i].item() for i in self.scalars))
+        state = self.verified.get(key, "") if self.cfg.verify else ""
+        if state.startswith("refused: "):
+            self._warn(state[len("refused: "):])
+            return self._run_unpadded(args, self._shape_key(args))
         padded = list(args)
         for i, expr in plan.size_inputs.items():
             padded[i] = int(expr.subs(subs))
@@ -211,9 +352,125 @@ class BucketDispatcher:
         if fn is None:
             fn = self.compiled[key] = _compile_bucket(copy_graph(self.gm), padded, self.delegate, self.scalars)
             self.log.append(f"static_shapes: compiled bucket {dict((str(s), b) for s, b in subs.items())}")
+        if self.cfg.verify and key not in self.verified:
+            return self._verify(key, fn, args, padded, sizes, subs)
         with running_bucket(max(subs.values())):  # capture steps are named after the bucket
             outs = fn(*padded)
         return self._slice(outs, sizes)
+
+    # -- the checked mode -------------------------------------------------------------------------
+    def _verify(self, key: tuple, fn: Callable, args: Sequence[Any], padded: list, sizes: dict, subs: dict) -> Any:
+        """The first call of a bucket in the checked mode: run it as usual, then again with another padding fill for
+        every padded input outside ``plan.zero_inputs`` (separate buffers: the staging buffers stay as they are),
+        and compare the real rows bitwise (:meth:`_judge`). Inputs the graph writes in place (a static cache's slots)
+        are restored to their values before the call for the second run, and to the first run's afterwards."""
+        run = _CheckedRun(key, fn, self._slice, args, padded, sizes, subs)
+        varied = {i: other_fill(self.plan.pad_values.get(i, 0.0), args[i].dtype) for i in self.plan.pad
+                  if i not in self.plan.zero_inputs and isinstance(args[i], torch.Tensor)}
+        if not varied:  # every padding is one the proof may read as zeros: nothing to vary, no cost
+            self.verified[key] = "unchecked: every padded input is one the proof reads as zero-padded"
+            self.log.append(f"static_shapes: verify: bucket {run.name} not checked: {self.verified[key][11:]}")
+            return run.run(padded)
+        written = [i for i in self._written_inputs() if i not in self.plan.pad and isinstance(args[i], torch.Tensor)]
+        versions = {i: a._version for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in self.plan.pad}
+        run.before = self._save(args, written)
+        result, run.first = _kept(run.run(padded))
+        missed = [i for i, v in versions.items() if args[i]._version != v and i not in written]
+        if missed:  # a write the graph's analysis did not see: a second run would apply it twice
+            self.verified[key] = f"unchecked: the graph writes into input(s) {missed} in place"
+            self._warn_verify(f"graphpass static_shapes: verify: bucket {run.name} not checked (the graph writes into "
+                              f"input(s) {missed} in place, and a second run would apply that twice); it stays padded")
+            return result
+        run.after = self._save(args, written)
+        self._restore(args, run.before)
+        alt = list(padded)
+        for i, fill in varied.items():
+            alt[i] = self._padded_copy(args[i], self.plan.pad[i], subs, fill)
+        if self._judge(run, run.run(alt), len(varied)):
+            return result
+        return self._run_unpadded(args, self._shape_key(args))
+
+    def _judge(self, run: "_CheckedRun", second: Any, n_varied: int) -> bool:
+        """Compare the checked run's results with the first run's; False: the bucket is refused (the inputs are as
+        before the call, for the unpadded run). Equal, or different only within the dtype's rounding
+        (:func:`within_rounding`: the padding changed the sizes real rows were computed with, as a mixture of
+        experts' routing of the padding tokens does, not their values): verified. A larger difference is checked
+        against a third run with the usual fill: when that one differs too, the graph is not deterministic (GPU
+        atomics), the comparison says nothing about the padding, and the bucket is kept (warned)."""
+        key, args = run.key, run.args
+        diff = first_difference(run.first, second)
+        if diff is None or (self.cfg.verify != "bitwise" and within_rounding(run.first, second)):
+            self._restore(args, run.after)
+            self.verified[key] = "verified" if diff is None else f"verified within rounding (output {diff[0]}, {diff[1]})"
+            self.log.append(f"static_shapes: verify: bucket {run.name} {self.verified[key]}; padding of {n_varied} "
+                            "input(s) varied")
+            return True
+        self._restore(args, run.before)
+        for i, dims in self.plan.pad.items():  # the usual fill again (the first run may have written its buffers)
+            run.padded[i] = self._stage(key, i, args[i], dims, run.subs)
+        if (again := first_difference(run.first, run.run(run.padded))) is not None:
+            self._restore(args, run.after)
+            self.verified[key] = "unchecked: not bitwise deterministic"
+            self._warn_verify(f"graphpass static_shapes: verify: bucket {run.name} not checked: two runs with the same "
+                              f"padding differ bitwise (output {again[0]}, {again[1]}), so the graph is not deterministic "
+                              "(atomics?) and a bitwise comparison says nothing about the padding; it stays padded "
+                              "(torch.use_deterministic_algorithms makes it checkable)")
+            return True
+        self._restore(args, run.before)
+        msg = (f"graphpass static_shapes: verify: bucket {run.name} refused: its real rows changed when the padding "
+               f"did (output {diff[0]}, {diff[1]}), so the padding proof does not hold for this graph; calls landing "
+               "in it run unpadded with dynamic shapes")
+        self.verified[key] = "refused: " + msg
+        self.compiled.pop(key, None)
+        for k in [k for k in self.staging if k[0] == key]:
+            del self.staging[k]
+        self._warn_verify(msg)
+        return False
+
+    def _warn_verify(self, msg: str) -> None:
+        """What the checked mode found, said once per bucket: through :meth:`_warn`, or directly when another message
+        already took this graph's one warning (a refused bucket must not go unsaid)."""
+        if not self.warned:
+            self._warn(msg)
+            return
+        warnings.warn(msg, stacklevel=4)
+        self.log.append(msg)
+
+    def _written_inputs(self) -> list[int]:
+        """Placeholders the graph writes in place (through any view), found once: by the graph's ops, or by the
+        version counter of the value Dynamo traced them with."""
+        if self._written is None:
+            from ..fx_utils import AliasIndex, example_of, find_write
+
+            index = AliasIndex(self.gm.graph)
+            phs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+            self._written = [i for i, ph in enumerate(phs) if find_write(ph, index) is not None or (
+                isinstance(v := example_of(ph), torch.Tensor) and v._version > 0)]
+        return self._written
+
+    @staticmethod
+    def _save(args: Sequence[Any], indices: list[int]) -> dict[int, torch.Tensor]:
+        return {i: args[i].detach().clone() for i in indices}
+
+    @staticmethod
+    def _restore(args: Sequence[Any], saved: dict[int, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for i, t in saved.items():
+                args[i].copy_(t)
+
+    def _padded_copy(self, t: torch.Tensor, dims: tuple, subs: dict, fill: Any) -> torch.Tensor:
+        """``t`` padded to the bucket in a new buffer, the padding filled with ``fill`` (on the host for a lazy-tensor
+        device, then transferred)."""
+        target = list(t.shape)
+        for d, sym in dims:
+            target[d] = subs[sym]
+        on_host = pads_on_host(t)
+        buf = torch.full(target, fill, dtype=t.dtype, device=torch.device("cpu") if on_host else t.device)
+        view = buf
+        for d, _ in dims:
+            view = view.narrow(d, 0, t.shape[d])
+        view.copy_(t.cpu() if on_host else t)
+        return buf.to(t.device) if on_host else buf
 
     @staticmethod
     def _shape_key(args: Sequence[Any]) -> tuple:

@@ -8,24 +8,21 @@ what the node's own table says (pointwise, reductions along a dim, matmuls, ...)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import sympy
 import torch
 
 from ...fx_utils import example_of, mentions_symbol, size_expr
-from ...tensor_utils import shape_env_of
 from ..position_tables import TableRead
 from .facts import Causal, KeysOnly, NegKeys, NegMask, Positions, ZeroAbove, ZeroKeys, ZeroPad, ZeroPadIf
-from .nodes import (_MISSING, _arg, _dims, _is_int_tensor, _is_tensor_arg, _iter_values, _label, _norm_dim, _op_name,
-                    _source, _static_int)
+from .nodes import (_MISSING, _arg, _dims, _is_int_tensor, _is_tensor_arg, _iter_nodes, _iter_values, _label, _namespace,
+                    _norm_dim, _op_name, _source, _static_int)
+from .provenance import _starts_at_row_0
 from .registry import OpRule, ProofContext, op_rule
-from .tables import (_ALL, _MIX, _NEG_MASK_DTYPES, _SOFTMAXES, ALONG_DIM, ATTENTION, CAUSAL_SCANS, CONCAT, CONVS,
+from .tables import (_ALL, _MIX, _SAFE_NAMESPACES, _NEG_MASK_DTYPES, _SOFTMAXES, ALONG_DIM, ATTENTION, CAUSAL_SCANS, CONCAT, CONVS,
                      EMBEDDINGS, FACTORIES, INDEXING, LAYOUT, MATMULS, META, NORMS, PADS, POINTWISE, REPEATS, RESHAPES,
                      WINDOWS)
-
-if TYPE_CHECKING:
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 __all__ = ["UNKNOWN_OP"]
 
@@ -246,6 +243,10 @@ def _check_attention(node: torch.fx.Node, name: str, ctx: ProofContext) -> _Find
         if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.dim() - 2 in ctx.padded(t):
             mask = _arg(node, 3, "attn_mask", None)
             causal = _arg(node, 5, "is_causal", False) is True or _causal_mask(mask, ctx)
+            if causal and ctx.causal_ok and not _rows_aligned(q, k, ctx):
+                return t.dim() - 2, ("causal attention whose queries and keys do not have the same padded length "
+                                     f"({size_expr(q.shape[-2]) if isinstance(q, torch.Tensor) and q.dim() >= 2 else '?'} "
+                                     f"queries, {size_expr(k.shape[-2])} keys): a real query row may see a padding key")
             if causal and ctx.causal_ok:
                 ctx.because("causal_sdpa" if _arg(node, 5, "is_causal", False) is True else "causal_mask_sdpa")
                 break  # row i sees rows <= i; the padding sits after every real row
@@ -260,6 +261,16 @@ def _check_attention(node: torch.fx.Node, name: str, ctx: ProofContext) -> _Find
     return _value_use(node, ctx)
 
 
+def _rows_aligned(q: Any, k: Any, ctx: ProofContext) -> bool:
+    """Causality along the padded dim needs the query and key rows to line up: query ``i`` may see keys ``j <= i``,
+    and that keeps a real query row off the padding keys only when there are at least as many real keys as real
+    queries. Both rows start at row 0 of their tensors (anything else is refused where it is sliced), so that holds
+    when both dims have the same padded length (the same size expression). A key tensor that is a shifted slice of
+    the queries' rows (``h[:, :, 1:]``, ``L - 1`` rows against ``L``) or static queries over padded keys do not."""
+    return isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 2 and k.dim() >= 2 \
+        and ctx.same_size(q.shape[-2], k.shape[-2])
+
+
 def _additive_causal_mask(mask: Any, q: Any, k: Any, ctx: ProofContext) -> bool:
     """A float ``attn_mask`` that is a :class:`NegMask` on its last two dims (queries, keys), sized like the
     query and key sequences: the kernel adds it to the finite scores, so every real query row ``i`` gets a value
@@ -271,7 +282,8 @@ def _additive_causal_mask(mask: Any, q: Any, k: Any, ctx: ProofContext) -> bool:
     if not (isinstance(fact, NegMask) and fact.tail == 0 and isinstance(m, torch.Tensor) and m.dim() >= 2
             and m.dtype in _NEG_MASK_DTYPES and (fact.q, fact.k) == (m.dim() - 2, m.dim() - 1)
             and isinstance(q, torch.Tensor) and q.dim() >= 2 and isinstance(k, torch.Tensor) and k.dim() >= 2
-            and ctx.same_size(m.shape[-2], q.shape[-2]) and ctx.same_size(m.shape[-1], k.shape[-2])):
+            and ctx.same_size(m.shape[-2], q.shape[-2]) and ctx.same_size(m.shape[-1], k.shape[-2])
+            and _rows_aligned(q, k, ctx)):
         return False
     ctx.relied_on.update(fact.needs)
     return True
@@ -554,7 +566,72 @@ def _check_conv1d(node: torch.fx.Node, name: str, ctx: ProofContext) -> _Finding
         return _value_use(node, ctx)
     if not causal:
         return pads[0], f"{name} along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"
+    extra = 2 * padding[0] - (k - 1) * dilation[0]
+    if extra > 0:
+        bad = _unsliced_extra_rows(node, x.dim() - 1, x.shape[-1], ctx)
+        if bad is not None:
+            return pads[0], (f"{name}'s {extra} output rows past the input's length read its zero padding unpadded and "
+                             f"padding rows bucketed; {_label(bad)} at node {bad.name} reads them (only a slice "
+                             "[..., :length] may, before anything else)")
     return _value_use(node, ctx)
+
+
+def _unsliced_extra_rows(node: torch.fx.Node, dim: int, length: Any, ctx: ProofContext) -> torch.fx.Node | None:
+    """The obligation of a causal convolution: its output rows ``length ..`` (past the input's length; the last rows
+    of an unpadded call read the convolution's own zero padding, of a bucketed one the bucket's padding rows) are
+    dropped by a prefix slice ``[..., :length]`` of ``dim`` before anything else reads them. Pointwise ops with no
+    other padded operand may come first (they keep those rows in place). Returns the first node that reads them, or
+    None."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            name = _op_name(u) if u.op in ("call_function", "call_method") else None
+            out = example_of(u)
+            if u.op == "call_function" and _namespace(u.target) in _SAFE_NAMESPACES:
+                todo.append(u)  # graphpass's markers (a trap boundary) pass their input through
+                continue
+            if name == "getitem" and _prefix_slice_of(u, dim, length, ctx):
+                continue
+            if name in ("narrow", "slice") and _static_int(_arg(u, 1, "dim", None)) in (dim, dim - example_of(n).dim()) \
+                    and _starts_at_row_0(_arg(u, 2, "start", None)) \
+                    and ctx.same_size(_arg(u, 3, "length" if name == "narrow" else "end", None), length) \
+                    and _static_int(_arg(u, 4, "step", 1)) in (1, None):
+                continue
+            others = [a for a in _iter_nodes((u.args, u.kwargs)) if a is not n and ctx.padded(a)]
+            if name in POINTWISE and not others and isinstance(out, torch.Tensor) \
+                    and out.dim() == example_of(n).dim() and ctx.same_size(out.shape[dim], example_of(n).shape[dim]):
+                todo.append(u)
+                continue
+            return u
+    return None
+
+
+def _prefix_slice_of(node: torch.fx.Node, dim: int, length: Any, ctx: ProofContext) -> bool:
+    """``node`` is ``x[..., :length]`` along ``dim`` of ``x`` (a full slice or an Ellipsis on every other dim)."""
+    t = example_of(node.args[0])
+    idx = node.args[1] if len(node.args) > 1 else None
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    if not isinstance(t, torch.Tensor) or any(i is None or isinstance(example_of(i), torch.Tensor) for i in items) \
+            or sum(1 for i in items if i is Ellipsis) > 1:
+        return False
+    d, found = 0, False
+    for item in items:
+        if item is Ellipsis:
+            d += t.dim() - (len(items) - 1)
+            continue
+        if not isinstance(item, slice):
+            return False
+        if d == dim:
+            found = _starts_at_row_0(item.start) and item.step in (None, 1) and item.stop is not None \
+                and ctx.same_size(item.stop, length)
+        elif item != slice(None):
+            return False
+        d += 1
+    return found
 
 
 def _valid_conv(stride: list[int] | None, padding: list[int] | None, dilation: list[int] | None, k: int | None) -> bool:
@@ -593,64 +670,11 @@ def _check_unfold(node: torch.fx.Node, name: str, ctx: ProofContext) -> _Finding
     return _value_use(node, ctx)
 
 
-def _exact(expr: sympy.Expr, env: ShapeEnv | None) -> sympy.Expr:
-    """``expr`` with every ``a // b`` the shape env knows to be exact (``a % b == 0`` was
-    guarded, e.g. by a view) replaced by ``a / b``, so that ``4 * (H // 4)`` cancels to ``H``."""
-    from torch.utils._sympy.functions import FloorDiv
-
-    known = getattr(env, "divisible", None) or ()
-    reps = {}
-    for atom in expr.atoms(FloorDiv):
-        base, div = atom.args
-        if any(m.args == (base, div) for m in known):
-            reps[atom] = base / div
-    return sympy.expand(expr.xreplace(reps)) if reps else expr
-
-
-def _divides(a: sympy.Expr, b: sympy.Expr) -> bool:
-    """``a`` divides ``b`` for every value of the symbols (as far as sympy can tell)."""
-    if a == 0:
-        return False
-    return sympy.cancel(b / a).is_integer is True
-
-
-def _reshape_keeps_rows(src: torch.Tensor, dst: torch.Tensor, ctx: ProofContext) -> bool:
-    """Whether a row-major reshape ``src -> dst`` keeps rows apart.
-
-    For a padded dim ``d`` of a shape ``S`` let ``C = prod(S[d+1:])`` (the row stride) and
-    ``E = prod(S[d:])`` (the block of all rows). Rows survive the reshape when every padded dim
-    on either side pairs with one on the other side whose ``C`` and ``E`` nest the same way:
-    merging the padded dim with its trailing dims ([B, L, H] -> [B, L*H]) or its leading dims
-    ([B, L, H] -> [B*L, H]) and splitting those back. [B, L, H] -> [B, H, L] scrambles rows.
-    """
-    env = shape_env_of(src) or shape_env_of(dst)
-
-    def blocks(t: torch.Tensor) -> list[tuple[sympy.Expr, sympy.Expr]]:
-        shape = [_exact(size_expr(s), env) for s in t.shape]
-        return [(sympy.Mul(*shape[d + 1:]), sympy.Mul(*shape[d:])) for d in ctx.padded(t)]
-
-    a, b = blocks(src), blocks(dst)
-
-    def pairs(c1: sympy.Expr, e1: sympy.Expr, c2: sympy.Expr, e2: sympy.Expr) -> bool:
-        return (_divides(c1, c2) and _divides(e2, e1)) or (_divides(c2, c1) and _divides(e1, e2))
-
-    return all(any(pairs(c, e, c2, e2) for c2, e2 in b) for c, e in a) and all(
-        any(pairs(c, e, c2, e2) for c2, e2 in a) for c, e in b
-    )
-
-
 @op_rule(*RESHAPES)
 def _check_reshape(node: torch.fx.Node, name: str, ctx: ProofContext) -> _Finding | None:
-    src = example_of(node.args[0] if node.args else _arg(node, 0, "input"))
-    dst = example_of(node)
-    if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
-        return None
-    if _reshape_keeps_rows(src, dst, ctx):
-        return None
-    pads = ctx.padded(src)
-    return (pads[0] if pads else None), (
-        f"{name} {tuple(src.shape)} -> {tuple(dst.shape)} moves padding rows away from the end of the padded dim"
-    )
+    """Reshapes are decided by the layout sweep (:mod:`.layout`): where each padded factor lands, and whether the rows
+    come back in the same order."""
+    return None
 
 
 @op_rule(*FACTORIES)

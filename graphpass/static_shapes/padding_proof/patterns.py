@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from ...fx_utils import example_of, ran_inside, size_expr
-from ..causal_functions import causal_function_of, check_causal_edges
+from ...fx_utils import example_of, ran_inside_file, size_expr, source_frame
+from ..causal_functions import causal_function_of, check_causal_edges, source_digest
 from .facts import Causal, Positions
 from .nodes import _arg, _label, _namespace, _op_name, _static_int
 from .provenance import _view_map
@@ -97,8 +97,24 @@ class RowWiseFunctions:
 
     def prove(self, gm: torch.fx.GraphModule, ctx: ProofContext) -> list[PatternProof]:
         nodes = [n for n in gm.graph.nodes if n in ctx.live and n.op not in ("placeholder", "output", "get_attr")
-                 and any(ran_inside(n, path, fn) for path, fn in ROW_WISE_FUNCTIONS)]
+                 and row_wise_function_of(n) is not None]
         return [PatternProof(frozenset(nodes))] if nodes else []
+
+
+def row_wise_function_of(node: torch.fx.Node) -> str | None:
+    """The trusted row-wise function ``node`` was traced inside (its name), or None: inside it on the stack, its
+    innermost frame the function or one of its helpers (a model's own code it calls, an overridden ``_apply_gate``,
+    is checked op by op), and the file's source with the recorded digest (:data:`.tables.ROW_WISE_FUNCTIONS`)."""
+    for (suffix, name), fn in ROW_WISE_FUNCTIONS.items():
+        path = ran_inside_file(node, suffix, name)
+        if path is None:
+            continue
+        frame = source_frame(node)
+        if frame is None or frame.file != suffix.rsplit("/", 1)[-1] or frame.function not in (name, *fn.helpers):
+            continue
+        if source_digest(path, name, fn.helpers) == fn.digest:
+            return name
+    return None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from .facts import Causal
 from .nodes import _iter_nodes, _label, _namespace, _op_name, _source, _symbol_names, padded_dims
 from .op_checks import UNKNOWN_OP, _value_use
 from .patterns import PATTERN_RULES, PatternRule, as_pattern_rule
+from .layout import layout_violations
 from .provenance import index_provenance
 from .registry import OP_RULES, Finding, ProofContext
 from .result import PaddingProof, PaddingViolation
@@ -102,18 +103,24 @@ def prove_padding(
     ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
     values: Mapping[str, Any] | None = None, rules: Sequence[Any] = (), buckets: tuple[int, ...] = (),
     bucket_symbols: Iterable[Any] | None = None, table_names: Mapping[str, str] | None = None,
+    upper: Mapping[str, int] | None = None,
 ) -> PaddingProof:
     """The padding proof of ``gm`` for the dims sized by ``symbols`` (see :func:`check_padding_safety` for
     ``causal_ok``, ``ties``, ``zero_padded`` and ``values``). ``rules``: extra whole-pattern rules
     (:class:`.patterns.PatternRule`, or functions ``rule(gm, facts, same_size, padded)``), which claim nodes before
     the built-in ones (:data:`.patterns.PATTERN_RULES`). With ``buckets``, the bucket checks are decided there
     (``bucket_symbols``: every bucketed symbol, default ``symbols``) into ``invalid_buckets`` and ``refused``;
-    ``table_names``: placeholder name -> the name a position table is reported by (its module's FQN)."""
+    ``table_names``: placeholder name -> the name a position table is reported by (its module's FQN); ``upper``:
+    symbol name -> the largest size a padded call runs at (the largest bucket): integer facts survive a narrow dtype
+    only where their values fit it up to there (without it, only the shape env's ranges count).
+
+    Every live node is checked by the pattern rule that claimed it or by its op rule (whether it mixes rows), then
+    by the layout sweep (:mod:`.layout`: whether its padded dims' real rows are still a prefix where it needs them)."""
     names = _symbol_names(symbols)
 
     def provenance(carried: dict | None = None) -> MappingProxyType:
         zero = _zero_padded(gm, set(zero_padded), names)
-        return MappingProxyType(index_provenance(gm, zero, ties, values, carried))
+        return MappingProxyType(index_provenance(gm, zero, ties, values, carried, upper))
 
     live = frozenset(_live_nodes(gm))
     ctx = ProofContext(names=names, causal_ok=causal_ok, facts=provenance(), ties=MappingProxyType(dict(ties or {})),
@@ -122,8 +129,11 @@ def prove_padding(
     ctx, found = _prove_patterns(gm, ctx, [*extra, *PATTERN_RULES], provenance)
     result = PaddingProof(proofs=[p for rule, p in found if any(rule is r for r in extra)])
     claimed = _claim(found, live, result)
+    layout = layout_violations(gm, ctx.padded, claimed)
     for node in (n for n in gm.graph.nodes if n in live):
         rule, hit = claimed[node] if node in claimed else _check_node(node, ctx)[::-1]
+        if hit is None and node in layout:
+            rule, hit = "layout", layout[node]
         if hit is not None:
             result.violations.append(PaddingViolation(node=node.name, op=_label(node), dim=hit[0], reason=hit[1],
                                                       source=_source(node)))
@@ -145,6 +155,7 @@ def check_padding_safety(
     relied_on: set[str] | None = None, trusted: set[str] | None = None,
     values: Mapping[str, Any] | None = None, tables: dict[str, CausalTable] | None = None,
     rules: Sequence[Any] = (), proofs: list[Any] | None = None, table_reads: list[TableRead] | None = None,
+    upper: Mapping[str, int] | None = None,
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
 
@@ -174,12 +185,13 @@ def check_padding_safety(
     through an earlier one's). Only where the padding sits at the end (``causal_ok``). ``proofs``: when given, filled
     with the proofs; a proof may hold conditions on the bucket sizes that the caller checks (a top-k's ``k``).
     ``table_reads``: when given, filled with the lookups of static-size tables by position (:mod:`.position_tables`).
+    ``upper``: symbol name -> the largest size a padded call runs at (see :func:`prove_padding`).
 
     Nodes whose values reach no output (dead code the model computes and never uses) are not checked.
     Returns the violations in graph order; an empty list means padding is safe.
     """
     result = prove_padding(gm, symbols, causal_ok=causal_ok, ties=ties, zero_padded=zero_padded, values=values,
-                           rules=rules)
+                           rules=rules, upper=upper)
     for into, got in ((relied_on, result.relied_on), (trusted, result.trusted)):
         if into is not None:
             into.update(got)

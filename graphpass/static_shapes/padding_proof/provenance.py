@@ -17,7 +17,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ...fx_utils import example_of, size_expr
+from ...fx_utils import example_of, size_expr, size_range
+from ...tensor_utils import shape_env_of
 from ..buffer_masks import is_causal_table
 from .facts import (AllTrue, Causal, Const, Diag, KeysOnly, MaskedAbove, NegKeys, NegMask, OnePad, PadCount, Positions,
                     ZeroAbove, ZeroKeys, ZeroPad, ZeroPadIf, aligned as _aligned, fact_dims, moved as _moved)
@@ -388,8 +389,8 @@ def _keeps(fact: Any, out: torch.Tensor) -> bool:
         return out.dtype.is_floating_point
     if isinstance(fact, OnePad):
         return out.dtype != torch.bool and not out.dtype.is_complex
-    if isinstance(fact, PadCount):  # a count up to the length: no narrow integer type that may wrap it to 0
-        return out.dtype in (torch.int64, torch.int32, torch.float32, torch.float64, torch.bool)
+    if isinstance(fact, PadCount):  # a count up to the length: integer types whose range _values_fit checks
+        return out.dtype in _INT_DTYPES
     return True
 
 
@@ -413,9 +414,12 @@ def _count_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, An
 
 
 def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node] = frozenset(),
-             ties: Mapping[Any, Any] = MappingProxyType({})) -> Any:
+             ties: Mapping[Any, Any] = MappingProxyType({}), upper: Mapping[str, int] | None = None) -> Any:
     """The fact of ``node``: its name's fact rules (:data:`.registry.FACT_RULES`) tried in order, the first fact
-    found; None when none is (or when a ``final`` rule applies and finds none)."""
+    found; None when none is (or when a ``final`` rule applies and finds none). An integer fact (positions, a pad
+    count) is kept only where every value it stands for fits the node's dtype at every size (:func:`_values_fit`):
+    a fact derived in a wider type, or in this one before it wrapped, says nothing about a value that wrapped
+    (``arange(L).to(torch.int8)`` past 127)."""
     out = example_of(node)
     name = _op_name(node) if node.op in ("call_function", "call_method") else None
     if name is None or not isinstance(out, torch.Tensor):
@@ -424,8 +428,40 @@ def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[
     for rule in FACT_RULES.get(name, ()):
         found = rule.rule(node, name, out, env)
         if found is not None or rule.final:
+            if isinstance(found, (Positions, PadCount)) and not _values_fit(found, out, upper):
+                return None
             return found
     return None
+
+
+#: The integer dtypes whose every value a 64-bit index holds exactly (a position or count that fits survives).
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64)
+
+
+def _values_fit(fact: Any, out: Any, upper: Mapping[str, int] | None) -> bool:
+    """Whether every value ``fact`` says ``out`` holds lies in ``out``'s dtype at every size the graph runs at.
+
+    :class:`Positions` holds ``i + offset`` at index ``i < n`` (``n`` the size of its dim) plus a run-time ``base``;
+    :class:`PadCount` holds counts ``0 .. n``. The ends come from torch's value-range analysis
+    (:func:`~graphpass.fx_utils.size_range`) over the symbols' ranges, capped by ``upper`` (symbol name -> the largest
+    bucket, the largest size a padded call runs at). A run-time base has no known range: only ``int64`` keeps it."""
+    if not isinstance(out, torch.Tensor) or out.dtype not in _INT_DTYPES:
+        return False
+    if out.dtype == torch.int64:
+        return True  # no size reaches 2**63
+    if getattr(fact, "base", None) is not None:
+        return False
+    n = size_expr(out.shape[fact.dim])
+    if isinstance(fact, Positions):
+        lo, hi = size_range(n - 1 + fact.offset, shape_env_of(out), upper)
+        lo = min(lo, fact.offset)
+    else:
+        lo, hi = 0, size_range(n, shape_env_of(out), upper)[1]
+    info = torch.iinfo(out.dtype)
+    try:
+        return bool(lo >= info.min) and bool(hi <= info.max)
+    except TypeError:  # an end sympy cannot order (a symbol left over)
+        return False
 
 
 def _source_fact(node: torch.fx.Node, name: str, out: torch.Tensor, env: FactEnv) -> Any:
@@ -564,12 +600,15 @@ def _scalar_tensor_root(value: Any) -> str | None:
 
 def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None,
                      ties: Mapping[Any, Any] | None = None, values: Mapping[str, Any] | None = None,
-                     proven: Mapping[torch.fx.Node, Any] | None = None) -> dict[torch.fx.Node, Any]:
+                     proven: Mapping[torch.fx.Node, Any] | None = None,
+                     upper: Mapping[str, int] | None = None) -> dict[torch.fx.Node, Any]:
     """The position and causal-mask facts of ``gm``'s nodes (see the section comment above).
     ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim; ``ties``: size symbols padded
     together (symbol -> the one it equals on every call); ``values``: placeholder name -> the real tensor it takes
     (a module buffer), whose values may prove it a causal table (:mod:`.buffer_masks`); ``proven``: facts of nodes
-    proven by a whole-pattern rule (a top-k indexer's narrowed additive mask, :mod:`.topk_mask`)."""
+    proven by a whole-pattern rule (a top-k indexer's narrowed additive mask, :mod:`.topk_mask`); ``upper``: symbol
+    name -> the largest size a padded call runs at (the largest bucket), which bounds the values of integer facts
+    (:func:`_values_fit`)."""
     ties = MappingProxyType(dict(ties or {}))
     facts: dict[torch.fx.Node, Any] = {n: ZeroPad(d, n.name) for n, d in (zero_padded or {}).items()}
     facts.update(_table_facts(gm, values or {}))
@@ -578,7 +617,7 @@ def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Nod
     for node in gm.graph.nodes:
         if node in facts:
             continue
-        fact = _fact_of(node, facts, huge, ties)
+        fact = _fact_of(node, facts, huge, ties, upper)
         if fact is not None:
             facts[node] = fact
     return facts

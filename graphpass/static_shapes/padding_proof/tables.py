@@ -180,19 +180,36 @@ _KNOWN: frozenset[str] = (
     | frozenset(FACTORIES) | frozenset(ALONG_DIM) | frozenset(MATMULS) | frozenset(NORMS)
 )
 
-#: Library functions checked as a whole instead of op by op: every output row of each, along the
-#: padded dim, depends only on the same rows of its inputs, for the reason given. Their inner ops
-#: (a sort of the tokens by expert, gathers, a count per expert, grouped GEMMs, the inverse
-#: permutation) are not row-wise one by one, but the function is. (path suffix, function) -> reason.
-ROW_WISE_FUNCTIONS: Mapping[tuple[str, str], str] = MappingProxyType({
-    ("transformers/integrations/moe.py", "grouped_mm_experts_forward"):
+@dataclass(frozen=True)
+class RowWiseFunction:
+    """A library function trusted as row-wise as a whole: its code (with ``helpers``, the same file's module-level
+    functions it calls) must have ``digest`` (:func:`..causal_functions.source_digest`), so an edited or vendored
+    copy, or another release's, is checked op by op again; ``reason``: why every output row depends on its own row."""
+
+    digest: str
+    reason: str
+    helpers: tuple[str, ...] = ()
+
+
+#: Library functions checked as a whole instead of op by op: every output row of each, along the padded dim,
+#: depends only on the same rows of its inputs, for the reason given. Their inner ops (a sort of the tokens by expert,
+#: gathers, a count per expert, grouped GEMMs, the inverse permutation) are not row-wise one by one, but the function
+#: is. A node is trusted when it was traced inside one of them, its innermost frame is the function or one of its
+#: helpers (not a model's own ``_apply_gate`` it calls), and the file's source has the digest
+#: (:class:`.patterns.RowWiseFunctions`). (path suffix, function) -> the proven code.
+ROW_WISE_FUNCTIONS: Mapping[tuple[str, str], RowWiseFunction] = MappingProxyType({
+    ("transformers/integrations/moe.py", "grouped_mm_experts_forward"): RowWiseFunction(
+        "4b3136e0cabfa5ba",
         "dropless top-k experts: the token-expert pairs are sorted by expert, each row is multiplied by its own "
         "expert's weights (the group offsets are counted from the same sorted rows), the inverse permutation puts "
         "every row back, and a token's k results are summed in its own row; no capacity, so no token is dropped "
         "because of another",
-    ("transformers/integrations/moe.py", "batched_mm_experts_forward"):
+        helpers=("_grouped_linear", "_grouped_mm", "_can_use_grouped_mm", "_default_apply_gate")),
+    ("transformers/integrations/moe.py", "batched_mm_experts_forward"): RowWiseFunction(
+        "2d673d4ddafb277c",
         "dropless top-k experts: each token-expert pair is multiplied by its own gathered expert weights and a "
         "token's k results are summed in its own row",
+        helpers=("_batched_linear", "_default_apply_gate")),
 })
 
 #: Namespaces whose OpOverloads are read through the tables above; graphpass's are always safe.
