@@ -33,14 +33,14 @@ where the real rows are. It inserts nothing and assumes Dynamo-level or aten gra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import sympy
 import torch
 
 from ...fx_utils import example_of, size_expr
 from ...tensor_utils import shape_env_of
-from .nodes import _MISSING, _arg, _dims, _is_tensor_arg, _namespace, _norm_dim, _op_name
+from .nodes import _MISSING, _arg, _dims, _is_tensor_arg, _leaves, _namespace, _norm_dim, _op_name
 from .tables import _SAFE_NAMESPACES, ALONG_DIM, FACTORIES, META, NORMS, POINTWISE
 
 __all__ = ["Digit", "layout_sweep", "layout_violations"]
@@ -337,19 +337,6 @@ class _Sweep:
                 return "repeat by a count that is not static"
             found[d + shift] = Digit(g.outer * c, g.digit, g.inner)
         return found
-
-
-def _leaves(value: Any) -> Iterable[Any]:
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _leaves(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _leaves(v)
-    elif isinstance(value, slice):
-        yield from _leaves((value.start, value.stop, value.step))
-    else:
-        yield value
 
 
 def layout_sweep(gm: torch.fx.GraphModule, *, padded: Callable[[Any], tuple[int, ...]],
