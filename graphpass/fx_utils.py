@@ -331,6 +331,14 @@ def writes_into(user: Node, alias: Node) -> bool:
         return True
     if user.op == "call_function" and isinstance(user.target, torch._ops.OpOverload):
         return _schema_writes(user.target, user, alias)
+    if user.op == "call_function" and isinstance(user.target, torch._ops.OpOverloadPacket):
+        # a packet says nothing until an overload is chosen, unless it has only one (custom ops called as
+        # ``torch.ops.ns.op(out, x)``, as vLLM's are): that one's schema says what it writes, in whichever
+        # argument (vLLM's CPU all-reduce ``torch.ops._C.shm_allreduce(handle, data)`` writes its second)
+        only = user.target.overloads()
+        if len(only) == 1:
+            return _schema_writes(getattr(user.target, only[0]), user, alias)
+        return bool(user.args) and user.args[0] is alias and _inplace_name(op_name(user.target).name)
     if not user.args or user.args[0] is not alias:
         return False
     if user.op == "call_method":
@@ -339,13 +347,6 @@ def writes_into(user: Node, alias: Node) -> bool:
         return False
     if user.target in INPLACE_OPERATORS or user.kwargs.get("inplace") is True:
         return True
-    if isinstance(user.target, torch._ops.OpOverloadPacket):
-        # a packet says nothing until an overload is chosen, unless it has only one (custom ops called as
-        # ``torch.ops.ns.op(out, x)``, as vLLM's are): that one's schema says what it writes
-        only = user.target.overloads()
-        if len(only) == 1:
-            return _schema_writes(getattr(user.target, only[0]), user, alias)
-        return False
     return _inplace_name(op_name(user.target).name)
 
 

@@ -402,25 +402,39 @@ def _scale_into(out, x, s):
 
 _LIB.impl("scale_into", _scale_into, "CompositeExplicitAutograd")
 _LIB.impl("scale_into", lambda out, x, s: None, "Meta")
+# vLLM's CPU all-reduce (``torch.ops._C.shm_allreduce(handle, data)``): an in-place write into the *second*
+# argument after the output was computed; the stand-in sums two equal "ranks": data += data
+_LIB.define("all_reduce_into(int handle, Tensor(a!) data) -> ()")
+
+
+def _all_reduce_into(handle, data):
+    data.add_(data.clone())
+
+
+_LIB.impl("all_reduce_into", _all_reduce_into, "CompositeExplicitAutograd")
+_LIB.impl("all_reduce_into", lambda handle, data: None, "Meta")
 
 
 class _OutVariant(nn.Module):
-    def __init__(self):
+    def __init__(self, reduce=False):
         super().__init__()
         self.lin = nn.Linear(4, 4)
+        self.reduce = reduce
 
     def forward(self, x):
         residual = x + 1  # computed before the output buffer: the later leaf is the allocation
         h = self.lin(x)
         out = torch.empty_like(h)
         torch.ops.graphpass_test_out.scale_into(out, h, 3.0)  # the op packet, as vLLM calls it
+        if self.reduce:  # a row-parallel layer's all-reduce, in place, with the tensor as second argument
+            torch.ops.graphpass_test_out.all_reduce_into(0, out)
         return out, residual
 
 
 class _OutVariantModel(nn.Module):
-    def __init__(self):
+    def __init__(self, reduce=False):
         super().__init__()
-        self.layers = nn.ModuleList(_OutVariant() for _ in range(2))
+        self.layers = nn.ModuleList(_OutVariant(reduce) for _ in range(2))
 
     def forward(self, x):
         for layer in self.layers:
@@ -429,10 +443,13 @@ class _OutVariantModel(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("reduce", [False, True], ids=["out-op", "then-all-reduce-in-place"])
 @pytest.mark.parametrize("then", ["eager", "aot_eager"])
-def test_an_output_written_by_an_out_variant_op_is_captured_after_the_write(tmp_path, then):
+def test_an_output_written_by_an_out_variant_op_is_captured_after_the_write(tmp_path, then, reduce):
+    """Also after a later in-place write whose schema names the tensor as a later argument (vLLM's CPU
+    all-reduce at tensor_parallel_size=2: its capture used to hold each rank's partial sum)."""
     torch.manual_seed(0)
-    model = _OutVariantModel()
+    model = _OutVariantModel(reduce)
     compiled = torch.compile(model, backend="graphpass", options={"then": then})
     capture = ModelCapture(compiled, modules=["layers.0", "layers.1"], capture_dir=tmp_path)
     capture.enable()

@@ -96,6 +96,19 @@ def test_a_mutating_custom_op_writes_only_what_its_schema_says():
     assert not writes_into(node, y)
 
 
+def test_a_custom_op_called_by_its_packet_writes_the_argument_its_schema_marks():
+    """``torch.ops.ns.op(handle, data)`` (the packet, as vLLM calls its CPU all-reduce): the written tensor
+    is not the first argument."""
+    lib = torch.library.Library("graphpass_test_packet", "FRAGMENT")
+    lib.define("reduce_into(int handle, Tensor(a!) data, Tensor other) -> ()")
+    packet = torch.ops.graphpass_test_packet.reduce_into
+    g, x, (node,) = _graph(lambda g, x, y: [g.call_function(packet, (0, x, y))])
+    y = next(n for n in g.nodes if n.name == "y")
+    assert writes_into(node, x)
+    assert not writes_into(node, y)
+    assert find_write(x) == (node, x) and find_write(y) is None
+
+
 @pytest.mark.parametrize("view", ["view", "t", "transpose", "reshape", "flatten", "unsqueeze", "narrow", "detach"])
 def test_writes_through_views_are_found(view):
     args = {"view": (-1,), "transpose": (0, 1), "reshape": (-1,), "narrow": (0, 0, 1), "unsqueeze": (0,)}.get(view, ())
