@@ -22,12 +22,14 @@ Functions here read graphs and tensors; they never change them. They work on Dyn
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, NamedTuple
 
 import sympy
 import torch
@@ -493,14 +495,33 @@ def ran_inside_path(node: Node, path_suffix: str) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+_SIZE_CANON: contextvars.ContextVar[Callable[[sympy.Basic], sympy.Basic] | None] = contextvars.ContextVar(
+    "graphpass_size_canon", default=None)
+
+
+@contextlib.contextmanager
+def canonical_sizes(canon: Callable[[sympy.Basic], sympy.Basic] | None) -> Iterator[None]:
+    """Within the block, :func:`size_expr` returns ``canon(expr)`` (the padding proof's sizes under what Dynamo's
+    guards require of the length: ``padding_proof.guards``); None: as traced."""
+    token = _SIZE_CANON.set(canon)
+    try:
+        yield
+    finally:
+        _SIZE_CANON.reset(token)
+
+
 def size_expr(size: Any) -> sympy.Expr:
-    """A size (int, SymInt, SymFloat, a node holding one, a sympy expression) as a sympy expression."""
+    """A size (int, SymInt, SymFloat, a node holding one, a sympy expression) as a sympy expression
+    (in the canonical form set by :func:`canonical_sizes`, if any)."""
     size = example_of(size)
     if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return sympy.sympify(size.node.expr)
-    if isinstance(size, bool):
+        expr = sympy.sympify(size.node.expr)
+    elif isinstance(size, bool):
         return sympy.Integer(int(size))
-    return sympy.sympify(size)
+    else:
+        expr = sympy.sympify(size)
+    canon = _SIZE_CANON.get()
+    return canon(expr) if canon is not None else expr
 
 
 def shape_env_hints(env: Any) -> dict:

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
+import sympy
 import torch
 
 from ..fx_utils import example_of, ran_inside_file, ran_inside_path, size_expr, writes_into
@@ -63,6 +64,10 @@ class CausalFunction:
     # source lines of the function whose length guard may fail at a bucket without changing the real rows:
     # line text -> why (see benign_guard)
     benign_guards: Mapping[str, str] = field(default_factory=dict)
+    # lines of benign_guards that are benign only where the trace took the branch: the guard Dynamo recorded is the
+    # condition itself (``pad_size > 0``, a strict ``>``), not its negation (``pad_size <= 0``: the graph traced at a
+    # multiple of the chunk, which pads nothing, is not the code's trace where the code pads)
+    taken_only: frozenset[str] = frozenset()
     # path suffixes of other libraries' code the function may call whose code the proof does not cover: a node
     # traced inside one of them is not trusted (it is checked op by op)
     unproven_callees: tuple[str, ...] = ()
@@ -89,7 +94,7 @@ CAUSAL_FUNCTIONS: Mapping[str, CausalFunction] = MappingProxyType({
         "last row's cumulative decay feed only the start states of later chunks (the inter-chunk decay is again "
         "exp(-inf) = 0 above the diagonal); the D residual is row-wise",
         helpers=("pad_tensor_by_size", "reshape_into_chunks", "segment_sum"),
-        benign_guards={"if pad_size > 0:": _NO_PAD}),
+        benign_guards={"if pad_size > 0:": _NO_PAD}, taken_only=frozenset({"if pad_size > 0:"})),
     "torch_chunk_gated_delta_rule": CausalFunction(
         "e8aa42c00b9d9dbe", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _DELTA),
         "gated delta rule, chunked: chunks start at multiples of chunk_size from row 0; within a chunk the "
@@ -174,15 +179,20 @@ def causal_function_of(node: torch.fx.Node) -> str | None:
     return None
 
 
-def benign_guard(where: str, functions: Iterable[str]) -> str | None:
+def benign_guard(where: str, functions: Iterable[str], expr: Any = None) -> str | None:
     """Why a Dynamo guard on the length may fail at a bucket without changing any real row, when its source
     location (``guard.sloc``: ``"<code>  # <file>:<line> in <function>"``) is one of ``functions``' listed
-    lines; None otherwise."""
+    lines (and, for a line of ``taken_only``, the guard ``expr`` is the condition taken: a strict ``>``); None
+    otherwise."""
     code, _, frame = where.partition("  # ")
+    code = code.strip()
     for name in functions:
         fn = CAUSAL_FUNCTIONS.get(name)
-        if fn is not None and frame.endswith(f" in {name}") and code.strip() in fn.benign_guards:
-            return fn.benign_guards[code.strip()]
+        if fn is None or not frame.endswith(f" in {name}") or code not in fn.benign_guards:
+            continue
+        if code in fn.taken_only and not isinstance(expr, sympy.StrictGreaterThan):
+            return None
+        return fn.benign_guards[code]
     return None
 
 

@@ -4,7 +4,6 @@ is :class:`..topk_mask.TopkBuckets`), each under the protocols of :mod:`.result`
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -17,6 +16,7 @@ from ..buffer_masks import CausalTable
 from ..causal_functions import benign_guard
 from ..config import pads_on_host
 from ..position_tables import TableRead, _largest_fitting, _last_at
+from .guards import guard_where
 from .result import GuardFails, NotProven, PaddingProof
 
 __all__ = ["CausalTablesCheck", "GuardBuckets", "OnesCheck", "TableBuckets"]
@@ -113,6 +113,8 @@ def _guard_invalid_buckets(plan: PaddingProof, placeholders: list[torch.fx.Node]
         plan.refused.append(f"{', '.join(trusted)}: no shape environment to check Dynamo's guards at the buckets")
         return
     for b in buckets:
+        if b in plan.invalid_buckets:
+            continue  # already marked by an earlier check (its reason kept)
         for guard in getattr(env, "guards", ()):
             padded = [s for s in guard.expr.free_symbols if str(s) in names]
             if not padded:
@@ -124,8 +126,8 @@ def _guard_invalid_buckets(plan: PaddingProof, placeholders: list[torch.fx.Node]
             if isinstance(value, sympy.Basic) and value.free_symbols:
                 continue  # relates the length to another size (``Eq(s16, s27)``: a mask of another graph)
             if value is not sympy.true:
-                where = re.sub(r"\s*\((_dynamo|torch)/[^()]*\)$", "", str(getattr(guard, "sloc", "")))
-                if benign_guard(where, trusted) is not None:
+                where = guard_where(guard)
+                if benign_guard(where, trusted, guard.expr) is not None:
                     continue  # a branch of the proven code that is the same at the bucket for the real rows
                 plan.invalid_buckets[b] = GuardFails(f"{guard.expr} ({where})")
                 break

@@ -12,12 +12,15 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import sympy
 import torch
 
-from ...fx_utils import flat_nodes, tensors_of, writes_into
+from ...fx_utils import canonical_sizes, example_of, flat_nodes, tensors_of, writes_into
+from ...tensor_utils import shape_env_of
 from ..buffer_masks import CausalTable
+from ..causal_functions import CAUSAL_FUNCTIONS
 from ..position_tables import TableRead
 from . import op_checks  # noqa: F401 (registers the op rules)
 from .conditions import CausalTablesCheck, GuardBuckets, OnesCheck, TableBuckets
 from .facts import Causal
+from .guards import MultipleBuckets, MultipleCanon, multiples_from_guards
 from .nodes import _iter_nodes, _label, _namespace, _op_name, _source, _symbol_names, padded_dims
 from .op_checks import UNKNOWN_OP, _value_use
 from .patterns import PATTERN_RULES, PatternRule, as_pattern_rule
@@ -115,8 +118,26 @@ def prove_padding(
     only where their values fit it up to there (without it, only the shape env's ranges count).
 
     Every live node is checked by the pattern rule that claimed it or by its op rule (whether it mixes rows), then
-    by the layout sweep (:mod:`.layout`: whether its padded dims' real rows are still a prefix where it needs them)."""
+    by the layout sweep (:mod:`.layout`: whether its padded dims' real rows are still a prefix where it needs them).
+
+    Where Dynamo's guards require the length to be a multiple of ``c`` (a graph traced at a multiple of a chunk size,
+    :mod:`.guards`), the proof reads every size as it is at the multiples, and the buckets that are not one are
+    invalid."""
     names = _symbol_names(symbols)
+    env = shape_env_of([example_of(n) for n in gm.graph.nodes if n.op == "placeholder"])
+    multiples = multiples_from_guards(env, names, CAUSAL_FUNCTIONS)
+    with canonical_sizes(MultipleCanon({s: c for s, (c, _) in multiples.items()}) if multiples else None):
+        result = _prove(gm, names, causal_ok, ties, zero_padded, values, rules, table_names, upper)
+        if multiples:
+            result.bucket_checks.insert(0, MultipleBuckets(tuple((str(s), c, why) for s, (c, why) in multiples.items())))
+        if buckets:
+            result.check_buckets(_symbol_names(bucket_symbols if bucket_symbols is not None else symbols), buckets)
+    return result
+
+
+def _prove(gm: torch.fx.GraphModule, names: frozenset[str], causal_ok: bool, ties: Any, zero_padded: Iterable[str],
+           values: Any, rules: Sequence[Any], table_names: Any, upper: Any) -> PaddingProof:
+    """:func:`prove_padding`'s proof, the bucket checks listed but not decided."""
 
     def provenance(carried: dict | None = None) -> MappingProxyType:
         zero = _zero_padded(gm, set(zero_padded), names)
@@ -144,8 +165,6 @@ def prove_padding(
     result.trusted |= ctx.trusted
     result.table_reads += ctx.table_reads
     _checks(gm, ctx, found, result, values, table_names)
-    if buckets:
-        result.check_buckets(_symbol_names(bucket_symbols if bucket_symbols is not None else symbols), buckets)
     return result
 
 
