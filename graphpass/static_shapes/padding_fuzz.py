@@ -178,7 +178,8 @@ _VARIANTS: dict[str, tuple[str, ...]] = {
     "scan": ("cumsum", "cumprod", "cummax", "logcumsumexp", "diff", "diff_prepend", "diff_append", "cumsum_h",
              "flip_cumsum"),
     "slice": ("drop_first", "drop_last", "drop2", "narrow_prefix", "narrow_shift", "neg_n", "last_bcast",
-              "first_bcast", "keep_prefix", "last_minus_one", "neg_len_x"),
+              "first_bcast", "keep_prefix", "last_minus_one", "neg_len_x", "split_len", "split_len_minus",
+              "split_tail_read", "split_halves"),
     "repad": ("pad_left", "pad_right", "pad_right_value", "cat_front", "cat_back", "cat_self_back", "cat_hidden",
               "pad_hidden", "shift_right", "shift_left", "stack_mean"),
     "index": ("index_select_id", "index_select_rev", "gather_id", "take_along_id", "adv_id", "adv_prev", "adv_next",
@@ -215,7 +216,7 @@ _LIKELY_SAFE: dict[str, tuple[str, ...]] = {
                "masked_mean"),
     "scan": ("cumsum", "cumprod", "cummax", "logcumsumexp", "diff", "diff_prepend", "cumsum_h"),
     "slice": ("drop_first", "drop_last", "drop2", "narrow_prefix", "narrow_shift", "neg_n", "first_bcast",
-              "keep_prefix"),
+              "keep_prefix", "split_len", "split_len_minus"),
     "repad": ("pad_left", "cat_front", "cat_hidden", "pad_hidden", "shift_right", "stack_mean"),
     "index": ("index_select_id", "gather_id", "adv_id", "narrow_id", "adv_prev", "table_emb", "table_index",
               "table_short"),
@@ -429,7 +430,7 @@ def _emit_scan(st: _State, s: Step) -> None:
 def _emit_slice(st: _State, s: Step) -> None:
     v = s.get("v")
     shifts = {"drop_first": -1, "drop_last": -1, "drop2": -2, "narrow_prefix": -1, "narrow_shift": -1,
-              "keep_prefix": -1, "last_minus_one": 0}
+              "keep_prefix": -1, "last_minus_one": 0, "split_len_minus": -1, "split_tail_read": -1}
     delta = shifts.get(v, 0)
     if delta and not st.can_shift(delta):
         return st.skip(f"{v} would leave too few rows")
@@ -445,8 +446,13 @@ def _emit_slice(st: _State, s: Step) -> None:
         "last_bcast": "h = h + h[:, -1:]",
         "first_bcast": "h = h + h[:, :1]",
         "last_minus_one": "h = h + h[:, -2:-1]",
+        # transformers 5.25's state-space split (the second piece empty, or the last rows, unread / read)
+        "split_len": "h, _ = torch.tensor_split(h, [h.shape[1]], dim=1)",
+        "split_len_minus": "h, _ = torch.tensor_split(h, [h.shape[1] - 1], dim=1)",
+        "split_tail_read": "h, _t = torch.tensor_split(h, [h.shape[1] - 1], dim=1)\nh = h + _t.sum(1, keepdim=True)",
+        "split_halves": "_a, _b = torch.tensor_split(h, 2, dim=1)\nh = torch.cat([_b, _a], dim=1)",
     }[v]
-    st.emit(code)
+    st.emit(*code.split("\n"))
     st.off += delta
 
 

@@ -324,3 +324,57 @@ def test_the_installed_transformers_moe_functions_match_their_digests():
 
     for (suffix, name), trust in ROW_WISE_FUNCTIONS.items():
         assert source_digest(moe.__file__, name, trust.helpers) == trust.digest, name
+
+
+# --------------------------------------------------------------------------------------------
+# 6. tensor_split at the padded length (transformers 5.25's state-space layers, issue 38)
+# --------------------------------------------------------------------------------------------
+
+
+class SplitAtLength(nn.Module):
+    """``torch.tensor_split(x, [L - k], dim=1)``, as transformers 5.25 splits a state-space layer's input before
+    its scan (``k``: the recurrent states a cache keeps, 0 without one); ``read_tail``: the last ``k`` rows are
+    used too (flipped and appended), which reads rows that move with the padding."""
+
+    def __init__(self, k: int, read_tail: bool = False) -> None:
+        super().__init__()
+        self.k, self.read_tail = k, read_tail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        head, tail = torch.tensor_split(x, [x.shape[1] - self.k], dim=1)
+        out = torch.cumsum(head, dim=1) * 2  # causal along the rows
+        if self.read_tail:
+            return torch.cat([out, tail.flip(1)], dim=1)
+        return out
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_tensor_split_at_the_padded_length_is_accepted_and_exact(k):
+    """k 0: the whole tensor and an empty piece. k 3: the first piece is a prefix k rows short of the length (its
+    output is cut at the real length minus k, as ``x[:, :L - 3]`` is); growing it back to the length (pad, cat) is
+    refused by those ops' own rules."""
+    model = SplitAtLength(k)
+    lengths = [5, 9, 12, 17, 23, 30, 31]
+    active, seen = _run(model, _x, lengths, [16, 32])
+    assert active and seen <= {16, 32, lengths[0]}, seen
+    assert not _violations(model, *_x(9))
+
+
+def test_tensor_split_whose_tail_is_read_is_refused_and_exact():
+    # eager at length 5, k 2: head rows 0..2, tail rows 3, 4 flipped to 4, 3; padded to 16 the tail would be
+    # padding rows 14, 15 and the real rows 3, 4 would come out unflipped
+    model = SplitAtLength(2, read_tail=True)
+    active, _ = _run(model, _x, [5, 9, 11], [16, 32])
+    assert not active
+    assert any("tensor_split" in v.op for v in _violations(model, *_x(9)))
+
+
+def test_tensor_split_at_another_boundary_is_refused():
+    class Sections(nn.Module):
+        def forward(self, x):
+            a, b = torch.tensor_split(x, 2, dim=1)  # halves: the boundary moves with the padding
+            return torch.cat([b, a], dim=1)
+
+    assert any("tensor_split" in v.op for v in _violations(Sections(), *_x(9)))
+    active, _ = _run(Sections(), _x, [5, 9, 11], [16, 32])
+    assert not active

@@ -69,9 +69,36 @@ def _check_along_dim(node: torch.fx.Node, name: str, ctx: ProofContext) -> _Find
     for d in dims:
         d = _norm_dim(d, t.dim())
         if d in pads and not _causal_scan(node, name, ctx) and not _masked_softmax(node, name, d, ctx) \
-                and not _zero_padded_count(node, name, d, ctx):
+                and not _zero_padded_count(node, name, d, ctx) and not _split_at_length(node, name, d, t, ctx):
             return d, f"{name} {spec.what}"
     return None
+
+
+def _split_at_length(node: torch.fx.Node, name: str, d: int, t: torch.Tensor, ctx: ProofContext) -> bool:
+    """``torch.tensor_split(x, [b], dim=d)`` with ``b`` the padded length itself, or it minus a static count ``k``
+    (transformers 5.25 splits every state-space layer's input so, ``k`` the recurrent states a cache keeps, 0
+    without one). The first piece is ``x[:, :b]``: a prefix, its real rows still first. The second,
+    ``x[:, b:]``, is empty when ``k`` is 0; else it is the last ``k`` rows, which move with the padding (padding
+    rows, or real ones at another place), so it must not be read."""
+    if name != "tensor_split" or len(node.args) < 2:
+        return False
+    bounds = node.args[1]
+    if not isinstance(bounds, (list, tuple)) or len(bounds) != 1:
+        return False
+    v = example_of(bounds[0])
+    if not isinstance(v, (int, torch.SymInt)):
+        return False
+    k = size_expr(t.shape[d]) - size_expr(v)
+    if not (isinstance(k, sympy.Integer) and k >= 0):
+        return False
+    if k == 0:
+        ctx.because("split_at_padded_length")
+        return True
+    for u in node.users:
+        if _op_name(u) == "getitem" and len(u.args) > 1 and u.args[1] == 1 and u.users:
+            return False  # the last k rows are read
+    ctx.because("split_before_unread_tail")
+    return True
 
 
 def _zero_padded_count(node: torch.fx.Node, name: str, d: int, ctx: ProofContext) -> bool:
