@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graphpass-installed
 
-.PHONY: demo test test-xla test-vllm golden bench conformance clean venv
+.PHONY: demo test test-xla test-vllm test-transformers-next golden bench conformance clean venv
 
 venv: $(STAMP)
 
@@ -38,6 +38,11 @@ test-xla:
 test-vllm:
 	PYTHON=$(PYTHON) bash .ci/vllm-leg
 
+# The transformers-next leg: the static family sweep (and the state-space, proven-scan and reference tests) on the
+# newest transformers on the index, installed with --no-deps beside the main venv's pinned one and removed after.
+test-transformers-next: $(STAMP)
+	VENV=$(VENV) bash .ci/transformers-next-leg
+
 # Re-accept every golden graph after a deliberate change (read the diff before committing).
 golden: $(STAMP)
 	GRAPHPASS_ACCEPT_GOLDEN=1 $(PY) -m pytest -q tests/goldens/test_golden.py
@@ -49,4 +54,4 @@ conformance: $(STAMP)
 	$(PY) bench/conformance.py
 
 clean:
-	rm -rf $(VENV) .venv-xla .venv-vllm build *.egg-info
+	rm -rf $(VENV) .venv-xla .venv-vllm .transformers-next build *.egg-info

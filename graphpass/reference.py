@@ -51,7 +51,9 @@ def reference_run(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]]
     from .dynamo_backend import backend
     from .capturing import ModelCapture
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # use_kernels=False: the reference is plain PyTorch (hub kernels would change its numerics), and from
+    # transformers 5.25 on, kernels default to on and from_pretrained fails without the optional `kernels` package
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_kernels=False).eval()
     model.forward = torch.compile(model.forward, backend=backend(then="eager"))
     capture = ModelCapture(model, modules=list(modules), capture_dir=out)
     capture.enable()

@@ -1,4 +1,4 @@
-"""The CI entry point: .ci/run runs the three legs and fails if any fails; the XLA and vLLM legs count
+"""The CI entry point: .ci/run runs the four legs and fails if any fails; the XLA and vLLM legs count
 pytest's exit 5 (no test collected) as a failure; the vLLM leg's install overlaps the other legs.
 `make` and the vLLM leg are replaced by stand-ins, so nothing is installed or run here. And the suite's
 own harness: pytest's log capture stays off torch's structured trace (tests/conftest.py)."""
@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _fake_make(tmp_path: Path) -> dict:
-    """A `make` that records its target and exits with $MAIN_RC for `test`, $XLA_RC for `test-xla`
+    """A `make` that records its target and exits with $MAIN_RC for `test`, $XLA_RC for `test-xla`, $NEXT_RC for
+    `test-transformers-next`
     (`test` first waits up to 10 s for the vLLM install to have started, and records whether it had);
     a vLLM leg ($VLLM_LEG) that records its phase and exits with $VLLM_INSTALL_RC / $VLLM_TEST_RC."""
     bin_dir = tmp_path / "bin"
@@ -25,7 +26,8 @@ def _fake_make(tmp_path: Path) -> dict:
                     'if [ "$1" = test ]; then for i in $(seq 100); do [ -e "$MAKE_LOG.installing" ] && break; sleep 0.1; done\n'
                     '  [ -e "$MAKE_LOG.installing" ] && echo install-running-during-main >> "$MAKE_LOG"; fi\n'
                     'echo "$1" >> "$MAKE_LOG"\n'
-                    'case "$1" in test) exit "$MAIN_RC";; test-xla) exit "$XLA_RC";; *) exit 99;; esac\n')
+                    'case "$1" in test) exit "$MAIN_RC";; test-xla) exit "$XLA_RC";; '
+                    'test-transformers-next) exit "${NEXT_RC:-0}";; *) exit 99;; esac\n')
     make.chmod(0o755)
     leg = bin_dir / "vllm-leg"
     leg.write_text('#!/usr/bin/env bash\n'
@@ -36,17 +38,27 @@ def _fake_make(tmp_path: Path) -> dict:
             "VLLM_LEG": str(leg), "VLLM_INSTALL_RC": "0", "VLLM_TEST_RC": "0"}
 
 
-@pytest.mark.parametrize("main_rc, xla_rc, vllm_rc", [(0, 0, 0), (0, 1, 0), (2, 0, 0), (2, 1, 0), (0, 0, 1),
-                                                      (2, 1, 1)])
-def test_ci_runs_every_leg_and_fails_if_any_fails(tmp_path, main_rc, xla_rc, vllm_rc):
-    env = _fake_make(tmp_path) | {"MAIN_RC": str(main_rc), "XLA_RC": str(xla_rc), "VLLM_TEST_RC": str(vllm_rc)}
+@pytest.mark.parametrize("main_rc, next_rc, xla_rc, vllm_rc", [(0, 0, 0, 0), (0, 0, 1, 0), (2, 0, 0, 0),
+                                                               (2, 0, 1, 0), (0, 0, 0, 1), (2, 1, 1, 1), (0, 1, 0, 0)])
+def test_ci_runs_every_leg_and_fails_if_any_fails(tmp_path, main_rc, next_rc, xla_rc, vllm_rc):
+    env = _fake_make(tmp_path) | {"MAIN_RC": str(main_rc), "NEXT_RC": str(next_rc), "XLA_RC": str(xla_rc),
+                                  "VLLM_TEST_RC": str(vllm_rc)}
     out = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
     # the vLLM install runs while the main leg does; its tests after the other legs; every leg always
     assert (tmp_path / "make.log").read_text().split() == [
-        "vllm-install", "install-running-during-main", "test", "test-xla", "vllm-test"]
-    assert (out.returncode == 0) == (main_rc == 0 and xla_rc == 0 and vllm_rc == 0), out.stderr
+        "vllm-install", "install-running-during-main", "test", "test-transformers-next", "test-xla", "vllm-test"]
+    assert (out.returncode == 0) == (main_rc == 0 and next_rc == 0 and xla_rc == 0 and vllm_rc == 0), out.stderr
     if out.returncode:
-        assert f"main leg exit {main_rc}, xla leg exit {xla_rc}, vllm leg exit {vllm_rc}" in out.stderr
+        assert (f"main leg exit {main_rc}, transformers-next leg exit {next_rc}, xla leg exit {xla_rc}, "
+                f"vllm leg exit {vllm_rc}") in out.stderr
+
+
+def test_transformers_next_leg_installs_the_newest_beside_the_pin_and_counts_no_tests_as_failure():
+    script = (REPO / ".ci" / "transformers-next-leg").read_text()
+    assert "pip install --quiet --no-deps --target" in script and "transformers ||" in script  # unpinned: the newest
+    assert "GRAPHPASS_TRANSFORMERS_NEXT=1" in script and "tests/transformers_next" in script
+    assert '"$status" -eq 5' in script and "trap 'rm -rf \"$DIR\"' EXIT" in script
+    assert "test-transformers-next:" in (REPO / "Makefile").read_text()
 
 
 def test_ci_counts_a_failed_vllm_install_as_the_vllm_legs_failure(tmp_path):

@@ -144,6 +144,10 @@ def test_an_edited_copy_is_checked_op_by_op_and_refused(tmp_path, edit):
     x, dt, a, b, c = _mamba2_inputs()
     got = _check(lambda x, dt, b, c: mod.mamba2_chunk_scan(x, dt, a, b, c, chunk_size=4), x, dt, b, c, seq_only=True)
     assert got, "an edited copy must not be trusted"
+    # the refusal says why: the pinned function changed (issue 38), naming it, the release and what to do
+    assert any("mamba2_chunk_scan (transformers/models/mamba2/modeling_mamba2.py)" in v.reason
+               and "is not the code graphpass proved" in v.reason and "pin transformers==" in v.reason for v in got), \
+        [v.reason for v in got]
 
 
 def test_gated_delta_rule_is_causal_and_padding_is_exact(tmp_path):
@@ -262,3 +266,22 @@ def test_a_cache_update_with_the_final_state_is_still_refused():
     assert plans and not any(p.active for p in plans) and refused, refused
 
 
+
+
+def test_a_refusal_in_a_transformers_release_not_checked_says_so(tmp_path, monkeypatch):
+    """A refusal in a transformers model file of a release the pins were not checked on (issue 38) says that the
+    release may be the cause, and what to do; on a checked release it does not."""
+    from graphpass.static_shapes.padding_proof import drift
+
+    out = tmp_path / "transformers" / "models" / "foo" / "modeling_foo.py"
+    out.parent.mkdir(parents=True)
+    out.write_text("import torch\n\n\ndef mixer(x):\n    return torch.cumsum(x.flip(1), dim=1)\n")
+    spec = importlib.util.spec_from_file_location("copied_foo_mixer", out)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    x = torch.randn(2, 9, 4)
+    for version, said in [("99.0.0", True), (drift.CHECKED_TRANSFORMERS[-1], False)]:
+        monkeypatch.setattr(drift, "_transformers_version", lambda: version)
+        got = _check(mod.mixer, x, seq_only=True)
+        assert got and all(("transformers 99.0.0 is not a release this proof was checked on" in v.reason) == said
+                           for v in got), [v.reason for v in got]

@@ -19,6 +19,7 @@ from ..causal_functions import CAUSAL_FUNCTIONS
 from ..position_tables import TableRead
 from . import op_checks  # noqa: F401 (registers the op rules)
 from .conditions import CausalTablesCheck, GuardBuckets, OnesCheck, TableBuckets
+from .drift import drift_note
 from .facts import Causal
 from .guards import MultipleBuckets, MultipleCanon, multiples_from_guards
 from .nodes import _iter_nodes, _label, _namespace, _op_name, _source, _symbol_names, padded_dims
@@ -156,7 +157,9 @@ def _prove(gm: torch.fx.GraphModule, names: frozenset[str], causal_ok: bool, tie
         if hit is None and node in layout:
             rule, hit = "layout", layout[node]
         if hit is not None:
-            result.violations.append(PaddingViolation(node=node.name, op=_label(node), dim=hit[0], reason=hit[1],
+            note = drift_note(node)
+            result.violations.append(PaddingViolation(node=node.name, op=_label(node), dim=hit[0],
+                                                      reason=f"{hit[1]} ({note})" if note else hit[1],
                                                       source=_source(node)))
         else:
             result.proven_by[node.name] = rule
