@@ -67,8 +67,9 @@ def _assert_bucketed(strict_backend, plans, lengths, buckets, invalid_ok=False):
     assert len(seq_lens) <= len(buckets) + 1
 
 
-@pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_next"])
+@pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_next", "mamba", "jamba"])
 def test_chunked_families_bucket_over_several_chunks(strict_backend, family):
+    """Mamba (v1) and Jamba have no chunk (a selective scan, traced as one scan op): the same lengths and buckets."""
     plans = _sweep(_model(family), NeuronDelegate(registered_name="strict_aten_standin", module=None), LENGTHS)
     _assert_bucketed(strict_backend, plans, LENGTHS, BUCKETS)
 
