@@ -321,6 +321,12 @@ def _compare_module(report: CompareReport, step: _Step, module: str, rank: int, 
         if isinstance(got, Slice):
             want, note = want[..., got.start:got.stop], f"rank {rank}'s shard [..., {got.start}:{got.stop}]"
             got = got.tensor
+        if got.dim() and test_rows and max(test_rows) >= got.shape[0]:
+            # fewer rows than the meta's positions: a FAIL row naming it, not an IndexError (issue 36, item 5)
+            report.rows.append(CompareRow(step.rel, module, rank, key, FAIL, note=(
+                f"test tensor has {got.shape[0]} row(s) but the step's meta places {max(test_rows) + 1} token(s) "
+                "in it: a truncated or mismatched capture")))
+            continue
         got = got[test_rows] if got.dim() else got
         row = compare_tensors(step.rel, module, rank, key, want, got, report.rtol, report.atol)
         if note:

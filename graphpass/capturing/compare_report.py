@@ -70,7 +70,17 @@ class CompareReport:
 
     @property
     def first_failure(self) -> CompareRow | None:
-        return next((row for row in self.rows if not row.passed), None)
+        """The first failing row in execution order; but a module returns after its submodules, so where a
+        submodule of the same step and rank fails too, that one diverged first, whatever order a meta listed
+        them in (a reference's meta lists a decoder layer before its own projections)."""
+        first = next((row for row in self.rows if not row.passed), None)
+        while first is not None and first.module:
+            inner = next((r for r in self.rows if not r.passed and r.step == first.step and r.rank == first.rank
+                          and r.module and r.module.startswith(first.module + ".")), None)
+            if inner is None:
+                break
+            first = inner
+        return first
 
     @property
     def passed(self) -> bool:

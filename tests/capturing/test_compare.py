@@ -429,3 +429,23 @@ def test_cli_names_what_is_missing_and_exits_1(dirs, tmp_path, capsys):
     assert data["passed"] is False and data["counts"]["missing_in_test"] == 2
     assert [(r["step"], r["module"], r["missing"]) for r in data["rows"] if r["missing"]] == [
         ("dp0/prefill_s8_0", "layers.2", "test"), ("dp0/decode_b2_0", "", "test")]
+
+
+def test_a_failing_submodule_is_the_first_divergence_before_its_failing_parent():
+    """A reference's meta may list a decoder layer before its own projections (issue 36, item 3): a module returns
+    after its submodules, so the failing submodule of the same step and rank is named, not the layer; a passing
+    submodule, another step's or another rank's, or a sibling module sharing a prefix, is not."""
+    from graphpass.capturing.compare_report import CompareRow
+
+    def row(module, status, step="dp0/prefill_s8_0", rank=0):
+        return CompareRow(step=step, module=module, rank=rank, key="output", status=status)
+
+    def first(*rows):
+        return CompareReport("ref", "test", 1e-3, 1e-5, rows=list(rows)).first_failure.module
+
+    layer, gate = "model.layers.0", "model.layers.0.mlp.gate_proj"
+    assert first(row(layer, "FAIL"), row("model.layers.0.mlp", "FAIL"), row(gate, "FAIL"), row("model.layers.1", "FAIL")) == gate
+    assert first(row(layer, "FAIL"), row(gate, "pass"), row("model.layers.1", "FAIL")) == layer
+    assert first(row(layer, "FAIL"), row(gate, "FAIL", step="dp0/decode_b2_1")) == layer
+    assert first(row(layer, "FAIL"), row(gate, "FAIL", rank=1)) == layer
+    assert first(row("model.layers.1", "FAIL"), row("model.layers.10.mlp", "FAIL")) == "model.layers.1"

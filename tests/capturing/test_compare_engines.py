@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from graphpass.capturing import CompareError, compare
 from graphpass.capturing.engine_families import (Family, FamilyRegistry, ModelShape, RebuildError, rebuild_llama)
@@ -190,6 +190,19 @@ def test_a_module_one_side_lacks_is_a_fail_row_naming_the_side(ref, tmp_path):
     lost = {(r.module, r.missing) for r in report.rows if not r.passed}
     assert lost == {("model.layers.0.mlp.gate_proj", "test"), ("model.layers.0.mlp.up_proj", "test")}
     assert "module missing in test" in report.first_failure.note
+
+
+@pytest.mark.parametrize("module", ["model.layers.0", "model.layers.0.mlp.gate_up_proj"])
+def test_a_tensor_with_fewer_rows_than_its_meta_is_a_fail_row_not_a_crash(ref, tmp_path, module):
+    """Issue 36, item 5: a capture truncated to fewer rows than its meta's positions crashed compare (IndexError,
+    exit 1 like an ordinary FAIL); it is a FAIL row naming the module and the row counts."""
+    test = write_engine(tmp_path / "vllm")
+    path = test / "dp0" / "prefill_s8_0" / module / "rank0.safetensors"
+    save_file({k: v[:5].contiguous() for k, v in load_file(str(path)).items()}, str(path))
+    report = compare(ref, test, rtol=1e-5, atol=1e-6)
+    bad = [r for r in report.rows if not r.passed]
+    assert bad and bad[0].step == "dp0/prefill_s8_0" and "5 row(s) but the step's meta places 8" in bad[0].note
+    assert main(["compare", str(ref), str(test)]) == 1
 
 
 def test_a_fused_projection_that_does_not_split_is_a_fail_row(ref, tmp_path):
