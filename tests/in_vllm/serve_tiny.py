@@ -8,6 +8,7 @@ and the worker's ``graphpass_stats`` after start-up and after serving.
 """
 
 import json
+import os
 import sys
 
 
@@ -30,7 +31,9 @@ def main() -> None:
         llm.stop_profile()
     after = llm.collective_rpc("graphpass_stats")
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-              "request_ids": [o.request_id for o in outs], "stats_before": before, "stats_after": after}
+              "request_ids": [o.request_id for o in outs], "stats_before": before, "stats_after": after,
+              # what the engine left in this (the caller's) process's environment
+              "caller_compile_cache_env": os.environ.get("VLLM_DISABLE_COMPILE_CACHE")}
     with open(spec["result"], "w") as f:
         json.dump(result, f)
 

@@ -106,6 +106,14 @@ def test_every_token_of_every_request_is_captured_once(served):
     assert {r: sorted(v) for r, v in seen.items()} == want
 
 
+def test_the_compile_cache_is_off_in_the_workers_only(served):
+    """Issue 36, item 8: the workers run with vLLM's compile cache off (a cached graph never reaches graphpass),
+    and the caller's environment is left as it was, so a later plain engine there keeps its cache."""
+    result, _ = served
+    assert all(s["compile_cache_disabled"] for s in result["stats_before"] + result["stats_after"])
+    assert result["caller_compile_cache_env"] is None
+
+
 def test_capture_causes_no_recompilation(served):
     result, _ = served
     before, after = result["stats_before"][0], result["stats_after"][0]

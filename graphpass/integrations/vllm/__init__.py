@@ -11,17 +11,16 @@ worker starts), :func:`update_config`:
   the whole model) and ``backend`` = :func:`graphpass.integrations.vllm.backend.vllm_backend`,
   which vLLM resolves by qualified name in each worker (vLLM's CPU platform would otherwise replace
   any backend with inductor);
-- turns vLLM's compile cache off (``VLLM_DISABLE_COMPILE_CACHE=1`` for the processes it starts): a
-  graph loaded from that cache was never given to graphpass;
 - runs the workers as :class:`.worker.GraphpassCPUWorker`, which passes the ``options`` to graphpass
-  and, with ``tensor_capture``, captures each engine step (:mod:`.steps`).
+  and, with ``tensor_capture``, captures each engine step (:mod:`.steps`), and which turns vLLM's compile
+  cache off in its own process (``VLLM_DISABLE_COMPILE_CACHE=1``; a graph loaded from that cache was never given
+  to graphpass), never in the caller's, so a later engine of the caller keeps its cache.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any
 
 from ...errors import ConfigError
@@ -67,8 +66,7 @@ def update_config(vllm_config: Any, settings: VllmPluginConfig) -> None:
         log.info("vLLM compiles with graphpass: compilation mode DYNAMO_TRACE_ONCE (was %s), backend %s (was %r)",
                  comp.mode, BACKEND, comp.backend)
     comp.mode = CompilationMode.DYNAMO_TRACE_ONCE
-    comp.backend = BACKEND
-    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    comp.backend = BACKEND  # the compile cache is turned off by the worker, in its own process (worker.py)
     parallel = vllm_config.parallel_config
     worker = WORKERS.get(parallel.worker_cls)
     if worker is None and parallel.worker_cls not in WORKERS.values():

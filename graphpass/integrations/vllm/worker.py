@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any
 
 from ...errors import ConfigError
@@ -64,6 +65,13 @@ class _GraphpassWorkerMixin:
     graphpass_capture: Any = None
     graphpass_draft_capture: Any = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # vLLM's compile cache off in this worker's process (a graph loaded from it was never given to graphpass),
+        # set here, before the model is built and before vLLM caches its environment, never in the caller's
+        # process: a later engine there keeps its cache (issue 36, item 8)
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+        super().__init__(*args, **kwargs)
+
     def determine_available_memory(self) -> int:
         with _current(self):  # vLLM's CPU worker compiles here (warm-up)
             return super().determine_available_memory()
@@ -77,7 +85,10 @@ class _GraphpassWorkerMixin:
         (``unique_graphs``) and whether capture is enabled."""
         from torch._dynamo.utils import counters
 
+        from vllm import envs
+
         return {"unique_graphs": int(counters["stats"]["unique_graphs"]),
+                "compile_cache_disabled": bool(envs.VLLM_DISABLE_COMPILE_CACHE),
                 "capture_enabled": bool(self.graphpass_capture is not None and self.graphpass_capture.enabled),
                 "draft_capture_enabled": bool(self.graphpass_draft_capture is not None
                                               and self.graphpass_draft_capture.enabled)}
