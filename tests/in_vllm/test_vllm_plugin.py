@@ -4,6 +4,7 @@ decoder-layer outputs (hidden + residual) equal to transformers' eager ones at e
 
 import importlib.metadata
 import json
+import os
 
 import pytest
 
@@ -29,26 +30,32 @@ def test_the_plugin_is_registered_with_vllm():
     assert "graphpass.integrations.vllm:register" in [e.value for e in eps]
 
 
-@pytest.mark.parametrize("settings, key, words", [
-    ({"tensor_capture": {"modules": "model.layers.0", "capture_dir": "x"}}, "tensor_capture.modules", "list"),
-    ({"tensor_capture": {"modules": ["model.layers.0"]}}, "tensor_capture.capture_dir", "folder"),
-    ({"offload": {"device": "cpu"}}, "offload", "packed oneDNN weights"),
+A_FILE = os.path.abspath(__file__)
+
+
+@pytest.mark.parametrize("settings, key, words, llm_kwargs", [
+    ({"tensor_capture": {"modules": "model.layers.0", "capture_dir": "x"}}, "tensor_capture.modules", "list", {}),
+    ({"tensor_capture": {"modules": ["model.layers.0"]}}, "tensor_capture.capture_dir", "folder", {}),
+    ({"tensor_capture": {"modules": ["model.layers.0"], "capture_dir": A_FILE}}, "tensor_capture.capture_dir",
+     "is a file", {}),
+    ({"offload": {"device": "cpu"}}, "offload", "packed oneDNN weights", {}),
     # the draft model of speculative decoding: this engine has no speculative_config
     ({"tensor_capture": {"modules": ["model.layers.0"], "capture_dir": "x", "draft_modules": ["model.layers.0"]}},
-     "tensor_capture.draft_modules", "no speculative_config"),
-    ({"options": {"then": "no-such-delegate"}}, "then", ""),
-    ({"tracing": True}, "additional_config.graphpass", "unknown keys"),
+     "tensor_capture.draft_modules", "no speculative_config", {}),
+    ({"options": {"then": "no-such-delegate"}}, "then", "", {}),
+    ({"tracing": True}, "additional_config.graphpass", "unknown keys", {}),
+    # compilation turned off: named as the vLLM setting at fault, not as 'additional_config.graphpass'
+    ({"options": {"then": "eager"}}, "enforce_eager", "turns compilation off", {"enforce_eager": True}),
 ])
-def test_bad_settings_are_refused_before_serving(tiny_llama, settings, key, words):
+def test_bad_settings_are_refused_before_serving(tiny_llama, settings, key, words, llm_kwargs):
+    """Issue 36, item 6: the caller gets graphpass's ConfigError itself (checked when its EngineArgs make the
+    config, before vLLM's pydantic config could wrap it into a ValidationError), naming the setting."""
     from vllm import LLM
 
-    with pytest.raises(Exception) as info:
+    with pytest.raises(ConfigError) as info:
         LLM(model=str(tiny_llama), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
-            additional_config={"graphpass": settings})
-    err = info.value
-    # vLLM's config is a pydantic dataclass: it may wrap the ConfigError; its text must survive
-    text = str(err)
-    assert isinstance(err, ConfigError) or "ConfigError" in text or key in text, text
+            additional_config={"graphpass": settings}, **llm_kwargs)
+    text = str(info.value)
     assert key in text and words in text, text
 
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import functools
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 from ...errors import ConfigError
-from .config import KEY, PREFIX, VllmPluginConfig, parse
+from .config import PREFIX, VllmPluginConfig, parse
 
 log = logging.getLogger("graphpass.integrations.vllm")
 
@@ -52,6 +53,39 @@ def register() -> None:
 
     check_and_update_config._graphpass = True
     platform.check_and_update_config = classmethod(check_and_update_config)
+    _check_in_the_caller()
+
+
+def _check_in_the_caller() -> None:
+    """Check the settings when the caller's ``EngineArgs`` make the engine's config, before vLLM's own (a pydantic
+    dataclass, which would wrap a ``ConfigError`` into its ``ValidationError``): a bad setting reaches the caller
+    as a :class:`graphpass.ConfigError` naming it, before any engine process starts (issue 36, item 6)."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return
+    create = EngineArgs.__dict__.get("create_engine_config")
+    if create is None or getattr(create, "_graphpass", False):
+        return
+
+    @functools.wraps(create)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        settings = parse(getattr(self, "additional_config", None))
+        if settings is not None:
+            for flag in ("enforce_eager", "enable_lora"):
+                if getattr(self, flag, False):
+                    raise ConfigError(flag, True, f"graphpass ({PREFIX}) needs vLLM to compile the model, and "
+                                      f"{flag}=True turns compilation off: leave it out, or leave graphpass out")
+            spec = getattr(self, "speculative_config", None)
+            if settings.tensor_capture is not None and settings.tensor_capture.draft_modules and (
+                    spec is None or (isinstance(spec, dict) and "method" in spec)):
+                method = spec.get("method") if isinstance(spec, dict) else None
+                _check_draft(None if spec is None else SimpleNamespace(method=method),
+                             settings.tensor_capture.draft_modules)
+        return create(self, *args, **kwargs)
+
+    create_engine_config._graphpass = True
+    EngineArgs.create_engine_config = create_engine_config
 
 
 def update_config(vllm_config: Any, settings: VllmPluginConfig) -> None:
@@ -60,8 +94,9 @@ def update_config(vllm_config: Any, settings: VllmPluginConfig) -> None:
 
     comp = vllm_config.compilation_config
     if comp.mode == CompilationMode.NONE:
-        raise ConfigError(f"{PREFIX}", KEY, "graphpass needs vLLM to compile the model, but compilation is off "
-                          "(enforce_eager=True, a LoRA adapter, or compilation_config mode 0): turn it back on")
+        raise ConfigError("compilation_config.mode", str(comp.mode), f"graphpass ({PREFIX}) needs vLLM to compile "
+                          "the model, but compilation is off (enforce_eager=True, a LoRA adapter, or "
+                          "compilation_config mode 0): turn it back on")
     if comp.mode != CompilationMode.DYNAMO_TRACE_ONCE or comp.backend != BACKEND:
         log.info("vLLM compiles with graphpass: compilation mode DYNAMO_TRACE_ONCE (was %s), backend %s (was %r)",
                  comp.mode, BACKEND, comp.backend)

@@ -76,6 +76,9 @@ def _capture(value: Any) -> TensorCaptureConfig | None:
     capture_dir = value.get("capture_dir")
     if not isinstance(capture_dir, (str, os.PathLike)) or not str(capture_dir):
         raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", capture_dir, "must be a folder path")
+    if os.path.exists(capture_dir) and not os.path.isdir(capture_dir):
+        raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", os.fspath(capture_dir),
+                          "is a file, not a folder: give a folder (it is made if missing)")
     return TensorCaptureConfig(
         modules=_patterns("modules", value.get("modules"), required=True),
         # absolute: the workers may not share the caller's working folder
