@@ -41,7 +41,8 @@ from ..atomic_files import is_temp_name
 from .compare_report import FAIL, MISSING_SIDES, PASS, CompareError, CompareReport, CompareRow  # noqa: F401 (re-exported)
 from .compare_tensors import CHUNK_ELEMS, LazyTensor, compare_tensors, open_safetensors  # noqa: F401
 from .report_format import HEADERS, printable  # noqa: F401 (re-exported)
-from .completeness import StepScan, execution_order, find_steps, fmt_ranks, natural, run_ranks, tree_of
+from .completeness import (StepScan, check_one_run, execution_order, find_steps, fmt_ranks, natural, run_ranks,
+                           tree_of)
 from .writer import meta_file_rank
 
 __all__ = ["CompareError", "CompareRow", "CompareReport", "compare"]
@@ -98,6 +99,8 @@ def _root(name: str, value: Any, stack: contextlib.ExitStack) -> tuple[Path, str
 def _compare_trees(report: CompareReport, ref: Path, test: Path, families: Any = None) -> None:
     scans = ({rel: StepScan.read(ref / rel) for rel in find_steps(ref)},
              {rel: StepScan.read(test / rel) for rel in find_steps(test)})
+    check_one_run(scans[0], "ref_dir", ref)
+    check_one_run(scans[1], "test_dir", test)
     from .compare_engines import engine_of, compare_engines
 
     engines = (engine_of(scans[0]), engine_of(scans[1]))

@@ -24,7 +24,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from .writer import MAX_TP_SIZE, read_step_meta
 
@@ -46,6 +46,37 @@ def find_steps(root: Path) -> set[str]:
             steps.update((here / d).relative_to(root).as_posix() for d in dirnames)
             dirnames[:] = []  # a dp directory's children are steps: do not descend further
     return steps
+
+
+def runs_of(scans: Mapping[str, "StepScan"]) -> dict[str, dict[str, int]]:
+    """Per top folder of the steps (``dp0``, ``draft/dp0``): run id -> how many steps of that run it holds (the
+    meta's ``run``; ``"?"`` for a meta without one, written before runs were named)."""
+    out: dict[str, dict[str, int]] = {}
+    for rel, scan in scans.items():
+        if scan.meta is None:
+            continue
+        run = scan.meta.get("run")
+        folder = rel.rsplit("/", 1)[0]
+        counts = out.setdefault(folder, {})
+        key = run if isinstance(run, str) else "?"
+        counts[key] = counts.get(key, 0) + 1
+    return out
+
+
+def check_one_run(scans: Mapping[str, "StepScan"], name: str, root: Path) -> None:
+    """A :class:`CompareError` when one of ``root``'s step folders holds the steps of more than one run: two
+    runs captured into the same ``capture_dir`` (their steps would be compared as one run's)."""
+    from .compare_report import CompareError
+
+    for folder, counts in sorted(runs_of(scans).items()):
+        named = [r for r in counts if r != "?"]
+        if len(counts) > 1 and named:
+            found = ", ".join(f"run {r}: {n} step(s)" if r != "?" else f"{n} step(s) of a run with no id"
+                              for r, n in sorted(counts.items()))
+            raise CompareError(f"{name} {root}: {folder} holds the steps of {len(counts)} runs ({found}): two runs "
+                               "were captured into one capture_dir; capture each run into a folder of its own")
+
+
 _PHASES = {"prefill": 0, "decode": 1}
 
 

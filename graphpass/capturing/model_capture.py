@@ -23,6 +23,7 @@ import contextvars
 import itertools
 import logging
 import os
+import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,8 +149,14 @@ class ModelCapture:
         dp_dim: str = "dp",
         tp_dim: str = "tp",
         staging: StagingConfig | dict | None = None,
+        run: str | None = None,
     ) -> None:
         self.staging = check_staging(staging)
+        # the run this capture's steps belong to, in every step's meta ("run"): compare refuses a folder whose
+        # steps come from more than one (an engine gives all its ranks one; default: a new id per ModelCapture)
+        if run is not None and (not isinstance(run, str) or not run or not run.isprintable()):
+            raise ConfigError("run", run, "must be a non-empty printable str")
+        self.run = run if run is not None else uuid.uuid4().hex[:16]
         self.model = _unwrap(model)
         # what the user calls: the torch.compile wrapper if given one (auto_steps hooks it, outside the graph)
         self._called = model if isinstance(model, torch.nn.Module) else self.model
@@ -278,6 +285,7 @@ class ModelCapture:
                 **_check_extra_meta(extra_meta),
                 "req_ids": list(req_ids) if req_ids is not None else [],
                 "positions": positions,
+                "run": self.run,
                 "graphpass_version": __version__,
                 "torch_version": torch.__version__,
                 "bucket": bucket,
@@ -573,7 +581,7 @@ def _step_size(positions: Any, is_prefill: bool, req_ids: Sequence[str] | None, 
 
 
 # meta fields graphpass itself writes (writer.py adds the rest): extra_meta cannot replace them
-_OWN_META = ("req_ids", "positions", "graphpass_version", "torch_version", "bucket", "step", "step_index",
+_OWN_META = ("req_ids", "positions", "run", "graphpass_version", "torch_version", "bucket", "step", "step_index",
              "phase", "size", "modules", "tensors", "dp_rank", "tp_rank", "tp_size")
 
 

@@ -449,3 +449,32 @@ def test_a_failing_submodule_is_the_first_divergence_before_its_failing_parent()
     assert first(row(layer, "FAIL"), row(gate, "FAIL", step="dp0/decode_b2_1")) == layer
     assert first(row(layer, "FAIL"), row(gate, "FAIL", rank=1)) == layer
     assert first(row("model.layers.1", "FAIL"), row("model.layers.10.mlp", "FAIL")) == "model.layers.1"
+
+
+def test_two_runs_captured_into_one_folder_are_refused_naming_both(tmp_path):
+    """Issue 36, items 1 and 2: every step's meta names its run; a folder holding the steps of two runs (step
+    names that do not collide) is refused by compare, which names both runs, instead of comparing stale steps."""
+    import torch.nn as nn
+
+    def capture_run(folder, length, seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        compiled = torch.compile(model, backend="graphpass", options={"then": "eager"})
+        cap = graphpass.ModelCapture(compiled, modules=["0", "2"], capture_dir=folder)
+        cap.enable()
+        with torch.no_grad(), cap.step(is_prefill=True, positions=torch.arange(length)):
+            compiled(torch.randn(length, 4))
+        return cap.run
+
+    torch._dynamo.reset()
+    ref_run = capture_run(tmp_path / "ref", 8, 0)
+    first = capture_run(tmp_path / "test", 8, 0)
+    second = capture_run(tmp_path / "test", 16, 1)  # another run into the same folder: prefill_s16_0, no clash
+    assert len({ref_run, first, second}) == 3
+    metas = [json.loads(p.read_text()) for p in (tmp_path / "test").rglob("*_meta.json")]
+    assert sorted(m["run"] for m in metas) == sorted([first, second])
+    with pytest.raises(CompareError, match="holds the steps of 2 runs") as info:
+        compare(tmp_path / "ref", tmp_path / "test")
+    assert first in str(info.value) and second in str(info.value)
+    assert main(["compare", str(tmp_path / "ref"), str(tmp_path / "test")]) != 0
+    assert compare(tmp_path / "ref", tmp_path / "ref").passed  # one run: compared as before

@@ -154,7 +154,7 @@ def test_tensor_parallel_captures_are_laid_out_per_rank(perturbed_tp2):
         step = caps / "dp0" / m["step"]
         rank1 = json.loads((step / f"{m['step']}_meta.rank1.json").read_text())
         assert (m["tp_rank"], rank1["tp_rank"], m["tp_size"], rank1["tp_size"]) == (0, 1, 2, 2)
-        for field in ("req_ids", "positions", "token_request", "input_ids"):
+        for field in ("req_ids", "positions", "token_request", "input_ids", "run"):
             assert rank1[field] == m[field]  # both ranks captured the same engine step
         n = len(m["positions"])
         files = {mod: [load_file(step / mod / f"rank{r}.safetensors") for r in (0, 1)] for mod in ENGINE_MODULES}

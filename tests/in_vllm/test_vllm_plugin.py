@@ -113,6 +113,21 @@ def test_every_token_of_every_request_is_captured_once(served):
     assert {r: sorted(v) for r, v in seen.items()} == want
 
 
+def test_every_step_names_the_engines_run_and_a_used_capture_dir_is_refused_before_serving(served, tiny_llama):
+    """Issue 36, items 1 and 2: one run id for the engine in every step's meta; a second engine given the same
+    capture_dir is refused in the caller, before serving, with graphpass's ConfigError naming the run it holds
+    (not vLLM's EngineDeadError with the reason only in a worker's log)."""
+    from vllm import LLM
+
+    _, caps = served
+    runs = {m["run"] for m in _metas(caps)}
+    assert len(runs) == 1 and all(isinstance(r, str) and r for r in runs), runs
+    with pytest.raises(ConfigError, match="holds the captures of another run") as info:
+        LLM(model=str(tiny_llama), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
+            additional_config={"graphpass": {"tensor_capture": {"modules": MODULES, "capture_dir": str(caps)}}})
+    assert next(iter(runs)) in str(info.value) and "tensor_capture.capture_dir" in str(info.value)
+
+
 def test_the_compile_cache_is_off_in_the_workers_only(served):
     """Issue 36, item 8: the workers run with vLLM's compile cache off (a cached graph never reaches graphpass),
     and the caller's environment is left as it was, so a later plain engine there keeps its cache."""

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from ...errors import ConfigError
-from .config import PREFIX, VllmPluginConfig, parse
+from .config import KEY, PREFIX, VllmPluginConfig, parse
 
 log = logging.getLogger("graphpass.integrations.vllm")
 
@@ -82,6 +83,8 @@ def _check_in_the_caller() -> None:
                 method = spec.get("method") if isinstance(spec, dict) else None
                 _check_draft(None if spec is None else SimpleNamespace(method=method),
                              settings.tensor_capture.draft_modules)
+            if settings.tensor_capture is not None:
+                self.additional_config = _with_run(self.additional_config, settings.tensor_capture)
         return create(self, *args, **kwargs)
 
     create_engine_config._graphpass = True
@@ -110,6 +113,29 @@ def update_config(vllm_config: Any, settings: VllmPluginConfig) -> None:
     parallel.worker_cls = worker or parallel.worker_cls
     if settings.tensor_capture is not None and settings.tensor_capture.draft_modules:
         _check_draft(vllm_config.speculative_config, settings.tensor_capture.draft_modules)
+
+
+def _with_run(additional_config: Any, capture: Any) -> dict:
+    """``additional_config`` (a copy) with the engine's run id in ``tensor_capture.run``, after checking that
+    ``capture_dir`` holds no other run's steps: two runs in one folder would be compared as one (issue 36, items
+    1 and 2). Every worker, on every rank, writes that id into each step's meta."""
+    import uuid
+
+    from ...capturing.completeness import StepScan, find_steps, runs_of
+
+    root = Path(capture.capture_dir)
+    if root.is_dir():
+        scans = {rel: StepScan.read(root / rel) for rel in find_steps(root)}
+        found = {r: n for counts in runs_of(scans).values() for r, n in counts.items()}
+        if found:
+            runs = ", ".join(f"run {r}: {n} step(s)" if r != "?" else f"{n} step(s) of a run with no id"
+                             for r, n in sorted(found.items()))
+            raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", str(root),
+                              f"holds the captures of another run ({runs}): give an empty or new folder, or "
+                              "remove them; two runs in one folder would be compared as one")
+    gp = dict(additional_config[KEY])
+    gp["tensor_capture"] = {**gp["tensor_capture"], "run": capture.run or uuid.uuid4().hex[:16]}
+    return {**additional_config, KEY: gp}
 
 
 # speculative decoding methods whose drafter runs a model of its own (vLLM's SpeculativeConfig.method)

@@ -24,7 +24,7 @@ from ...errors import ConfigError
 
 KEY = "graphpass"
 PREFIX = f"additional_config.{KEY}"
-CAPTURE_KEYS = ("modules", "capture_dir", "capture_filter", "draft_modules")
+CAPTURE_KEYS = ("modules", "capture_dir", "capture_filter", "draft_modules", "run")
 TOP_KEYS = ("options", "tensor_capture", "offload")
 
 # why offload is refused, and what avoids it (docs/vllm.md "Offload")
@@ -46,6 +46,7 @@ class TensorCaptureConfig:
     capture_dir: str
     capture_filter: tuple[str, ...] | None = None
     draft_modules: tuple[str, ...] | None = None
+    run: str | None = None  # the engine's run id, in every step's meta (set by the plugin in the caller)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,14 @@ def _capture(value: Any) -> TensorCaptureConfig | None:
         capture_dir=os.path.abspath(os.fspath(capture_dir)),
         capture_filter=_patterns("capture_filter", value.get("capture_filter"), required=False),
         draft_modules=_patterns("draft_modules", value.get("draft_modules"), required=False),
+        run=_run(value.get("run")),
     )
+
+
+def _run(value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value or not value.isprintable()):
+        raise ConfigError(f"{PREFIX}.tensor_capture.run", value, "must be a non-empty printable str (a run id)")
+    return value
 
 
 def parse(additional_config: Any) -> VllmPluginConfig | None:

@@ -105,7 +105,8 @@ class _GraphpassWorkerMixin:
         runner = self.model_runner
         self.graphpass_capture = graphpass.ModelCapture(
             runner.model, modules=list(tc.modules), capture_dir=tc.capture_dir,
-            capture_filter=list(tc.capture_filter) if tc.capture_filter else None, dp_rank=dp_rank, tp_rank=tp)
+            capture_filter=list(tc.capture_filter) if tc.capture_filter else None, dp_rank=dp_rank, tp_rank=tp,
+            run=tc.run)
         state = _Steps()
         runner._model_forward = _stepping(runner, runner._model_forward, self.graphpass_capture, state)
         log.info("graphpass captures %s of %s into %s (dp%d)", list(tc.modules), type(runner.model).__name__,
@@ -114,7 +115,7 @@ class _GraphpassWorkerMixin:
             draft = _draft_model(runner)
             self.graphpass_draft_capture = graphpass.ModelCapture(
                 draft, modules=list(tc.draft_modules), capture_dir=tc.capture_dir, subdirectory="draft",
-                dp_rank=dp_rank, tp_rank=tp)
+                dp_rank=dp_rank, tp_rank=tp, run=tc.run)
             draft.forward = _draft_stepping(runner, draft.forward, self.graphpass_draft_capture, state)
             log.info("graphpass captures the draft model's %s into %s/draft", list(tc.draft_modules), tc.capture_dir)
 
