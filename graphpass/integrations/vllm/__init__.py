@@ -20,6 +20,7 @@ worker starts), :func:`update_config`:
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -121,14 +122,11 @@ def _with_run(additional_config: Any, capture: Any) -> dict:
     1 and 2). Every worker, on every rank, writes that id into each step's meta."""
     import uuid
 
-    from ...capturing.completeness import StepScan, find_steps, runs_of
-
     root = Path(capture.capture_dir)
     if root.is_dir():
-        scans = {rel: StepScan.read(root / rel) for rel in find_steps(root)}
-        found = {r: n for counts in runs_of(scans).values() for r, n in counts.items()}
+        found = _runs_in(root)
         if found:
-            runs = ", ".join(f"run {r}: {n} step(s)" if r != "?" else f"{n} step(s) of a run with no id"
+            runs = ", ".join(f"run {r}: {n} meta file(s)" if r != "?" else f"{n} meta file(s) of a run with no id"
                              for r, n in sorted(found.items()))
             raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", str(root),
                               f"holds the captures of another run ({runs}): give an empty or new folder, or "
@@ -136,6 +134,20 @@ def _with_run(additional_config: Any, capture: Any) -> dict:
     gp = dict(additional_config[KEY])
     gp["tensor_capture"] = {**gp["tensor_capture"], "run": capture.run or uuid.uuid4().hex[:16]}
     return {**additional_config, KEY: gp}
+
+
+def _runs_in(root: Path) -> dict[str, int]:
+    """Run id -> how many step meta files (``{step}_meta.json``, ``{step}_meta.rank{r}.json``) below ``root`` name
+    it (``"?"``: a meta with no run id, or unreadable): what a capture folder already holds."""
+    found: dict[str, int] = {}
+    for meta in root.rglob("*_meta*.json"):
+        try:
+            run = json.loads(meta.read_text()).get("run")
+        except (OSError, ValueError, AttributeError):
+            run = None
+        key = run if isinstance(run, str) else "?"
+        found[key] = found.get(key, 0) + 1
+    return found
 
 
 # speculative decoding methods whose drafter runs a model of its own (vLLM's SpeculativeConfig.method)
