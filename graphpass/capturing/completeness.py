@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .compare_report import CompareError
 from .writer import MAX_TP_SIZE, read_step_meta
 
 __all__ = ["StepScan", "execution_order", "fmt_ranks", "run_ranks", "tree_of"]
@@ -66,8 +67,6 @@ def runs_of(scans: Mapping[str, "StepScan"]) -> dict[str, dict[str, int]]:
 def check_one_run(scans: Mapping[str, "StepScan"], name: str, root: Path) -> None:
     """A :class:`CompareError` when one of ``root``'s step folders holds the steps of more than one run: two
     runs captured into the same ``capture_dir`` (their steps would be compared as one run's)."""
-    from .compare_report import CompareError
-
     for folder, counts in sorted(runs_of(scans).items()):
         named = [r for r in counts if r != "?"]
         if len(counts) > 1 and named:

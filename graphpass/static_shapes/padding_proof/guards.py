@@ -35,21 +35,21 @@ def guard_where(guard: Any) -> str:
     return re.sub(r"\s*\((_dynamo|torch)/[^()]*\)$", "", str(getattr(guard, "sloc", "")))
 
 
-def _moduli(expr: sympy.Basic, s: sympy.Symbol) -> set[int]:
-    out = set()
+def _mods_of(expr: sympy.Basic, s: sympy.Symbol) -> dict[int, list[sympy.Basic]]:
+    """``c`` -> the atoms ``Mod(s, c)`` of ``expr`` (torch's ``Mod`` / ``PythonMod``), for ``1 < c <= 4096``."""
+    out: dict[int, list[sympy.Basic]] = {}
     for atom in expr.atoms(sympy.Function):
         if type(atom).__name__ in ("Mod", "PythonMod") and len(atom.args) == 2 and atom.args[0] == s:
             c = atom.args[1]
             if c.is_Integer and 1 < int(c) <= _MAX_MODULUS:
-                out.add(int(c))
+                out.setdefault(int(c), []).append(atom)
     return out
 
 
-def _implies_multiple(expr: sympy.Basic, s: sympy.Symbol, c: int) -> bool:
+def _implies_multiple(expr: sympy.Basic, s: sympy.Symbol, c: int, mods: list[sympy.Basic]) -> bool:
     """Whether ``expr`` (true at the traced length) is false at every ``s`` that is not a multiple of ``c``:
-    ``s = c*k + r`` with ``k`` a symbolic integer >= 0, for every residue ``r`` in 1 .. c-1."""
-    mods = [a for a in expr.atoms(sympy.Function)
-            if type(a).__name__ in ("Mod", "PythonMod") and a.args == (s, sympy.Integer(c))]
+    ``s = c*k + r`` with ``k`` a symbolic integer >= 0, for every residue ``r`` in 1 .. c-1 (``mods``: the atoms
+    ``Mod(s, c)`` of ``expr``)."""
     for r in range(1, c):
         try:  # Mod(s, c) is r exactly where s = c*k + r (torch's Mod does not reduce Mod(c*k + r, c) itself)
             value = expr.xreplace({m: sympy.Integer(r) for m in mods}).xreplace({s: c * _K + r})
@@ -70,17 +70,16 @@ def multiples_from_guards(env: Any, names: Iterable[str],
     # a guard recorded before Dynamo found two sizes equal names the one replaced since (s27 -> s16)
     replaced = {k: v for k, v in getattr(env, "replacements", {}).items() if isinstance(v, sympy.Symbol)}
     for guard in getattr(env, "guards", ()) if env is not None else ():
-        if benign_guard(guard_where(guard), trusted, guard.expr) is not None:
-            continue
         expr = guard.expr.xreplace(replaced) if replaced else guard.expr
         free = expr.free_symbols
         if len(free) != 1:
             continue
         (s,) = free
-        if str(s) not in names:
+        mods = _mods_of(expr, s) if str(s) in names else {}
+        if not mods or benign_guard(guard_where(guard), trusted, guard.expr) is not None:
             continue
-        for c in _moduli(expr, s):
-            if _implies_multiple(expr, s, c):
+        for c, atoms in mods.items():
+            if _implies_multiple(expr, s, c, atoms):
                 out[s] = (math.lcm(out.get(s, (1, ""))[0], c), f"{guard.expr} ({guard_where(guard)})")
     return out
 
