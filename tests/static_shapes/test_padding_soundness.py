@@ -369,6 +369,19 @@ def test_tensor_split_whose_tail_is_read_is_refused_and_exact():
     assert any("tensor_split" in v.op for v in _violations(model, *_x(9)))
 
 
+def test_tensor_split_whose_tail_is_read_as_the_last_piece_is_refused_and_exact():
+    """The tail read through ``parts[-1]`` (not ``parts[1]``) is still a read of rows that move with the padding."""
+    class LastPiece(nn.Module):
+        def forward(self, x):
+            parts = torch.tensor_split(x, [x.shape[1] - 2], dim=1)
+            return torch.cumsum(parts[0], dim=1) + parts[-1].sum(1, keepdim=True)
+
+    model = LastPiece()
+    assert any("tensor_split" in v.op for v in _violations(model, *_x(9)))
+    active, _ = _run(model, _x, [5, 9, 11], [16, 32])
+    assert not active
+
+
 def test_tensor_split_at_another_boundary_is_refused():
     class Sections(nn.Module):
         def forward(self, x):

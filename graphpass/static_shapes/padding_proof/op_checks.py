@@ -94,8 +94,9 @@ def _split_at_length(node: torch.fx.Node, name: str, d: int, t: torch.Tensor, ct
     if k == 0:
         ctx.because("split_at_padded_length")
         return True
-    for u in node.users:
-        if _op_name(u) == "getitem" and len(u.args) > 1 and u.args[1] == 1 and u.users:
+    for u in node.users:  # the pieces are taken by index (parts[1], parts[-1]); any other use may read the tail
+        index = u.args[1] if _op_name(u) == "getitem" and len(u.args) > 1 else None
+        if not isinstance(index, int) or (index % 2 == 1 and u.users):
             return False  # the last k rows are read
     ctx.because("split_before_unread_tail")
     return True
