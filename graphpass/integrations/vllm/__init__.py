@@ -74,22 +74,29 @@ def _check_in_the_caller() -> None:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         settings = parse(getattr(self, "additional_config", None))
         if settings is not None:
-            for flag in ("enforce_eager", "enable_lora"):
-                if getattr(self, flag, False):
-                    raise ConfigError(flag, True, f"graphpass ({PREFIX}) needs vLLM to compile the model, and "
-                                      f"{flag}=True turns compilation off: leave it out, or leave graphpass out")
-            spec = getattr(self, "speculative_config", None)
-            if settings.tensor_capture is not None and settings.tensor_capture.draft_modules and (
-                    spec is None or (isinstance(spec, dict) and "method" in spec)):
-                method = spec.get("method") if isinstance(spec, dict) else None
-                _check_draft(None if spec is None else SimpleNamespace(method=method),
-                             settings.tensor_capture.draft_modules)
+            _check_engine_args(self, settings)
             if settings.tensor_capture is not None:
                 self.additional_config = _with_run(self.additional_config, settings.tensor_capture)
         return create(self, *args, **kwargs)
 
     create_engine_config._graphpass = True
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _check_engine_args(engine_args: Any, settings: VllmPluginConfig) -> None:
+    """What the caller's ``EngineArgs`` already say against ``settings``: compilation turned off, or
+    ``draft_modules`` without a speculative config whose method runs a draft model (a dict without ``method``
+    is left to :func:`update_config`, once vLLM has resolved it)."""
+    for flag in ("enforce_eager", "enable_lora"):
+        if getattr(engine_args, flag, False):
+            raise ConfigError(flag, True, f"graphpass ({PREFIX}) needs vLLM to compile the model, and "
+                              f"{flag}=True turns compilation off: leave it out, or leave graphpass out")
+    draft = settings.tensor_capture.draft_modules if settings.tensor_capture is not None else None
+    spec = getattr(engine_args, "speculative_config", None)
+    if draft and spec is None:
+        _check_draft(None, draft)
+    elif draft and isinstance(spec, dict) and "method" in spec:
+        _check_draft(SimpleNamespace(method=spec["method"]), draft)
 
 
 def update_config(vllm_config: Any, settings: VllmPluginConfig) -> None:
