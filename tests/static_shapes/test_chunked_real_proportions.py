@@ -43,24 +43,24 @@ def _model(family: str, chunk: int = CHUNK):
     return transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
 
 
-def _sweep(model, backend, lengths, buckets=BUCKETS):
+def _sweep(model, backend, lengths, buckets=BUCKETS, batch=1):
     gp = graphpass.backend(then=backend, static_shapes={"dims": {"input_ids": 1}, "buckets": buckets})
     compiled = torch.compile(model, backend=gp)
     g = torch.Generator().manual_seed(7)
     vocab = model.config.get_text_config().vocab_size
     with torch.no_grad():
         for n in lengths:
-            ids = torch.randint(0, vocab, (1, n), generator=g)
+            ids = torch.randint(0, vocab, (batch, n), generator=g)
             kw = {"attention_mask": torch.ones_like(ids), "use_cache": False}
             got, ref = compiled(input_ids=ids, **kw).logits, model(input_ids=ids, **kw).logits
             torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"length {n}: {m}")
     return [g.analysis.bucket_plan for g in gp.graphs if getattr(g.analysis, "bucket_plan", None) is not None]
 
 
-def _assert_bucketed(strict_backend, plans, lengths, buckets, invalid_ok=False):
+def _assert_bucketed(strict_backend, plans, lengths, buckets, invalid_ok=False, batch=1):
     assert plans and all(p.active and (invalid_ok or not p.invalid_buckets) for p in plans), \
         [(p.refused, p.invalid_buckets) for p in plans]
-    seq_lens = {s[1] for shapes in strict_backend.shapes for s in shapes if len(s) == 2 and s[0] == 1}
+    seq_lens = {s[1] for shapes in strict_backend.shapes for s in shapes if len(s) == 2 and s[0] == batch}
     seq_lens.discard(conformance.MAX_POS)
     # the first call is traced static (Dynamo's first compile), every other call runs at a bucket
     assert seq_lens <= set(buckets) | {lengths[0]}, sorted(seq_lens)
@@ -92,3 +92,16 @@ def test_the_multiple_of_chunk_graph_is_refused_at_buckets_that_are_not_multiple
     assert multiple and all(set(p.invalid_buckets) == {12, 20} for p in multiple), \
         [(p.refused, p.invalid_buckets) for p in plans]
     assert all(p.active for p in multiple)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "mixtral", "qwen3_moe"])
+def test_moe_families_bucket_at_batch_three(strict_backend, family):
+    """Deployments pad batches of several rows. A mixture of experts flattens the ``[B, L]`` tokens (the padding of
+    each row then sits between the rows: an interleaved dim), regroups them by expert, gathers them back and views
+    them as ``[B, L]`` again. The experts' function is proven row-wise as a whole, so its result keeps each token row
+    where its input had it (``padding_proof/layout.py``, ``_rows_kept``); before, the gathered result counted as a
+    fresh prefix dim and the view back was refused, so every MoE at batch > 1 ran unpadded."""
+    lengths = [5, 9, 17, 24, 40, 63]
+    plans = _sweep(_model(family), NeuronDelegate(registered_name="strict_aten_standin", module=None), lengths,
+                   batch=3)
+    _assert_bucketed(strict_backend, plans, lengths, BUCKETS, batch=3)

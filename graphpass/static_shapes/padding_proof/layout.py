@@ -89,6 +89,7 @@ class _Sweep:
         self.transparent, self.inside = transparent, inside
         self.digits: dict[Any, dict[int, Digit]] = {}  # node (or (node, i) of a tuple result) -> padded dim -> digit
         self.violations: dict[torch.fx.Node, tuple[int | None, str]] = {}
+        self.row_wise_rows: dict[sympy.Expr, Digit | None] = {}  # see _enter_row_wise
 
     # -- reading ---------------------------------------------------------------------------------
     def of(self, value: Any, key: Any = None) -> dict[int, Digit]:
@@ -248,6 +249,28 @@ class _Sweep:
         elif isinstance(result, dict):
             self.digits[node] = result
 
+    def _enter_row_wise(self, operands: list) -> None:
+        """Record the digits of the tensors a row-wise function reads from outside it, by the padded size they have
+        (a size seen with two different digits is not used)."""
+        for a in operands:
+            if isinstance(a, torch.fx.Node) and self.inside(a) != "row_wise":
+                t = example_of(a)
+                for d, g in self.of(a).items():
+                    size = size_expr(t.shape[d])
+                    if self.row_wise_rows.setdefault(size, g) != g:
+                        self.row_wise_rows[size] = None
+
+    def _rows_kept(self, digits: dict[int, Digit]) -> dict[int, Digit]:
+        """A row-wise function keeps each row where it is (its proof): a padded dim of one of its nodes that no
+        operand's dim lines up with (a fresh digit: the tokens regrouped by expert and gathered back) but that has
+        the size of a token dim the function read takes that dim's digit."""
+        out = dict(digits)
+        for d, g in digits.items():
+            entry = self.row_wise_rows.get(g.digit)
+            if g.prefix and g.inner == 1 and entry is not None:
+                out[d] = entry
+        return out
+
     def _output(self, node: torch.fx.Node) -> None:
         for a in _leaves(node.args):
             if isinstance(a, torch.fx.Node) and self.interleaved(a):
@@ -263,9 +286,10 @@ class _Sweep:
         if whole == "causal":
             return True
         if whole == "row_wise" and isinstance(out, torch.Tensor):
+            self._enter_row_wise(operands)
             result = self.carried(node, operands, out)
             if isinstance(result, dict):
-                self.digits[node] = result
+                self.digits[node] = self._rows_kept(result)
             return True
         if self.transparent(node):
             if src is not None and isinstance(out, torch.Tensor) and isinstance(example_of(src), torch.Tensor) \
