@@ -18,6 +18,7 @@ from .config import GraphpassConfig
 from .errors import GraphpassError, surface
 from .pipeline import PIPELINE, run_pipeline
 from .roots import dynamo_roots
+from .static_shapes.scan_trace import install as install_scan_trace
 
 
 @dataclass
@@ -41,9 +42,15 @@ class GraphpassBackend:
 
     def __init__(self, options: dict | None = None, record: bool = True) -> None:
         self.config = GraphpassConfig.from_options(options)  # validated now, before any compile
+        if self.config.static_shapes is not None:
+            install_scan_trace()  # transformers imported since graphpass was: its substitute too
         self.options = dict(options or {})
         self.graphs: list[CompiledGraph] = []  # one record per compiled graph, this instance only
         self._record = record
+
+    def graphpass_pads_to_buckets(self, _options: dict | None = None) -> bool:
+        """Whether this backend pads to buckets (read by :mod:`.static_shapes.scan_trace` while Dynamo traces)."""
+        return self.config.static_shapes is not None
 
     def __repr__(self) -> str:
         return f"graphpass.backend({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
@@ -145,3 +152,15 @@ def graphpass_backend(
     except GraphpassError as err:
         raise surface(err) from None
     return instance(gm, example_inputs, mode=mode)
+
+
+def _string_backend_pads(options: dict | None = None) -> bool:
+    """``backend="graphpass", options=...``: whether those options pad to buckets (for
+    :mod:`.static_shapes.scan_trace`; invalid options answer False, the compile itself reports them)."""
+    try:
+        return GraphpassConfig.from_options(options).static_shapes is not None
+    except GraphpassError:
+        return False
+
+
+graphpass_backend.graphpass_pads_to_buckets = _string_backend_pads  # type: ignore[attr-defined]
