@@ -273,7 +273,9 @@ def views_of(node: Node) -> list[Node]:
     return out
 
 
-def _storage_key(value: Any) -> int | None:
+def storage_key(value: Any) -> int | None:
+    """An id of the storage ``value`` (a real or fake tensor) holds its elements in: equal for two tensors that
+    share memory; None for no tensor, or one without a storage of its own."""
     if not isinstance(value, torch.Tensor):
         return None
     try:
@@ -289,14 +291,14 @@ class AliasIndex:
     def __init__(self, graph: Graph) -> None:
         self._by_storage: dict[int, list[Node]] = {}
         for n in graph.nodes:
-            key = _storage_key(example_of(n))
+            key = storage_key(example_of(n))
             if key is not None:
                 self._by_storage.setdefault(key, []).append(n)
 
     def aliases(self, node: Node) -> list[Node]:
         """``node`` first, then every node that may alias it, in graph order where known."""
         out = dict.fromkeys(views_of(node))
-        key = _storage_key(example_of(node))
+        key = storage_key(example_of(node))
         if key is not None:
             out.update(dict.fromkeys(self._by_storage.get(key, ())))
         return list(out)

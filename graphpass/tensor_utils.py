@@ -182,6 +182,14 @@ def fake_mode_of(values: Any = None) -> Any:
         return detect_fake_mode(values)
 
 
+def static_fake_mode() -> Any:
+    """A new FakeTensorMode without a shape environment (every size static) that also takes real tensors (a
+    graph's parameters and buffers) as inputs: for running a graph on fake tensors of chosen sizes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
 def shape_env_of(values: Any = None) -> Any:
     """The ShapeEnv that owns ``values``' symbolic sizes: their fake mode's (:func:`fake_mode_of`),
     else the one a symbolic size of theirs names; None for values with neither."""

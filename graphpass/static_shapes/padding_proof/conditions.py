@@ -17,6 +17,7 @@ from ..causal_functions import benign_guard
 from ..config import pads_on_host
 from ..position_tables import TableRead, _largest_fitting, _last_at
 from .guards import guard_where
+from .op_guards import recorded_inside_an_op, replay_differs
 from .result import GuardFails, NotProven, PaddingProof
 
 __all__ = ["CausalTablesCheck", "GuardBuckets", "OnesCheck", "TableBuckets"]
@@ -91,11 +92,10 @@ class GuardBuckets:
     name: str = "causal_function_guards"
 
     def mark(self, proof: PaddingProof, names: set[str], buckets: tuple[int, ...]) -> None:
-        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        _guard_invalid_buckets(proof, placeholders, names, buckets, list(self.trusted))
+        _guard_invalid_buckets(proof, self.gm, names, buckets, list(self.trusted))
 
 
-def _guard_invalid_buckets(plan: PaddingProof, placeholders: list[torch.fx.Node], names: set[str],
+def _guard_invalid_buckets(plan: PaddingProof, gm: torch.fx.GraphModule, names: set[str],
                            buckets: tuple[int, ...], trusted: list[str]) -> None:
     """Fill ``plan.invalid_buckets``: buckets at which a guard Dynamo recorded on a padded length fails.
 
@@ -107,34 +107,53 @@ def _guard_invalid_buckets(plan: PaddingProof, placeholders: list[torch.fx.Node]
     bucket. A guard that also mentions another size (``Eq(s16, s27)``: the length of an input of another graph of
     the frame, checked by Dynamo on the real call) is not about this graph's trace, and neither is a guard at one of
     the trusted function's lines listed as benign (``CausalFunction.benign_guards``: ``if pad_size > 0``, the loop
-    over the chunks, each with its reason). Every bucket marked: the plan is refused."""
-    env = shape_env_of([example_of(p) for p in placeholders])
+    over the chunks, each with its reason). A guard recorded inside an op (a layout check of torch 2.9's meta
+    functions, :mod:`.op_guards`) is checked by its consequence instead: the graph replayed at the bucket's static
+    sizes must give every node its traced sizes. Every bucket marked: the plan is refused."""
+    env = shape_env_of([example_of(n) for n in gm.graph.nodes if n.op == "placeholder"])
     if env is None:
         plan.refused.append(f"{', '.join(trusted)}: no shape environment to check Dynamo's guards at the buckets")
         return
     for b in buckets:
         if b in plan.invalid_buckets:
             continue  # already marked by an earlier check (its reason kept)
-        for guard in getattr(env, "guards", ()):
-            padded = [s for s in guard.expr.free_symbols if str(s) in names]
-            if not padded:
-                continue
-            try:
-                value = guard.expr.xreplace({s: sympy.Integer(b) for s in padded})
-            except TypeError:
-                value = None
-            if isinstance(value, sympy.Basic) and value.free_symbols:
-                continue  # relates the length to another size (``Eq(s16, s27)``: a mask of another graph)
-            if value is not sympy.true:
-                where = guard_where(guard)
-                if benign_guard(where, trusted, guard.expr) is not None:
-                    continue  # a branch of the proven code that is the same at the bucket for the real rows
-                plan.invalid_buckets[b] = GuardFails(f"{guard.expr} ({where})")
-                break
+        failing, inside_ops = _failing_guards(env, names, b, trusted)
+        if failing is None and inside_ops:
+            why = replay_differs(gm, env, names, b)
+            if why is not None:
+                failing = f"{inside_ops[0]}, recorded inside an op, and at the bucket's static sizes {why}"
+        if failing is not None:
+            plan.invalid_buckets[b] = GuardFails(failing)
     if len(plan.invalid_buckets) == len(buckets):
         b, why = next(iter(plan.invalid_buckets.items()))
         plan.refused.append(f"{', '.join(trusted)} proven for the code, but Dynamo's guard {why} fails at every bucket "
                             f"(at {b} first): the traced graph is not the code's trace at any bucket size")
+
+
+def _failing_guards(env: Any, names: set[str], b: int, trusted: list[str]) -> tuple[str | None, list[str]]:
+    """The first guard on the padded symbols that fails at bucket ``b`` and is neither benign nor recorded inside
+    an op (as ``"<guard> (<where>)"``), or None; and the guards recorded inside an op that fail there."""
+    inside_ops: list[str] = []
+    for guard in getattr(env, "guards", ()):
+        padded = [s for s in guard.expr.free_symbols if str(s) in names]
+        if not padded:
+            continue
+        try:
+            value = guard.expr.xreplace({s: sympy.Integer(b) for s in padded})
+        except TypeError:
+            value = None
+        if isinstance(value, sympy.Basic) and value.free_symbols:
+            continue  # relates the length to another size (``Eq(s16, s27)``: a mask of another graph)
+        if value is sympy.true:
+            continue
+        where = guard_where(guard) or str(getattr(guard, "sloc", ""))
+        if benign_guard(where, trusted, guard.expr) is not None:
+            continue  # a branch of the proven code that is the same at the bucket for the real rows
+        if recorded_inside_an_op(guard):
+            inside_ops.append(f"{guard.expr} ({where})")
+            continue
+        return f"{guard.expr} ({where})", inside_ops
+    return None, inside_ops
 
 
 def _table_invalid_buckets(plan: PaddingProof, syms: Iterable[Any], buckets: tuple[int, ...], reads: list[TableRead]) -> None:
