@@ -21,6 +21,7 @@ def main() -> None:
         profile = {"profiler_config": {"profiler": "torch", "torch_profiler_dir": spec["profile_dir"],
                                        "torch_profiler_use_gzip": False, "torch_profiler_with_stack": False}}
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=4,
+              gpu_memory_utilization=0.5,  # vllm_serving.LLM_DEFAULTS: other load on the machine would stop it
               additional_config={"graphpass": spec["settings"]}, **profile, **(spec.get("llm_kwargs") or {}))
     before = llm.collective_rpc("graphpass_stats")
     params = SamplingParams(max_tokens=spec["max_new_tokens"], temperature=0, detokenize=False)

@@ -23,6 +23,10 @@ MAX_NEW_TOKENS = 4
 # its own and refuses one node for two ranks ("Not enough allowed NUMA nodes to bind threads of 2 local
 # CPUWorkers"); bound by hand, one core each
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+# vLLM's CPU engine refuses to start unless this fraction of the machine's memory is free at start-up (default
+# 0.92: any other load on the machine stops it); the tiny model's KV cache is VLLM_CPU_KVCACHE_SPACE=1 (GiB)
+LLM_DEFAULTS = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=4,
+                    gpu_memory_utilization=0.5)
 
 
 def write_tiny_llama(path: Path, seed: int = 0) -> Path:
