@@ -15,7 +15,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from graphpass.errors import ConfigError  # noqa: E402
 
-from vllm_serving import MAX_NEW_TOKENS, PROMPTS, serve, write_tiny_llama  # noqa: E402
+from vllm_serving import LLM_DEFAULTS, MAX_NEW_TOKENS, PROMPTS, serve, write_tiny_llama  # noqa: E402
 
 MODULES = ["model.layers.0", "model.layers.1"]
 
@@ -46,6 +46,12 @@ A_FILE = os.path.abspath(__file__)
     ({"tracing": True}, "additional_config.graphpass", "unknown keys", {}),
     # compilation turned off: named as the vLLM setting at fault, not as 'additional_config.graphpass'
     ({"options": {"then": "eager"}}, "enforce_eager", "turns compilation off", {"enforce_eager": True}),
+    # found by the plugin inside vLLM's (pydantic) config: graphpass's ConfigError, not a ValidationError
+    ({"options": {"then": "eager"}}, "compilation_config.mode", "compilation is off",
+     {"compilation_config": {"mode": 0}}),
+    # a folder the workers could not make
+    ({"tensor_capture": {"modules": ["model.layers.0"], "capture_dir": A_FILE + "/caps"}},
+     "tensor_capture.capture_dir", "is a file, not a folder", {}),
 ])
 def test_bad_settings_are_refused_before_serving(tiny_llama, settings, key, words, llm_kwargs):
     """Issue 36, item 6: the caller gets graphpass's ConfigError itself (checked when its EngineArgs make the
@@ -57,6 +63,33 @@ def test_bad_settings_are_refused_before_serving(tiny_llama, settings, key, word
             additional_config={"graphpass": settings}, **llm_kwargs)
     text = str(info.value)
     assert key in text and words in text, text
+
+
+@pytest.mark.parametrize("settings, key, error", [
+    ({"tensor_capture": {"modules": ["model.layers.9"]}}, "additional_config.graphpass.tensor_capture.modules",
+     "PatternMatchError"),
+    ({"tensor_capture": {"modules": ["model.layers.0-1"], "capture_filter": ["model.layers.7"]}},
+     "additional_config.graphpass.tensor_capture.capture_filter", "PatternMatchError"),
+    ({"options": {"traps": ["model.blocks.*"]}}, "additional_config.graphpass.options.traps", "PatternMatchError"),
+])
+def test_settings_only_a_worker_can_check_reach_the_caller_naming_their_path(tiny_llama, tmp_path, settings, key,
+                                                                               error):
+    """Issue 36, item 7 and acceptance 4: the served model's module names are known only in the worker (vLLM
+    builds the model there), so patterns that match none of them stop the engine there. The caller gets
+    graphpass's error itself, of its class and naming the setting's path in additional_config, from vLLM's
+    'Engine core initialization failed' (not only that, with the reason in a worker's log)."""
+    from vllm import LLM
+
+    from graphpass.errors import GraphpassError
+
+    settings = {**settings, "options": {"then": "eager", **settings.get("options", {})}}
+    if "tensor_capture" in settings:
+        settings["tensor_capture"] = {**settings["tensor_capture"], "capture_dir": str(tmp_path / "caps")}
+    with pytest.raises(GraphpassError) as info:
+        LLM(model=str(tiny_llama), **LLM_DEFAULTS, additional_config={"graphpass": settings})
+    assert type(info.value).__name__ == error and info.value.key == key, repr(info.value)
+    assert key in str(info.value) and "matches no module" in str(info.value)
+    assert "initialization failed" in str(info.value.__cause__)  # vLLM's own error, kept as the cause
 
 
 @pytest.fixture(scope="module")

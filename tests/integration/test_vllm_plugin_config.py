@@ -107,3 +107,63 @@ def test_draft_modules_need_a_draft_model(spec, words):
         _check_draft(spec, ("model.layers.0",))
     assert "tensor_capture.draft_modules" in str(info.value) and words in str(info.value)
     _check_draft(SimpleNamespace(method="draft_model"), ("model.layers.0",))  # accepted
+
+
+def test_a_capture_dir_whose_parent_is_a_file_is_refused_before_serving(tmp_path):
+    """Issue 36, item 7: the workers would make the folder only when the model is loaded; the caller can tell now."""
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ConfigError, match="tensor_capture.capture_dir.*is a file, not a folder"):
+        parse({"graphpass": {"tensor_capture": {"modules": ["a"], "capture_dir": str(tmp_path / "a-file" / "caps")}}})
+    parse({"graphpass": {"tensor_capture": {"modules": ["a"], "capture_dir": str(tmp_path / "new" / "caps")}}})
+
+
+def test_the_report_path_must_be_absolute():
+    with pytest.raises(ConfigError, match="additional_config.graphpass.report"):
+        parse({"graphpass": {"report": "relative.json"}})
+    assert parse({"graphpass": {"report": "/tmp/x.json"}}).report == "/tmp/x.json"
+
+
+@pytest.mark.parametrize("section, key, path", [
+    ("tensor_capture", "modules", "additional_config.graphpass.tensor_capture.modules"),
+    ("tensor_capture", "capture_filter", "additional_config.graphpass.tensor_capture.capture_filter"),
+    ("draft", "modules", "additional_config.graphpass.tensor_capture.draft_modules"),
+    ("options", "traps", "additional_config.graphpass.options.traps"),
+])
+def test_a_workers_error_reaches_the_caller_as_its_class_naming_the_setting(tmp_path, section, key, path):
+    """Issue 36, item 7 / acceptance 4: what only a worker can check (its model's module names) is written to the
+    engine's report file in config terms, and the caller raises the same class from vLLM's own error."""
+    from graphpass.errors import PatternMatchError, surface
+    from graphpass.integrations.vllm.worker_errors import raise_reported, reported
+
+    report = str(tmp_path / "engine.error.json")
+    config = SimpleNamespace(additional_config={"graphpass": {"report": report}})
+    err = PatternMatchError(key, ["model.layers.9"], "matches no module of the model (some module names: model)")
+    with pytest.raises(RuntimeError, match="vLLM's wrapper"):  # the worker's own error goes on as it was
+        with reported(config, section):
+            raise RuntimeError("vLLM's wrapper") from surface(err)
+    vllm_error = RuntimeError("Engine core initialization failed. See root cause above.")
+    with pytest.raises(PatternMatchError) as info:
+        raise_reported(config, vllm_error)
+    assert info.value.key == path and path in str(info.value) and "matches no module" in str(info.value)
+    assert info.value.__cause__ is vllm_error
+    assert not (tmp_path / "engine.error.json").exists()  # read once, removed
+    raise_reported(config, vllm_error)  # nothing reported: vLLM's error goes on
+
+
+def test_a_serving_error_names_the_worker_and_the_setting_and_the_first_report_is_kept(tmp_path):
+    from graphpass.errors import CaptureError, GraphpassError
+    from graphpass.integrations.vllm.worker_errors import raise_reported, reported, write_report
+
+    report = tmp_path / "engine.error.json"
+    config = SimpleNamespace(additional_config={"graphpass": {"report": str(report)}})
+    with pytest.raises(CaptureError), reported(config, "tensor_capture"):
+        raise CaptureError("cannot write step prefill_s8_0: [Errno 28] No space left on device")
+    write_report(str(report), GraphpassError("a later consequence"))  # the first report is kept
+    with pytest.raises(CaptureError, match=r"No space left.*vLLM worker.*additional_config.graphpass.tensor_capture"):
+        raise_reported(config, RuntimeError("EngineDeadError"))
+    # a planted file naming a class graphpass.errors lacks is a plain GraphpassError: never unpickled or imported
+    report.write_text('{"class": "SystemExit", "message": "planted"}')
+    with pytest.raises(GraphpassError, match="planted") as info:
+        raise_reported(config, RuntimeError("x"))
+    assert type(info.value) is GraphpassError
+

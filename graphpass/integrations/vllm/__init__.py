@@ -20,14 +20,16 @@ worker starts), :func:`update_config`:
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ...errors import ConfigError
+from ...errors import ConfigError, GraphpassError
 from .config import KEY, PREFIX, VllmPluginConfig, parse
+from .worker_errors import graphpass_error_in, new_report_path, raise_reported
 
 log = logging.getLogger("graphpass.integrations.vllm")
 
@@ -56,6 +58,7 @@ def register() -> None:
     check_and_update_config._graphpass = True
     platform.check_and_update_config = classmethod(check_and_update_config)
     _check_in_the_caller()
+    _errors_reach_the_caller()
 
 
 def _check_in_the_caller() -> None:
@@ -73,14 +76,92 @@ def _check_in_the_caller() -> None:
     @functools.wraps(create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         settings = parse(getattr(self, "additional_config", None))
-        if settings is not None:
-            _check_engine_args(self, settings)
-            if settings.tensor_capture is not None:
-                self.additional_config = _with_run(self.additional_config, settings.tensor_capture)
-        return create(self, *args, **kwargs)
+        if settings is None:
+            return create(self, *args, **kwargs)
+        _check_engine_args(self, settings)
+        if settings.tensor_capture is not None:
+            self.additional_config = _with_run(self.additional_config, settings.tensor_capture)
+        if settings.report is None:  # where the engine's workers report graphpass's errors (worker_errors.py)
+            self.additional_config = {**self.additional_config,
+                                      KEY: {**self.additional_config[KEY], "report": new_report_path()}}
+        try:
+            return create(self, *args, **kwargs)
+        except Exception as exc:  # vLLM's pydantic config wraps a ConfigError of update_config: unwrap it
+            err = _graphpass_error_of(exc)
+            if err is None or err is exc:
+                raise
+            raise err from exc
 
     create_engine_config._graphpass = True
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _graphpass_error_of(exc: BaseException) -> GraphpassError | None:
+    """The graphpass error inside ``exc``: in its causes, or one of pydantic's ``ValidationError`` entries (a
+    ``ValueError`` raised while vLLM's config validates keeps the original in the entry's ``ctx``)."""
+    err = graphpass_error_in(exc)
+    if err is not None:
+        return err
+    try:
+        entries = exc.errors() if callable(getattr(exc, "errors", None)) else []
+    except Exception:  # not pydantic's
+        entries = []
+    for entry in entries if isinstance(entries, list) else []:
+        inner = (entry.get("ctx") or {}).get("error") if isinstance(entry, dict) else None
+        if isinstance(inner, BaseException) and graphpass_error_in(inner) is not None:
+            return graphpass_error_in(inner)
+    return None
+
+
+def _errors_reach_the_caller() -> None:
+    """Where vLLM raises, in the caller, its own error for an engine that failed (start-up: ``RuntimeError``
+    "Engine core initialization failed"; serving: ``EngineDeadError``), raise instead the graphpass error a
+    worker of that engine reported, ``from`` vLLM's (:mod:`.worker_errors`)."""
+    try:
+        from vllm.v1.engine import core_client
+    except ImportError:
+        return
+    for name in ("make_client", "make_async_mp_client"):
+        _wrap(core_client.EngineCoreClient, name, lambda args, kwargs: _config_arg(args, kwargs), static=True)
+    for cls_name, name in (("SyncMPClient", "get_output"), ("SyncMPClient", "call_utility"),
+                           ("AsyncMPClient", "get_output_async"), ("AsyncMPClient", "call_utility_async")):
+        cls = getattr(core_client, cls_name, None)
+        if cls is not None:
+            _wrap(cls, name, lambda args, kwargs: getattr(args[0], "vllm_config", None))
+
+
+def _config_arg(args: tuple, kwargs: dict) -> Any:
+    """The ``vllm_config`` argument of ``EngineCoreClient.make_client`` / ``make_async_mp_client``."""
+    if "vllm_config" in kwargs:
+        return kwargs["vllm_config"]
+    return next((a for a in args if hasattr(a, "additional_config")), None)
+
+
+def _wrap(owner: type, name: str, config_of: Any, static: bool = False) -> None:
+    """``owner.name`` wrapped: an exception it raises becomes the graphpass error a worker reported, if any
+    (``config_of(args, kwargs)``: the engine's vLLM config). Once per method."""
+    func = owner.__dict__.get(name)
+    func = func.__func__ if isinstance(func, staticmethod) else func
+    if func is None or getattr(func, "_graphpass", False):
+        return
+    if inspect.iscoroutinefunction(func):
+        @functools.wraps(func)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await func(*args, **kwargs)
+            except Exception as exc:
+                raise_reported(config_of(args, kwargs), exc)
+                raise
+    else:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return func(*args, **kwargs)
+            except Exception as exc:
+                raise_reported(config_of(args, kwargs), exc)
+                raise
+    wrapper._graphpass = True
+    setattr(owner, name, staticmethod(wrapper) if static else wrapper)
 
 
 def _check_engine_args(engine_args: Any, settings: VllmPluginConfig) -> None:

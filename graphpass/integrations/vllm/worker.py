@@ -31,6 +31,7 @@ from typing import Any
 from ...errors import ConfigError
 from .config import PREFIX, parse
 from .steps import EngineStep, draft_step, engine_step, forward_query_starts
+from .worker_errors import reported
 
 log = logging.getLogger("graphpass.integrations.vllm")
 
@@ -73,11 +74,12 @@ class _GraphpassWorkerMixin:
         super().__init__(*args, **kwargs)
 
     def determine_available_memory(self) -> int:
-        with _current(self):  # vLLM's CPU worker compiles here (warm-up)
+        # vLLM's CPU worker compiles here (warm-up): graphpass's errors reach the caller (worker_errors.py)
+        with _current(self), reported(self.vllm_config, "options"):
             return super().determine_available_memory()
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
-        with _current(self):
+        with _current(self), reported(self.vllm_config, "tensor_capture"):
             return super().execute_model(*args, **kwargs)
 
     def graphpass_stats(self) -> dict:
@@ -103,29 +105,44 @@ class _GraphpassWorkerMixin:
         tc = settings.tensor_capture
         dp_rank, tp = _ranks(self.vllm_config)
         runner = self.model_runner
-        self.graphpass_capture = graphpass.ModelCapture(
-            runner.model, modules=list(tc.modules), capture_dir=tc.capture_dir,
-            capture_filter=list(tc.capture_filter) if tc.capture_filter else None, dp_rank=dp_rank, tp_rank=tp,
-            run=tc.run)
+        with reported(self.vllm_config, "tensor_capture"):  # modules matching nothing: at the caller, by its path
+            self.graphpass_capture = graphpass.ModelCapture(
+                runner.model, modules=list(tc.modules), capture_dir=tc.capture_dir,
+                capture_filter=list(tc.capture_filter) if tc.capture_filter else None, dp_rank=dp_rank,
+                tp_rank=tp, run=tc.run)
+            _check_filter(runner.model, tc.modules, tc.capture_filter)
         state = _Steps()
         runner._model_forward = _stepping(runner, runner._model_forward, self.graphpass_capture, state)
         log.info("graphpass captures %s of %s into %s (dp%d)", list(tc.modules), type(runner.model).__name__,
                  tc.capture_dir, dp_rank)
         if tc.draft_modules:
-            draft = _draft_model(runner)
-            self.graphpass_draft_capture = graphpass.ModelCapture(
-                draft, modules=list(tc.draft_modules), capture_dir=tc.capture_dir, subdirectory="draft",
-                dp_rank=dp_rank, tp_rank=tp, run=tc.run)
+            with reported(self.vllm_config, "draft"):
+                draft = _draft_model(runner)
+                self.graphpass_draft_capture = graphpass.ModelCapture(
+                    draft, modules=list(tc.draft_modules), capture_dir=tc.capture_dir, subdirectory="draft",
+                    dp_rank=dp_rank, tp_rank=tp, run=tc.run)
             draft.forward = _draft_stepping(runner, draft.forward, self.graphpass_draft_capture, state)
             log.info("graphpass captures the draft model's %s into %s/draft", list(tc.draft_modules), tc.capture_dir)
 
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
-        with _current(self):
+        with _current(self), reported(self.vllm_config, "options"):
             out = super().compile_or_warm_up_model(*args, **kwargs)
         for capture in (self.graphpass_capture, self.graphpass_draft_capture):
             if capture is not None:
                 capture.enable()
         return out
+
+
+def _check_filter(model: Any, modules: tuple[str, ...], capture_filter: tuple[str, ...] | None) -> None:
+    """Each ``capture_filter`` pattern must match a module ``modules`` selects: one that matches none writes
+    nothing (a misspelt filter would serve a run whose steps hold no tensors)."""
+    if not capture_filter:
+        return
+    from graphpass.patterns import check_all_match, compile_patterns
+
+    selecting = compile_patterns(list(modules), "modules")
+    selected = [n for n, _ in model.named_modules() if n and any(p.matches(n) for p in selecting)]
+    check_all_match(compile_patterns(list(capture_filter), "capture_filter"), selected, "capture_filter")
 
 
 def _current(worker: Any) -> Any:
