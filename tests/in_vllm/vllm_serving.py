@@ -41,14 +41,14 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
 
 def serve(model: Path, out: Path, settings: dict, prompts=PROMPTS, max_new_tokens=MAX_NEW_TOKENS,
           timeout: int = 1200, profile_dir: Path | None = None, llm_kwargs: dict | None = None,
-          env: dict | None = None) -> dict:
+          env: dict | None = None, rounds: list | None = None) -> dict:
     """Run ``serve_tiny.py`` (vLLM's ``LLM`` with ``additional_config={"graphpass": settings}`` and
-    ``llm_kwargs``; ``env``: more environment variables); returns its result (tokens, request ids, worker
+    ``llm_kwargs``; ``env``: more environment variables; ``rounds``: see serve_tiny.py); returns its result (tokens, request ids, worker
     stats)."""
     out.mkdir(parents=True, exist_ok=True)
     spec = {"model": str(model), "settings": settings, "prompts": prompts, "max_new_tokens": max_new_tokens,
             "result": str(out / "result.json"), "profile_dir": str(profile_dir) if profile_dir else None,
-            "llm_kwargs": llm_kwargs or {}}
+            "llm_kwargs": llm_kwargs or {}, "rounds": rounds}
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     env.setdefault("VLLM_CACHE_ROOT", str(out / "vllm-cache"))
     proc = subprocess.run([sys.executable, str(HERE / "serve_tiny.py"), json.dumps(spec)], env=env,

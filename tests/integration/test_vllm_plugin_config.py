@@ -167,3 +167,26 @@ def test_a_serving_error_names_the_worker_and_the_setting_and_the_first_report_i
         raise_reported(config, RuntimeError("x"))
     assert type(info.value) is GraphpassError
 
+
+def test_positions_served_from_the_prefix_cache_are_read_from_the_scheduler_output():
+    from graphpass.integrations.vllm.steps import prefix_cached
+
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="2-ab", num_computed_tokens=16),
+                            SimpleNamespace(req_id="3-cd", num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["0-ef", "1-gh"], resumed_req_ids={"1-gh"},
+                                              num_computed_tokens=[40, 32]))
+    # new requests with a cache hit, and a request resumed after a preemption; a running request is no news
+    assert prefix_cached(out) == {"2-ab": 16, "1-gh": 32}
+    assert prefix_cached(None) == {}
+
+
+@pytest.mark.parametrize("req_id, parent", [
+    ("0_14-1a2b3c4d", "14"), ("1_cmpl-abc-1a2b3c4d", "cmpl-abc"), ("3_7", "7"),
+    ("14-1a2b3c4d", None), ("a_14-1a2b3c4d", None), ("_14-x", None),
+])
+def test_a_parallel_sampling_child_names_its_parent(req_id, parent):
+    from graphpass.integrations.vllm.steps import parent_of
+
+    assert parent_of(req_id) == parent
+

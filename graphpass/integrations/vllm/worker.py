@@ -30,7 +30,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from .config import PREFIX, parse
-from .steps import EngineStep, draft_step, engine_step, forward_query_starts
+from .steps import EngineStep, draft_step, engine_step, forward_query_starts, parent_of, prefix_cached
 from .worker_errors import reported
 
 log = logging.getLogger("graphpass.integrations.vllm")
@@ -65,6 +65,7 @@ class _GraphpassWorkerMixin:
 
     graphpass_capture: Any = None
     graphpass_draft_capture: Any = None
+    graphpass_steps: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # vLLM's compile cache off in this worker's process (a graph loaded from it was never given to graphpass),
@@ -79,6 +80,9 @@ class _GraphpassWorkerMixin:
             return super().determine_available_memory()
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        steps = getattr(self, "graphpass_steps", None)
+        if steps is not None:  # what this engine step's scheduler served from the prefix cache (steps.py)
+            steps.cached = prefix_cached(args[0] if args else kwargs.get("scheduler_output"))
         with _current(self), reported(self.vllm_config, "tensor_capture"):
             return super().execute_model(*args, **kwargs)
 
@@ -111,7 +115,7 @@ class _GraphpassWorkerMixin:
                 capture_filter=list(tc.capture_filter) if tc.capture_filter else None, dp_rank=dp_rank,
                 tp_rank=tp, run=tc.run)
             _check_filter(runner.model, tc.modules, tc.capture_filter)
-        state = _Steps()
+        state = self.graphpass_steps = _Steps()
         runner._model_forward = _stepping(runner, runner._model_forward, self.graphpass_capture, state)
         log.info("graphpass captures %s of %s into %s (dp%d)", list(tc.modules), type(runner.model).__name__,
                  tc.capture_dir, dp_rank)
@@ -164,6 +168,7 @@ class _Steps:
         self.target: EngineStep | None = None
         self.target_index = -1
         self.draft_pass = 0
+        self.cached: dict[str, int] = {}  # request id -> positions its scheduler served from the prefix cache
 
 
 def _draft_model(runner: Any) -> Any:
@@ -201,8 +206,10 @@ def _stepping(runner: Any, forward: Any, capture: Any, state: _Steps) -> Any:
         if not capture.enabled:
             return forward(*args, **kwargs)
         step = engine_step(runner, kwargs.get("positions"))
+        extra = {**_meta(step, kwargs, model), "prefix_cached": [state.cached.get(r, 0) for r in step.req_ids],
+                 "parents": [parent_of(r) for r in step.req_ids]}
         with capture.step(positions=step.positions, is_prefill=step.is_prefill, req_ids=step.req_ids,
-                          extra_meta=_meta(step, kwargs, model)):
+                          extra_meta=extra):
             out = forward(*args, **kwargs)
         state.target, state.target_index, state.draft_pass = step, state.target_index + 1, 0
         return out
