@@ -190,3 +190,17 @@ def test_a_parallel_sampling_child_names_its_parent(req_id, parent):
 
     assert parent_of(req_id) == parent
 
+
+def test_the_plugins_entry_point_imports_nothing_of_graphpass():
+    """Issue 36, item 9: vLLM loads its plugins in every process (caller, engine core, each worker), with or without
+    graphpass in the engine's config; importing any module of the graphpass package loads the compiler (seconds in
+    each process). The entry point is a module outside the package that imports none of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, graphpass_vllm_plugin as p; "
+            "assert p.configured({'graphpass': {}}) and not p.configured({}) and not p.configured(None); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'graphpass'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
