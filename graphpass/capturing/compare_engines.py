@@ -76,6 +76,8 @@ class _Step:
     scan: StepScan
     engine: str
     tokens: list[tuple[str, int] | None] = field(default_factory=list)  # row -> (request, position); None: padding
+    cached: dict[str, int] = field(default_factory=dict)  # request -> its first positions served from a prefix cache
+    parents: dict[str, str] = field(default_factory=dict)  # parallel-sampling child -> the request it was forked from
     _loaded: dict[tuple[str, int], dict[str, torch.Tensor] | str] = field(default_factory=dict)
 
     @classmethod
@@ -90,6 +92,12 @@ class _Step:
         for i, pos in zip(which, positions):
             ok = isinstance(i, int) and 0 <= i < len(req_ids)
             step.tokens.append((_request(str(req_ids[i]), engine), int(pos)) if ok else None)
+        requests = [_request(str(r), engine) for r in req_ids]
+        cached, parents = meta.get("prefix_cached"), meta.get("parents")
+        if isinstance(cached, list) and len(cached) == len(requests):
+            step.cached = {r: int(n) for r, n in zip(requests, cached) if isinstance(n, int) and n > 0}
+        if isinstance(parents, list) and len(parents) == len(requests):
+            step.parents = {r: str(p) for r, p in zip(requests, parents) if isinstance(p, str) and p}
         return step
 
     def tensors(self, module: str, rank: int = 0) -> dict[str, torch.Tensor] | str:
@@ -146,10 +154,11 @@ def compare_engines(ref: Path, test: Path, report: CompareReport, families: Fami
         report.notes.append(f"test: {shape.tp_size} tensor-parallel ranks, each compared with the reference "
                             "(whole tensors whole, each rank's shard with its part)")
     where = _index(ref_steps, report)
+    _align_children(test_steps, where, report)
     seen: set[tuple[str, int]] = set()
     for step in test_steps:
         _compare_step(report, step, where, family, shape, seen)
-    _unmatched(report, ref_steps, seen)
+    _unmatched(report, ref_steps, seen, _cached(test_steps))
 
 
 def _one_model(scans: dict[str, StepScan], name: str, root: Path, report: CompareReport) -> dict[str, StepScan]:
@@ -189,6 +198,35 @@ def _index(ref_steps: list[_Step], report: CompareReport) -> dict[tuple[str, int
     if repeats:
         report.notes.append(f"ref: {repeats} token(s) captured more than once: the first is compared")
     return where
+
+
+def _align_children(test_steps: list[_Step], where: dict, report: CompareReport) -> None:
+    """Rows of a parallel-sampling child (``n`` > 1: the meta's ``parents``) whose request the reference lacks are
+    its parent's request: the reference ran the parent's prompt once (with greedy sampling every child's tokens
+    are the parent's; a sampled child that took other tokens fails at ``<input_ids>``). Rows rewritten in place,
+    with a note of how many."""
+    children: dict[str, str] = {}
+    for step in test_steps:
+        for row, tok in enumerate(step.tokens):
+            parent = step.parents.get(tok[0]) if tok is not None else None
+            if parent is not None and tok not in where and (parent, tok[1]) in where:
+                step.tokens[row] = (parent, tok[1])
+                children[tok[0]] = parent
+        step.cached = {children.get(r, r): n for r, n in step.cached.items()}
+    if children:
+        pairs = ", ".join(f"{c} of {p}" for c, p in sorted(children.items())[:4])
+        report.notes.append(f"test: {len(children)} parallel-sampling child request(s) aligned with the reference's "
+                            f"parent request ({pairs}{', ...' if len(children) > 4 else ''})")
+
+
+def _cached(test_steps: list[_Step]) -> dict[str, int]:
+    """Request -> how many of its first positions the engine served from its prefix cache (the most any of its
+    steps' metas says)."""
+    out: dict[str, int] = {}
+    for step in test_steps:
+        for req, count in step.cached.items():
+            out[req] = max(out.get(req, 0), count)
+    return out
 
 
 def _fmt_tokens(tokens: list[tuple[str, int]], shown: int = 4) -> str:
@@ -338,11 +376,19 @@ def _missing(in_test: bool, in_ref: bool) -> str | None:
     return "both" if in_test and in_ref else "test" if in_test else "ref" if in_ref else None
 
 
-def _unmatched(report: CompareReport, ref_steps: list[_Step], seen: set) -> None:
-    """FAIL rows for reference tokens no test step held."""
+def _unmatched(report: CompareReport, ref_steps: list[_Step], seen: set, cached: dict[str, int]) -> None:
+    """FAIL rows for reference tokens no test step held, but those the engine's metas say it served from its prefix
+    cache (``prefix_cached``: it never computed them for that request, so there is nothing to compare): those are
+    counted in a note."""
+    served: list[tuple[str, int]] = []
     for step in ref_steps:
         lost = [tok for tok in step.tokens if tok is not None and tok not in seen]
+        served += [tok for tok in lost if tok[1] < cached.get(tok[0], 0)]
+        lost = [tok for tok in lost if tok[1] >= cached.get(tok[0], 0)]
         if lost:
             report.rows.append(CompareRow(step.rel, "", None, None, FAIL, missing="test",
                                           note=f"{len(lost)} token(s) of ref missing in test: {_fmt_tokens(lost)}"))
+    if served:
+        report.notes.append(f"test: {len(served)} token(s) of ref served from the engine's prefix cache (computed "
+                            f"for an earlier request, not in this one's steps: not compared): {_fmt_tokens(served)}")
 

@@ -365,3 +365,68 @@ def test_the_draft_models_steps_are_compared_on_their_own(ref, tmp_path):
     assert any("the steps under draft/ are another model's" in n for n in report.notes)
     bad = compare(ref, test / "draft", rtol=1e-5, atol=1e-6).first_failure
     assert (bad.step, bad.module) == ("dp0/prefill_s8_0", REF_MODULES[0])
+
+
+def _with_meta(root, name, **fields):
+    path = root / "dp0" / name / f"{name}_meta.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def write_cached_engine(root, cached_meta=True):
+    """vLLM with its prefix cache: request 1 arrives after request 0 and its first 2 positions come from the cache
+    (in a real engine, full blocks of a shared prefix), so its prefill step computes only position 2."""
+    steps = [("prefill_s5_0", ["0-a1b2"], [(0, 0, p) for p in range(5)], [0]),
+             ("prefill_s2_1", ["0-a1b2", "1-c3d4"], [(0, 0, 5), (1, 1, 2)], [0, 2])]
+    for d in range(3):
+        steps.append((f"decode_b2_{d}", ["0-a1b2", "1-c3d4"], [(0, 0, 6 + d), (1, 1, 3 + d)], [0, 0]))
+    steps[-1] = ("decode_b1_0", ["1-c3d4"], [(0, 1, 5)], [0])
+    for index, (name, ids, rows, cached) in enumerate(steps):
+        write_step(root, name, index, ids, rows, "vllm", engine_tensors(rows))
+        if cached_meta:
+            _with_meta(root, name, prefix_cached=cached, parents=[None] * len(ids))
+    return root
+
+
+def test_positions_served_from_the_prefix_cache_are_counted_not_failed(ref, tmp_path):
+    """Issue 36, item 4: with prefix caching (vLLM's default) a request's cached positions are in none of its steps;
+    the meta says how many (``prefix_cached``), and compare counts them in a note instead of failing the run."""
+    report = compare(ref, write_cached_engine(tmp_path / "vllm"), rtol=1e-5, atol=1e-6)
+    assert report.passed, str(report)
+    assert any("2 token(s) of ref served from the engine's prefix cache" in n and "request 1 positions 0,1" in n
+               for n in report.notes), report.notes
+    # without the meta's word for it, the same positions are missing: FAIL, never a silent pass
+    report = compare(ref, write_cached_engine(tmp_path / "vllm2", cached_meta=False), rtol=1e-5, atol=1e-6)
+    assert [r.note for r in report.rows if not r.passed] == ["2 token(s) of ref missing in test: request 1 positions 0,1"]
+
+
+def test_a_prefix_cache_claim_covers_only_the_positions_it_names(ref, tmp_path):
+    test = write_cached_engine(tmp_path / "vllm")
+    _with_meta(test, "prefill_s2_1", prefix_cached=[0, 1], parents=[None, None])
+    report = compare(ref, test, rtol=1e-5, atol=1e-6)
+    assert [r.note for r in report.rows if not r.passed] == ["1 token(s) of ref missing in test: request 1 positions 1"]
+
+
+def write_sampled_engine(root, parents=True):
+    """vLLM's parallel sampling (n=2) of request 0: children ``0_0`` and ``1_0`` (greedy: the same tokens), and
+    request 1 as it is."""
+    ids = ["0_0-a1b2", "1_0-e5f6", "1-c3d4"]
+    steps = [("prefill_s13_0", [(0, 0, p) for p in range(5)] + [(1, 0, p) for p in range(5)]
+              + [(2, 1, p) for p in range(3)])]
+    for d in range(3):
+        steps.append((f"decode_b3_{d}", [(0, 0, 5 + d), (1, 0, 5 + d), (2, 1, 3 + d)]))
+    for index, (name, rows) in enumerate(steps):
+        write_step(root, name, index, ids, rows, "vllm", engine_tensors(rows))
+        if parents:
+            _with_meta(root, name, prefix_cached=[0, 0, 0], parents=["0", "0", None])
+    return root
+
+
+def test_parallel_sampling_children_are_compared_with_their_parent_request(ref, tmp_path):
+    """Issue 36, item 4: ``n=2`` forks request 0 into children ``0_0`` and ``1_0``; the meta names their parent
+    (``parents``) and compare aligns each child's rows with the reference's parent request."""
+    report = compare(ref, write_sampled_engine(tmp_path / "vllm"), rtol=1e-5, atol=1e-6)
+    assert report.passed, str(report)
+    assert any("2 parallel-sampling child request(s)" in n and "0_0 of 0" in n for n in report.notes), report.notes
+    assert all(r.missing is None for r in report.rows)
+    report = compare(ref, write_sampled_engine(tmp_path / "vllm2", parents=False), rtol=1e-5, atol=1e-6)
+    assert not report.passed and any("missing in ref: request 0_0 positions" in r.note for r in report.rows)

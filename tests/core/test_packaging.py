@@ -45,6 +45,7 @@ def _repo_sources() -> list[str]:
     """Every .py of the package in the checkout, as its path inside the wheel."""
     names = [p.relative_to(REPO).as_posix() for p in (REPO / "graphpass").rglob("*.py")]
     names += ["graphpass/backends/" + p.relative_to(REPO / "backends").as_posix() for p in (REPO / "backends").rglob("*.py")]
+    names += ["graphpass_vllm_plugin.py"]  # the vLLM plugin's entry point, a top-level module (pyproject py-modules)
     return sorted(n for n in names if "__pycache__" not in n)
 
 
@@ -83,6 +84,7 @@ def test_wheel_holds_every_source_file(wheel):
         text = zf.read(entry_points).decode()
     assert "[torch_dynamo_backends]" in text and "graphpass = graphpass.dynamo_backend:graphpass_backend" in text
     assert "[console_scripts]" in text and "graphpass = graphpass.cli:main" in text
+    assert "[vllm.general_plugins]" in text and "graphpass = graphpass_vllm_plugin:register" in text
 
 
 _CHECK = textwrap.dedent(

@@ -15,7 +15,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from graphpass.errors import ConfigError  # noqa: E402
 
-from vllm_serving import MAX_NEW_TOKENS, PROMPTS, serve, write_tiny_llama  # noqa: E402
+from vllm_serving import LLM_DEFAULTS, MAX_NEW_TOKENS, PROMPTS, serve, write_tiny_llama  # noqa: E402
 
 MODULES = ["model.layers.0", "model.layers.1"]
 
@@ -27,7 +27,7 @@ def tiny_llama(tmp_path_factory):
 
 def test_the_plugin_is_registered_with_vllm():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
-    assert "graphpass.integrations.vllm:register" in [e.value for e in eps]
+    assert "graphpass_vllm_plugin:register" in [e.value for e in eps]
 
 
 A_FILE = os.path.abspath(__file__)
@@ -46,6 +46,12 @@ A_FILE = os.path.abspath(__file__)
     ({"tracing": True}, "additional_config.graphpass", "unknown keys", {}),
     # compilation turned off: named as the vLLM setting at fault, not as 'additional_config.graphpass'
     ({"options": {"then": "eager"}}, "enforce_eager", "turns compilation off", {"enforce_eager": True}),
+    # found by the plugin inside vLLM's (pydantic) config: graphpass's ConfigError, not a ValidationError
+    ({"options": {"then": "eager"}}, "compilation_config.mode", "compilation is off",
+     {"compilation_config": {"mode": 0}}),
+    # a folder the workers could not make
+    ({"tensor_capture": {"modules": ["model.layers.0"], "capture_dir": A_FILE + "/caps"}},
+     "tensor_capture.capture_dir", "is a file, not a folder", {}),
 ])
 def test_bad_settings_are_refused_before_serving(tiny_llama, settings, key, words, llm_kwargs):
     """Issue 36, item 6: the caller gets graphpass's ConfigError itself (checked when its EngineArgs make the
@@ -57,6 +63,33 @@ def test_bad_settings_are_refused_before_serving(tiny_llama, settings, key, word
             additional_config={"graphpass": settings}, **llm_kwargs)
     text = str(info.value)
     assert key in text and words in text, text
+
+
+@pytest.mark.parametrize("settings, key, error", [
+    ({"tensor_capture": {"modules": ["model.layers.9"]}}, "additional_config.graphpass.tensor_capture.modules",
+     "PatternMatchError"),
+    ({"tensor_capture": {"modules": ["model.layers.0-1"], "capture_filter": ["model.layers.7"]}},
+     "additional_config.graphpass.tensor_capture.capture_filter", "PatternMatchError"),
+    ({"options": {"traps": ["model.blocks.*"]}}, "additional_config.graphpass.options.traps", "PatternMatchError"),
+])
+def test_settings_only_a_worker_can_check_reach_the_caller_naming_their_path(tiny_llama, tmp_path, settings, key,
+                                                                               error):
+    """Issue 36, item 7 and acceptance 4: the served model's module names are known only in the worker (vLLM
+    builds the model there), so patterns that match none of them stop the engine there. The caller gets
+    graphpass's error itself, of its class and naming the setting's path in additional_config, from vLLM's
+    'Engine core initialization failed' (not only that, with the reason in a worker's log)."""
+    from vllm import LLM
+
+    from graphpass.errors import GraphpassError
+
+    settings = {**settings, "options": {"then": "eager", **settings.get("options", {})}}
+    if "tensor_capture" in settings:
+        settings["tensor_capture"] = {**settings["tensor_capture"], "capture_dir": str(tmp_path / "caps")}
+    with pytest.raises(GraphpassError) as info:
+        LLM(model=str(tiny_llama), **LLM_DEFAULTS, additional_config={"graphpass": settings})
+    assert type(info.value).__name__ == error and info.value.key == key, repr(info.value)
+    assert key in str(info.value) and "matches no module" in str(info.value)
+    assert "initialization failed" in str(info.value.__cause__)  # vLLM's own error, kept as the cause
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +218,40 @@ def test_tokens_and_layer_outputs_equal_transformers_eager(served, tiny_llama):
                 torch.testing.assert_close(layer_out[row], want, rtol=1e-4, atol=1e-4)
                 compared += 1
     assert compared == 2 * sum(len(p) + MAX_NEW_TOKENS - 1 for p in PROMPTS)
+
+
+LOAD_PLUGINS = """
+import json, sys, time
+import vllm
+from vllm.engine.arg_utils import EngineArgs
+t = time.perf_counter()
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+loaded = time.perf_counter() - t
+settings = json.loads(sys.argv[2])
+extra = {"additional_config": {"graphpass": settings}} if settings is not None else {}
+EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=128, **extra).create_engine_config()
+print(json.dumps({"seconds": loaded, "plugin": "graphpass_vllm_plugin" in sys.modules,
+                  "graphpass": sorted(m for m in sys.modules if m.split(".")[0] == "graphpass")}))
+"""
+
+
+def test_without_a_graphpass_config_the_plugin_loads_no_graphpass_module(tiny_llama):
+    """Issue 36, item 9: with graphpass installed and no graphpass config, vLLM's plugin loading and an engine's
+    config import nothing of the graphpass package (it cost each vLLM process 0.3 s, or 2.8 s where vLLM's
+    arg_utils was not loaded yet); an engine with graphpass gets the plugin."""
+    import subprocess
+    import sys
+
+    def run(settings):
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+        out = subprocess.run([sys.executable, "-c", LOAD_PLUGINS, str(tiny_llama), json.dumps(settings)], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-4000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    plain = run(None)
+    print(f"vLLM's general plugins loaded in {plain['seconds']:.4f} s")
+    assert plain["plugin"] and plain["graphpass"] == [], plain  # the entry point ran; nothing of the package
+    with_graphpass = run({"options": {"then": "eager"}})
+    assert "graphpass.integrations.vllm" in with_graphpass["graphpass"], with_graphpass

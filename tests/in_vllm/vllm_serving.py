@@ -23,6 +23,10 @@ MAX_NEW_TOKENS = 4
 # its own and refuses one node for two ranks ("Not enough allowed NUMA nodes to bind threads of 2 local
 # CPUWorkers"); bound by hand, one core each
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+# vLLM's CPU engine refuses to start unless this fraction of the machine's memory is free at start-up (default
+# 0.92: any other load on the machine stops it); the tiny model's KV cache is VLLM_CPU_KVCACHE_SPACE=1 (GiB)
+LLM_DEFAULTS = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=4,
+                    gpu_memory_utilization=0.5)
 
 
 def write_tiny_llama(path: Path, seed: int = 0) -> Path:
@@ -37,14 +41,14 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
 
 def serve(model: Path, out: Path, settings: dict, prompts=PROMPTS, max_new_tokens=MAX_NEW_TOKENS,
           timeout: int = 1200, profile_dir: Path | None = None, llm_kwargs: dict | None = None,
-          env: dict | None = None) -> dict:
+          env: dict | None = None, rounds: list | None = None) -> dict:
     """Run ``serve_tiny.py`` (vLLM's ``LLM`` with ``additional_config={"graphpass": settings}`` and
-    ``llm_kwargs``; ``env``: more environment variables); returns its result (tokens, request ids, worker
+    ``llm_kwargs``; ``env``: more environment variables; ``rounds``: see serve_tiny.py); returns its result (tokens, request ids, worker
     stats)."""
     out.mkdir(parents=True, exist_ok=True)
     spec = {"model": str(model), "settings": settings, "prompts": prompts, "max_new_tokens": max_new_tokens,
             "result": str(out / "result.json"), "profile_dir": str(profile_dir) if profile_dir else None,
-            "llm_kwargs": llm_kwargs or {}}
+            "llm_kwargs": llm_kwargs or {}, "rounds": rounds}
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     env.setdefault("VLLM_CACHE_ROOT", str(out / "vllm-cache"))
     proc = subprocess.run([sys.executable, str(HERE / "serve_tiny.py"), json.dumps(spec)], env=env,

@@ -107,3 +107,100 @@ def test_draft_modules_need_a_draft_model(spec, words):
         _check_draft(spec, ("model.layers.0",))
     assert "tensor_capture.draft_modules" in str(info.value) and words in str(info.value)
     _check_draft(SimpleNamespace(method="draft_model"), ("model.layers.0",))  # accepted
+
+
+def test_a_capture_dir_whose_parent_is_a_file_is_refused_before_serving(tmp_path):
+    """Issue 36, item 7: the workers would make the folder only when the model is loaded; the caller can tell now."""
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ConfigError, match="tensor_capture.capture_dir.*is a file, not a folder"):
+        parse({"graphpass": {"tensor_capture": {"modules": ["a"], "capture_dir": str(tmp_path / "a-file" / "caps")}}})
+    parse({"graphpass": {"tensor_capture": {"modules": ["a"], "capture_dir": str(tmp_path / "new" / "caps")}}})
+
+
+def test_the_report_path_must_be_absolute():
+    with pytest.raises(ConfigError, match="additional_config.graphpass.report"):
+        parse({"graphpass": {"report": "relative.json"}})
+    assert parse({"graphpass": {"report": "/tmp/x.json"}}).report == "/tmp/x.json"
+
+
+@pytest.mark.parametrize("section, key, path", [
+    ("tensor_capture", "modules", "additional_config.graphpass.tensor_capture.modules"),
+    ("tensor_capture", "capture_filter", "additional_config.graphpass.tensor_capture.capture_filter"),
+    ("draft", "modules", "additional_config.graphpass.tensor_capture.draft_modules"),
+    ("options", "traps", "additional_config.graphpass.options.traps"),
+])
+def test_a_workers_error_reaches_the_caller_as_its_class_naming_the_setting(tmp_path, section, key, path):
+    """Issue 36, item 7 / acceptance 4: what only a worker can check (its model's module names) is written to the
+    engine's report file in config terms, and the caller raises the same class from vLLM's own error."""
+    from graphpass.errors import PatternMatchError, surface
+    from graphpass.integrations.vllm.worker_errors import raise_reported, reported
+
+    report = str(tmp_path / "engine.error.json")
+    config = SimpleNamespace(additional_config={"graphpass": {"report": report}})
+    err = PatternMatchError(key, ["model.layers.9"], "matches no module of the model (some module names: model)")
+    with pytest.raises(RuntimeError, match="vLLM's wrapper"):  # the worker's own error goes on as it was
+        with reported(config, section):
+            raise RuntimeError("vLLM's wrapper") from surface(err)
+    vllm_error = RuntimeError("Engine core initialization failed. See root cause above.")
+    with pytest.raises(PatternMatchError) as info:
+        raise_reported(config, vllm_error)
+    assert info.value.key == path and path in str(info.value) and "matches no module" in str(info.value)
+    assert info.value.__cause__ is vllm_error
+    assert not (tmp_path / "engine.error.json").exists()  # read once, removed
+    raise_reported(config, vllm_error)  # nothing reported: vLLM's error goes on
+
+
+def test_a_serving_error_names_the_worker_and_the_setting_and_the_first_report_is_kept(tmp_path):
+    from graphpass.errors import CaptureError, GraphpassError
+    from graphpass.integrations.vllm.worker_errors import raise_reported, reported, write_report
+
+    report = tmp_path / "engine.error.json"
+    config = SimpleNamespace(additional_config={"graphpass": {"report": str(report)}})
+    with pytest.raises(CaptureError), reported(config, "tensor_capture"):
+        raise CaptureError("cannot write step prefill_s8_0: [Errno 28] No space left on device")
+    write_report(str(report), GraphpassError("a later consequence"))  # the first report is kept
+    with pytest.raises(CaptureError, match=r"No space left.*vLLM worker.*additional_config.graphpass.tensor_capture"):
+        raise_reported(config, RuntimeError("EngineDeadError"))
+    # a planted file naming a class graphpass.errors lacks is a plain GraphpassError: never unpickled or imported
+    report.write_text('{"class": "SystemExit", "message": "planted"}')
+    with pytest.raises(GraphpassError, match="planted") as info:
+        raise_reported(config, RuntimeError("x"))
+    assert type(info.value) is GraphpassError
+
+
+def test_positions_served_from_the_prefix_cache_are_read_from_the_scheduler_output():
+    from graphpass.integrations.vllm.steps import prefix_cached
+
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="2-ab", num_computed_tokens=16),
+                            SimpleNamespace(req_id="3-cd", num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["0-ef", "1-gh"], resumed_req_ids={"1-gh"},
+                                              num_computed_tokens=[40, 32]))
+    # new requests with a cache hit, and a request resumed after a preemption; a running request is no news
+    assert prefix_cached(out) == {"2-ab": 16, "1-gh": 32}
+    assert prefix_cached(None) == {}
+
+
+@pytest.mark.parametrize("req_id, parent", [
+    ("0_14-1a2b3c4d", "14"), ("1_cmpl-abc-1a2b3c4d", "cmpl-abc"), ("3_7", "7"),
+    ("14-1a2b3c4d", None), ("a_14-1a2b3c4d", None), ("_14-x", None),
+])
+def test_a_parallel_sampling_child_names_its_parent(req_id, parent):
+    from graphpass.integrations.vllm.steps import parent_of
+
+    assert parent_of(req_id) == parent
+
+
+def test_the_plugins_entry_point_imports_nothing_of_graphpass():
+    """Issue 36, item 9: vLLM loads its plugins in every process (caller, engine core, each worker), with or without
+    graphpass in the engine's config; importing any module of the graphpass package loads the compiler (seconds in
+    each process). The entry point is a module outside the package that imports none of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, graphpass_vllm_plugin as p; "
+            "assert p.configured({'graphpass': {}}) and not p.configured({}) and not p.configured(None); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'graphpass'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

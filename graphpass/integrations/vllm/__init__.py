@@ -1,10 +1,10 @@
 """The vLLM plugin: graphpass as vLLM's compiler, with tensor capture per engine step (docs/vllm.md).
 
-Registered as ``graphpass = graphpass.integrations.vllm:register`` under vLLM's
-``vllm.general_plugins`` entry point, so vLLM calls :func:`register` in every process it starts
-(the caller's, the engine core, each worker). It does nothing unless the engine's
-``additional_config`` has a ``"graphpass"`` key; then, when vLLM builds its config (before any
-worker starts), :func:`update_config`:
+vLLM's ``vllm.general_plugins`` entry point is ``graphpass = graphpass_vllm_plugin:register``, a module outside
+this package that vLLM loads in every process it starts (the caller's, the engine core, each worker): it imports
+nothing of graphpass unless an engine's ``additional_config`` has a ``"graphpass"`` key (this package's import
+loads the compiler), and then calls :func:`check_and_update_config` and, in the caller,
+:func:`create_engine_config` here. When vLLM builds its config (before any worker starts), :func:`update_config`:
 
 - checks the settings (:mod:`.config`; a ``ConfigError`` naming the key, before serving);
 - makes graphpass the compiler: ``compilation_config.mode = DYNAMO_TRACE_ONCE`` (one Dynamo graph of
@@ -19,15 +19,15 @@ worker starts), :func:`update_config`:
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ...errors import ConfigError
+from ...errors import ConfigError, GraphpassError
 from .config import KEY, PREFIX, VllmPluginConfig, parse
+from .worker_errors import graphpass_error_in, new_report_path
 
 log = logging.getLogger("graphpass.integrations.vllm")
 
@@ -36,51 +36,64 @@ WORKERS = {"vllm.v1.worker.cpu_worker.CPUWorker": "graphpass.integrations.vllm.w
 
 
 def register() -> None:
-    """vLLM's ``vllm.general_plugins`` entry point: wrap the current platform's
-    ``check_and_update_config`` with :func:`update_config`. Safe to call more than once."""
-    from vllm.platforms import current_platform
+    """vLLM's entry point, as :func:`graphpass_vllm_plugin.register` (which vLLM calls: it imports nothing of graphpass
+    until an engine asks for it). Safe to call more than once."""
+    import graphpass_vllm_plugin
 
-    platform = type(current_platform)
-    original = platform.__dict__.get("check_and_update_config")
-    if original is None or getattr(original.__func__, "_graphpass", False):
-        return
-    func = original.__func__
-
-    @functools.wraps(func)
-    def check_and_update_config(cls, vllm_config: Any) -> None:
-        settings = parse(vllm_config.additional_config)  # before vLLM changes anything
-        func(cls, vllm_config)
-        if settings is not None:
-            update_config(vllm_config, settings)
-
-    check_and_update_config._graphpass = True
-    platform.check_and_update_config = classmethod(check_and_update_config)
-    _check_in_the_caller()
+    graphpass_vllm_plugin.register()
 
 
-def _check_in_the_caller() -> None:
-    """Check the settings when the caller's ``EngineArgs`` make the engine's config, before vLLM's own (a pydantic
-    dataclass, which would wrap a ``ConfigError`` into its ``ValidationError``): a bad setting reaches the caller
-    as a :class:`graphpass.ConfigError` naming it, before any engine process starts (issue 36, item 6)."""
+def check_and_update_config(func: Any, cls: Any, vllm_config: Any) -> None:
+    """The platform's ``check_and_update_config`` (``func``) for an engine whose ``additional_config`` has
+    ``"graphpass"``: the settings parsed before vLLM changes anything, then :func:`update_config`."""
+    settings = parse(vllm_config.additional_config)
+    func(cls, vllm_config)
+    if settings is not None:
+        update_config(vllm_config, settings)
+
+
+def create_engine_config(create: Any, engine_args: Any, *args: Any, **kwargs: Any) -> Any:
+    """``EngineArgs.create_engine_config`` (``create``) in the caller, for an engine with graphpass: the settings
+    checked before vLLM's own config (a pydantic dataclass, which would wrap a ``ConfigError`` into its
+    ``ValidationError``), so a bad setting reaches the caller as a :class:`graphpass.ConfigError` naming it before
+    any engine process starts (issue 36, item 6); the engine's run id and its error-report file (where its
+    workers write a graphpass error for the caller: :mod:`.worker_errors`) added to its ``additional_config``."""
+    settings = parse(getattr(engine_args, "additional_config", None))
+    if settings is None:
+        return create(engine_args, *args, **kwargs)
+    import graphpass_vllm_plugin
+
+    graphpass_vllm_plugin.wrap_clients()  # this process starts a graphpass engine: its errors come through here
+    _check_engine_args(engine_args, settings)
+    if settings.tensor_capture is not None:
+        engine_args.additional_config = _with_run(engine_args.additional_config, settings.tensor_capture)
+    if settings.report is None:
+        engine_args.additional_config = {**engine_args.additional_config,
+                                         KEY: {**engine_args.additional_config[KEY], "report": new_report_path()}}
     try:
-        from vllm.engine.arg_utils import EngineArgs
-    except ImportError:
-        return
-    create = EngineArgs.__dict__.get("create_engine_config")
-    if create is None or getattr(create, "_graphpass", False):
-        return
+        return create(engine_args, *args, **kwargs)
+    except Exception as exc:  # vLLM's pydantic config wraps a ConfigError of update_config: unwrap it
+        err = _graphpass_error_of(exc)
+        if err is None or err is exc:
+            raise
+        raise err from exc
 
-    @functools.wraps(create)
-    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        settings = parse(getattr(self, "additional_config", None))
-        if settings is not None:
-            _check_engine_args(self, settings)
-            if settings.tensor_capture is not None:
-                self.additional_config = _with_run(self.additional_config, settings.tensor_capture)
-        return create(self, *args, **kwargs)
 
-    create_engine_config._graphpass = True
-    EngineArgs.create_engine_config = create_engine_config
+def _graphpass_error_of(exc: BaseException) -> GraphpassError | None:
+    """The graphpass error inside ``exc``: in its causes, or one of pydantic's ``ValidationError`` entries (a
+    ``ValueError`` raised while vLLM's config validates keeps the original in the entry's ``ctx``)."""
+    err = graphpass_error_in(exc)
+    if err is not None:
+        return err
+    try:
+        entries = exc.errors() if callable(getattr(exc, "errors", None)) else []
+    except Exception:  # not pydantic's
+        entries = []
+    for entry in entries if isinstance(entries, list) else []:
+        inner = (entry.get("ctx") or {}).get("error") if isinstance(entry, dict) else None
+        if isinstance(inner, BaseException) and graphpass_error_in(inner) is not None:
+            return graphpass_error_in(inner)
+    return None
 
 
 def _check_engine_args(engine_args: Any, settings: VllmPluginConfig) -> None:

@@ -7,6 +7,7 @@
         "tensor_capture": {"modules": ["model.layers.0-1"], "capture_dir": "caps",
                            "capture_filter": None, "draft_modules": None},
         "offload": {...},                         # refused on vLLM's CPU engine (packed oneDNN weights)
+        "report": "/tmp/graphpass-vllm-....error.json",  # set by the plugin: where a worker's error goes
     }}
 
 Every problem is a :class:`graphpass.errors.ConfigError` naming the key
@@ -25,7 +26,7 @@ from ...errors import ConfigError
 KEY = "graphpass"
 PREFIX = f"additional_config.{KEY}"
 CAPTURE_KEYS = ("modules", "capture_dir", "capture_filter", "draft_modules", "run")
-TOP_KEYS = ("options", "tensor_capture", "offload")
+TOP_KEYS = ("options", "tensor_capture", "offload", "report")
 
 # why offload is refused, and what avoids it (docs/vllm.md "Offload")
 OFFLOAD_REFUSED = (
@@ -55,6 +56,7 @@ class VllmPluginConfig:
 
     options: Mapping[str, Any]
     tensor_capture: TensorCaptureConfig | None
+    report: str | None = None  # where a worker writes a graphpass error for the caller (set by the plugin)
 
 
 def _patterns(key: str, value: Any, *, required: bool) -> tuple[str, ...] | None:
@@ -80,6 +82,7 @@ def _capture(value: Any) -> TensorCaptureConfig | None:
     if os.path.exists(capture_dir) and not os.path.isdir(capture_dir):
         raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", os.fspath(capture_dir),
                           "is a file, not a folder: give a folder (it is made if missing)")
+    _check_makeable(os.path.abspath(os.fspath(capture_dir)))
     return TensorCaptureConfig(
         modules=_patterns("modules", value.get("modules"), required=True),
         # absolute: the workers may not share the caller's working folder
@@ -88,6 +91,22 @@ def _capture(value: Any) -> TensorCaptureConfig | None:
         draft_modules=_patterns("draft_modules", value.get("draft_modules"), required=False),
         run=_run(value.get("run")),
     )
+
+
+def _check_makeable(folder: str) -> None:
+    """``folder`` exists, or its nearest existing parent is a folder this process may write into (the workers
+    make it; a parent that is a file or read-only would stop them only when the model is loaded)."""
+    parent = folder
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent == folder:
+        return
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", folder,
+                          f"cannot be made: {parent!r} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", folder,
+                          f"cannot be made: the folder {parent!r} is not writable")
 
 
 def _run(value: Any) -> str | None:
@@ -114,4 +133,8 @@ def parse(additional_config: Any) -> VllmPluginConfig | None:
     from ...dynamo_backend import backend
 
     backend(**options)  # validates the options now (ConfigError naming the option)
-    return VllmPluginConfig(options=dict(options), tensor_capture=_capture(value.get("tensor_capture")))
+    report = value.get("report")
+    if report is not None and (not isinstance(report, str) or not os.path.isabs(report)):
+        raise ConfigError(f"{PREFIX}.report", report, "must be an absolute file path (the plugin sets it)")
+    return VllmPluginConfig(options=dict(options), tensor_capture=_capture(value.get("tensor_capture")),
+                            report=report)

@@ -8,11 +8,16 @@ together). So a step is:
   all requests together), else ``decode_b{B}_{k}`` (``B``: the requests, one token each);
 - its meta: ``req_ids`` (vLLM's request ids, in batch order), ``positions`` (each token's position
   in its request) and ``token_request`` (each token's index into ``req_ids``), so a tensor row can
-  be matched to a request and position whatever the batching (docs/vllm.md).
+  be matched to a request and position whatever the batching (docs/vllm.md);
+- per request (in ``req_ids`` order): ``prefix_cached``, how many of its first positions vLLM served
+  from its prefix cache when it scheduled the request in this step (it computes only the rest, so
+  those positions are in no step of the request; :func:`prefix_cached`), and ``parents``, the request
+  a parallel-sampling child (``SamplingParams(n=2)``) was forked from (:func:`parent_of`), else None.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,3 +86,33 @@ def draft_step(runner: Any, positions: torch.Tensor | None, query_starts: torch.
     token_request = token_request[:rows] + [-1] * (rows - len(token_request))
     is_prefill = draft_pass == 0 and target is not None and target.is_prefill
     return EngineStep(req_ids, token_request, positions, is_prefill)
+
+
+def prefix_cached(scheduler_output: Any) -> dict[str, int]:
+    """Request id -> how many of its first positions vLLM's scheduler took from the prefix cache (or another KV
+    source) instead of computing them, for the requests it schedules in ``scheduler_output`` for the first time
+    (``scheduled_new_reqs``) or again after a preemption (``resumed_req_ids``): their ``num_computed_tokens``."""
+    out: dict[str, int] = {}
+    for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        count = int(getattr(new, "num_computed_tokens", 0) or 0)
+        if count:
+            out[str(new.req_id)] = count
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+    for rid, count in zip(getattr(cached, "req_ids", None) or (), getattr(cached, "num_computed_tokens", None) or ()):
+        if rid in resumed and count:
+            out[str(rid)] = int(count)
+    return out
+
+
+# vLLM's parallel sampling (``n`` > 1) forks a request into children ``{index}_{request id}``
+# (vllm/v1/engine/parallel_sampling.py, ParentRequest.get_child_info), then adds its ``-{8 random}`` suffix
+_CHILD = re.compile(r"(\d+)_(.+)")
+
+
+def parent_of(req_id: str) -> str | None:
+    """The caller's request id a parallel-sampling child ``req_id`` (vLLM's internal id) was forked from, without
+    vLLM's suffix, as ``compare`` names requests (``"0_14-1a2b3c4d"`` -> ``"14"``); None for any other id."""
+    base = req_id.rsplit("-", 1)[0] if "-" in req_id else req_id
+    match = _CHILD.fullmatch(base)
+    return match.group(2) if match else None

@@ -30,7 +30,8 @@ from typing import Any
 
 from ...errors import ConfigError
 from .config import PREFIX, parse
-from .steps import EngineStep, draft_step, engine_step, forward_query_starts
+from .steps import EngineStep, draft_step, engine_step, forward_query_starts, parent_of, prefix_cached
+from .worker_errors import reported
 
 log = logging.getLogger("graphpass.integrations.vllm")
 
@@ -64,6 +65,7 @@ class _GraphpassWorkerMixin:
 
     graphpass_capture: Any = None
     graphpass_draft_capture: Any = None
+    graphpass_steps: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # vLLM's compile cache off in this worker's process (a graph loaded from it was never given to graphpass),
@@ -73,11 +75,15 @@ class _GraphpassWorkerMixin:
         super().__init__(*args, **kwargs)
 
     def determine_available_memory(self) -> int:
-        with _current(self):  # vLLM's CPU worker compiles here (warm-up)
+        # vLLM's CPU worker compiles here (warm-up): graphpass's errors reach the caller (worker_errors.py)
+        with _current(self), reported(self.vllm_config, "options"):
             return super().determine_available_memory()
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
-        with _current(self):
+        steps = getattr(self, "graphpass_steps", None)
+        if steps is not None:  # what this engine step's scheduler served from the prefix cache (steps.py)
+            steps.cached = prefix_cached(args[0] if args else kwargs.get("scheduler_output"))
+        with _current(self), reported(self.vllm_config, "tensor_capture"):
             return super().execute_model(*args, **kwargs)
 
     def graphpass_stats(self) -> dict:
@@ -103,29 +109,44 @@ class _GraphpassWorkerMixin:
         tc = settings.tensor_capture
         dp_rank, tp = _ranks(self.vllm_config)
         runner = self.model_runner
-        self.graphpass_capture = graphpass.ModelCapture(
-            runner.model, modules=list(tc.modules), capture_dir=tc.capture_dir,
-            capture_filter=list(tc.capture_filter) if tc.capture_filter else None, dp_rank=dp_rank, tp_rank=tp,
-            run=tc.run)
-        state = _Steps()
+        with reported(self.vllm_config, "tensor_capture"):  # modules matching nothing: at the caller, by its path
+            self.graphpass_capture = graphpass.ModelCapture(
+                runner.model, modules=list(tc.modules), capture_dir=tc.capture_dir,
+                capture_filter=list(tc.capture_filter) if tc.capture_filter else None, dp_rank=dp_rank,
+                tp_rank=tp, run=tc.run)
+            _check_filter(runner.model, tc.modules, tc.capture_filter)
+        state = self.graphpass_steps = _Steps()
         runner._model_forward = _stepping(runner, runner._model_forward, self.graphpass_capture, state)
         log.info("graphpass captures %s of %s into %s (dp%d)", list(tc.modules), type(runner.model).__name__,
                  tc.capture_dir, dp_rank)
         if tc.draft_modules:
-            draft = _draft_model(runner)
-            self.graphpass_draft_capture = graphpass.ModelCapture(
-                draft, modules=list(tc.draft_modules), capture_dir=tc.capture_dir, subdirectory="draft",
-                dp_rank=dp_rank, tp_rank=tp, run=tc.run)
+            with reported(self.vllm_config, "draft"):
+                draft = _draft_model(runner)
+                self.graphpass_draft_capture = graphpass.ModelCapture(
+                    draft, modules=list(tc.draft_modules), capture_dir=tc.capture_dir, subdirectory="draft",
+                    dp_rank=dp_rank, tp_rank=tp, run=tc.run)
             draft.forward = _draft_stepping(runner, draft.forward, self.graphpass_draft_capture, state)
             log.info("graphpass captures the draft model's %s into %s/draft", list(tc.draft_modules), tc.capture_dir)
 
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
-        with _current(self):
+        with _current(self), reported(self.vllm_config, "options"):
             out = super().compile_or_warm_up_model(*args, **kwargs)
         for capture in (self.graphpass_capture, self.graphpass_draft_capture):
             if capture is not None:
                 capture.enable()
         return out
+
+
+def _check_filter(model: Any, modules: tuple[str, ...], capture_filter: tuple[str, ...] | None) -> None:
+    """Each ``capture_filter`` pattern must match a module ``modules`` selects: one that matches none writes
+    nothing (a misspelt filter would serve a run whose steps hold no tensors)."""
+    if not capture_filter:
+        return
+    from graphpass.patterns import check_all_match, compile_patterns
+
+    selecting = compile_patterns(list(modules), "modules")
+    selected = [n for n, _ in model.named_modules() if n and any(p.matches(n) for p in selecting)]
+    check_all_match(compile_patterns(list(capture_filter), "capture_filter"), selected, "capture_filter")
 
 
 def _current(worker: Any) -> Any:
@@ -147,6 +168,7 @@ class _Steps:
         self.target: EngineStep | None = None
         self.target_index = -1
         self.draft_pass = 0
+        self.cached: dict[str, int] = {}  # request id -> positions its scheduler served from the prefix cache
 
 
 def _draft_model(runner: Any) -> Any:
@@ -184,8 +206,10 @@ def _stepping(runner: Any, forward: Any, capture: Any, state: _Steps) -> Any:
         if not capture.enabled:
             return forward(*args, **kwargs)
         step = engine_step(runner, kwargs.get("positions"))
+        extra = {**_meta(step, kwargs, model), "prefix_cached": [state.cached.get(r, 0) for r in step.req_ids],
+                 "parents": [parent_of(r) for r in step.req_ids]}
         with capture.step(positions=step.positions, is_prefill=step.is_prefill, req_ids=step.req_ids,
-                          extra_meta=_meta(step, kwargs, model)):
+                          extra_meta=extra):
             out = forward(*args, **kwargs)
         state.target, state.target_index, state.draft_pass = step, state.target_index + 1, 0
         return out
