@@ -432,6 +432,13 @@ class SourceFrame:
         return f"{self.file}:{self.line}"
 
 
+def torch_relative(path: str) -> str | None:
+    """``path`` (a source file, as a frame names it) relative to torch's package folder (``_dynamo/utils.py``), links
+    resolved; None for a file outside torch."""
+    real, root = os.path.realpath(path), os.path.realpath(_TORCH_DIR) + os.sep
+    return real[len(root):] if real.startswith(root) else None
+
+
 def _internal(path: str) -> bool:
     return path.startswith(_TORCH_DIR) or (path.startswith(_PACKAGE_DIR) and not path.startswith(_MODELS_DIR))
 

@@ -105,8 +105,7 @@ def _register_exporting() -> bool:
     if original is None:
         return False
     _exporting_done.append(True)
-    frontend = types.FunctionType(original.__code__, original.__globals__, original.__name__,
-                                  original.__defaults__, original.__closure__)
+    frontend = _copy_of(original)
 
     def is_torchdynamo_exporting() -> bool:
         if _pads_now():
@@ -137,12 +136,7 @@ def _register() -> bool:
     except (ImportError, AttributeError):
         log.debug("torch has no associative_scan: Mamba (v1) scans trace as torch decides")
         return False
-    # The substitute calls a copy of the original (same code, another function object): calling the original
-    # itself from inside the substitute would be substituted again.
-    frontend = types.FunctionType(original.__code__, original.__globals__, original.__name__,
-                                  original.__defaults__, original.__closure__)
-    frontend.__kwdefaults__ = original.__kwdefaults__
-
+    frontend = _copy_of(original)
     cuda_only = _refuses_pointwise_off_cuda(original.__code__)
 
     def associative_scan(combine_fn, xs, dim, reverse=False, combine_mode="pointwise"):
@@ -158,6 +152,14 @@ def _register() -> bool:
         log.debug("not substituting torch's associative_scan under Dynamo: %s", exc)
         return False
     return True
+
+
+def _copy_of(fn: types.FunctionType) -> types.FunctionType:
+    """Another function object with ``fn``'s code, defaults and closure: what a substitute calls, since calling
+    ``fn`` itself from inside its substitute would be substituted again."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
 
 
 def _refuses_pointwise_off_cuda(code: types.CodeType) -> bool:
@@ -194,7 +196,7 @@ def _one_scan_op(combine_fn: Any, xs: Any, dim: int, reverse: bool) -> Any:
 # the frame being compiled and the caller's source, does not change for that frame.
 @torch._dynamo.assume_constant_result
 def _one_op_wanted() -> bool:
-    return _pads_to_buckets(_current_backend()) and _caller_is_proven()
+    return _pads_now() and _caller_is_proven()
 
 
 def _current_backend() -> Any:

@@ -241,3 +241,13 @@ def test_node_order_and_graphpass_nodes():
     order = node_order(g)
     assert order[x] < order[enter] < order[y]
     assert is_graphpass_node(enter) and not is_graphpass_node(y)
+
+
+def test_torch_relative_names_a_file_inside_torch_and_nothing_outside():
+    import os
+
+    from graphpass.fx_utils import torch_relative
+
+    assert torch_relative(torch._dynamo.utils.__file__) == os.path.join("_dynamo", "utils.py")
+    assert torch_relative(__file__) is None
+    assert torch_relative(os.path.dirname(torch.__file__) + "-other/x.py") is None  # a sibling folder's name prefix

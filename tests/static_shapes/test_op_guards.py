@@ -18,7 +18,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeGuard
 
 from graphpass.fx_utils import example_of
 from graphpass.static_shapes.padding_proof.conditions import GuardBuckets
-from graphpass.static_shapes.padding_proof.op_guards import recorded_inside_an_op, replay_differs
+from graphpass.static_shapes.padding_proof.op_guards import _Replay, recorded_inside_an_op, replay_differs
 from graphpass.static_shapes.padding_proof.result import PaddingProof
 from graphpass.tensor_utils import shape_env_of
 
@@ -197,17 +197,6 @@ def test_a_python_branch_on_the_length_still_invalidates_the_bucket():
 # --------------------------------------------------------------------------------- a fuzzer
 
 
-class _Recorder(torch.fx.Interpreter):
-    def __init__(self, gm):
-        super().__init__(gm, garbage_collect_values=False)
-        self.values = {}
-
-    def run_node(self, n):
-        out = super().run_node(n)
-        self.values[n] = out
-        return out
-
-
 _STEPS = ["flat", "merge_last", "merge_first", "transpose", "contiguous", "scale", "write", "write_scaled"]
 
 
@@ -263,19 +252,19 @@ def test_fuzz_the_replay_agrees_with_the_real_run_at_each_bucket():
             if bucket < n:
                 continue
             why = replay_differs(gm, env, {s}, bucket)
-            rec = _Recorder(gm)
+            rec = _Replay(gm)  # here on real tensors
             x = torch.randn(2, bucket, 4)
             args = [bucket if str(example_of(p)) == s else (x if isinstance(example_of(p), torch.Tensor)
                                                             else int(example_of(p).node.hint))
                     for p in gm.graph.nodes if p.op == "placeholder"]
             with torch.no_grad():
                 rec.run(*args)
-            flips = [node.name for node in rec.values
+            flips = [node.name for node in rec.results
                      if node.op in ("call_function", "call_method") and node.args
-                     and isinstance(node.args[0], torch.fx.Node) and isinstance(rec.values[node], torch.Tensor)
+                     and isinstance(node.args[0], torch.fx.Node) and isinstance(rec.results[node], torch.Tensor)
                      and isinstance(example_of(node), torch.Tensor)
                      and (storage_key(example_of(node)) == storage_key(example_of(node.args[0])))
-                     != (storage_key(rec.values[node]) == storage_key(rec.values[node.args[0]]))]
+                     != (storage_key(rec.results[node]) == storage_key(rec.results[node.args[0]]))]
             writes = any(st.startswith("write") for st in steps)
             if why is None:
                 checked += 1

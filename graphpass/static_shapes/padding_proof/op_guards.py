@@ -37,14 +37,14 @@ from typing import Any, Mapping
 import sympy
 import torch
 
-from ...fx_utils import example_of, mentions_symbol, op_name, shape_env_hints, storage_key, writes_into
+from ...fx_utils import (example_of, mentions_symbol, op_name, shape_env_hints, storage_key, torch_relative,
+                         writes_into)
 from ...tensor_utils import static_fake_mode
 
 __all__ = ["recorded_inside_an_op", "replay_differs"]
 
 log = logging.getLogger("graphpass.static_shapes.padding_proof")
 
-_TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
 _RUN_NODE = (os.path.join("_dynamo", "utils.py"), frozenset({"run_node", "get_fake_value"}))
 # torch's code that computes an op's result on fake tensors (reached from ``run_node``; Dynamo does not trace into it)
 _META_CODE = tuple(os.path.join(*p.split("/")) for p in (
@@ -60,12 +60,11 @@ def recorded_inside_an_op(guard: Any) -> bool:
     frame = getattr(sloc, "framework_loc", None)
     if not isinstance(frame, traceback.FrameSummary):
         return False
-    path = os.path.realpath(frame.filename)
-    if not path.startswith(_TORCH_DIR):
+    inner = torch_relative(frame.filename)
+    if inner is None:
         return False
     if getattr(sloc, "maybe_user_loc", None) is None:
         return True
-    inner = path[len(_TORCH_DIR):]
     return (inner == _RUN_NODE[0] and frame.name in _RUN_NODE[1]) or inner.startswith(_META_CODE)
 
 
