@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from graphpass.capturing import compare  # noqa: E402
 from graphpass.cli import main  # noqa: E402
 
-from vllm_serving import MAX_NEW_TOKENS, PROMPTS, TP2_ENV, serve, write_tiny_llama  # noqa: E402
+from vllm_serving import MAX_NEW_TOKENS, PROMPTS, TP2_ENV, reference_run, serve, write_tiny_llama  # noqa: E402
 
 ENGINE_MODULES = ["model.layers.0", "model.layers.1", "model.layers.0.self_attn.qkv_proj",
                   "model.layers.0.mlp.gate_up_proj"]
@@ -38,11 +38,7 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama, tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    (out / "prompts.json").write_text(json.dumps(PROMPTS))
-    assert main(["reference", str(tiny_llama), "--prompts", str(out / "prompts.json"), "--max-new-tokens",
-                 str(MAX_NEW_TOKENS), "--modules", *REF_MODULES, "--out", str(out / "ref")]) == 0
-    return out / "ref"
+    return reference_run(tiny_llama, tmp_path_factory.mktemp("reference"), PROMPTS, MAX_NEW_TOKENS, REF_MODULES)
 
 
 def _serve(model, out, profile_dir=None, draft=None, llm_kwargs=None, env=None):

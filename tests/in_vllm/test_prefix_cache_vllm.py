@@ -14,9 +14,8 @@ import pytest
 pytest.importorskip("vllm.config")  # vLLM itself, not a folder named vllm on sys.path
 
 from graphpass.capturing import compare  # noqa: E402
-from graphpass.cli import main  # noqa: E402
 
-from vllm_serving import MAX_NEW_TOKENS, serve, write_tiny_llama  # noqa: E402
+from vllm_serving import MAX_NEW_TOKENS, reference_run, serve, write_tiny_llama  # noqa: E402
 
 MODULES = ["model.layers.0", "model.layers.1"]
 SHARED = list(range(1, 129))  # 128 tokens: a whole block of vLLM's CPU engine (block_size 128 by default)
@@ -39,11 +38,7 @@ def served(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama, tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    (out / "prompts.json").write_text(json.dumps(PROMPTS))
-    assert main(["reference", str(tiny_llama), "--prompts", str(out / "prompts.json"), "--max-new-tokens",
-                 str(MAX_NEW_TOKENS), "--modules", *MODULES, "--out", str(out / "ref")]) == 0
-    return out / "ref"
+    return reference_run(tiny_llama, tmp_path_factory.mktemp("reference"), PROMPTS, MAX_NEW_TOKENS, MODULES)
 
 
 def _metas(caps):

@@ -27,9 +27,8 @@ pytest.importorskip("vllm.config")  # vLLM itself, not a folder named vllm on sy
 from safetensors.torch import load_file  # noqa: E402
 
 from graphpass.capturing import compare  # noqa: E402
-from graphpass.cli import main  # noqa: E402
 
-from vllm_serving import HERE, write_tiny_llama  # noqa: E402
+from vllm_serving import HERE, reference_run, write_tiny_llama  # noqa: E402
 
 MODULES = ["model.layers.0", "model.layers.1"]
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
@@ -50,11 +49,7 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama, tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    (out / "prompts.json").write_text(json.dumps(PROMPTS))
-    assert main(["reference", str(tiny_llama), "--prompts", str(out / "prompts.json"), "--max-new-tokens",
-                 str(LONG), "--modules", *MODULES, "--out", str(out / "ref")]) == 0
-    return out / "ref"
+    return reference_run(tiny_llama, tmp_path_factory.mktemp("reference"), PROMPTS, LONG, MODULES)
 
 
 def _spec(model, out, capture_dir, max_new_tokens, **more):

@@ -39,6 +39,17 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def reference_run(model: Path, out: Path, prompts: list, max_new_tokens: int, modules: list[str]) -> Path:
+    """``graphpass reference`` of ``model`` (transformers, no vLLM) for ``prompts`` into ``out / "ref"``: the
+    reference a compare across engines reads."""
+    from graphpass.cli import main
+
+    (out / "prompts.json").write_text(json.dumps(prompts))
+    assert main(["reference", str(model), "--prompts", str(out / "prompts.json"), "--max-new-tokens",
+                 str(max_new_tokens), "--modules", *modules, "--out", str(out / "ref")]) == 0
+    return out / "ref"
+
+
 def serve(model: Path, out: Path, settings: dict, prompts=PROMPTS, max_new_tokens=MAX_NEW_TOKENS,
           timeout: int = 1200, profile_dir: Path | None = None, llm_kwargs: dict | None = None,
           env: dict | None = None, rounds: list | None = None) -> dict:
