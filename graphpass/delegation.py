@@ -19,7 +19,6 @@ two of them runs forward: the split can never make a cycle.
 
 from __future__ import annotations
 
-import copy
 import logging
 import operator
 from collections import Counter
@@ -28,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx.passes.split_module import split_module
 
-from graphpass.backends import Delegate, InductorDelegate
+from graphpass.backends import Delegate
 
 from .errors import DelegateError, GraphpassError, _short
 from .fx_utils import aten_decomposition, copy_graph, example_of, find_calls, graphpass_op_name, is_custom_op, is_graphpass_node
@@ -171,7 +170,7 @@ def call_delegate(delegate: Delegate, gm: torch.fx.GraphModule, example_inputs: 
     backend failure, naming graphpass instead of the delegate)."""
     scans_off_gpu_as_generic(gm, example_inputs)
     try:
-        fn = with_post_grad_passes(delegate).compile(gm, example_inputs)
+        fn = delegate.compile(gm, example_inputs)
     except (GraphpassError, *_dynamo_fallbacks()):
         raise
     except Exception as err:
@@ -222,19 +221,6 @@ def generic_associative_scan(combine_fn: Callable, xs: list, additional_inputs: 
     return associative_scan_op_dense(combine_fn, xs, additional_inputs)
 
 
-def with_post_grad_passes(delegate: Delegate) -> Delegate:
-    """The inductor delegate that installs graphpass's aten-level passes (``POST_GRAD_PASSES``,
-    declared beside ``PIPELINE``) for graphs holding graphpass ops; a copy, the caller's object is
-    left as it is. Other delegates, and an inductor delegate given its own, are returned unchanged."""
-    if not isinstance(delegate, InductorDelegate) or delegate.post_grad is not None:
-        return delegate
-    from .pipeline import inductor_post_grad_pass
-
-    delegate = copy.copy(delegate)
-    delegate.post_grad = inductor_post_grad_pass
-    return delegate
-
-
 def _dynamo_fallbacks() -> tuple[type, ...]:
     """The exceptions Dynamo takes, from a backend, as "run this frame eagerly" instead of an error."""
     try:
@@ -265,3 +251,17 @@ def refuse_eager_fallback(gm: torch.fx.GraphModule, delegate: Delegate, err: Bas
         "captures write nothing), so graphpass refuses it. then='eager' runs the rewritten graph without "
         "compiling it; otherwise remove the op at fault (a data-dependent size or value) from the model's "
         "forward, or report it if the traceback ends in graphpass's own ops") from err
+
+
+def __getattr__(name: str) -> Any:
+    """``with_post_grad_passes``, deprecated here: it moved to :mod:`graphpass.pipeline`, where the post-grad passes
+    are declared (the backend installs them in the inductor delegate before handing it down)."""
+    if name == "with_post_grad_passes":
+        import warnings
+
+        from .pipeline import with_post_grad_passes  # the documented upward import (docs/architecture.md, Layers)
+
+        warnings.warn("graphpass.delegation.with_post_grad_passes moved to graphpass.pipeline.with_post_grad_passes",
+                      DeprecationWarning, stacklevel=2)
+        return with_post_grad_passes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

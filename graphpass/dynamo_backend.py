@@ -16,7 +16,7 @@ import torch
 from .analysis import GraphAnalysis
 from .config import GraphpassConfig
 from .errors import GraphpassError, surface
-from .pipeline import PIPELINE, run_pipeline
+from .pipeline import PIPELINE, run_pipeline, with_post_grad_passes
 from .roots import dynamo_roots
 from .static_shapes.scan_trace import install as install_scan_trace
 
@@ -106,7 +106,9 @@ class GraphpassBackend:
 
         from .capturing import note_traced
 
+        # the inductor delegate gets the pipeline's aten-level passes here, at the top: delegation never imports them
         delegate = resolve_delegate(config.then, mode=config.mode, options=config.delegate_options)
+        delegate = with_post_grad_passes(delegate)
         ctx, record = self.transform(gm, example_inputs, config)
         for model in ctx.roots.whole_models():
             note_traced(model)

@@ -11,6 +11,7 @@ __all__ = [
     "PatternMatchError",
     "DelegateError",
     "DelegateUnavailableError",
+    "DelegateRegistrationError",
     "OwnershipError",
     "CaptureError",
     "OffloadError",
@@ -48,6 +49,11 @@ class DelegateError(GraphpassError):
 
 class DelegateUnavailableError(DelegateError):
     """The delegate exists as an adapter but what it needs is not installed."""
+
+
+class DelegateRegistrationError(DelegateError, ValueError):
+    """A delegate cannot be added to the delegate table (``graphpass.backends.register_delegate``): its name
+    is taken or reserved, or its entry is malformed (a factory that is not callable, flags that are not bool)."""
 
 
 class OwnershipError(GraphpassError):

@@ -10,14 +10,79 @@ module it reaches and that module's FQN in the whole model, by object identity: 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .analysis import ParsedSource, parse_source_name
 from .torch_compat import source_name
+
+# --------------------------------------------------------------------------------------------
+# Names: Dynamo source strings -> the path below their root (analysis.py re-exports them)
+# --------------------------------------------------------------------------------------------
+
+_ROOT = re.compile(r"^(?:L|G)\[(?:'([^']*)'|\"([^\"]*)\")\]")
+_TOKEN = re.compile(r"\.([A-Za-z0-9_]+)|\[(?:'([^']*)'|\"([^\"]*)\"|(-?\d+))\]")
+_CONTAINERS = {"_modules": "module", "_parameters": "parameter", "_buffers": "buffer"}
+
+
+@dataclass(frozen=True)
+class ParsedSource:
+    root: str  # the local or global the path starts from ("self", "model", "x", ...)
+    is_global: bool
+    path: tuple[str, ...]  # attribute / key path below the root, containers removed
+    kind: str  # "parameter" | "buffer" | "inner" | "attribute" | "input"
+    parent: tuple[str, ...] | None  # for "inner": the path of the parameter/buffer it hangs off
+
+    @property
+    def fqn(self) -> str:
+        return ".".join(self.path)
+
+
+def parse_source_name(name: str) -> ParsedSource | None:
+    """Parse a Dynamo source name such as ``L['self']._modules['layers']._modules['0']._parameters['w'].scale``."""
+    m = _ROOT.match(name)
+    if not m:
+        return None
+    root = m.group(1) if m.group(1) is not None else m.group(2)
+    pos = m.end()
+    path: list[str] = []
+    kind = "attribute"
+    parent: tuple[str, ...] | None = None
+    pending: str | None = None
+    via_dict = False  # the previous token was ``.__dict__``: its key is an attribute or a container
+    while pos < len(name):
+        t = _TOKEN.match(name, pos)
+        if not t:
+            return None  # a source shape we do not understand (calls, slices, ...)
+        pos = t.end()
+        attr = t.group(1)
+        key = next((g for g in t.groups()[1:] if g is not None), None)
+        if attr == "__dict__" and pending is None:
+            # ``self.__dict__['_modules']['blocks']``: Dynamo's source when a class defines
+            # ``__getattr__`` (diffusers' ModelMixin); the same module as ``self._modules['blocks']``
+            via_dict = True
+            continue
+        container = attr if attr is not None else (key if via_dict else None)
+        via_dict = False
+        if container is not None and container in _CONTAINERS and pending is None:
+            pending = _CONTAINERS[container]
+            continue
+        part = attr if attr is not None else key
+        if pending in ("parameter", "buffer"):
+            kind = pending
+        elif kind in ("parameter", "buffer", "inner"):
+            if kind != "inner":
+                parent = tuple(path)
+            kind = "inner"
+        pending = None
+        path.append(part)
+    if not path:
+        kind = "input"
+    return ParsedSource(root=root, is_global=name.startswith("G"), path=tuple(path), kind=kind, parent=parent)
+
 
 RootKey = tuple[str, tuple[str, ...]]  # (local or global name, path from it to the module)
 

@@ -15,13 +15,22 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .atomic_files import write_bytes_atomic
-from .trace_events import CALL, EVICT, LOAD, TRAP, WAIT, TraceError
+from .trace_events import CALL, EVICT, LOAD, TRAP, WAIT, Span, TraceError
 
-if TYPE_CHECKING:
-    from .tracing import TraceReport
+
+class PlottedReport(Protocol):
+    """What the plot reads of a :class:`graphpass.tracing.TraceReport` (which calls this module to draw
+    itself: the plot names its needs here instead of importing it back)."""
+
+    spans: list[Span]
+    title: str
+
+    def of(self, cat: str) -> list[Span]: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 DPI = 100
 TRAP_COLORS = ("#4c78a8", "#72b7b2")
@@ -35,7 +44,7 @@ def load_pyplot() -> Any:
     return load("the trace timeline (plot=... / --plot)")
 
 
-def _tracks(report: TraceReport) -> list[tuple[str, list]]:
+def _tracks(report: PlottedReport) -> list[tuple[str, list]]:
     """``[(track name, [(span, color), ...]), ...]`` top to bottom."""
     tracks: dict[str, list] = {}
     several = len({(s.cat == LOAD, s.tid) for s in report.spans}) > 2  # name the threads only then
@@ -51,7 +60,7 @@ def _tracks(report: TraceReport) -> list[tuple[str, list]]:
     return [(name, sorted(tracks[name], key=lambda p: p[0].t0)) for name in order]
 
 
-def _draw(ax: Any, report: TraceReport, origin: float, px_per_ms: float) -> None:
+def _draw(ax: Any, report: PlottedReport, origin: float, px_per_ms: float) -> None:
     tracks = _tracks(report)
     for s in report.of(CALL):  # the calls as a light background
         ax.axvspan((s.t0 - origin) * 1e3, (s.t1 - origin) * 1e3, color=COLORS[CALL], alpha=0.35, lw=0)
@@ -74,7 +83,7 @@ def _draw(ax: Any, report: TraceReport, origin: float, px_per_ms: float) -> None
     ax.grid(axis="x", alpha=0.3)
 
 
-def render_png(report: TraceReport, size: tuple[int, int] = (1200, 360), dpi: int = DPI) -> bytes:
+def render_png(report: PlottedReport, size: tuple[int, int] = (1200, 360), dpi: int = DPI) -> bytes:
     """The timeline as PNG bytes of exactly ``size`` = (width, height) pixels."""
     plt = load_pyplot()
     from matplotlib.patches import Patch
@@ -103,7 +112,7 @@ def render_png(report: TraceReport, size: tuple[int, int] = (1200, 360), dpi: in
     return buf.getvalue()
 
 
-def write_png(report: TraceReport, path: Path, size: tuple[int, int] = (1200, 360)) -> Path:
+def write_png(report: PlottedReport, path: Path, size: tuple[int, int] = (1200, 360)) -> Path:
     """Write :func:`render_png` to ``path`` atomically; returns the path."""
     data = render_png(report, size)
     try:

@@ -129,7 +129,7 @@ def test_no_pass_lints_or_recompiles_by_hand():
 
 
 def test_post_grad_passes_are_declared_in_the_pipeline_and_installed_from_there(monkeypatch):
-    """The inductor delegate gets its post-grad pass from pipeline.py, through call_delegate (only for graphs with loads)."""
+    """The inductor delegate gets its post-grad pass from pipeline.py, through the backend (only for graphs with loads)."""
     assert [type(p).__name__ for p in POST_GRAD_PASSES] == ["PinBackwardLoads"]
     assert inductor_post_grad_pass(_gm()) is None
     import graphpass.backends as backends
@@ -147,7 +147,7 @@ def test_post_grad_passes_are_declared_in_the_pipeline_and_installed_from_there(
 
     with torch.no_grad():
         torch.compile(model, backend=graphpass.backend(then=capture_graph))(torch.randn(2, 8))
-    from graphpass.delegation import with_post_grad_passes  # what call_delegate compiles with
+    from graphpass.pipeline import with_post_grad_passes  # what the backend hands the delegate
 
     with_post_grad_passes(backends.InductorDelegate()).compile(gm_box["gm"], [])
     assert type(seen["patches"]["post_grad_custom_post_pass"]) is type(POST_GRAD_PASSES[0])

@@ -1,7 +1,8 @@
-"""The import rules of docs/architecture.md ("Packages and what each may import"), checked on the
-source: every ``import`` in ``graphpass/`` and ``backends/``, at module level and inside functions
-(lazy imports count: they run too), read with ``ast``. Imports under ``if TYPE_CHECKING:`` never run
-and are left out. ``backends`` is installed as ``graphpass.backends``; both spellings are one module.
+"""The import rules of docs/architecture.md ("Layers" and "Packages and what each may import"), checked
+on the source: every ``import`` in ``graphpass/`` and ``backends/``, at module level, inside functions
+(lazy imports count: they run too) and under ``if TYPE_CHECKING:`` (a type named across a boundary is
+a dependency in meaning: two modules that name each other's types are one module split in two), read
+with ``ast``. ``backends`` is installed as ``graphpass.backends``; both spellings are one module.
 
 An edge goes to the module named (``from pkg import name`` goes to ``pkg.name`` when that is a
 module, else to ``pkg``); the implicit import of a module's parent packages is not an edge (every
@@ -17,11 +18,37 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ALIASES = {"graphpass.backends": "backends"}
-FEATURES = ("offloading", "capturing", "static_shapes", "models", "integrations")
+FEATURES = ("offloading", "capturing", "comparing", "static_shapes", "models", "integrations")
 # modules of the top level that answer graph and config questions and hold the shared data: they
 # never import the passes or the pipeline
 SHARED = ("analysis", "fx_utils", "torch_compat", "patterns", "errors", "roots", "formatting", "atomic_files",
-          "config", "ops", "bucket_context", "dynamo_records", "trace_events", "version", "progress")
+          "config", "ops", "bucket_context", "dynamo_records", "trace_events", "version", "progress",
+          "pass_logging")
+# The layers of the package, bottom to top (docs/architecture.md, "Layers"): a module imports from its own
+# layer and the layers below. Names are modules or packages of graphpass ("__init__": the package itself)
+# and ``backends``; every module is in exactly one layer.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("foundations", ("errors", "version", "formatting", "atomic_files", "progress", "tensor_utils", "fx_utils",
+                     "torch_compat", "dynamo_records", "patterns", "roots", "bucket_context", "trace_events",
+                     "model_shape", "capture_format", "ops", "pass_logging")),
+    ("delegates", ("backends", "delegation")),
+    ("features", ("offloading", "capturing", "comparing", "static_shapes", "models")),
+    ("composition", ("config", "analysis", "op_registry")),
+    ("passes", ("passes",)),
+    ("pipeline", ("pipeline",)),
+    ("backend", ("dynamo_backend",)),
+    ("front door", ("__init__", "__main__", "cli", "explain_report", "tracing", "trace_plot", "reference", "testing",
+                    "golden", "integrations")),
+)
+# Every import that runs against LAYERS (a lower module importing a higher one), with its reason; at most
+# three, each named in docs/architecture.md ("Layers"); a new one fails
+# test_imports_against_the_layers_are_the_documented_few.
+UPWARD_IMPORTS = {
+    ("graphpass.static_shapes.padding_fuzz", "graphpass"):
+        "the padding fuzzer compiles its programs with graphpass.backend: it tests the full path a user runs",
+    ("graphpass.delegation", "graphpass.pipeline"):
+        "the deprecated alias delegation.with_post_grad_passes (moved to pipeline), for one release",
+}
 # what a pass may import from a feature package: what it inserts or looks up, and the data it fills
 PASS_FEATURE_IMPORTS = {
     "graphpass.capturing.ops", "graphpass.offloading.ops", "graphpass.offloading.runtime",
@@ -29,6 +56,7 @@ PASS_FEATURE_IMPORTS = {
     "graphpass.static_shapes.padding_proof",
     "graphpass.static_shapes.causal_functions", "graphpass.static_shapes.topk_mask",
     "graphpass.static_shapes.position_tables",
+    "graphpass.capturing.model_capture",  # CaptureSpec, the type of the specs the capture pass reads (TYPE_CHECKING)
 }
 BACKENDS_MAY_IMPORT = {"graphpass.errors", "graphpass.fx_utils", "graphpass.torch_compat"}
 
@@ -48,15 +76,6 @@ def _canonical(name: str) -> str:
         if name == alias or name.startswith(alias + "."):
             return real + name[len(alias):]
     return name
-
-
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for stmt in node.body:
-                skip.update(id(n) for n in ast.walk(stmt))
-    return skip
 
 
 def _targets(node: ast.AST, package: str, mods: dict, tops: tuple) -> list[str]:
@@ -89,15 +108,14 @@ def _nearest(name: str, mods: dict) -> str | None:
 
 
 def import_graph(root: Path = ROOT, tops=("graphpass", "backends")) -> dict[str, set[str]]:
-    """Module -> the modules of ours it imports (module level and inside functions)."""
+    """Module -> the modules of ours it imports (module level, inside functions, under TYPE_CHECKING)."""
     mods = _modules(root, tops)
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for name, (path, is_pkg) in mods.items():
         tree = ast.parse(path.read_text(), str(path))
         package = name if is_pkg else name.rpartition(".")[0]
-        skip = _type_checking_nodes(tree)
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skip:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
                 graph[name].update(_targets(node, package, mods, tops))
         graph[name].discard(name)
     return graph
@@ -165,6 +183,24 @@ def _area(module: str) -> str:
     return parts[1] if len(parts) > 1 and (parts[1] in FEATURES or parts[1] == "passes") else "top"
 
 
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of ``module``'s layer (None: in no layer)."""
+    if module.split(".")[0] == "backends":
+        rel = module
+    else:
+        rel = "__init__" if module == "graphpass" else module.removeprefix("graphpass.")
+    for i, (_, names) in enumerate(LAYERS):
+        if any(rel == n or rel.startswith(n + ".") for n in names):
+            return i
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The imports against LAYERS: (importer, imported) where the imported module's layer is higher."""
+    return sorted((m, t) for m, ts in graph.items() for t in ts
+                  if layer_of(m) is not None and layer_of(t) is not None and layer_of(t) > layer_of(m))
+
+
 def _describe(found: list[tuple[list[str], list[str]]]) -> str:
     return "\n".join(f"{len(members)} modules ({', '.join(members)}); one cycle: " + " -> ".join(cycle)
                      for members, cycle in found)
@@ -209,9 +245,43 @@ def test_backends_import_only_errors_and_the_toolkit(graph):
     assert not bad, bad
 
 
-def test_the_scan_finds_circles_lazy_imports_included_and_type_checking_left_out(tmp_path):
-    """The checks above can fail: a fake package with one circle through a function-level import,
-    one through ``from . import name`` and a TYPE_CHECKING import that must not count."""
+def test_every_module_sits_in_one_layer(graph):
+    unplaced = sorted(m for m in graph if layer_of(m) is None)
+    assert not unplaced, f"modules in no layer of LAYERS (place each, docs/architecture.md 'Layers'): {unplaced}"
+    names = [n for _, ns in LAYERS for n in ns]
+    assert len(names) == len(set(names)), "a name in two layers"
+
+
+def test_the_backend_is_above_every_feature(graph):
+    """No feature package imports the backend, the pipeline or the passes: the backend runs the features."""
+    features = LAYERS[[name for name, _ in LAYERS].index("features")][1]
+    top = ("graphpass.dynamo_backend", "graphpass.pipeline", "graphpass.passes")
+    bad = [(m, t) for m, ts in graph.items() if _area(m) in features for t in ts
+           if any(t == x or t.startswith(x + ".") for x in top)]
+    assert not bad, bad
+
+
+def test_imports_against_the_layers_are_the_documented_few(graph):
+    """At most three imports run against LAYERS, each in UPWARD_IMPORTS with its reason and named in
+    docs/architecture.md; the list is exact (an entry whose import is gone fails too)."""
+    found = upward_imports(graph)
+    print(f"imports against the layers: {len(found)}")
+    assert len(UPWARD_IMPORTS) <= 3
+    assert set(found) == set(UPWARD_IMPORTS), (
+        "imports against the layers not in UPWARD_IMPORTS (move the code to its layer): "
+        f"{sorted(set(found) - set(UPWARD_IMPORTS))}; listed but gone: {sorted(set(UPWARD_IMPORTS) - set(found))}")
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    for importer, imported in UPWARD_IMPORTS:
+        short = [name.removeprefix("graphpass.") or "graphpass" for name in (importer, imported)]
+        assert f"`{short[0]}` -> `{short[1]}`" in doc, f"docs/architecture.md does not name {short[0]} -> {short[1]}"
+    layers = doc[doc.index("## Layers"):]
+    for name, _ in LAYERS:
+        assert f"**{name}**" in layers, f"docs/architecture.md 'Layers' does not describe the layer {name!r}"
+
+
+def test_the_scan_finds_circles_lazy_and_type_checking_imports_included(tmp_path):
+    """The checks above can fail: a fake package with one circle through a function-level import and
+    ``from . import name``, and one through a TYPE_CHECKING import, which counts too."""
     pkg = tmp_path / "graphpass"
     (pkg / "feat").mkdir(parents=True)
     (tmp_path / "backends").mkdir()
@@ -225,4 +295,15 @@ def test_the_scan_finds_circles_lazy_imports_included_and_type_checking_left_out
     (pkg / "feat" / "y.py").write_text("from .x import z\n")
     found = circles(import_graph(tmp_path))
     assert found == [(["graphpass.a", "graphpass.b", "graphpass.c"],
-                      ["graphpass.a", "graphpass.b", "graphpass.c", "graphpass.a"])], _describe(found)
+                      ["graphpass.a", "graphpass.b", "graphpass.c", "graphpass.a"]),
+                     (["graphpass.feat.x", "graphpass.feat.y"],
+                      ["graphpass.feat.x", "graphpass.feat.y", "graphpass.feat.x"])], _describe(found)
+
+
+def test_the_layer_check_finds_an_import_from_above():
+    """A feature's lazy import of the backend, and a TYPE_CHECKING import of the pipeline, are both upward."""
+    graph = {"graphpass.static_shapes.plan": {"graphpass.dynamo_backend", "graphpass.errors"},
+             "graphpass.roots": {"graphpass.pipeline"}, "graphpass.dynamo_backend": {"graphpass.static_shapes.plan"},
+             "graphpass.errors": set(), "graphpass.pipeline": set()}
+    assert upward_imports(graph) == [("graphpass.roots", "graphpass.pipeline"),
+                                     ("graphpass.static_shapes.plan", "graphpass.dynamo_backend")]
