@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from graphpass.capturing import CompareError, compare
-from graphpass.capturing.engine_families import (Family, FamilyRegistry, ModelShape, RebuildError, rebuild_llama)
+from graphpass.comparing import CompareError, compare
+from graphpass.comparing.engine_families import (Family, FamilyRegistry, ModelShape, RebuildError, rebuild_llama)
 from graphpass.cli import main
 from graphpass.errors import ConfigError
 

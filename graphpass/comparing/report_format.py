@@ -1,5 +1,5 @@
 """How a compare report is written as text: the table's headers, numbers, and file names made
-printable. A leaf of ``capturing`` (no import of the report), shared by the report
+printable. A leaf of ``comparing`` (no import of the report), shared by the report
 (:mod:`compare_report`) and its plots and HTML page (:mod:`plots`)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A capture directory (written by ``CaptureWriter``) looks like::
     capture_dir/[subdirectory/]dp{d}/{step}/{module}/rank{r}.safetensors
 
 ``compare(ref_dir, test_dir)`` walks every step of both trees (steps in execution order: by the
-meta's ``step_index``, :func:`graphpass.capturing.completeness.execution_order`; modules in the
+meta's ``step_index``, :func:`graphpass.comparing.completeness.execution_order`; modules in the
 order of the ref meta's ``"modules"``), compares every tensor of every rank file in float64 (in
 chunks of at most ``CHUNK_ELEMS`` elements read from the memory-mapped files, so memory stays a
 small multiple of one chunk; integer and bool tensors exactly) and returns a
@@ -14,13 +14,13 @@ small multiple of one chunk; integer and bool tensors exactly) and returns a
 mismatched files never raise: each becomes a ``FAIL`` row with a note, and so does a module
 folder or file in a step that the step's meta file does not list (left over from another run).
 Every step, module, rank and key of either side must be in the other (the completeness contract,
-:mod:`graphpass.capturing.completeness`): what is absent is a ``FAIL`` row naming it, whose
+:mod:`graphpass.comparing.completeness`): what is absent is a ``FAIL`` row naming it, whose
 ``missing`` says on which side. Temporary files an interrupted capture
 left behind (``.graphpass-*.tmp`` files, and folders: a step being written) are never read
 (:func:`graphpass.atomic_files.is_temp_name`): a note lists them. Only bad arguments raise :class:`CompareError`.
 Tensors are taken in output order (the meta's key order). A module the two runs hold in different
 pieces (other tensor-parallel ranks or shards, per each rank's meta file) is compared against the
-reference's assembled global tensor, rank by rank (:mod:`graphpass.capturing.shards`); either side
+reference's assembled global tensor, rank by rank (:mod:`graphpass.comparing.shards`); either side
 may be several roots (one run's ranks written on several hosts).
 Notes that name two values give the ref value first: ``shape mismatch [ref] vs [test]``,
 ``dtype <ref> vs <test>``.
@@ -38,12 +38,12 @@ from typing import Any
 
 from .. import progress
 from ..atomic_files import is_temp_name
+from ..capture_format import GLOBAL_OFFSET, GLOBAL_SHAPE, meta_file_rank
 from .compare_report import FAIL, MISSING_SIDES, PASS, CompareError, CompareReport, CompareRow  # noqa: F401 (re-exported)
 from .compare_tensors import CHUNK_ELEMS, LazyTensor, compare_tensors, open_safetensors  # noqa: F401
 from .report_format import HEADERS, printable  # noqa: F401 (re-exported)
 from .completeness import (StepScan, check_one_run, execution_order, find_steps, fmt_ranks, natural, run_ranks,
                            tree_of)
-from .writer import meta_file_rank
 
 __all__ = ["CompareError", "CompareRow", "CompareReport", "compare"]
 
@@ -59,12 +59,12 @@ def compare(ref_dir: "str | os.PathLike[str] | list", test_dir: "str | os.PathLi
     and the other lacks is a ``FAIL`` row naming it (``CompareRow.missing``). Either side may be a
     list of roots: the captures one run's ranks wrote on several hosts, read as one tree (``ref_dir``
     / ``test_dir`` of the report join them with ``os.pathsep``). A module the two runs hold in different pieces (other ranks, other shards) is
-    compared against the reference's assembled global tensor (:mod:`graphpass.capturing.shards`).
+    compared against the reference's assembled global tensor (:mod:`graphpass.comparing.shards`).
     Captures of two engines (the metas' ``engine``: a vLLM run against a ``graphpass reference``
     run) are aligned by request and token position instead, the engine's modules rebuilt in
     transformers' terms by their model family (``families``: a
-    :class:`~graphpass.capturing.engine_families.FamilyRegistry`, default the registered ones):
-    :mod:`graphpass.capturing.compare_engines`.
+    :class:`~graphpass.comparing.engine_families.FamilyRegistry`, default the registered ones):
+    :mod:`graphpass.comparing.compare_engines`.
     Raises :class:`CompareError` only for bad arguments.
     """
     rtol, atol = _check_tol("rtol", rtol), _check_tol("atol", atol)
@@ -257,7 +257,7 @@ def _resharded(files: tuple[dict, dict], want: tuple[set, set], layouts: tuple[d
         return True
 
     def pieces(layout: dict) -> dict:
-        return {r: {k: (e["global_shape"], e.get("global_offset")) for k, e in keys.items() if e.get("global_shape")}
+        return {r: {k: (e[GLOBAL_SHAPE], e.get(GLOBAL_OFFSET)) for k, e in keys.items() if e.get(GLOBAL_SHAPE)}
                 for r, keys in layout.items()}
 
     return pieces(ref_layout) != pieces(test_layout)
@@ -265,7 +265,7 @@ def _resharded(files: tuple[dict, dict], want: tuple[set, set], layouts: tuple[d
 
 def _compare_module(report: CompareReport, rel: str, module: str, ref: StepScan, test: StepScan) -> None:
     """Rows for one module both steps hold: rank against rank, or across shardings
-    (:mod:`graphpass.capturing.shards`) when the two runs hold it in different pieces. Every rank
+    (:mod:`graphpass.comparing.shards`) when the two runs hold it in different pieces. Every rank
     a side must hold (:meth:`StepScan.expected_ranks`) that has no file is a row."""
     files = (ref.files[module], test.files[module])
     want = (ref.expected_ranks(module), test.expected_ranks(module))

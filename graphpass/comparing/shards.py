@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from ..atomic_files import is_temp_name
+from ..capture_format import GLOBAL_OFFSET, GLOBAL_SHAPE, PLACEMENTS
 from .compare_report import FAIL, CompareError, CompareReport, CompareRow
 from .compare_tensors import LazyTensor, compare_tensors, open_safetensors
 from .completeness import fmt_ranks, natural
@@ -109,7 +110,7 @@ def _compare_key(report: CompareReport, rel: str, module: str, key: str, handles
 def _check_test_cover(report: CompareReport, rel: str, module: str, key: str, test: dict, layout: dict) -> None:
     """A FAIL row when the test's pieces of ``key`` (if it is sharded there) do not tile its global
     shape: a piece missing (a lost rank, a host's root not passed), overlapping or misplaced."""
-    if not any(key in f.keys() and layout_entry(layout, r, key).get("global_shape") is not None
+    if not any(key in f.keys() and layout_entry(layout, r, key).get(GLOBAL_SHAPE) is not None
                for r, f in test.items()):
         return
     try:
@@ -125,7 +126,7 @@ def layout_entry(layout: dict, rank: int, key: str) -> dict:
 
 
 def _placements(entry: dict) -> str:
-    placements = entry.get("placements")
+    placements = entry.get(PLACEMENTS)
     if not placements:
         return "whole tensor"
     if not isinstance(placements, list) or not all(isinstance(p, str) for p in placements):
@@ -144,10 +145,10 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
 def _place(entry: dict, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offset, global shape) of a piece of ``shape`` with meta ``entry``; a piece without a
     layout is the whole tensor. ValueError when the layout is malformed or the piece lies outside."""
-    if entry.get("global_shape") is None:
+    if entry.get(GLOBAL_SHAPE) is None:
         return (0,) * len(shape), tuple(shape)
-    global_shape = _ints(entry["global_shape"], "global_shape")
-    offset = _ints(entry.get("global_offset"), "global_offset")
+    global_shape = _ints(entry[GLOBAL_SHAPE], "global_shape")
+    offset = _ints(entry.get(GLOBAL_OFFSET), "global_offset")
     if not len(offset) == len(shape) == len(global_shape) or any(
             o + n > g for o, n, g in zip(offset, shape, global_shape)):
         raise ValueError(f"the piece {list(shape)} at {list(offset)} lies outside the global shape "
@@ -156,7 +157,7 @@ def _place(entry: dict, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[
 
 
 def _replica(entry: dict) -> bool:
-    placements = entry.get("placements")
+    placements = entry.get(PLACEMENTS)
     return isinstance(placements, list) and any(isinstance(p, str) and p.startswith("Replicate") for p in placements)
 
 
@@ -174,13 +175,13 @@ def piece_boxes(handles: dict, layout: dict, key: str, side: str) -> tuple[tuple
     boxes, global_shape, dtypes = {}, None, set()
     for rank in sorted(handles):
         entry = layout_entry(layout, rank, key)
-        if key not in handles[rank].keys() or entry.get("global_shape") is None:
+        if key not in handles[rank].keys() or entry.get(GLOBAL_SHAPE) is None:
             continue
         sl = handles[rank].get_slice(key)
         dtypes.add(sl.get_dtype())
         shape = tuple(int(d) for d in sl.get_shape())
         offset, _ = _place(entry, shape)
-        g = _ints(entry["global_shape"], "global_shape")
+        g = _ints(entry[GLOBAL_SHAPE], "global_shape")
         if global_shape is not None and g != global_shape:
             raise ValueError(f"ranks disagree on the global shape: {list(global_shape)} and rank {rank}'s {list(g)}")
         global_shape, boxes[rank] = g, (offset, shape)
@@ -212,11 +213,11 @@ def _assemble(handles: dict, layout: dict, key: str) -> tuple[torch.Tensor, str]
     if not have:
         raise Incomplete("key missing in ref")
     entries = {r: layout_entry(layout, r, key) for r in have}
-    sharded = [r for r in have if entries[r].get("global_shape") is not None]
+    sharded = [r for r in have if entries[r].get(GLOBAL_SHAPE) is not None]
     if not sharded:
         return handles[have[0]].get_tensor(key), f"rank {have[0]}"
     for r in sharded:
-        placements = entries[r].get("placements") or []
+        placements = entries[r].get(PLACEMENTS) or []
         if not isinstance(placements, list):
             raise ValueError(f"rank {r}'s placements {placements!r} are not a list")
         if any(str(p).startswith("Partial") for p in placements):
@@ -231,9 +232,9 @@ def _assemble(handles: dict, layout: dict, key: str) -> tuple[torch.Tensor, str]
 
 def _place_key(entry: dict) -> tuple:
     try:
-        return _ints(entry.get("global_offset") or (), "global_offset")
+        return _ints(entry.get(GLOBAL_OFFSET) or (), "global_offset")
     except ValueError:
-        return ("?", repr(entry.get("global_offset")))
+        return ("?", repr(entry.get(GLOBAL_OFFSET)))
 
 
 def _check_copies(report: CompareReport, rel: str, module: str, key: str, side: str, handles: dict,

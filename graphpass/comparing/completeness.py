@@ -3,7 +3,7 @@
 The completeness contract (docs/capture.md, "What compare requires"): every step, module, rank and
 key of either run must be in the other, and every rank a run had must be in every one of its
 steps; whatever is missing is a ``FAIL`` row that names it. This module answers the questions the
-contract asks of the files; :mod:`graphpass.capturing.compare_runs` writes the rows.
+contract asks of the files; :mod:`graphpass.comparing.compare_runs` writes the rows.
 
 * :class:`StepScan` reads one side's step folder once: its meta (merged over the ranks' meta
   files, or why there is none), its module folders and each module's ``rank{r}.safetensors`` files.
@@ -26,14 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..capture_format import (DP_FOLDER, KEY, MAX_TP_SIZE, MODULES, RANK_TENSORS, RUN, STEP_INDEX, TENSORS,
+                              TP_SIZE, FormatVersionError, rank_file_rank, read_step_meta)
 from .compare_report import CompareError
-from .writer import MAX_TP_SIZE, read_step_meta
 
 __all__ = ["StepScan", "execution_order", "fmt_ranks", "run_ranks", "tree_of"]
 
-_RANK_RE = re.compile(r"rank([0-9]+)\.safetensors")  # always fullmatch
 _STEP_K_RE = re.compile(r"(prefill|decode)?.*_([0-9]+)")
-_DP_RE = re.compile(r"dp[0-9]+")
 
 
 def find_steps(root: Path) -> set[str]:
@@ -43,7 +42,7 @@ def find_steps(root: Path) -> set[str]:
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         name = here.resolve().name if here == root else here.name  # ref_dir may itself be a dp dir
-        if _DP_RE.fullmatch(name):
+        if DP_FOLDER.fullmatch(name):
             steps.update((here / d).relative_to(root).as_posix() for d in dirnames)
             dirnames[:] = []  # a dp directory's children are steps: do not descend further
     return steps
@@ -56,7 +55,7 @@ def runs_of(scans: Mapping[str, "StepScan"]) -> dict[str, dict[str, int]]:
     for rel, scan in scans.items():
         if scan.meta is None:
             continue
-        run = scan.meta.get("run")
+        run = scan.meta.get(RUN)
         folder = rel.rsplit("/", 1)[0]
         counts = out.setdefault(folder, {})
         key = run if isinstance(run, str) else "?"
@@ -96,9 +95,9 @@ def rank_files(module_dir: Path) -> dict[int, Path]:
     """rank -> its ``rank{r}.safetensors`` file in ``module_dir``."""
     found = {}
     for f in module_dir.iterdir():
-        m = _RANK_RE.fullmatch(f.name)
-        if m and f.is_file():
-            found[int(m.group(1))] = f
+        rank = rank_file_rank(f.name)
+        if rank is not None and f.is_file():
+            found[rank] = f
     return found
 
 
@@ -116,9 +115,11 @@ class StepScan:
         scan = cls(step_dir)
         try:
             meta = read_step_meta(step_dir)
-            if not all(isinstance(m, str) for m in meta["modules"]):
+            if not all(isinstance(m, str) for m in meta[MODULES]):
                 raise ValueError("no 'modules' list")
             scan.meta = meta
+        except FormatVersionError as exc:  # a newer graphpass's capture: refused, not read as a damaged one
+            raise CompareError(str(exc)) from None
         except FileNotFoundError:
             scan.meta_problem = "no meta file"
         except (OSError, ValueError) as exc:
@@ -131,10 +132,10 @@ class StepScan:
     @property
     def listed(self) -> list[str] | None:
         """The modules the meta lists (execution order), None without a readable meta."""
-        return None if self.meta is None else list(dict.fromkeys(self.meta["modules"]))
+        return None if self.meta is None else list(dict.fromkeys(self.meta[MODULES]))
 
     def _rank_tensors(self) -> dict[int, dict]:
-        per_rank = (self.meta or {}).get("rank_tensors") or {}
+        per_rank = (self.meta or {}).get(RANK_TENSORS) or {}
         return {r: docs for r, docs in per_rank.items() if isinstance(docs, dict)}
 
     @property
@@ -154,23 +155,23 @@ class StepScan:
         for r, docs in self._rank_tensors().items():
             entries = docs.get(module)
             entries = entries if isinstance(entries, list) else []
-            out[r] = {str(e["key"]): e for e in entries if isinstance(e, dict) and "key" in e}
+            out[r] = {str(e[KEY]): e for e in entries if isinstance(e, dict) and KEY in e}
         return out
 
     def key_order(self, module: str) -> list[str]:
         """``module``'s keys in the order the meta lists them (output order), or []."""
-        entries = ((self.meta or {}).get("tensors") or {}).get(module)
+        entries = ((self.meta or {}).get(TENSORS) or {}).get(module)
         if not isinstance(entries, list):
             return []
-        return [str(e["key"]) for e in entries if isinstance(e, dict) and "key" in e]
+        return [str(e[KEY]) for e in entries if isinstance(e, dict) and KEY in e]
 
     @property
     def step_index(self) -> int | None:
-        return _count((self.meta or {}).get("step_index"))
+        return _count((self.meta or {}).get(STEP_INDEX))
 
     @property
     def tp_size(self) -> int | None:
-        return _count((self.meta or {}).get("tp_size"), 1, MAX_TP_SIZE)
+        return _count((self.meta or {}).get(TP_SIZE), 1, MAX_TP_SIZE)
 
 
 def tree_of(rel: str) -> str:

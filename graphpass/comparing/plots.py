@@ -19,17 +19,57 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Sequence
 
 from ..atomic_files import write_bytes_atomic
 from ..errors import GraphpassError
 from .report_format import HEADERS, fmt_value, printable
 
-if TYPE_CHECKING:
-    from .compare_report import CompareReport, CompareRow
-
 __all__ = ["PlotUnavailableError", "plot_report", "render_png", "write_html", "html_page", "figure_pixels",
            "step_series", "read_metas"]
+
+
+# What the plots read of a report and its rows, named here so this module never imports the report
+# (compare_report imports it to draw itself).
+class RowView(Protocol):
+    """What the plots read of one row (:class:`~graphpass.comparing.compare_report.CompareRow`)."""
+
+    step: str
+    module: str
+    rank: int | None
+    key: str | None
+    status: str
+    max_abs: float | None
+    rel_l2: float | None
+    rel_linf: float | None
+    note: str
+
+    @property
+    def passed(self) -> bool: ...
+
+    def where(self) -> str: ...
+
+
+class ReportView(Protocol):
+    """What the plots read of a report (:class:`~graphpass.comparing.compare_report.CompareReport`)."""
+
+    ref_dir: str
+    test_dir: str
+    rtol: float
+    atol: float
+    notes: list[str]
+
+    @property
+    def rows(self) -> Sequence[RowView]: ...
+
+    @property
+    def first_failure(self) -> RowView | None: ...
+
+    @property
+    def passed(self) -> bool: ...
+
+    def summary_line(self) -> str: ...
+
 
 EXTRA_HINT = "pip install 'graphpass[plot]'"
 PANEL_W, PANEL_H, DPI, MAX_COLS = 6.0, 3.2, 100, 2  # inches per step panel, dots per inch, panels per row
@@ -63,10 +103,10 @@ def _worst(values: list[float | None]) -> float | None:
     return math.nan if any(math.isnan(v) for v in nums) else max(nums)
 
 
-def step_series(report: CompareReport) -> dict[str, list[dict[str, Any]]]:
+def step_series(report: ReportView) -> dict[str, list[dict[str, Any]]]:
     """Per step (execution order), per module (execution order): ``module``, ``rel_linf``, ``rel_l2``
     (worst over its ranks and keys; None when nothing was computable), ``passed`` (every row passed)."""
-    steps: dict[str, dict[str, list[CompareRow]]] = {}
+    steps: dict[str, dict[str, list[RowView]]] = {}
     for row in report.rows:
         steps.setdefault(row.step, {}).setdefault(row.module, []).append(row)
     out: dict[str, list[dict[str, Any]]] = {}
@@ -121,7 +161,7 @@ def _draw_step(ax: Any, step: str, series: list[dict[str, Any]], rtol: float, is
     ax.grid(True, which="major", axis="y", alpha=0.3)
 
 
-def render_png(report: CompareReport, dpi: int = DPI, max_steps: int = 24) -> bytes:
+def render_png(report: ReportView, dpi: int = DPI, max_steps: int = 24) -> bytes:
     """The divergence plot as PNG bytes; see :func:`plot_report`."""
     plt = load_pyplot()
     all_steps = step_series(report)
@@ -153,7 +193,7 @@ def render_png(report: CompareReport, dpi: int = DPI, max_steps: int = 24) -> by
     return buf.getvalue()
 
 
-def plot_report(report: CompareReport, path: str | os.PathLike[str], dpi: int = DPI, max_steps: int = 24) -> Path:
+def plot_report(report: ReportView, path: str | os.PathLike[str], dpi: int = DPI, max_steps: int = 24) -> Path:
     """Write the divergence plot of ``report`` to ``path`` (PNG): one panel per step (at most
     ``max_steps``, failing steps first), ``MAX_COLS`` panels per row, each ``PANEL_W`` x ``PANEL_H``
     inches at ``dpi`` (:func:`figure_pixels` gives the size). Written atomically; returns the path."""
@@ -191,7 +231,7 @@ def _esc(value: Any) -> str:
     return html.escape(printable(str(value)), quote=False)  # text nodes only, never attribute values
 
 
-def _table(report: CompareReport) -> str:
+def _table(report: ReportView) -> str:
 
     first = report.first_failure
     head = "".join(f"<th>{_esc(h)}</th>" for h in HEADERS)
@@ -204,7 +244,7 @@ def _table(report: CompareReport) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>\n" + "\n".join(body) + "\n</tbody></table>"
 
 
-def _metas_section(report: CompareReport) -> str:
+def _metas_section(report: ReportView) -> str:
     steps = list(dict.fromkeys(r.step for r in report.rows))
     parts = []
     for side, root in (("ref", report.ref_dir), ("test", report.test_dir)):
@@ -218,7 +258,7 @@ def _metas_section(report: CompareReport) -> str:
     return "\n".join(parts)
 
 
-def html_page(report: CompareReport, png: bytes | None = None) -> str:
+def html_page(report: ReportView, png: bytes | None = None) -> str:
     """One self-contained page: verdict, the plot (``png``, embedded as base64), the table, the notes
     and the meta of both runs' steps. No external resources: it opens offline."""
     first = report.first_failure
@@ -240,7 +280,7 @@ def html_page(report: CompareReport, png: bytes | None = None) -> str:
     )
 
 
-def write_html(report: CompareReport, path: str | os.PathLike[str], plot: bool = True, dpi: int = DPI) -> Path:
+def write_html(report: ReportView, path: str | os.PathLike[str], plot: bool = True, dpi: int = DPI) -> Path:
     """Write :func:`html_page` to ``path`` (atomically); ``plot=False`` leaves the plot out (and needs
     no matplotlib). Returns the path."""
     png = render_png(report, dpi=dpi) if plot else None

@@ -143,13 +143,13 @@ class CompareReport:
         return target
 
     def plot(self, path: str | os.PathLike[str], **kwargs: Any) -> Path:
-        """The divergence plot as a PNG (``graphpass.capturing.plots.plot_report``; needs ``graphpass[plot]``)."""
+        """The divergence plot as a PNG (``graphpass.comparing.plots.plot_report``; needs ``graphpass[plot]``)."""
         from .plots import plot_report
 
         return plot_report(self, path, **kwargs)
 
     def to_html(self, path: str | os.PathLike[str], **kwargs: Any) -> Path:
-        """One self-contained HTML page: table, plot, meta of both runs (``graphpass.capturing.plots.write_html``)."""
+        """One self-contained HTML page: table, plot, meta of both runs (``graphpass.comparing.plots.write_html``)."""
         from .plots import write_html
 
         return write_html(self, path, **kwargs)

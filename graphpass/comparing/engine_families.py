@@ -1,5 +1,5 @@
 """Model families for comparing an engine's captures with transformers' (``graphpass compare`` across
-engines, :mod:`graphpass.capturing.compare_engines`): how one captured module of the engine becomes
+engines, :mod:`graphpass.comparing.compare_engines`): how one captured module of the engine becomes
 transformers' module outputs.
 
 A serving engine's modules are not transformers' modules. vLLM's Llama decoder layer returns
@@ -11,7 +11,7 @@ transformers' names and keys: ``{transformers_module: {key: tensor}}``.
 
 Adding a family (docs/vllm.md, "Comparing with a reference")::
 
-    from graphpass.capturing.engine_families import Family, register_family, rebuild_llama
+    from graphpass.comparing.engine_families import Family, register_family, rebuild_llama
 
     register_family(Family("qwen2", model_types=("qwen2",), rebuild=rebuild_llama))
 
@@ -23,7 +23,11 @@ with ``tp_rank`` set to that rank; it returns the transformers modules and their
 (a decoder layer's output, which every rank holds after the all-reduce) is returned as is; a rank's
 shard of it (a column-parallel projection's heads) as a :class:`Slice` saying where in transformers'
 last dimension it lies. The registry is an instance (:class:`FamilyRegistry`); :data:`FAMILIES` is the
-one ``compare`` reads.
+one ``compare`` reads. It is keyed by (engine, model_type): a family rebuilds the captures of one
+engine (``Family.engine``, the engine step meta's ``engine``; default ``"vllm"``), so another engine's
+family for the same ``model_type`` is registered beside vLLM's, never over it::
+
+    register_family(Family("sglang-llama", ("llama",), rebuild_sglang_llama, engine="sglang"))
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..capture_format import DEFAULT_ENGINE, REFERENCE_ENGINE
 from ..errors import ConfigError, GraphpassError  # noqa: F401
 from ..model_shape import ModelShape, RebuildError  # noqa: F401 (re-exported)
 
@@ -61,12 +66,14 @@ Rebuild = Callable[[str, "dict[str, torch.Tensor]", ModelShape], "dict[str, dict
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: its name, the ``model_type`` values (transformers' config) it covers, and
-    its ``rebuild`` (see the module docstring)."""
+    """One model family: its name, the ``model_type`` values (transformers' config) it covers, its
+    ``rebuild`` (see the module docstring) and the ``engine`` whose captures it rebuilds (the engine
+    step meta's ``engine``; default ``"vllm"``, :data:`~graphpass.capture_format.DEFAULT_ENGINE`)."""
 
     name: str
     model_types: tuple[str, ...]
     rebuild: Rebuild
+    engine: str = DEFAULT_ENGINE
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -76,32 +83,50 @@ class Family:
             raise ConfigError("Family.model_types", self.model_types, "must be a non-empty tuple of model_type strings")
         if not callable(self.rebuild):
             raise ConfigError("Family.rebuild", self.rebuild, "must be callable: rebuild(module, tensors, shape)")
+        if not isinstance(self.engine, str) or not self.engine or self.engine == REFERENCE_ENGINE:
+            raise ConfigError("Family.engine", self.engine, "must be the name of the engine whose captures it rebuilds "
+                                                           f"(a non-empty str, not {REFERENCE_ENGINE!r}: the reference)")
 
 
 @dataclass
 class FamilyRegistry:
-    """model_type -> :class:`Family`."""
+    """(engine, model_type) -> :class:`Family`: each engine's families apart, so two engines' Llama
+    (their modules are not the same) never collide."""
 
-    by_type: dict[str, Family] = field(default_factory=dict)
+    by_key: dict[tuple[str, str], Family] = field(default_factory=dict)
+
+    @property
+    def by_type(self) -> dict[str, Family]:
+        """model_type -> the family of :data:`DEFAULT_ENGINE` (vLLM): the table before it was keyed by engine."""
+        return {t: f for (engine, t), f in self.by_key.items() if engine == DEFAULT_ENGINE}
 
     def register(self, family: Family, replace: bool = False) -> Family:
         if not isinstance(family, Family):
-            raise ConfigError("family", family, "must be a graphpass.capturing.engine_families.Family")
-        taken = [t for t in family.model_types if t in self.by_type and self.by_type[t].name != family.name]
+            raise ConfigError("family", family, "must be a graphpass.comparing.engine_families.Family")
+        keys = [(family.engine, t) for t in family.model_types]
+        taken = [k for k in keys if k in self.by_key and self.by_key[k].name != family.name]
         if taken and not replace:
-            raise ConfigError("Family.model_types", taken, f"already registered (family {self.by_type[taken[0]].name!r}); "
-                                                           "pass replace=True to override")
-        for t in family.model_types:
-            self.by_type[t] = family
+            raise ConfigError("Family.model_types", [t for _, t in taken],
+                              f"already registered for engine {family.engine!r} (family "
+                              f"{self.by_key[taken[0]].name!r}); pass replace=True to override")
+        for key in keys:
+            self.by_key[key] = family
         return family
 
-    def lookup(self, model_type: str) -> Family:
+    def engines(self) -> list[str]:
+        """The engines some family is registered for, sorted."""
+        return sorted({engine for engine, _ in self.by_key})
+
+    def lookup(self, model_type: str, engine: str = DEFAULT_ENGINE) -> Family:
+        """The family of ``engine``'s captures of ``model_type`` (the engine step meta's ``engine``;
+        :data:`DEFAULT_ENGINE` for a meta without one)."""
         try:
-            return self.by_type[model_type]
+            return self.by_key[engine, model_type]
         except KeyError:
+            known = sorted(t for e, t in self.by_key if e == engine)
             raise ConfigError("model_type", model_type,
-                              f"has no registered family (known: {', '.join(sorted(self.by_type)) or 'none'}): "
-                              "register one with graphpass.capturing.engine_families.register_family "
+                              f"has no registered family for engine {engine!r} (known: {', '.join(known) or 'none'}): "
+                              "register one with graphpass.comparing.engine_families.register_family "
                               "(docs/vllm.md)") from None
 
 
@@ -169,5 +194,7 @@ LLAMA = FAMILIES.register(Family("llama", ("llama",), rebuild_llama))
 
 
 def register_family(family: Family, replace: bool = False) -> Family:
-    """Register ``family`` with :data:`FAMILIES` (the registry ``compare`` reads)."""
+    """Register ``family`` with :data:`FAMILIES` (the registry ``compare`` reads), for the engine it
+    names (``Family.engine``, default ``"vllm"``: a call written before families were keyed by engine
+    registers a vLLM family, as it did)."""
     return FAMILIES.register(family, replace=replace)

@@ -13,8 +13,9 @@ the reference's row of the same request and position, wherever the reference hol
 * rows: an engine's tensors are ``[tokens, ...]`` (``engine: "vllm"``), the reference's
   ``[1, tokens, ...]`` (``engine: "transformers"``: a batch of one request);
 * modules: the engine's modules are rebuilt in transformers' terms by the model family's adapter
-  (:mod:`graphpass.capturing.engine_families`: hidden + residual, fused q/k/v and gate/up split),
-  found from the meta's ``model.model_type``;
+  (:mod:`graphpass.comparing.engine_families`: hidden + residual, fused q/k/v and gate/up split),
+  found by the engine and model type (the meta's ``engine`` and ``model.model_type``: another engine's
+  family for the same model type is its own);
 * tokens: where both metas hold ``input_ids`` (the token fed at each row), they are compared exactly
   first in each step, as module ``<input_ids>``.
 
@@ -27,7 +28,7 @@ step holds, a module or key one side lacks, are ``FAIL`` rows naming it (``missi
 Tensor parallelism (the engine's meta ``model.tp_size`` > 1): every rank ``0 .. tp_size-1`` of the
 engine is compared with the reference, one row per rank. The family rebuilds each rank's tensors
 (``ModelShape.tp_rank``); a tensor every rank holds whole (a decoder layer's output, all-reduced) is
-compared whole, a rank's shard (a :class:`~graphpass.capturing.engine_families.Slice`: its q/k/v heads,
+compared whole, a rank's shard (a :class:`~graphpass.comparing.engine_families.Slice`: its q/k/v heads,
 its part of gate/up) with the matching part of the reference's tensor. So ranks that disagree are
 named: the rank whose copy diverges fails. Each rank wrote its own meta: they must describe the same
 tokens (requests, positions, token ids) as rank 0's, else a ``FAIL`` row names the rank (its steps are
@@ -45,24 +46,25 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from ..capture_format import (ENGINE, INPUT_IDS, MODEL, POSITIONS, REFERENCE_ENGINE, REQ_IDS, ROW_FIELDS, STEP,
+                              VLLM_ENGINE, EngineStepMeta, meta_file_name)
 from .compare_report import FAIL, CompareError, CompareReport, CompareRow
 from .compare_tensors import compare_tensors
 from .completeness import StepScan, execution_order, find_steps, natural
 from .engine_families import FAMILIES, FamilyRegistry, ModelShape, RebuildError, Slice
-from .step_files import meta_file_name
 
 __all__ = ["ENGINES", "compare_engines", "engine_of"]
 
-ENGINES = ("vllm", "transformers")  # the meta's "engine" values compare_engines reads
+ENGINES = (VLLM_ENGINE, REFERENCE_ENGINE)  # the meta's "engine" values compare_engines reads (and any engine
+# a family is registered for: its rows are tokens, its request ids as written)
 TOKENS = "<input_ids>"  # the module name of the token rows
-ROW_FIELDS = ("req_ids", "positions", "token_request", "input_ids")  # what each rank's meta must agree on
 OTHER_MODELS = ("draft", "vision")  # subdirectories where an engine's other models' steps are (ModelCapture)
 
 
 def engine_of(scans: dict[str, StepScan]) -> str | None:
     """The ``engine`` the metas of one run name (the first found), or None."""
     for rel in sorted(scans, key=natural):
-        engine = (scans[rel].meta or {}).get("engine")
+        engine = (scans[rel].meta or {}).get(ENGINE)
         if isinstance(engine, str):
             return engine
     return None
@@ -83,8 +85,9 @@ class _Step:
     @classmethod
     def read(cls, rel: str, scan: StepScan, engine: str) -> "_Step":
         meta = scan.meta or {}
-        req_ids, which = meta.get("req_ids") or [], meta.get("token_request")
-        positions = torch.as_tensor(meta.get("positions") or [], dtype=torch.long).reshape(-1).tolist()
+        fields = EngineStepMeta.from_dict(meta)
+        req_ids, which = meta.get(REQ_IDS) or [], fields.token_request
+        positions = torch.as_tensor(meta.get(POSITIONS) or [], dtype=torch.long).reshape(-1).tolist()
         if not isinstance(which, list) or len(which) != len(positions):
             raise CompareError(f"{rel}: its meta has no token_request of {len(positions)} rows (positions): "
                                "not a capture of graphpass's vLLM plugin or `graphpass reference`")
@@ -93,7 +96,7 @@ class _Step:
             ok = isinstance(i, int) and 0 <= i < len(req_ids)
             step.tokens.append((_request(str(req_ids[i]), engine), int(pos)) if ok else None)
         requests = [_request(str(r), engine) for r in req_ids]
-        cached, parents = meta.get("prefix_cached"), meta.get("parents")
+        cached, parents = fields.prefix_cached, fields.parents
         if isinstance(cached, list) and len(cached) == len(requests):
             step.cached = {r: int(n) for r, n in zip(requests, cached) if isinstance(n, int) and n > 0}
         if isinstance(parents, list) and len(parents) == len(requests):
@@ -116,18 +119,18 @@ class _Step:
         except Exception as exc:  # a corrupt file is a FAIL row, never a crash
             return f"cannot read: {type(exc).__name__}: {exc}"
         out = {k: v for k, v in out.items() if not k.startswith("other[")}
-        if self.engine == "transformers":
+        if self.engine == REFERENCE_ENGINE:
             out = {k: v[0] if v.dim() >= 2 and v.shape[0] == 1 else v for k, v in out.items()}
         return out
 
     def input_ids(self) -> list | None:
-        ids = (self.scan.meta or {}).get("input_ids")
+        ids = (self.scan.meta or {}).get(INPUT_IDS)
         return ids if isinstance(ids, list) and len(ids) == len(self.tokens) else None
 
 
 def _request(rid: str, engine: str) -> str:
     """vLLM's internal request id is the caller's plus ``-<suffix>``."""
-    return rid.rsplit("-", 1)[0] if engine == "vllm" and "-" in rid else rid
+    return rid.rsplit("-", 1)[0] if engine == VLLM_ENGINE and "-" in rid else rid
 
 
 def compare_engines(ref: Path, test: Path, report: CompareReport, families: FamilyRegistry | None = None) -> None:
@@ -138,16 +141,17 @@ def compare_engines(ref: Path, test: Path, report: CompareReport, families: Fami
         scans = _one_model({rel: StepScan.read(root / rel) for rel in find_steps(root)}, name, root, report)
         sides.append((scans, engine_of(scans)))
     (ref_scans, ref_engine), (test_scans, test_engine) = sides
+    known = list(dict.fromkeys([*ENGINES, *families.engines()]))
     for name, engine in (("ref", ref_engine), ("test", test_engine)):
-        if engine not in ENGINES:
+        if engine not in known:
             raise CompareError(f"{name}: its metas name no engine graphpass can align ({engine!r}; known: "
-                               f"{', '.join(ENGINES)})")
+                               f"{', '.join(known)})")
     ref_steps = [_Step.read(rel, ref_scans[rel], ref_engine) for rel in execution_order(set(ref_scans), ref_scans, {})[0]]
     order, notes = execution_order(set(test_scans), {}, test_scans)
     report.notes.extend(notes)
     test_steps = [_Step.read(rel, test_scans[rel], test_engine) for rel in order]
     shape = _shape(test_steps, ref_steps)
-    family = families.lookup(shape.model_type)
+    family = families.lookup(shape.model_type, engine=test_engine)
     report.notes.append(f"across engines: {test_engine} against {ref_engine}, aligned by request and position; "
                         f"modules rebuilt by the {family.name!r} family")
     if shape.tp_size > 1:
@@ -176,7 +180,7 @@ def _one_model(scans: dict[str, StepScan], name: str, root: Path, report: Compar
 
 def _shape(test_steps: list[_Step], ref_steps: list[_Step]) -> ModelShape:
     for step in test_steps + ref_steps:
-        shape = ModelShape.from_meta((step.scan.meta or {}).get("model"))
+        shape = ModelShape.from_meta((step.scan.meta or {}).get(MODEL))
         if shape is not None:
             return shape
     raise CompareError("neither run's metas name the model (meta field 'model' with 'model_type'): capture with "
@@ -269,7 +273,7 @@ def _compare_step(report: CompareReport, step: _Step, where: dict, family: Any, 
 def _check_rank_metas(report: CompareReport, step: _Step, ranks: list[int]) -> None:
     """A FAIL row for each rank > 0 whose own meta file is missing or describes other tokens than rank 0's."""
     base = step.scan.meta or {}
-    name = str(base.get("step") or step.scan.dir.name)
+    name = str(base.get(STEP) or step.scan.dir.name)
     for rank in ranks[1:]:
         path = step.scan.dir / meta_file_name(name, rank)
         try:
