@@ -10,6 +10,9 @@ the specs the capture pass reads), ``auto_steps`` (every forward one step, named
 The graph pass that inserts the op is :mod:`graphpass.passes.insert_capture_nodes`.
 """
 
+import warnings
+from typing import Any
+
 from .auto_steps import AutoSteps, StepInfo
 from .model_capture import TRACED, CaptureSpec, ModelCapture, note_traced, specs_for
 from .ops import capture_tensor
@@ -19,3 +22,17 @@ from .writer import CaptureWriter
 
 __all__ = ["ModelCapture", "StagingConfig", "AutoSteps", "StepInfo", "TensorRegistry", "CaptureWriter", "CaptureSpec",
            "capture_tensor", "specs_for", "note_traced", "TRACED"]
+
+# moved to graphpass.comparing (compare is its own package): deprecated aliases, kept for one release, as are the
+# old module paths (graphpass.capturing.compare_runs, ...: thin modules here)
+_MOVED = ("compare", "CompareReport", "CompareError")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(f"graphpass.capturing.{name} moved to graphpass.comparing.{name}; the old name will be "
+                      "removed in the next release", DeprecationWarning, stacklevel=2)
+        from .. import comparing
+
+        return getattr(comparing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -96,3 +96,33 @@ def test_engine_step_meta_round_trips_and_defaults_to_vllm():
                    "input_ids": [5, 6, 0], "parents": [None]}
     assert EngineStepMeta.from_dict(doc) == meta
     assert EngineStepMeta.from_dict({"token_request": [0]}).engine == "vllm"  # written before other engines
+
+
+MOVED = ("compare_runs", "compare_report", "compare_tensors", "report_format", "completeness", "shards",
+         "compare_engines", "engine_families", "plots")
+
+
+@pytest.mark.parametrize("name", MOVED)
+def test_the_old_compare_module_paths_warn_and_are_the_moved_modules(name):
+    """Issue 37: compare moved from capturing/ to comparing/; each old module path works for a release."""
+    import importlib
+    import sys
+
+    new = importlib.import_module(f"graphpass.comparing.{name}")
+    sys.modules.pop(f"graphpass.capturing.{name}", None)
+    with pytest.warns(DeprecationWarning, match=f"graphpass.capturing.{name} moved to graphpass.comparing.{name}"):
+        old = importlib.import_module(f"graphpass.capturing.{name}")
+    assert old is new
+
+
+def test_the_old_compare_names_of_capturing_warn_and_are_the_moved_ones():
+    import graphpass.capturing
+    import graphpass.comparing
+
+    for name in ("compare", "CompareReport", "CompareError"):
+        with pytest.warns(DeprecationWarning, match=f"graphpass.capturing.{name} moved to graphpass.comparing"):
+            assert getattr(graphpass.capturing, name) is getattr(graphpass.comparing, name)
+    assert graphpass.compare is graphpass.comparing.compare
+    assert graphpass.CompareReport is graphpass.comparing.CompareReport
+    with pytest.raises(AttributeError):
+        graphpass.capturing.no_such_name  # noqa: B018
