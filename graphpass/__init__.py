@@ -10,7 +10,8 @@ from __future__ import annotations
 from .version import __version__
 
 from . import ops
-from .capturing import CompareReport, ModelCapture, capture_tensor, compare
+from .capturing import ModelCapture, capture_tensor
+from .comparing import CompareReport, compare
 from .config import GraphpassConfig
 from .dynamo_backend import backend
 from .errors import (  # every error class is in graphpass.errors; the subclasses below stay here for `except`

@@ -154,7 +154,7 @@ def _run_demo(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .capturing import CompareError, compare
+    from .comparing import CompareError, compare
 
     report = compare(args.ref, list(args.test), rtol=args.rtol, atol=args.atol)
     print(report)
@@ -178,8 +178,8 @@ def _compare_pictures(report: Any, args: argparse.Namespace) -> None:
         return
     from pathlib import Path
 
-    from .capturing import CompareError
-    from .capturing.plots import html_page, render_png
+    from .comparing import CompareError
+    from .comparing.plots import html_page, render_png
 
     png = render_png(report)  # raises PlotUnavailableError (exit 2) without matplotlib
     for target, data, what in ((args.plot, png, "plot"), (args.html, None, "page")):

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .capture_format import REFERENCE_ENGINE, EngineStepMeta
 from .errors import ConfigError
 
 log = logging.getLogger("graphpass.reference")
@@ -84,8 +85,8 @@ def _greedy(model: Any, capture: Any, req_id: str, prompt: list[int], max_new_to
     for step in range(max_new_tokens):
         start = len(prompt) + len(out) - ids.shape[1]
         positions = torch.arange(start, start + ids.shape[1])
-        meta = {"token_request": [0] * ids.shape[1], "engine": "transformers", "input_ids": ids[0].tolist(),
-                "model": shape}
+        meta = EngineStepMeta(REFERENCE_ENGINE, [0] * ids.shape[1], model=shape,
+                              input_ids=ids[0].tolist()).to_dict()
         with capture.step(positions=positions, is_prefill=step == 0, req_ids=[req_id], extra_meta=meta):
             logits = model(input_ids=ids, past_key_values=cache, use_cache=True,
                            cache_position=positions, position_ids=positions[None]).logits

@@ -39,7 +39,7 @@ COLORS = {LOAD: "#54a24b", WAIT: "#e45756", EVICT: "#b279a2", CALL: "#dddddd"}
 
 def load_pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend, or PlotUnavailableError naming the extra to install."""
-    from .capturing.plots import load_pyplot as load
+    from .comparing.plots import load_pyplot as load
 
     return load("the trace timeline (plot=... / --plot)")
 

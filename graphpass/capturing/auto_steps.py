@@ -21,14 +21,13 @@ import contextvars
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Protocol
 
 import torch
 
 from ..errors import CaptureError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .model_capture import ModelCapture
+from .registry import TensorRegistry
 
 log = logging.getLogger("graphpass.capturing.auto_steps")
 
@@ -88,11 +87,31 @@ def _at_start(kwargs: dict) -> bool:
     return False
 
 
+class StepsOwner(Protocol):
+    """What :class:`AutoSteps` calls of the capture whose steps it opens and saves: a
+    :class:`~graphpass.capturing.model_capture.ModelCapture` (which imports this module, so this one
+    names it by what it does)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def open_auto_step(self) -> None: ...
+
+    def _current(self) -> TensorRegistry: ...
+
+    def _restore(self) -> None: ...
+
+    def _save_step(self, positions: Any = None, is_prefill: bool = True, req_ids: Any = None, size: int | None = None,
+                   extra_meta: Any = None, wait: bool = True) -> list[Path]: ...
+
+    def flush(self) -> None: ...
+
+
 class AutoSteps:
     """The hooks that make every forward of ``module`` a step of ``capture``. Returned by
     :meth:`ModelCapture.auto_steps`; a context manager (``with``), or call :meth:`remove`."""
 
-    def __init__(self, capture: "ModelCapture", module: torch.nn.Module,
+    def __init__(self, capture: StepsOwner, module: torch.nn.Module,
                  step_info: Callable[[tuple, dict], StepInfo | None] | None = None, wait: bool = False) -> None:
         if not isinstance(module, torch.nn.Module):
             raise CaptureError(f"auto_steps needs an nn.Module to hook, got {type(module).__name__}")

@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from ..capture_format import (BUCKET, DROPPED_STEPS, GRAPHPASS_VERSION, OWN_META, POSITIONS, REQ_IDS, RUN,
+                              TORCH_VERSION)
 from ..dynamo_records import has_compiled_code
 from ..errors import CaptureError, ConfigError
 from ..version import __version__
@@ -283,13 +285,13 @@ class ModelCapture:
                 size = _step_size(positions, is_prefill, req_ids, tensors)
             meta = {
                 **_check_extra_meta(extra_meta),
-                "req_ids": list(req_ids) if req_ids is not None else [],
-                "positions": positions,
-                "run": self.run,
-                "graphpass_version": __version__,
-                "torch_version": torch.__version__,
-                "bucket": bucket,
-                "dropped_steps": self._behind.dropped,
+                REQ_IDS: list(req_ids) if req_ids is not None else [],
+                POSITIONS: positions,
+                RUN: self.run,
+                GRAPHPASS_VERSION: __version__,
+                TORCH_VERSION: torch.__version__,
+                BUCKET: bucket,
+                DROPPED_STEPS: self._behind.dropped,
             }
         finally:
             reg.clear()
@@ -304,9 +306,9 @@ class ModelCapture:
     def _stage(self, tensors: list, is_prefill: bool, size: int, meta: dict) -> list[Path]:
         """Hand a step to the write-behind ring (:mod:`graphpass.capturing.staging`)."""
         tensors = [(name, to_host(t), key, layout) for name, t, key, layout in tensors]
-        positions = meta["positions"]
+        positions = meta[POSITIONS]
         if isinstance(positions, torch.Tensor):
-            meta["positions"] = to_host(positions.detach()).clone()  # the caller may reuse its tensor
+            meta[POSITIONS] = to_host(positions.detach()).clone()  # the caller may reuse its tensor
         reserved: list = []
 
         def job() -> tuple:
@@ -580,9 +582,8 @@ def _step_size(positions: Any, is_prefill: bool, req_ids: Sequence[str] | None, 
     raise ConfigError("positions", positions, "cannot tell the step's size: pass positions or req_ids")
 
 
-# meta fields graphpass itself writes (writer.py adds the rest): extra_meta cannot replace them
-_OWN_META = ("req_ids", "positions", "run", "graphpass_version", "torch_version", "bucket", "step", "step_index",
-             "phase", "size", "modules", "tensors", "dp_rank", "tp_rank", "tp_size")
+# meta fields graphpass itself writes (step_files.plan_step adds the rest): extra_meta cannot replace them
+_OWN_META = OWN_META
 
 
 def _check_extra_meta(extra_meta: Mapping[str, Any] | None) -> dict:

@@ -19,32 +19,16 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import struct
 from pathlib import Path
 from typing import Any, Sequence
 
 from .. import atomic_files
+from ..capture_format import (DP_RANK, FORMAT_VERSION, FORMAT_VERSION_KEY, MODULES, PHASE, SIZE, STEP, STEP_INDEX,
+                              TENSORS, TP_RANK, TP_SIZE, meta_file_name, meta_file_rank, rank_file_name,
+                              rank_file_rank)
 from ..errors import CaptureError
-
-_RANK_FILE = re.compile(r"rank([0-9]+)\.safetensors")
-_RANK_META = re.compile(r"(.+)_meta\.rank([0-9]+)\.json")
-
-
-def meta_file_name(step: str, tp_rank: int) -> str:
-    """Each tensor-parallel rank writes its own meta file (no rank overwrites another's):
-    ``{step}_meta.json`` for rank 0, ``{step}_meta.rank{t}.json`` for the others."""
-    return f"{step}_meta.json" if tp_rank == 0 else f"{step}_meta.rank{tp_rank}.json"
-
-
-def meta_file_rank(step: str, name: str) -> int | None:
-    """The tensor-parallel rank whose meta file ``name`` is in step folder ``step``, or None."""
-    if name == f"{step}_meta.json":
-        return 0
-    m = _RANK_META.fullmatch(name)
-    return int(m.group(2)) if m is not None and m.group(1) == step else None
-
 
 def safetensors_header(tensors: Sequence[dict]) -> tuple[bytes, list[dict]]:
     """The header of a safetensors file holding ``tensors`` (plan entries: ``key``, ``dtype`` (the
@@ -97,7 +81,7 @@ def plan_step(records: Sequence[Sequence], *, step: str, index: int, is_prefill:
     for name, entries in grouped.items():
         by_base.setdefault(entries[0]["base"], []).append(name)
     bases = []
-    file_name = f"rank{tp_rank}.safetensors"
+    file_name = rank_file_name(tp_rank)
     for base, names in by_base.items():
         step_dir = os.path.join(base, step)
         info: dict[str, list[dict]] = {}
@@ -115,8 +99,9 @@ def plan_step(records: Sequence[Sequence], *, step: str, index: int, is_prefill:
                 f["encode"] = True
             files.append(f)
             info[name] = [_tensor_info(t) for t in tensors]
-        doc = dict(meta, step=step, step_index=index, phase="prefill" if is_prefill else "decode", size=size,
-                   modules=names, tensors=info, dp_rank=dp_rank, tp_rank=tp_rank, tp_size=tp_size)
+        doc = {**meta, STEP: step, STEP_INDEX: index, PHASE: "prefill" if is_prefill else "decode", SIZE: size,
+               MODULES: names, TENSORS: info, DP_RANK: dp_rank, TP_RANK: tp_rank, TP_SIZE: tp_size,
+               FORMAT_VERSION_KEY: FORMAT_VERSION}
         # one line: json's C encoder (an indented dump runs the pure-Python one, 10x slower)
         bases.append({"dir": step_dir, "files": files, "meta": json.dumps(doc, default=str),
                       "meta_path": os.path.join(step_dir, meta_file_name(step, tp_rank))})
@@ -321,8 +306,8 @@ def _earlier_run_file(step_dir: Path, tp_rank: int) -> Path | None:
             meta_rank = meta_file_rank(step_dir.name, name) if depth == 0 else None
             if meta_rank is not None and meta_rank != tp_rank:
                 continue  # another rank's meta file
-            m = _RANK_FILE.fullmatch(name)
-            if depth == 1 and m is not None and int(m.group(1)) != tp_rank:
+            file_rank = rank_file_rank(name)
+            if depth == 1 and file_rank is not None and file_rank != tp_rank:
                 continue
             return here / name
     return None

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from ..atomic_files import probe_writable
+from ..capture_format import MAX_TP_SIZE, dp_folder, read_step_meta  # noqa: F401 (read_step_meta re-exported)
 from ..errors import CaptureError, ConfigError
 from ..patterns import compile_patterns
 from .step_files import StepFiles, _file_parts, file_keys, meta_file_name, meta_file_rank, plan_step  # noqa: F401 (re-exported)
@@ -54,9 +55,6 @@ def check_rank(value: Any, key: str) -> int:
     if len(f"rank{value}.safetensors") > NAME_MAX:
         raise ConfigError(key, value, f"too large: its file name would exceed {NAME_MAX} bytes")
     return value
-
-
-MAX_TP_SIZE = 1 << 16  # tensor-parallel ranks compare expects at most (a larger tp_size in a meta is ignored)
 
 
 def check_tp_size(value: Any, tp_rank: int) -> int | None:
@@ -143,7 +141,7 @@ class CaptureWriter:
         if sub is None and module.startswith("visual."):
             sub = "vision"
         base = self.capture_dir / sub if sub else self.capture_dir
-        return base / f"dp{self.dp_rank}"
+        return base / dp_folder(self.dp_rank)
 
     def step_name(self, is_prefill: bool, size: int) -> str:
         phase = "prefill" if is_prefill else "decode"
@@ -306,38 +304,6 @@ def _local(t: torch.Tensor, key: str | None, layout: str) -> tuple[torch.Tensor,
     if is_dtensor(t):
         return local_tensor(t), key, dtensor_layout(t)
     return t, key, layout
-
-
-def read_step_meta(step_dir: str | os.PathLike) -> dict:
-    """The step's meta, merged from every rank's meta file: the lowest rank's fields, ``ranks``
-    (every tensor-parallel rank that wrote, sorted), ``modules`` (all ranks', in order of first
-    appearance), ``tensors`` (per module, the lowest rank's entries) and ``rank_tensors``
-    (rank -> that rank's ``tensors``). Raises FileNotFoundError without any meta file, OSError /
-    ValueError for an unreadable one (naming it)."""
-    step_dir = Path(step_dir)
-    docs: dict[int, dict] = {}
-    for name in sorted(os.listdir(step_dir)):
-        rank = meta_file_rank(step_dir.name, name)
-        if rank is None:
-            continue
-        try:
-            doc = json.loads((step_dir / name).read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("modules"), list):
-            raise ValueError(f"{name}: no 'modules' list")
-        docs[rank] = doc
-    if not docs:
-        raise FileNotFoundError(f"no meta file in {step_dir}")
-    merged = dict(docs[min(docs)])
-    merged["ranks"] = sorted(docs)
-    merged["modules"] = list(dict.fromkeys(m for r in sorted(docs) for m in docs[r]["modules"]))
-    merged["rank_tensors"] = {r: docs[r].get("tensors") or {} for r in sorted(docs)}
-    tensors: dict = {}
-    for r in sorted(docs, reverse=True):
-        tensors.update(docs[r].get("tensors") or {})
-    merged["tensors"] = tensors
-    return merged
 
 
 def _jsonable(value: Any) -> Any:

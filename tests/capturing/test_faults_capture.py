@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 from graphpass import atomic_files
 from graphpass import CaptureError, ModelCapture
-from graphpass.capturing import CaptureWriter, compare
-from graphpass.capturing import compare_tensors
+from graphpass.capturing import CaptureWriter
+from graphpass.comparing import compare, compare_tensors
 from graphpass.cli import main
 from graphpass.errors import ConfigError, GraphpassError
 from graphpass.models.corpus import build
@@ -396,7 +396,7 @@ def test_compare_memory_is_a_small_multiple_of_a_chunk(tmp_path):
     del base
     script = (
         "import resource, sys, graphpass, torch\n"
-        "from graphpass.capturing import compare\n"
+        "from graphpass.comparing import compare\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "report = compare(sys.argv[1], sys.argv[2])\n"
         "assert report.passed, str(report)\n"

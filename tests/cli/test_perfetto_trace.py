@@ -166,7 +166,7 @@ def test_the_plot_is_a_png_of_the_requested_size(tmp_path, capsys):
 
 
 def test_missing_matplotlib_names_the_extra_before_running(tmp_path, monkeypatch, capsys):
-    from graphpass.capturing.plots import PlotUnavailableError
+    from graphpass.comparing.plots import PlotUnavailableError
 
     no_matplotlib(monkeypatch)
     calls = []

@@ -225,7 +225,7 @@ def test_dtensor_outputs_are_captured_under_aot_delegates(tp_run, then):
 
 
 def test_the_same_rank_file_in_two_roots_is_refused(tp_captures):
-    from graphpass.capturing import CompareError
+    from graphpass.comparing import CompareError
 
     with pytest.raises(CompareError, match="in both"):
         graphpass.compare(tp_captures / "ref", [tp_captures / "bad", tp_captures / "bad"])

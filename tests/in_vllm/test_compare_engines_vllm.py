@@ -19,7 +19,7 @@ pytest.importorskip("vllm.config")  # vLLM itself, not a folder named vllm on sy
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from graphpass.capturing import compare  # noqa: E402
+from graphpass.comparing import compare  # noqa: E402
 from graphpass.cli import main  # noqa: E402
 
 from vllm_serving import MAX_NEW_TOKENS, PROMPTS, TP2_ENV, reference_run, serve, write_tiny_llama  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm.config")  # vLLM itself, not a folder named vllm on sys.path
 
-from graphpass.capturing import compare  # noqa: E402
+from graphpass.comparing import compare  # noqa: E402
 
 from vllm_serving import MAX_NEW_TOKENS, reference_run, serve, write_tiny_llama  # noqa: E402
 

@@ -26,7 +26,7 @@ pytest.importorskip("vllm.config")  # vLLM itself, not a folder named vllm on sy
 
 from safetensors.torch import load_file  # noqa: E402
 
-from graphpass.capturing import compare  # noqa: E402
+from graphpass.comparing import compare  # noqa: E402
 
 from vllm_serving import HERE, reference_run, write_tiny_llama  # noqa: E402
 

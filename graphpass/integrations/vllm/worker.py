@@ -28,6 +28,7 @@ import logging
 import os
 from typing import Any
 
+from ...capture_format import VLLM_ENGINE, EngineStepMeta
 from ...errors import ConfigError
 from .config import PREFIX, parse
 from .steps import EngineStep, draft_step, engine_step, forward_query_starts, parent_of, prefix_cached
@@ -183,14 +184,14 @@ def _draft_model(runner: Any) -> Any:
     return model
 
 
-def _meta(step: EngineStep, kwargs: dict, model: dict) -> dict:
-    """The extra meta of a step: ``token_request``, ``engine``, ``model`` (model type and head sizes, for
-    ``compare`` across engines) and ``input_ids`` (the token fed at each row)."""
-    extra = {"token_request": step.token_request, "engine": "vllm", "model": model}
+def _meta(step: EngineStep, kwargs: dict, model: dict, **more: Any) -> dict:
+    """The extra meta of a step (:class:`graphpass.capture_format.EngineStepMeta`): ``token_request``,
+    ``engine``, ``model`` (model type and head sizes, for ``compare`` across engines), ``input_ids`` (the
+    token fed at each row) and ``more`` of its fields."""
     ids = kwargs.get("input_ids")
     if ids is not None:
-        extra["input_ids"] = ids.detach().reshape(-1)[: len(step.token_request)].tolist()
-    return extra
+        ids = ids.detach().reshape(-1)[: len(step.token_request)].tolist()
+    return EngineStepMeta(VLLM_ENGINE, step.token_request, model=model, input_ids=ids, **more).to_dict()
 
 
 def _stepping(runner: Any, forward: Any, capture: Any, state: _Steps) -> Any:
@@ -206,8 +207,8 @@ def _stepping(runner: Any, forward: Any, capture: Any, state: _Steps) -> Any:
         if not capture.enabled:
             return forward(*args, **kwargs)
         step = engine_step(runner, kwargs.get("positions"))
-        extra = {**_meta(step, kwargs, model), "prefix_cached": [state.cached.get(r, 0) for r in step.req_ids],
-                 "parents": [parent_of(r) for r in step.req_ids]}
+        extra = _meta(step, kwargs, model, prefix_cached=[state.cached.get(r, 0) for r in step.req_ids],
+                      parents=[parent_of(r) for r in step.req_ids])
         with capture.step(positions=step.positions, is_prefill=step.is_prefill, req_ids=step.req_ids,
                           extra_meta=extra):
             out = forward(*args, **kwargs)
@@ -231,8 +232,7 @@ def _draft_stepping(runner: Any, forward: Any, capture: Any, state: _Steps) -> A
         if not capture.enabled:
             return forward(*args, **kwargs)
         step = draft_step(runner, kwargs.get("positions"), forward_query_starts(), state.target, state.draft_pass)
-        extra = {**_meta(step, kwargs, model), "draft_pass": state.draft_pass,
-                 "target_step_index": state.target_index}
+        extra = _meta(step, kwargs, model, draft_pass=state.draft_pass, target_step_index=state.target_index)
         state.draft_pass += 1
         with capture.step(positions=step.positions, is_prefill=step.is_prefill, req_ids=step.req_ids,
                           extra_meta=extra):

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from graphpass.capturing import CompareError, compare
-from graphpass.capturing.engine_families import (Family, FamilyRegistry, ModelShape, RebuildError, rebuild_llama)
+from graphpass.comparing import CompareError, compare
+from graphpass.comparing.engine_families import (Family, FamilyRegistry, ModelShape, RebuildError, rebuild_llama)
 from graphpass.cli import main
 from graphpass.errors import ConfigError
 
@@ -102,15 +102,16 @@ def engine_tensors(rows, modules=ENGINE_MODULES, perturb=None):
     return out
 
 
-def write_engine(root, modules=ENGINE_MODULES, perturb=None, pad_decode=False):
-    """vLLM's layout: both requests in every step, flattened; internal request ids with a suffix."""
-    ids = ["0-a1b2", "1-c3d4"]
+def write_engine(root, modules=ENGINE_MODULES, perturb=None, pad_decode=False, engine="vllm"):
+    """vLLM's layout: both requests in every step, flattened; internal request ids with a suffix (another
+    ``engine``'s: the caller's ids as they are)."""
+    ids = ["0-a1b2", "1-c3d4"] if engine == "vllm" else ["0", "1"]
     steps = [("prefill_s8_0", [(0, 0, p) for p in range(5)] + [(1, 1, p) for p in range(3)])]
     for d in range(3):
         rows = [(0, 0, 5 + d), (1, 1, 3 + d)]
         steps.append((f"decode_b2_{d}", rows + ([(-1, None, None)] if pad_decode else [])))
     for index, (name, rows) in enumerate(steps):
-        write_step(root, name, index, ids, rows, "vllm", engine_tensors(rows, modules, perturb))
+        write_step(root, name, index, ids, rows, engine, engine_tensors(rows, modules, perturb))
     return root
 
 
@@ -260,6 +261,41 @@ def test_an_unregistered_family_is_refused_and_a_registered_one_is_used(ref, tmp
         empty.register(Family("other", ("llama",), rebuild))
     with pytest.raises(ConfigError, match="Family.model_types"):
         Family("bad", "llama", rebuild)
+
+
+def test_families_are_keyed_by_engine_and_model_type(ref, tmp_path):
+    """Issue 37: the same model_type registered for two engines; each engine's captures are rebuilt by its own
+    family, and a family registered without an engine is vLLM's (as register_family always registered)."""
+    used = []
+
+    def tagged(tag):
+        def rebuild(module, tensors, shape):
+            used.append(tag)
+            return rebuild_llama(module, tensors, shape)
+        return rebuild
+
+    families = FamilyRegistry()
+    families.register(Family("vllm-llama", ("llama",), tagged("vllm")))  # no engine: vLLM's
+    families.register(Family("other-llama", ("llama",), tagged("other"), engine="other"))  # no collision
+    assert families.lookup("llama").name == "vllm-llama"
+    assert families.lookup("llama", engine="other").name == "other-llama"
+    assert families.engines() == ["other", "vllm"] and set(families.by_type) == {"llama"}
+    report = compare(ref, write_engine(tmp_path / "vllm"), rtol=1e-5, atol=1e-6, families=families)
+    assert report.passed and set(used) == {"vllm"}, str(report)
+    assert any("vllm against transformers" in n and "'vllm-llama' family" in n for n in report.notes)
+    used.clear()
+    report = compare(ref, write_engine(tmp_path / "other", engine="other"), rtol=1e-5, atol=1e-6, families=families)
+    assert report.passed and set(used) == {"other"}, str(report)
+    assert any("other against transformers" in n and "'other-llama' family" in n for n in report.notes)
+    with pytest.raises(CompareError, match=r"can align \('third'; known: vllm, transformers, other\)"):
+        compare(ref, write_engine(tmp_path / "third", engine="third"), families=families)
+    vllm_llama_only = FamilyRegistry()
+    vllm_llama_only.register(Family("vllm-llama", ("llama",), rebuild_llama))
+    vllm_llama_only.register(Family("other-qwen2", ("qwen2",), rebuild_llama, engine="other"))
+    with pytest.raises(ConfigError, match="has no registered family for engine 'other' \\(known: qwen2\\)"):
+        compare(ref, tmp_path / "other", families=vllm_llama_only)  # vLLM's llama is not the other engine's
+    with pytest.raises(ConfigError, match="Family.engine"):
+        Family("ref", ("llama",), rebuild_llama, engine="transformers")
 
 
 def test_the_engine_run_as_ref_is_refused(ref, tmp_path):

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 import graphpass
 from graphpass.cli import main
-from graphpass.capturing import CompareError, CompareReport, compare
+from graphpass.comparing import CompareError, CompareReport, compare
 from graphpass.errors import GraphpassError
 
 Step = dict[str, dict[int, dict[str, torch.Tensor]]]  # module -> rank -> key -> tensor
@@ -435,7 +435,7 @@ def test_a_failing_submodule_is_the_first_divergence_before_its_failing_parent()
     """A reference's meta may list a decoder layer before its own projections (issue 36, item 3): a module returns
     after its submodules, so the failing submodule of the same step and rank is named, not the layer; a passing
     submodule, another step's or another rank's, or a sibling module sharing a prefix, is not."""
-    from graphpass.capturing.compare_report import CompareRow
+    from graphpass.comparing.compare_report import CompareRow
 
     def row(module, status, step="dp0/prefill_s8_0", rank=0):
         return CompareRow(step=step, module=module, rank=rank, key="output", status=status)

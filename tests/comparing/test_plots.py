@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from graphpass.capturing import compare
-from graphpass.capturing.plots import (PlotUnavailableError, figure_pixels, html_page, plot_report, step_series,
+from graphpass.comparing import compare
+from graphpass.comparing.plots import (PlotUnavailableError, figure_pixels, html_page, plot_report, step_series,
                                        write_html)
 from graphpass.cli import main
 from helpers import no_matplotlib
