@@ -24,7 +24,7 @@ SHARED = ("analysis", "fx_utils", "torch_compat", "patterns", "errors", "roots",
           "config", "ops", "bucket_context", "dynamo_records", "trace_events", "version", "progress")
 # what a pass may import from a feature package: what it inserts or looks up, and the data it fills
 PASS_FEATURE_IMPORTS = {
-    "graphpass.capturing.ops", "graphpass.offloading.ops", "graphpass.offloading.runtime",
+    "graphpass.capturing.ops", "graphpass.offloading.ops", "graphpass.offloading.registry",
     "graphpass.offloading.facts", "graphpass.offloading.schedule", "graphpass.static_shapes.plan", "graphpass.static_shapes.padding_safety",
     "graphpass.static_shapes.padding_proof",
     "graphpass.static_shapes.causal_functions", "graphpass.static_shapes.topk_mask",
