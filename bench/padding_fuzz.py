@@ -1,4 +1,4 @@
-"""The padding-safety fuzzer at scale (``graphpass/static_shapes/padding_fuzz.py``; issue 33, item 2).
+"""The padding-safety fuzzer at scale (``graphpass/static_shapes/padding_fuzz/``; issue 33, item 2).
 
     python bench/padding_fuzz.py [--n 20000] [--seed 0] [--jobs 2] [--time-limit SECONDS] [--no-shrink]
 

@@ -48,7 +48,8 @@ from .config import OffloadConfig
 from .ops import let_wrappers_through
 from .planning import OffloadPlan, _Tensor, plan_budget, plan_units
 from .facts import GuardedCode, OffloadFacts
-from .runtime import REGISTRY, MemoryStats, OffloadedTensor, OffloadRuntime
+from .registry import REGISTRY, OffloadedTensor
+from .runtime import MemoryStats, OffloadRuntime
 from .safetensors_io import TensorLocation, index_checkpoint, read_header, read_into, write_file
 
 _STORAGES = ("pinned", "cpu", "disk")

@@ -15,7 +15,7 @@ every leased file into anonymous memory and moves the copy over the mapping in o
 compute keeps reading the bytes it had; the writer proceeds; the next load checks the file's
 identity and raises ``OffloadError`` naming tensor and file.
 
-The same holds for the regions the model itself holds on a host device (``runtime.map_private``:
+The same holds for the regions the model itself holds on a host device (``staging.map_private``:
 the stand-in of each streamed tensor, which code Dynamo runs eagerly reads, a skipped frame or a
 weight read outside the graph): they are mapped under the lease of their file too (taken when
 ``offload()`` maps them, kept for the model's life) and privatized by the same break. Eager readers

@@ -15,7 +15,7 @@ from ..tensor_utils import (flatten_wrappers, is_dtensor, local_tensor, register
                             with_spec_of)
 from ..ops import record_event
 from .facts import check_skipped_frames, runs_eagerly
-from .runtime import guarded_module_names, lookup
+from .registry import guarded_module_names, lookup
 
 # --------------------------------------------------------------------------------------------
 # The ops

@@ -43,7 +43,7 @@ from ..errors import OffloadError
 from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, OFFLOAD_GUARD_TARGETS, UNLOADED_READS
 from ..offloading.schedule import LoadGroup, OffloadSchedule  # noqa: F401 (re-exported)
 from ..offloading.facts import OffloadFacts, check_skipped_frames, facts_of, refuse_unpinned_cuda_graph_loads, runs_eagerly
-from ..offloading.runtime import OffloadedTensor, WrappedOffload, facts_guarding, lookup_input, plain_records
+from ..offloading.registry import OffloadedTensor, WrappedOffload, facts_guarding, lookup_input, plain_records
 from ..fx_utils import (AliasIndex, example_of, find_calls, find_write, is_graphpass_node, is_noop_data_swap, is_view,
                         node_order, views_of)
 from ..tensor_utils import fake_mode_of, flatten_wrappers, is_dtensor, is_wrapper_subclass, unflatten_wrappers

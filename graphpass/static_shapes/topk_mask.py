@@ -67,7 +67,7 @@ from ..fx_utils import example_of, size_expr
 from .padding_proof import NotProven, PaddingProof, ProofContext
 from .padding_proof.facts import Causal, KeysOnly, NegKeys, NegMask, ZeroPad
 from .padding_proof.nodes import _arg, _is_int_tensor, _label, _leaves, _norm_dim, _op_name, _source, _static_int
-from .padding_proof.provenance import _huge_value, _is_negative_constant, _is_zero
+from .padding_proof.mask_facts import _huge_value, _is_negative_constant, _is_zero
 from .padding_proof.tables import _ALL_TRUE_FACTORIES, _ANDS, _HUGE, _KEEPS, _NEG_MASK_DTYPES, _NOTS, _SOFTMAXES
 
 __all__ = ["TOPK_MASKS", "TopkBuckets", "TopkMask", "TopkMaskRule", "topk_masks", "topk_invalid_buckets"]

@@ -19,7 +19,7 @@ import torch.nn as nn
 import graphpass
 from graphpass.models.corpus import CORPUS, build
 from graphpass.offloading.ops import LOAD_START, LOAD_WAIT, EVICT
-from graphpass.offloading.runtime import lookup
+from graphpass.offloading.registry import lookup
 
 from helpers import fresh_inputs
 
@@ -620,9 +620,9 @@ def test_graph_writing_an_offloaded_tensor_is_refused():
 def test_disk_mappings_with_and_without_populating(spare_core, monkeypatch, tmp_path):
     """disk -> host device maps the file region; with a core to spare the worker also fills the
     page tables (MAP_POPULATE). Both give the eager result, and nothing stays mapped after a call."""
-    import graphpass.offloading.runtime as rt
+    import graphpass.offloading.staging as staging
 
-    monkeypatch.setattr(rt, "_spare_core", lambda: spare_core)
+    monkeypatch.setattr(staging, "_spare_core", lambda: spare_core)
     model, inputs = frozen("tiny_transformer")
     ref, _ = frozen("tiny_transformer")
     graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=tmp_path))
@@ -891,11 +891,11 @@ def test_gradient_landing_keeps_the_first_buffer_and_adds_later_ones():
     first, second = torch.empty(4 * 32, dtype=torch.uint8), torch.empty(4 * 32, dtype=torch.uint8)
     first.view(torch.float32).fill_(1.0)
     second.view(torch.float32).fill_(2.0)
-    pending = [runtime._worker().submit(runtime._land_grad, host, buf, buf.view(torch.float32).view(4, 8), done)
+    pending = [runtime._worker().submit(runtime._grads.land, host, buf, buf.view(torch.float32).view(4, 8), done)
                for buf in (first, second)]
-    runtime._grads_pending.extend(pending)
+    runtime._grads.pending.extend(pending)
     runtime.finish_gradients()
-    assert not runtime._grads_pending
+    assert not runtime._grads.pending
     assert host.grad.data_ptr() == first.data_ptr()  # no copy of the first gradient
     assert torch.equal(host.grad, torch.full((4, 8), 3.0))
     assert runtime._staging.take(32 * 4) is second  # the added one's buffer is reused

@@ -1,4 +1,4 @@
-"""The padding-safety fuzzer (graphpass/static_shapes/padding_fuzz.py): fixed-seed programs through the full
+"""The padding-safety fuzzer (graphpass/static_shapes/padding_fuzz/): fixed-seed programs through the full
 torch.compile path, the known unsound classes as fixed programs, and tests that the fuzzer does fail (a rule of the
 proof made unsound on purpose is caught and shrunk)."""
 
