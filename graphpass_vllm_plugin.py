@@ -87,8 +87,12 @@ def wrap_clients() -> None:
         return
     for name in ("make_client", "make_async_mp_client"):
         _wrap(core_client.EngineCoreClient, name, _config_arg, static=True)
-    for cls_name, name in (("SyncMPClient", "get_output"), ("SyncMPClient", "call_utility"),
-                           ("AsyncMPClient", "get_output_async"), ("AsyncMPClient", "call_utility_async")):
+    for cls_name, name in (
+        ("SyncMPClient", "get_output"),
+        ("SyncMPClient", "call_utility"),
+        ("AsyncMPClient", "get_output_async"),
+        ("AsyncMPClient", "call_utility_async"),
+    ):
         cls = getattr(core_client, cls_name, None)
         if cls is not None:
             _wrap(cls, name, lambda args, kwargs: getattr(args[0], "vllm_config", None))
@@ -117,6 +121,7 @@ def _wrap(owner: type, name: str, config_of: Callable[[tuple, dict], Any], stati
     if func is None or getattr(func, "_graphpass", False):
         return
     if inspect.iscoroutinefunction(func):
+
         @functools.wraps(func)
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -125,6 +130,7 @@ def _wrap(owner: type, name: str, config_of: Callable[[tuple, dict], Any], stati
                 _reraise(config_of(args, kwargs), exc)
                 raise
     else:
+
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -132,5 +138,6 @@ def _wrap(owner: type, name: str, config_of: Callable[[tuple, dict], Any], stati
             except Exception as exc:
                 _reraise(config_of(args, kwargs), exc)
                 raise
+
     wrapper._graphpass = True
     setattr(owner, name, staticmethod(wrapper) if static else wrapper)

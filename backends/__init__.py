@@ -30,8 +30,15 @@ from graphpass.errors import ConfigError, DelegateError
 
 from .base import Delegate, call_registered
 from .neuron import NEURON_NAMES, NeuronDelegate
-from .registry import (DelegateEntry, delegate_entry, delegate_names, entry_for_function, make_delegate,
-                       register_delegate, unregister_delegate)
+from .registry import (
+    DelegateEntry,
+    delegate_entry,
+    delegate_names,
+    entry_for_function,
+    make_delegate,
+    register_delegate,
+    unregister_delegate,
+)
 from .xla import XLA_NAMES, XlaDelegate, xla_name_of  # noqa: F401 (xla_name_of: importable here as before)
 
 __all__ = [
@@ -54,8 +61,12 @@ __all__ = [
 class InductorDelegate(Delegate):
     name = "inductor"
 
-    def __init__(self, mode: str | None = None, options: Mapping[str, Any] | None = None,
-                 post_grad: Callable[[torch.fx.GraphModule], Any] | None = None) -> None:
+    def __init__(
+        self,
+        mode: str | None = None,
+        options: Mapping[str, Any] | None = None,
+        post_grad: Callable[[torch.fx.GraphModule], Any] | None = None,
+    ) -> None:
         self.mode = mode
         self.options = dict(options or {})
         # graph -> the post_grad_custom_post_pass for it (or None); the backend (graphpass.dynamo_backend) supplies
@@ -113,10 +124,15 @@ def _registered(name: str) -> bool:
 
 
 # The table of graphpass's own delegates (backends/registry.py); names it does not hold are Dynamo's.
-register_delegate("inductor", lambda name, mode, options: InductorDelegate(mode=mode, options=options),
-                  takes_options=True, host_code=True)
-register_delegate(NEURON_NAMES, lambda name, mode, options: NeuronDelegate(options=options),
-                  takes_options=True, host_code=False)
+register_delegate(
+    "inductor",
+    lambda name, mode, options: InductorDelegate(mode=mode, options=options),
+    takes_options=True,
+    host_code=True,
+)
+register_delegate(
+    NEURON_NAMES, lambda name, mode, options: NeuronDelegate(options=options), takes_options=True, host_code=False
+)
 register_delegate(XLA_NAMES, XlaDelegate, takes_options=False, host_code=False, by_function=True)
 
 
@@ -147,8 +163,10 @@ def check_delegate_spec(spec: Any) -> None:
         from torch._dynamo.backends.registry import list_backends
 
         raise ConfigError(
-            "then", spec, f"unknown delegate backend (registered: {', '.join(sorted(list_backends(exclude_tags=())))}; "
-            f"adapters: {', '.join(delegate_names())})"
+            "then",
+            spec,
+            f"unknown delegate backend (registered: {', '.join(sorted(list_backends(exclude_tags=())))}; "
+            f"adapters: {', '.join(delegate_names())})",
         )
     if not callable(spec):
         raise ConfigError("then", spec, f"expected a backend name or callable, not {type(spec).__name__}")
@@ -179,7 +197,9 @@ def why_no_options(spec: Any) -> str | None:
         takes = _takes_options(fn)
     if takes:
         return None
-    return f"{what} takes no options= argument, so delegate_options would be ignored; remove them or use then='inductor'"
+    return (
+        f"{what} takes no options= argument, so delegate_options would be ignored; remove them or use then='inductor'"
+    )
 
 
 def _takes_options(fn: Callable) -> bool:

@@ -23,8 +23,13 @@ class Delegate:
         return f"{type(self).__name__}({self.name!r})"
 
 
-def call_registered(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                    options: Mapping[str, Any] | None = None, mode: str | None = None) -> Callable:
+def call_registered(
+    name: str,
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable:
     """Compile ``gm`` with the Dynamo backend registered as ``name``, passing ``options`` and a
     non-default ``mode`` the way ``torch.compile`` passes them to a backend."""
     from torch._dynamo.backends.registry import lookup_backend

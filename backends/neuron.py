@@ -92,8 +92,9 @@ class NeuronDelegate(Delegate):
             return backend(aten_gm, list(aten_inputs))
 
         compiler = make_boxed_compiler(handoff)
-        return aot_module_simplified(gm, list(example_inputs), fw_compiler=compiler, bw_compiler=compiler,
-                                     decompositions=decompositions)
+        return aot_module_simplified(
+            gm, list(example_inputs), fw_compiler=compiler, bw_compiler=compiler, decompositions=decompositions
+        )
 
 
 def _refuse_non_aten(aten_gm: torch.fx.GraphModule, backend_name: str) -> None:
@@ -114,4 +115,5 @@ def _refuse_non_aten(aten_gm: torch.fx.GraphModule, backend_name: str) -> None:
         f"aten left: {'; '.join(lines)}. graphpass runs custom ops without an aten decomposition on the host "
         "between pieces, but this one appeared only during the lowering (inside another op's decomposition, "
         "or a higher-order op). Register an aten decomposition for it (torch._decomp.register_decomposition) "
-        "or call it directly in the model's forward, so graphpass can run it on the host.")
+        "or call it directly in the model's forward, so graphpass can run it on the host."
+    )

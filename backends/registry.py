@@ -34,8 +34,15 @@ from graphpass.errors import DelegateError, DelegateRegistrationError
 
 from .base import Delegate
 
-__all__ = ["DelegateEntry", "register_delegate", "unregister_delegate", "delegate_entry", "delegate_names",
-           "entry_for_function", "make_delegate"]
+__all__ = [
+    "DelegateEntry",
+    "register_delegate",
+    "unregister_delegate",
+    "delegate_entry",
+    "delegate_names",
+    "entry_for_function",
+    "make_delegate",
+]
 
 RESERVED = ("graphpass",)  # graphpass cannot delegate to itself by name
 
@@ -59,8 +66,14 @@ _LOCK = threading.Lock()
 _TABLE: dict[str, DelegateEntry] = {}  # every name (aliases included) -> its entry, in registration order
 
 
-def register_delegate(names: str | tuple[str, ...] | list[str], factory: Callable[..., Delegate] | None = None, *,
-                      takes_options: bool, host_code: bool, by_function: bool = False) -> Any:
+def register_delegate(
+    names: str | tuple[str, ...] | list[str],
+    factory: Callable[..., Delegate] | None = None,
+    *,
+    takes_options: bool,
+    host_code: bool,
+    by_function: bool = False,
+) -> Any:
     """Add a kind of delegate to the table under ``names`` (one name or several). Returns its
     :class:`DelegateEntry`; without ``factory``, a decorator that registers the factory it decorates and
     returns it unchanged (``@register_delegate("mine", takes_options=False, host_code=True)``).
@@ -68,6 +81,7 @@ def register_delegate(names: str | tuple[str, ...] | list[str], factory: Callabl
     Raises :class:`~graphpass.errors.DelegateRegistrationError` for a name already in the table, a reserved
     or empty name, a factory that is not callable, or flags that are not ``True``/``False``."""
     if factory is None:
+
         def decorate(fn: Callable[..., Delegate]) -> Callable[..., Delegate]:
             register_delegate(names, fn, takes_options=takes_options, host_code=host_code, by_function=by_function)
             return fn
@@ -80,7 +94,8 @@ def register_delegate(names: str | tuple[str, ...] | list[str], factory: Callabl
         if taken:
             raise DelegateRegistrationError(
                 f"delegate name {taken[0]!r} is already registered (by {_TABLE[taken[0]].factory!r}); names are "
-                f"unique in the delegate table: choose another name or unregister_delegate({taken[0]!r}) first")
+                f"unique in the delegate table: choose another name or unregister_delegate({taken[0]!r}) first"
+            )
         for name in entry.names:
             _TABLE[name] = entry
     return entry
@@ -91,8 +106,9 @@ def unregister_delegate(name: str) -> DelegateEntry:
     with _LOCK:
         entry = _TABLE.get(name)
         if entry is None:
-            raise DelegateRegistrationError(f"no delegate is registered as {name!r} (registered: "
-                                            f"{', '.join(_TABLE) or 'none'})")
+            raise DelegateRegistrationError(
+                f"no delegate is registered as {name!r} (registered: {', '.join(_TABLE) or 'none'})"
+            )
         for alias in entry.names:
             del _TABLE[alias]
     return entry
@@ -120,13 +136,16 @@ def entry_for_function(fn: Any) -> tuple[str, DelegateEntry] | None:
     return next(((n, e) for n, e in candidates if _COMPILER_FNS.get(n) is fn), None)
 
 
-def make_delegate(entry: DelegateEntry, name: str, mode: str | None = None,
-                  options: Mapping[str, Any] | None = None) -> Delegate:
+def make_delegate(
+    entry: DelegateEntry, name: str, mode: str | None = None, options: Mapping[str, Any] | None = None
+) -> Delegate:
     """The entry's delegate for ``then=name``: its factory's, given the entry's ``host_code``."""
     delegate = entry.factory(name=name, mode=mode, options=dict(options or {}))
     if not isinstance(delegate, Delegate):
-        raise DelegateError(f"the factory of the delegate {name!r} ({entry.factory!r}) returned "
-                            f"{type(delegate).__name__}, not a graphpass.backends.Delegate")
+        raise DelegateError(
+            f"the factory of the delegate {name!r} ({entry.factory!r}) returned "
+            f"{type(delegate).__name__}, not a graphpass.backends.Delegate"
+        )
     if delegate.host_code != entry.host_code:
         delegate.host_code = entry.host_code  # the table says where the graph is split
     return delegate
@@ -138,11 +157,14 @@ def _check_names(names: Any) -> tuple[str, ...]:
         raise DelegateRegistrationError(f"a delegate needs a name or a tuple of names, not {names!r}")
     for name in found:
         if not isinstance(name, str) or not name or name != name.strip():
-            raise DelegateRegistrationError(f"a delegate name must be a non-empty string without surrounding "
-                                            f"spaces, not {name!r}")
+            raise DelegateRegistrationError(
+                f"a delegate name must be a non-empty string without surrounding spaces, not {name!r}"
+            )
         if name in RESERVED:
-            raise DelegateRegistrationError(f"the delegate name {name!r} is reserved: graphpass cannot delegate "
-                                            "to itself by name (pass graphpass.backend(...) as then=)")
+            raise DelegateRegistrationError(
+                f"the delegate name {name!r} is reserved: graphpass cannot delegate "
+                "to itself by name (pass graphpass.backend(...) as then=)"
+            )
     if len(set(found)) != len(found):
         raise DelegateRegistrationError(f"a delegate's names are given twice: {found!r}")
     return found
@@ -150,9 +172,12 @@ def _check_names(names: Any) -> tuple[str, ...]:
 
 def _check_entry(entry: DelegateEntry) -> None:
     if not callable(entry.factory):
-        raise DelegateRegistrationError(f"the factory of the delegate {entry.name!r} must be callable "
-                                        f"(factory(name=, mode=, options=) -> Delegate), not {entry.factory!r}")
+        raise DelegateRegistrationError(
+            f"the factory of the delegate {entry.name!r} must be callable "
+            f"(factory(name=, mode=, options=) -> Delegate), not {entry.factory!r}"
+        )
     for flag in ("takes_options", "host_code", "by_function"):
         if not isinstance(getattr(entry, flag), bool):
-            raise DelegateRegistrationError(f"{flag} of the delegate {entry.name!r} must be True or False, "
-                                            f"not {getattr(entry, flag)!r}")
+            raise DelegateRegistrationError(
+                f"{flag} of the delegate {entry.name!r} must be True or False, not {getattr(entry, flag)!r}"
+            )

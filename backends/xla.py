@@ -34,7 +34,9 @@ class XlaDelegate(Delegate):
 
     host_code = False
 
-    def __init__(self, name: str = "openxla", mode: str | None = None, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, name: str = "openxla", mode: str | None = None, options: Mapping[str, Any] | None = None
+    ) -> None:
         self.name = name
         self.mode = mode
         self.options = dict(options or {})
@@ -46,7 +48,9 @@ class XlaDelegate(Delegate):
         try:
             import torch_xla  # noqa: F401  (the bridge the backend imports when it compiles)
         except ImportError as exc:
-            raise DelegateUnavailableError(INSTALL_HINT.format(name=self.name) + f"Importing 'torch_xla' failed: {exc}") from None
+            raise DelegateUnavailableError(
+                INSTALL_HINT.format(name=self.name) + f"Importing 'torch_xla' failed: {exc}"
+            ) from None
 
     def compile(self, gm, example_inputs) -> Callable:
         return call_registered(self.name, gm, example_inputs, self.options, self.mode)

@@ -143,8 +143,11 @@ def compile_cost(sizes: list[int], then: str, layers: int) -> list[tuple[int, fl
     model = TinyTransformer(TransformerConfig(vocab=1024, hidden=128, heads=4, layers=layers, mlp=512)).eval()
     timer = TimedDelegate(then)
     buckets = sorted({16, *sizes})
-    compiled = torch.compile(model, dynamic=True, backend=graphpass.backend(
-        then=timer, static_shapes={"dims": {"ids": 1}, "buckets": buckets}))
+    compiled = torch.compile(
+        model,
+        dynamic=True,
+        backend=graphpass.backend(then=timer, static_shapes={"dims": {"ids": 1}, "buckets": buckets}),
+    )
     rows = []
     with torch.no_grad():
         for size in buckets:
@@ -168,8 +171,11 @@ def compare(name: str, lengths: list[int], budgets: list[int], per_graph: float)
 
     pow2 = power_of_two_buckets(max(lengths))
     base = padding_report(lengths, pow2)
-    match = next(k for k in range(1, len(pow2) + 1)
-                 if padding_report(lengths, choose_buckets(lengths, k)).padded_tokens <= base.padded_tokens)
+    match = next(
+        k
+        for k in range(1, len(pow2) + 1)
+        if padding_report(lengths, choose_buckets(lengths, k)).padded_tokens <= base.padded_tokens
+    )
     plans = {"powers of two (NxD)": pow2}
     for k in sorted({len(pow2), match, *budgets}):
         tags = [t for t, hit in (("as many graphs", k == len(pow2)), ("fewest padding <= pow2", k == match)) if hit]
@@ -178,9 +184,18 @@ def compare(name: str, lengths: list[int], budgets: list[int], per_graph: float)
     for label, buckets in plans.items():
         r = padding_report(lengths, buckets)
         graphs = len(buckets)
-        rows.append([name, label, graphs, f"{r.fraction:.3f}", f"{r.padded_tokens / base.padded_tokens:.3f}",
-                     f"{graphs / len(pow2):.3f}", f"{graphs * per_graph:.1f}",
-                     f"{(len(pow2) - graphs) * per_graph:+.1f}"])
+        rows.append(
+            [
+                name,
+                label,
+                graphs,
+                f"{r.fraction:.3f}",
+                f"{r.padded_tokens / base.padded_tokens:.3f}",
+                f"{graphs / len(pow2):.3f}",
+                f"{graphs * per_graph:.1f}",
+                f"{(len(pow2) - graphs) * per_graph:+.1f}",
+            ]
+        )
         lists[f"{name}: {label}"] = buckets
     return rows, lists
 
@@ -188,8 +203,10 @@ def compare(name: str, lengths: list[int], budgets: list[int], per_graph: float)
 def describe(lengths: list[int]) -> str:
     s = sorted(lengths)
     q = lambda p: s[min(len(s) - 1, int(p * len(s)))]  # noqa: E731
-    return (f"{len(s)} lengths, {len(set(s))} distinct, min {s[0]}, median {q(0.5)}, p90 {q(0.9)}, "
-            f"max {s[-1]}, {sum(s)} tokens")
+    return (
+        f"{len(s)} lengths, {len(set(s))} distinct, min {s[0]}, median {q(0.5)}, p90 {q(0.9)}, "
+        f"max {s[-1]}, {sum(s)} tokens"
+    )
 
 
 def main() -> None:
@@ -215,19 +232,40 @@ def main() -> None:
     print(f"tokenized with cl100k_base in {t_tok:.1f} s")
     for name, lengths in loads.items():
         print(f"  {name}: {describe(lengths)}")
-    print(f"\nmeasured: one bucket graph of TinyTransformer ({args.layers} layers, hidden 128) through graphpass -> "
-          f"{args.then}, cold cache")
-    print(tabulate([[b, f"{c:.2f}", f"{u:.2f}", f"{f:.2f}"] for b, c, u, f in cost],
-                   headers=["bucket", "delegate compile s", "its CPU s", "first call - second call s"]))
-    print(f"per-graph compile cost used below (median CPU s; wall time is larger while other work shares the "
-          f"cores): {per_graph:.2f} s\n")
+    print(
+        f"\nmeasured: one bucket graph of TinyTransformer ({args.layers} layers, hidden 128) through graphpass -> "
+        f"{args.then}, cold cache"
+    )
+    print(
+        tabulate(
+            [[b, f"{c:.2f}", f"{u:.2f}", f"{f:.2f}"] for b, c, u, f in cost],
+            headers=["bucket", "delegate compile s", "its CPU s", "first call - second call s"],
+        )
+    )
+    print(
+        f"per-graph compile cost used below (median CPU s; wall time is larger while other work shares the "
+        f"cores): {per_graph:.2f} s\n"
+    )
     rows, lists = [], {}
     for name, lengths in loads.items():
         r, lst = compare(name, lengths, args.budgets, per_graph)
         rows += r
         lists.update(lst)
-    print(tabulate(rows, headers=["workload", "buckets", "graphs", "padded fraction", "padded tokens vs pow2",
-                                  "graphs vs pow2", "compile CPU s (derived)", "saved vs pow2 s (derived)"]))
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "workload",
+                "buckets",
+                "graphs",
+                "padded fraction",
+                "padded tokens vs pow2",
+                "graphs vs pow2",
+                "compile CPU s (derived)",
+                "saved vs pow2 s (derived)",
+            ],
+        )
+    )
     print()
     for label, buckets in lists.items():
         print(f"{label}: {buckets}")

@@ -52,8 +52,15 @@ def build(layers: int, hidden: int):
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, use_cache=False)
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -66,9 +73,15 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--delegate", default="inductor")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--mode", default=None, help="torch.compile mode passed to the delegate (reduce-overhead: CUDA graphs)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (1: the writer gets the other core of a 2-core machine)")
+    ap.add_argument(
+        "--mode", default=None, help="torch.compile mode passed to the delegate (reduce-overhead: CUDA graphs)"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: the writer gets the other core of a 2-core machine)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -77,8 +90,10 @@ def main() -> None:
     model = torch.compile(model, backend=graphpass.backend(then=args.delegate, mode=args.mode))
     modules = [f"model.layers.0-{args.layers - 1}"]
     tmp = tempfile.TemporaryDirectory(prefix="gp-capture-cost-")
-    caps = {w: graphpass.ModelCapture(model, modules=modules, capture_dir=f"{tmp.name}/{w}",
-                                      staging={"writer": w}) for w in ("process", "thread")}
+    caps = {
+        w: graphpass.ModelCapture(model, modules=modules, capture_dir=f"{tmp.name}/{w}", staging={"writer": w})
+        for w in ("process", "thread")
+    }
     sizes = {"decode (1 token)": 1, f"prefill ({args.prefill} tokens)": args.prefill}
     if args.prefill <= 1:  # --prefill 0: decode only
         sizes.pop(f"prefill ({args.prefill} tokens)")
@@ -87,18 +102,35 @@ def main() -> None:
         for label, n in sizes.items():
             rows += measure(label, n, model, caps, args)
             print(tabulate(rows[-4:]), flush=True)  # partial results as they come (the full table follows)
-    print(f"LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, every decoder layer captured "
-          f"({args.layers} files a step), graphpass -> {args.delegate}"
-          f"{f' mode={args.mode}' if args.mode else ''} on {args.device}, torch {torch.__version__}, "
-          f"{args.threads} intra-op thread(s); {args.rounds} rounds x {args.block} calls per variant, interleaved "
-          "(order reversed every round), one step per call; block time includes the final flush()")
-    print(tabulate(rows, headers=["step", "variant", "wall ms / step (median)", "wall min", "wall ratio to off",
-                                  "caller CPU ms / step", "CPU ratio to off"]))
+    print(
+        f"LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, every decoder layer captured "
+        f"({args.layers} files a step), graphpass -> {args.delegate}"
+        f"{f' mode={args.mode}' if args.mode else ''} on {args.device}, torch {torch.__version__}, "
+        f"{args.threads} intra-op thread(s); {args.rounds} rounds x {args.block} calls per variant, interleaved "
+        "(order reversed every round), one step per call; block time includes the final flush()"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "step",
+                "variant",
+                "wall ms / step (median)",
+                "wall min",
+                "wall ratio to off",
+                "caller CPU ms / step",
+                "CPU ratio to off",
+            ],
+        )
+    )
     if args.device == "cuda":
         from torch._dynamo.utils import counters
 
-        skips = dict(counters["inductor"].get("cudagraph_skips", {})) if "cudagraph_skips" in counters["inductor"] \
+        skips = (
+            dict(counters["inductor"].get("cudagraph_skips", {}))
+            if "cudagraph_skips" in counters["inductor"]
             else {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+        )
         print(f"inductor graphs kept off CUDA graphs: {skips or 'none'}")
     for cap in caps.values():
         cap.disable()
@@ -125,10 +157,12 @@ def measure(label: str, n: int, model, caps: dict, args) -> list[list]:
         cap.flush()
         return (time.perf_counter() - t) / args.block, c / args.block
 
-    variants = {"off": lambda: block(None, True),
-                "on (write-behind, process)": lambda: block("process", False),
-                "on (write-behind, thread)": lambda: block("thread", False),
-                "on (wait=True)": lambda: block("process", True)}
+    variants = {
+        "off": lambda: block(None, True),
+        "on (write-behind, process)": lambda: block("process", False),
+        "on (write-behind, thread)": lambda: block("thread", False),
+        "on (wait=True)": lambda: block("process", True),
+    }
     for f in variants.values():  # compile and warm up
         f()
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
@@ -139,9 +173,18 @@ def measure(label: str, n: int, model, caps: dict, args) -> list[list]:
     wall = {k: [w for w, _ in v] for k, v in times.items()}
     cpu = {k: [c for _, c in v] for k, v in times.items()}
     off, off_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
-    return [[label, k, f"{statistics.median(wall[k]) * 1e3:.2f}", f"{min(wall[k]) * 1e3:.2f}",
-             f"{statistics.median(wall[k]) / off:.3f}", f"{statistics.median(cpu[k]) * 1e3:.2f}",
-             f"{statistics.median(cpu[k]) / off_cpu:.3f}"] for k in variants]
+    return [
+        [
+            label,
+            k,
+            f"{statistics.median(wall[k]) * 1e3:.2f}",
+            f"{min(wall[k]) * 1e3:.2f}",
+            f"{statistics.median(wall[k]) / off:.3f}",
+            f"{statistics.median(cpu[k]) * 1e3:.2f}",
+            f"{statistics.median(cpu[k]) / off_cpu:.3f}",
+        ]
+        for k in variants
+    ]
 
 
 if __name__ == "__main__":

@@ -62,17 +62,27 @@ def main() -> None:
             for _ in range(3):
                 f()
         for it in range(args.iters):
-            for k, f in (list(variants.items()) if it % 2 == 0 else list(variants.items())[::-1]):
+            for k, f in list(variants.items()) if it % 2 == 0 else list(variants.items())[::-1]:
                 t = time.perf_counter()
                 f()
                 times[k].append(time.perf_counter() - t)
     base_med = statistics.median(times["plain (no capture nodes)"])
     base_min = min(times["plain (no capture nodes)"])
-    rows = [[k, f"{statistics.median(v) * 1e3:.2f}", f"{min(v) * 1e3:.2f}", f"{statistics.median(v) / base_med:.3f}",
-             f"{min(v) / base_min:.3f}"] for k, v in times.items()]
+    rows = [
+        [
+            k,
+            f"{statistics.median(v) * 1e3:.2f}",
+            f"{min(v) * 1e3:.2f}",
+            f"{statistics.median(v) / base_med:.3f}",
+            f"{min(v) / base_min:.3f}",
+        ]
+        for k, v in times.items()
+    ]
     params = sum(p.numel() for p in {id(p): p for p in base.parameters()}.values())
-    print(f"TinyTransformer {params / 1e6:.1f} M params, batch 1 x {args.seq} tokens, graphpass -> inductor, "
-          f"capturing {', '.join(modules)}; {args.iters} interleaved calls each")
+    print(
+        f"TinyTransformer {params / 1e6:.1f} M params, batch 1 x {args.seq} tokens, graphpass -> inductor, "
+        f"capturing {', '.join(modules)}; {args.iters} interleaved calls each"
+    )
     print(tabulate(rows, headers=["variant", "median ms", "min ms", "ratio (median)", "ratio (min)"]))
     tmp.cleanup()
 

@@ -52,8 +52,14 @@ def main() -> None:
 
     def stage_one() -> float:
         tensors = [(f"model.layers.{i}", v.clone(), "output", "") for i, v in enumerate(values)]
-        meta = {"req_ids": [], "positions": torch.arange(1), "graphpass_version": "0", "torch_version": torch.__version__,
-                "bucket": None, "dropped_steps": 0}
+        meta = {
+            "req_ids": [],
+            "positions": torch.arange(1),
+            "graphpass_version": "0",
+            "torch_version": torch.__version__,
+            "bucket": None,
+            "dropped_steps": 0,
+        }
         c = time.thread_time()
 
         def job() -> tuple:
@@ -77,10 +83,12 @@ def main() -> None:
     writer_cpu = user + system
     behind.close()
     files = sum(len(fs) for _, _, fs in os.walk(tmp.name))
-    print(f"writer={args.writer} modules={args.modules} hidden={args.hidden} steps={args.steps}: "
-          f"caller CPU {caller / args.steps * 1e3:.3f} ms/step, writer CPU {writer_cpu / args.steps * 1e3:.3f} ms/step "
-          f"(user {user / args.steps * 1e3:.3f}, system {system / args.steps * 1e3:.3f}) "
-          f"({files} files on disk)")
+    print(
+        f"writer={args.writer} modules={args.modules} hidden={args.hidden} steps={args.steps}: "
+        f"caller CPU {caller / args.steps * 1e3:.3f} ms/step, writer CPU {writer_cpu / args.steps * 1e3:.3f} ms/step "
+        f"(user {user / args.steps * 1e3:.3f}, system {system / args.steps * 1e3:.3f}) "
+        f"({files} files on disk)"
+    )
     tmp.cleanup()
 
 

@@ -48,8 +48,13 @@ def build(name: str):
         import transformers
 
         cfg = transformers.LlamaConfig(
-            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64,
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
         )
         model = transformers.LlamaForCausalLM(cfg).eval()
         return model, (torch.randint(0, 128, (1, 8)),), {"use_cache": False}
@@ -90,8 +95,14 @@ def worker(name: str, variant: str, iters: int) -> dict:
             compiled(*inputs, **kwargs)
             compile_s, cpu_s = time.perf_counter() - t0, _cpu() - c0
         graphs = gp.graphs if gp is not None else []
-        return {"model": name, "variant": variant, "compile_s": compile_s, "cpu_s": cpu_s, "params": params,
-                "pass_s": sum(g.pass_seconds for g in graphs)}
+        return {
+            "model": name,
+            "variant": variant,
+            "compile_s": compile_s,
+            "cpu_s": cpu_s,
+            "params": params,
+            "pass_s": sum(g.pass_seconds for g in graphs),
+        }
     fns = {v: _compiled(model, v)[0] for v in ("inductor", "graphpass")}
     times: dict[str, list[float]] = {v: [] for v in fns}
     with torch.no_grad():
@@ -105,9 +116,14 @@ def worker(name: str, variant: str, iters: int) -> dict:
                 f(*inputs, **kwargs)
                 times[v].append(time.perf_counter() - t)
     paired = statistics.median(g / i for i, g in zip(times["inductor"], times["graphpass"]))
-    return {"model": name, "variant": "latency", "params": params, "paired_ratio": paired,
-            **{f"{v}_median_ms": statistics.median(ts) * 1e3 for v, ts in times.items()},
-            **{f"{v}_min_ms": min(ts) * 1e3 for v, ts in times.items()}}
+    return {
+        "model": name,
+        "variant": "latency",
+        "params": params,
+        "paired_ratio": paired,
+        **{f"{v}_median_ms": statistics.median(ts) * 1e3 for v, ts in times.items()},
+        **{f"{v}_min_ms": min(ts) * 1e3 for v, ts in times.items()},
+    }
 
 
 def main() -> None:
@@ -132,7 +148,10 @@ def main() -> None:
                 env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", name, variant, "--iters", str(args.iters)],
-                env=env, capture_output=True, text=True, check=True,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
             )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -148,29 +167,65 @@ def main() -> None:
                 results.append(dict(res, round=r))
                 compile_s[variant].append(res["compile_s"])
                 cpu_s[variant].append(res["cpu_s"])
-                print(f"  {name:10s} {variant:9s} round {r}: compile {res['compile_s']:.2f} s wall, "
-                      f"{res['cpu_s']:.2f} s CPU", file=sys.stderr)
+                print(
+                    f"  {name:10s} {variant:9s} round {r}: compile {res['compile_s']:.2f} s wall, "
+                    f"{res['cpu_s']:.2f} s CPU",
+                    file=sys.stderr,
+                )
         lat = run(name, "latency")
         results.append(lat)
-        print(f"  {name:10s} latency: {json.dumps({k: round(v, 4) for k, v in lat.items() if k.endswith('ms')})}",
-              file=sys.stderr)
+        print(
+            f"  {name:10s} latency: {json.dumps({k: round(v, 4) for k, v in lat.items() if k.endswith('ms')})}",
+            file=sys.stderr,
+        )
         ci, cg = statistics.median(compile_s["inductor"]), statistics.median(compile_s["graphpass"])
         ui, ug = statistics.median(cpu_s["inductor"]), statistics.median(cpu_s["graphpass"])
-        pass_s = statistics.median(x.get("pass_s", 0.0) for x in results if x["model"] == name and x["variant"] == "graphpass")
-        rows.append([
-            name, f"{lat['params'] / 1e6:.1f} M",
-            f"{ci:.2f}", f"{cg:.2f}", f"{cg / ci:.3f}", f"{ui:.2f}", f"{ug:.2f}", f"{ug / ui:.3f}",
-            f"{pass_s * 1e3:.1f}",
-            f"{lat['inductor_median_ms']:.3f}", f"{lat['graphpass_median_ms']:.3f}",
-            f"{lat['graphpass_median_ms'] / lat['inductor_median_ms']:.3f}",
-            f"{lat['graphpass_min_ms'] / lat['inductor_min_ms']:.3f}",
-            f"{lat['paired_ratio']:.3f}",
-        ])
-    print(tabulate(rows, headers=["model", "params", "compile inductor s", "compile graphpass s", "ratio",
-                                  "CPU inductor s", "CPU graphpass s", "CPU ratio", "graphpass passes ms", "latency inductor ms", "latency graphpass ms",
-                                  "ratio (median)", "ratio (min)", "ratio (paired)"]))
-    print(f"(compile: median of {args.rounds} cold-cache rounds per variant, fresh process each; "
-          f"latency: {args.iters} interleaved calls per variant in one process)")
+        pass_s = statistics.median(
+            x.get("pass_s", 0.0) for x in results if x["model"] == name and x["variant"] == "graphpass"
+        )
+        rows.append(
+            [
+                name,
+                f"{lat['params'] / 1e6:.1f} M",
+                f"{ci:.2f}",
+                f"{cg:.2f}",
+                f"{cg / ci:.3f}",
+                f"{ui:.2f}",
+                f"{ug:.2f}",
+                f"{ug / ui:.3f}",
+                f"{pass_s * 1e3:.1f}",
+                f"{lat['inductor_median_ms']:.3f}",
+                f"{lat['graphpass_median_ms']:.3f}",
+                f"{lat['graphpass_median_ms'] / lat['inductor_median_ms']:.3f}",
+                f"{lat['graphpass_min_ms'] / lat['inductor_min_ms']:.3f}",
+                f"{lat['paired_ratio']:.3f}",
+            ]
+        )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "model",
+                "params",
+                "compile inductor s",
+                "compile graphpass s",
+                "ratio",
+                "CPU inductor s",
+                "CPU graphpass s",
+                "CPU ratio",
+                "graphpass passes ms",
+                "latency inductor ms",
+                "latency graphpass ms",
+                "ratio (median)",
+                "ratio (min)",
+                "ratio (paired)",
+            ],
+        )
+    )
+    print(
+        f"(compile: median of {args.rounds} cold-cache rounds per variant, fresh process each; "
+        f"latency: {args.iters} interleaved calls per variant in one process)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -94,8 +94,9 @@ def _graphpass_model(model, layers: int, capture_dir: str, out: dict):
 
     import graphpass
 
-    graphpass.offload(model, graphpass.OffloadConfig(include_patterns=["layers.*"], device="cpu", storage="cpu",
-                                                     prefetch_distance=1))
+    graphpass.offload(
+        model, graphpass.OffloadConfig(include_patterns=["layers.*"], device="cpu", storage="cpu", prefetch_distance=1)
+    )
     handler = _PassTimes()
     log = logging.getLogger("graphpass.passes")
     log.addHandler(handler)
@@ -105,8 +106,9 @@ def _graphpass_model(model, layers: int, capture_dir: str, out: dict):
     _watch_pin(out)
     gp = graphpass.backend(then="inductor")
     compiled = torch.compile(model, backend=gp)
-    out["capture"] = graphpass.ModelCapture(compiled, modules=[f"layers.0-{layers - 1}", "lm_head"],
-                                            capture_dir=capture_dir)
+    out["capture"] = graphpass.ModelCapture(
+        compiled, modules=[f"layers.0-{layers - 1}", "lm_head"], capture_dir=capture_dir
+    )
     return compiled, gp
 
 
@@ -139,11 +141,17 @@ def worker(layers: int, variant: str, hidden: int) -> dict:
 
 def _run(layers: int, variant: str, hidden: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="gp-bench-cache-") as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
-                   TORCHINDUCTOR_COMPILE_THREADS="1")
+        env = dict(
+            os.environ,
+            TORCHINDUCTOR_CACHE_DIR=cache,
+            TRITON_CACHE_DIR=os.path.join(cache, "triton"),
+            TORCHINDUCTOR_COMPILE_THREADS="1",
+        )
         out = subprocess.run(
             [sys.executable, __file__, "--worker", str(layers), variant, "--hidden", str(hidden)],
-            env=env, capture_output=True, text=True,
+            env=env,
+            capture_output=True,
+            text=True,
         )
     if out.returncode != 0:
         sys.stderr.write(out.stderr[-4000:])
@@ -156,10 +164,18 @@ def _row(ind: dict, gpr: dict) -> list:
     nodes = gpr["fw_nodes"] + gpr["bw_nodes"]
     share = passes_ms / 1e3 / ind["compile_s"]
     return [
-        gpr["layers"], gpr["fw_nodes"], gpr["bw_nodes"],
-        f"{gpr['pipeline_ms']:.1f}", f"{gpr['pin_ms']:.1f}", f"{passes_ms:.1f}", f"{passes_ms * 1e3 / nodes:.1f}",
-        f"{ind['compile_s']:.1f}", f"{gpr['compile_s']:.1f}", f"{gpr['compile_s'] / ind['compile_s']:.3f}",
-        f"{gpr['cpu_s'] / ind['cpu_s']:.3f}", f"{share * 100:.2f} %",
+        gpr["layers"],
+        gpr["fw_nodes"],
+        gpr["bw_nodes"],
+        f"{gpr['pipeline_ms']:.1f}",
+        f"{gpr['pin_ms']:.1f}",
+        f"{passes_ms:.1f}",
+        f"{passes_ms * 1e3 / nodes:.1f}",
+        f"{ind['compile_s']:.1f}",
+        f"{gpr['compile_s']:.1f}",
+        f"{gpr['compile_s'] / ind['compile_s']:.3f}",
+        f"{gpr['cpu_s'] / ind['cpu_s']:.3f}",
+        f"{share * 100:.2f} %",
     ]
 
 
@@ -181,18 +197,41 @@ def main() -> None:
     for layers in args.layers:
         ind, gpr = _run(layers, "inductor", args.hidden), _run(layers, "graphpass", args.hidden)
         results += [ind, gpr]
-        print(f"  {layers:3d} layers: inductor {ind['compile_s']:.1f} s, graphpass {gpr['compile_s']:.1f} s; "
-              f"passes {json.dumps({k: round(v, 1) for k, v in gpr['per_pass_ms'].items()})} ms, "
-              f"pin_backward_loads {gpr['pin_ms']:.1f} ms", file=sys.stderr)
+        print(
+            f"  {layers:3d} layers: inductor {ind['compile_s']:.1f} s, graphpass {gpr['compile_s']:.1f} s; "
+            f"passes {json.dumps({k: round(v, 1) for k, v in gpr['per_pass_ms'].items()})} ms, "
+            f"pin_backward_loads {gpr['pin_ms']:.1f} ms",
+            file=sys.stderr,
+        )
         rows.append(_row(ind, gpr))
-    print(f"compile_scaling: TinyTransformer hidden {args.hidden}, training step (forward + backward), "
-          f"torch {torch.__version__}, {os.cpu_count()} CPUs")
-    print(tabulate(rows, headers=["layers", "Dynamo nodes", "backward nodes", "pipeline ms", "pin_backward_loads ms",
-                                  "graphpass passes ms", "µs / node", "compile inductor s", "compile graphpass s",
-                                  "ratio", "CPU ratio", "passes / inductor"]))
+    print(
+        f"compile_scaling: TinyTransformer hidden {args.hidden}, training step (forward + backward), "
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "layers",
+                "Dynamo nodes",
+                "backward nodes",
+                "pipeline ms",
+                "pin_backward_loads ms",
+                "graphpass passes ms",
+                "µs / node",
+                "compile inductor s",
+                "compile graphpass s",
+                "ratio",
+                "CPU ratio",
+                "passes / inductor",
+            ],
+        )
+    )
     last = rows[-1]
-    print(f"target: passes under {TARGET_SHARE * 100:.0f} % of inductor's compile at {last[0]} layers -> "
-          f"{'met' if float(last[-1].rstrip(' %')) < TARGET_SHARE * 100 else 'NOT met'}")
+    print(
+        f"target: passes under {TARGET_SHARE * 100:.0f} % of inductor's compile at {last[0]} layers -> "
+        f"{'met' if float(last[-1].rstrip(' %')) < TARGET_SHARE * 100 else 'NOT met'}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

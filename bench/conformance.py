@@ -77,58 +77,168 @@ TOP_K = 2
 
 # attribute -> value, set whenever the config has the attribute (ints only where it is an int)
 EXACT = {
-    "hidden_size": HIDDEN, "d_model": HIDDEN, "n_embd": HIDDEN, "n_embed": HIDDEN, "embed_dim": HIDDEN,
-    "dim": HIDDEN, "model_dim": HIDDEN, "word_embed_proj_dim": HIDDEN, "embedding_size": HIDDEN,
-    "num_hidden_layers": LAYERS, "n_layer": LAYERS, "n_layers": LAYERS, "num_layers": LAYERS,
-    "decoder_layers": LAYERS, "encoder_layers": LAYERS, "num_decoder_layers": LAYERS,
-    "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
-    "decoder_attention_heads": HEADS, "encoder_attention_heads": HEADS,
-    "num_key_value_heads": KV_HEADS, "num_kv_heads": KV_HEADS, "n_kv_heads": KV_HEADS,
+    "hidden_size": HIDDEN,
+    "d_model": HIDDEN,
+    "n_embd": HIDDEN,
+    "n_embed": HIDDEN,
+    "embed_dim": HIDDEN,
+    "dim": HIDDEN,
+    "model_dim": HIDDEN,
+    "word_embed_proj_dim": HIDDEN,
+    "embedding_size": HIDDEN,
+    "num_hidden_layers": LAYERS,
+    "n_layer": LAYERS,
+    "n_layers": LAYERS,
+    "num_layers": LAYERS,
+    "decoder_layers": LAYERS,
+    "encoder_layers": LAYERS,
+    "num_decoder_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "n_head": HEADS,
+    "n_heads": HEADS,
+    "num_heads": HEADS,
+    "decoder_attention_heads": HEADS,
+    "encoder_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "num_kv_heads": KV_HEADS,
+    "n_kv_heads": KV_HEADS,
     "multi_query_group_num": KV_HEADS,
-    "head_dim": HEAD_DIM, "attention_head_dim": HEAD_DIM, "kv_channels": HEAD_DIM,
-    "intermediate_size": INTER, "ffn_dim": INTER, "n_inner": INTER, "decoder_ffn_dim": INTER,
-    "encoder_ffn_dim": INTER, "ffn_hidden_size": INTER, "d_ff": INTER, "inner_hidden_size": INTER,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
-    "moe_ffn_hidden_size": 32, "shared_intermediate_size": 32, "dense_intermediate_size": INTER,
-    "vocab_size": VOCAB, "max_position_embeddings": MAX_POS, "n_positions": MAX_POS, "n_ctx": MAX_POS,
-    "max_seq_len": MAX_POS, "seq_length": MAX_POS, "max_sequence_length": MAX_POS,
-    "num_experts": EXPERTS, "num_local_experts": EXPERTS, "n_routed_experts": EXPERTS, "moe_num_experts": EXPERTS,
-    "num_experts_per_tok": TOP_K, "moe_topk": TOP_K, "top_k": TOP_K, "moe_k": TOP_K, "num_selected_experts": TOP_K,
-    "n_group": 1, "topk_group": 1, "num_expert_group": 1,
-    "first_k_dense_replace": 1, "first_k_dense": 1,
-    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-    "sliding_window": 4, "attention_window_size": 4, "window_size": 4,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "mamba_d_state": 16, "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_head_dim": 32, "mamba_expand": 2,
-    "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_chunk_size": 16, "state_size": 16, "ssm_state_size": 16,
-    "chunk_size": 16, "time_step_rank": 8, "mamba_dt_rank": 8,
-    "d_head": HEAD_DIM, "n_shared_experts": 1, "num_experts_per_token": TOP_K, "index_n_heads": HEADS,
-    "index_head_dim": HEAD_DIM, "index_topk": 4, "layer_group_size": LAYERS,
-    "num_buckets": 32, "rotary_dim": 8, "rotary_emb_base": 10000,
+    "head_dim": HEAD_DIM,
+    "attention_head_dim": HEAD_DIM,
+    "kv_channels": HEAD_DIM,
+    "intermediate_size": INTER,
+    "ffn_dim": INTER,
+    "n_inner": INTER,
+    "decoder_ffn_dim": INTER,
+    "encoder_ffn_dim": INTER,
+    "ffn_hidden_size": INTER,
+    "d_ff": INTER,
+    "inner_hidden_size": INTER,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "moe_ffn_hidden_size": 32,
+    "shared_intermediate_size": 32,
+    "dense_intermediate_size": INTER,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": MAX_POS,
+    "n_positions": MAX_POS,
+    "n_ctx": MAX_POS,
+    "max_seq_len": MAX_POS,
+    "seq_length": MAX_POS,
+    "max_sequence_length": MAX_POS,
+    "num_experts": EXPERTS,
+    "num_local_experts": EXPERTS,
+    "n_routed_experts": EXPERTS,
+    "moe_num_experts": EXPERTS,
+    "num_experts_per_tok": TOP_K,
+    "moe_topk": TOP_K,
+    "top_k": TOP_K,
+    "moe_k": TOP_K,
+    "num_selected_experts": TOP_K,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_expert_group": 1,
+    "first_k_dense_replace": 1,
+    "first_k_dense": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "sliding_window": 4,
+    "attention_window_size": 4,
+    "window_size": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "mamba_d_state": 16,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 32,
+    "mamba_head_dim": 32,
+    "mamba_expand": 2,
+    "mamba_d_conv": 4,
+    "mamba_n_groups": 1,
+    "mamba_chunk_size": 16,
+    "state_size": 16,
+    "ssm_state_size": 16,
+    "chunk_size": 16,
+    "time_step_rank": 8,
+    "mamba_dt_rank": 8,
+    "d_head": HEAD_DIM,
+    "n_shared_experts": 1,
+    "num_experts_per_token": TOP_K,
+    "index_n_heads": HEADS,
+    "index_head_dim": HEAD_DIM,
+    "index_topk": 4,
+    "layer_group_size": LAYERS,
+    "num_buckets": 32,
+    "rotary_dim": 8,
+    "rotary_emb_base": 10000,
 }
 # per-layer lists (patterns) are cut to LAYERS entries (the first layer and the first of another kind)
 PRIMARY_LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern", "attn_layers")
 # lists of layer indices, remapped to the kept layers
-INDEX_LISTS = ("hybrid_layer_ids", "attn_layer_indices", "full_attn_idxs", "mlp_only_layers", "ple_layer_ids",
-               "no_rope_layers_idx")
+INDEX_LISTS = (
+    "hybrid_layer_ids",
+    "attn_layer_indices",
+    "full_attn_idxs",
+    "mlp_only_layers",
+    "ple_layer_ids",
+    "no_rope_layers_idx",
+)
 # int attributes left None by the defaults that the model needs (set when present)
-SET_IF_NONE = ("n_shared_experts", "head_dim", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group")
+SET_IF_NONE = (
+    "n_shared_experts",
+    "head_dim",
+    "num_key_value_heads",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "n_group",
+    "topk_group",
+)
 # per-family overrides applied after the generic shrink (top-level config dict)
 FAMILY = {
-    "reformer": {"attn_layers": ["local", "lsh"], "axial_pos_shape": [8, 16], "axial_pos_embds_dim": [32, 32],
-                 "local_attn_chunk_length": 4, "lsh_attn_chunk_length": 4, "num_hashes": 1, "is_decoder": True,
-                 "max_position_embeddings": 128},
+    "reformer": {
+        "attn_layers": ["local", "lsh"],
+        "axial_pos_shape": [8, 16],
+        "axial_pos_embds_dim": [32, 32],
+        "local_attn_chunk_length": 4,
+        "lsh_attn_chunk_length": 4,
+        "num_hashes": 1,
+        "is_decoder": True,
+        "max_position_embeddings": 128,
+    },
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
-    "zamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "num_hidden_layers": 4,
-              "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"], "attention_hidden_size": 2 * HIDDEN,
-              "attention_head_dim": 2 * HIDDEN // HEADS, "n_mamba_heads": 2},
-    "zamba2": {"attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS, "mamba_headdim": 16,
-               "n_mamba_heads": 8, "kv_channels": HEAD_DIM, "num_query_groups": HEADS, "num_key_value_heads": HEADS,
-               "adapter_rank": 8},
+    "zamba": {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "num_hidden_layers": 4,
+        "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"],
+        "attention_hidden_size": 2 * HIDDEN,
+        "attention_head_dim": 2 * HIDDEN // HEADS,
+        "n_mamba_heads": 2,
+    },
+    "zamba2": {
+        "attention_hidden_size": 2 * HIDDEN,
+        "attention_head_dim": 2 * HIDDEN // HEADS,
+        "mamba_headdim": 16,
+        "n_mamba_heads": 8,
+        "kv_channels": HEAD_DIM,
+        "num_query_groups": HEADS,
+        "num_key_value_heads": HEADS,
+        "adapter_rank": 8,
+    },
     # to_dict() lists an "mlp" block after each attention block and doubles the counts (from_dict halves them):
     # plain layer types (no "mlp") are taken as they are
-    "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1,
-             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    "dory": {
+        "num_hidden_layers": 3,
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    },
     "zaya": {"num_experts_per_tok": 1},
     "dots3_note": {"num_key_value_heads": HEADS},
     "dots3_note_text": {"num_key_value_heads": HEADS},
@@ -136,11 +246,18 @@ FAMILY = {
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1], "block_multiple_of": 16},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "falcon_h1": {"mamba_d_ssm": 128},
-    "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16,
-                     "laurel_rank": 8, "altup_num_inputs": 2},
+    "gemma3n_text": {
+        "num_kv_shared_layers": 0,
+        "vocab_size_per_layer_input": VOCAB,
+        "hidden_size_per_layer_input": 16,
+        "laurel_rank": 8,
+        "altup_num_inputs": 2,
+    },
     "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": HEADS, "num_experts_per_token": TOP_K},
     "longcat_flash": {"expert_ffn_hidden_size": 32, "zero_expert_num": 2},
-    "xlstm": {"num_blocks": LAYERS},  # its layer count (num_hidden_layers is only mirrored from it): 32 blocks by default
+    "xlstm": {
+        "num_blocks": LAYERS
+    },  # its layer count (num_hidden_layers is only mirrored from it): 32 blocks by default
     "blt": {"local_attention_window_len": 16, "encoder_hash_byte_group_vocab": 512, "patch_size": 2},
 }
 
@@ -166,8 +283,12 @@ def _small(key, value):
         return EXACT[key]
     if key in EXACT and value is None and key in SET_IF_NONE:
         return EXACT[key]
-    if isinstance(value, int) and value > 512 and not key.endswith(("_id", "_ids", "_index")) and any(
-            w in key for w in ("size", "dim", "hidden", "width", "channels", "rank", "vocab")):
+    if (
+        isinstance(value, int)
+        and value > 512
+        and not key.endswith(("_id", "_ids", "_index"))
+        and any(w in key for w in ("size", "dim", "hidden", "width", "channels", "rank", "vocab"))
+    ):
         return VOCAB if "vocab" in key else INTER
     return value
 
@@ -179,10 +300,15 @@ def _small_layer_override(o, top):
     out = {k: (2 * HEAD_DIM if k == "head_dim" else _small(k, v)) for k, v in o.items()}
     full = {**top, **o}  # the layer's own values before shrinking
     if "num_key_value_heads" in o and full.get("num_key_value_heads") == full.get("num_attention_heads"):
-        out["num_key_value_heads"] = out.get("num_attention_heads", _small("num_attention_heads", top.get("num_attention_heads")))
+        out["num_key_value_heads"] = out.get(
+            "num_attention_heads", _small("num_attention_heads", top.get("num_attention_heads"))
+        )
     parts = ("qk_nope_head_dim", "qk_rope_head_dim")
-    if any(k in o for k in parts) and all(isinstance(full.get(k), int) for k in parts + ("head_dim",)) \
-            and full["head_dim"] == full["qk_nope_head_dim"] + full["qk_rope_head_dim"]:
+    if (
+        any(k in o for k in parts)
+        and all(isinstance(full.get(k), int) for k in parts + ("head_dim",))
+        and full["head_dim"] == full["qk_nope_head_dim"] + full["qk_rope_head_dim"]
+    ):
         out["head_dim"] = sum(out.get(k, _small(k, top[k])) for k in parts)
     return out
 
@@ -191,10 +317,18 @@ def shrink_dict(d, model_type=None):
     """A config dict (``PretrainedConfig.to_dict()``) shrunk to a tiny model; sub-configs too."""
     d = dict(d)
     for key, value in list(d.items()):
-        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config") or key in ("decoder", "encoder")):
+        if isinstance(value, dict) and (
+            "model_type" in value or key.endswith("_config") or key in ("decoder", "encoder")
+        ):
             d[key] = shrink_dict(value, value.get("model_type"))
-    n = next((d[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
-              if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), None)
+    n = next(
+        (
+            d[k]
+            for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
+            if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)
+        ),
+        None,
+    )
     keep = _keep_indices(d, n) if n and n > LAYERS else None
     src = dict(d)  # the values before shrinking (a per-layer override is read against them)
     for key, value in list(d.items()):
@@ -205,7 +339,9 @@ def shrink_dict(d, model_type=None):
         elif keep and key in INDEX_LISTS and isinstance(value, list):
             value = [keep.index(i) for i in value if i in keep]
         elif keep and key == "per_layer_config" and isinstance(value, dict):
-            value = {f"{keep.index(int(i)):02d}": _small_layer_override(o, src) for i, o in value.items() if int(i) in keep}
+            value = {
+                f"{keep.index(int(i)):02d}": _small_layer_override(o, src) for i, o in value.items() if int(i) in keep
+            }
         if isinstance(value, list) and key in EXACT and value and all(isinstance(v, int) for v in value):
             value = [EXACT[key]] * len(value)
         d[key] = _small(key, value)
@@ -223,8 +359,12 @@ def shrink_dict(d, model_type=None):
             d["num_key_value_heads"] = d["num_attention_heads"]
         if "qk_head_dim" in d:
             d["qk_head_dim"] = d["qk_rope_head_dim"] + d.get("qk_nope_head_dim", 0)
-    if model_type == "mamba2" or (isinstance(d.get("num_heads"), int) and isinstance(d.get("expand"), int)
-                                  and isinstance(d.get("head_dim"), int) and "state_size" in d):
+    if model_type == "mamba2" or (
+        isinstance(d.get("num_heads"), int)
+        and isinstance(d.get("expand"), int)
+        and isinstance(d.get("head_dim"), int)
+        and "state_size" in d
+    ):
         d["num_heads"] = d.get("expand", 2) * d.get("hidden_size", HIDDEN) // d["head_dim"]
     if isinstance(d.get("mamba_n_heads"), int) and isinstance(d.get("mamba_d_head"), int):
         d["mamba_d_head"] = d.get("mamba_expand", 2) * d.get("hidden_size", HIDDEN) // d["mamba_n_heads"]
@@ -479,8 +619,9 @@ def _col_offload(ctx, info, storage):
     with tempfile.TemporaryDirectory(prefix="gp-conf-") as tmp:
         include = [re.escape(ctx.block_container) + r"\.\d+"] if ctx.block_container else None
         info["include_patterns"] = include
-        cfg = graphpass.OffloadConfig(include_patterns=include, device="cpu", storage=storage,
-                                      disk_path=tmp if storage == "disk" else None)
+        cfg = graphpass.OffloadConfig(
+            include_patterns=include, device="cpu", storage=storage, disk_path=tmp if storage == "disk" else None
+        )
         state = graphpass.offload(model, cfg)
         info["streamed"] = len(state.records)
         compiled = torch.compile(model, backend=ctx.backend())
@@ -515,11 +656,16 @@ def col_capture(ctx, info):
     from graphpass.capturing.ops import output_key_path
 
     eager_out = {}
+
     def hook(m):
         def fn(mod, args, out):  # each output tensor under its key path (``[0]``, ``.last_hidden_state``)
-            named = [(output_key_path(out, p), t.detach().clone()) for p, t in tree_flatten_with_path(out)[0]
-                     if isinstance(t, torch.Tensor)]
+            named = [
+                (output_key_path(out, p), t.detach().clone())
+                for p, t in tree_flatten_with_path(out)[0]
+                if isinstance(t, torch.Tensor)
+            ]
             eager_out.setdefault(m, named)  # returns None: output unchanged
+
         return fn
 
     hooks = [dict(ctx.model.named_modules())[m].register_forward_hook(hook(m)) for m in mods]
@@ -553,7 +699,9 @@ def col_capture(ctx, info):
                 raise AssertionError(f"{m}: {len(tensors)} tensors captured, {len(want)} eager outputs")
             for key, w in want:  # every eager output tensor, under its own name, with its value
                 if key not in tensors:
-                    raise AssertionError(f"{m}: output {key} {tuple(w.shape)} not captured (file keys {sorted(tensors)[:6]})")
+                    raise AssertionError(
+                        f"{m}: output {key} {tuple(w.shape)} not captured (file keys {sorted(tensors)[:6]})"
+                    )
                 ok, d = _close(tensors[key], w, ctx.delegate)
                 info.setdefault("max_diff", {})[f"{m}{key}"] = d
                 if not ok:
@@ -589,14 +737,23 @@ def col_static(ctx, info):
     plans = [g.analysis.bucket_plan for g in gp.graphs if getattr(g.analysis, "bucket_plan", None) is not None]
     active = [g for g in gp.graphs if getattr(g, "runner", None) is not None]
     refused = [r for p in plans for r in (p.refused or [])]
-    info.update(compiles=len(calls), first_call_graphs=first, graphs=len(gp.graphs), padded=len(active),
-                refused=[str(r)[:300] for r in refused[:2]],
-                warnings=[str(w.message)[:400] for w in caught if "static_shapes" in str(w.message)][:2])
+    info.update(
+        compiles=len(calls),
+        first_call_graphs=first,
+        graphs=len(gp.graphs),
+        padded=len(active),
+        refused=[str(r)[:300] for r in refused[:2]],
+        warnings=[str(w.message)[:400] for w in caught if "static_shapes" in str(w.message)][:2],
+    )
     limit = max(first or 1, 1) * (len(BUCKETS) + 1)
     if len(calls) > limit and active:  # the bound is a promise of bucketing: a refused plan runs dynamic
         raise AssertionError(f"{len(calls)} delegate compilations > {limit} ((buckets + 1) x {first} graphs)")
-    skipped = [str(w.message) for w in caught if "static_shapes" in str(w.message) and "skipped a frame" in str(w.message)]
-    specialized = [str(w.message) for w in caught if "static_shapes" in str(w.message) and "Dynamo specialized" in str(w.message)]
+    skipped = [
+        str(w.message) for w in caught if "static_shapes" in str(w.message) and "skipped a frame" in str(w.message)
+    ]
+    specialized = [
+        str(w.message) for w in caught if "static_shapes" in str(w.message) and "Dynamo specialized" in str(w.message)
+    ]
     if active:
         info["state"] = "bucketed"
     elif specialized:  # the model's code makes the length a Python int: Dynamo itself recompiles per length
@@ -630,8 +787,14 @@ def col_generate(ctx, info):
         raise AssertionError(f"tokens differ: {got[0, SEQ:].tolist()} vs eager {want[0, SEQ:].tolist()}")
 
 
-CHECKS = {"traps": col_traps, "offload_cpu": col_offload_cpu, "offload_disk": col_offload_disk,
-          "capture": col_capture, "static": col_static, "generate": col_generate}
+CHECKS = {
+    "traps": col_traps,
+    "offload_cpu": col_offload_cpu,
+    "offload_disk": col_offload_disk,
+    "capture": col_capture,
+    "static": col_static,
+    "generate": col_generate,
+}
 
 
 def check_arch(model_type: str, delegate: str = "aot_eager", columns=None, progress=None) -> dict:
@@ -659,8 +822,11 @@ def check_arch(model_type: str, delegate: str = "aot_eager", columns=None, progr
     try:
         ctx = _Ctx(model_type, delegate)
         res["cells"]["eager"] = "pass"
-        res["info"]["eager"] = {"class": type(ctx.model).__name__, "params": sum(p.numel() for p in ctx.model.parameters()),
-                                "blocks": ctx.blocks}
+        res["info"]["eager"] = {
+            "class": type(ctx.model).__name__,
+            "params": sum(p.numel() for p in ctx.model.parameters()),
+            "blocks": ctx.blocks,
+        }
     except Exception as err:
         res["info"]["eager"] = {"traceback": traceback.format_exc()[-2000:]}
         res["na"] = eager_na_reason(model_type, err)
@@ -672,6 +838,7 @@ def check_arch(model_type: str, delegate: str = "aot_eager", columns=None, progr
         return res
     res["seconds"]["eager"] = round(time.perf_counter() - t0, 2)
     report(res)
+
     def run_col(col):
         fn = col_plain if col == "plain_aot_eager" else CHECKS[col]
         info = {}
@@ -718,22 +885,39 @@ def _run_one_subprocess(model_type, args, log_dir):
     out = log_dir / f"{model_type}.json"
     log = log_dir / f"{model_type}.log"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", model_type, "--json-out", str(out),
-           "--delegate", args.delegate, "--columns", ",".join(args.columns)]
-    env = dict(os.environ, GP_CONF_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads),
-               GRAPHPASS_PROGRESS="0")  # its output is a log file: no bars in it
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--one",
+        model_type,
+        "--json-out",
+        str(out),
+        "--delegate",
+        args.delegate,
+        "--columns",
+        ",".join(args.columns),
+    ]
+    env = dict(
+        os.environ, GP_CONF_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads), GRAPHPASS_PROGRESS="0"
+    )  # its output is a log file: no bars in it
     timeout = int(args.timeout * SLOW.get(model_type, 1))
     t0 = time.perf_counter()
     timed_out = False
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
             os.killpg(proc.pid, 9)
             rc = proc.wait()
-    res = json.loads(out.read_text()) if out.exists() else {"arch": model_type, "cells": {}, "info": {}, "seconds": {}, "na": None}
+    res = (
+        json.loads(out.read_text())
+        if out.exists()
+        else {"arch": model_type, "cells": {}, "info": {}, "seconds": {}, "na": None}
+    )
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     columns = ["eager"] + args.columns
     if timed_out or rc != 0 or "total" not in res.get("seconds", {}):
@@ -745,7 +929,9 @@ def _run_one_subprocess(model_type, args, log_dir):
             if col == "generate" and model_type not in GENERATE_SUBSET:
                 res["cells"][col] = "skip"
             else:
-                res["cells"][col] = f"FAIL: {why} (log: {os.path.relpath(log, ROOT)})" if first else f"FAIL: not run ({why})"
+                res["cells"][col] = (
+                    f"FAIL: {why} (log: {os.path.relpath(log, ROOT)})" if first else f"FAIL: not run ({why})"
+                )
                 first = False
     return res
 
@@ -772,12 +958,15 @@ def run_all(archs, run_one, columns, jobs=1):
     results = {}
     lock = threading.Lock()
     with progress.bar(len(archs), "graphpass conformance", unit="arch") as shown:
+
         def job(a):
             r = run_one(a)
             bad = [f"{c}: {r['cells'].get(c)}" for c in columns if r["cells"].get(c, "").startswith(("FAIL", "n/a"))]
             with lock:
                 results[a] = r
-                _echo(f"[{len(results):3d}/{len(archs)}] {a:28s} {r['wall_s']:6.1f}s  {'ok' if not bad else bad[0][:110]}")
+                _echo(
+                    f"[{len(results):3d}/{len(archs)}] {a:28s} {r['wall_s']:6.1f}s  {'ok' if not bad else bad[0][:110]}"
+                )
                 shown.update(1)
 
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -791,7 +980,15 @@ def totals(results, columns):
         c = {"pass": 0, "FAIL": 0, "n/a": 0, "skip": 0}
         for r in results:
             cell = r["cells"].get(col, "")
-            key = "pass" if cell.startswith("pass") else "FAIL" if cell.startswith("FAIL") else "n/a" if cell.startswith("n/a") else "skip"
+            key = (
+                "pass"
+                if cell.startswith("pass")
+                else "FAIL"
+                if cell.startswith("FAIL")
+                else "n/a"
+                if cell.startswith("n/a")
+                else "skip"
+            )
             c[key] += 1
         tot[col] = c
     return tot
@@ -802,11 +999,21 @@ def main(argv=None):
     p.add_argument("--one", help="run one architecture in this process")
     p.add_argument("--json-out", help="where to write the JSON")
     p.add_argument("--only", help="comma-separated model types (default: the whole causal-LM mapping)")
-    p.add_argument("--after", help="only the model types after this one in the mapping's (alphabetical) order: "
-                   "resume a run that stopped there")
-    p.add_argument("--delegate", default="aot_eager", help="graphpass then= for every column (aot_eager, inductor, ...)")
+    p.add_argument(
+        "--after",
+        help="only the model types after this one in the mapping's (alphabetical) order: "
+        "resume a run that stopped there",
+    )
+    p.add_argument(
+        "--delegate", default="aot_eager", help="graphpass then= for every column (aot_eager, inductor, ...)"
+    )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--timeout", type=int, default=None, help="seconds per architecture (default 150; 400 for inductor; x SLOW[arch] for the rows listed there)")
+    p.add_argument(
+        "--timeout",
+        type=int,
+        default=None,
+        help="seconds per architecture (default 150; 400 for inductor; x SLOW[arch] for the rows listed there)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per subprocess")
     p.add_argument("--columns", default=",".join(CHECKS), help="columns to run")
     p.add_argument("--log-dir", help="per-architecture logs and JSON (default bench/out/conformance_logs[_<delegate>])")
@@ -838,7 +1045,7 @@ def main(argv=None):
     if args.after:
         if args.after not in archs:
             p.error(f"--after {args.after!r}: not a model type of the causal-LM mapping")
-        archs = archs[archs.index(args.after) + 1:]
+        archs = archs[archs.index(args.after) + 1 :]
     suffix = "" if args.delegate == "aot_eager" else f"_{args.delegate}"
     log_dir = Path(args.log_dir) if args.log_dir else OUT / f"conformance_logs{suffix}"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -868,20 +1075,38 @@ def main(argv=None):
             cell = r["cells"].get("static", "")
             states[cell if not cell.startswith("FAIL") else "FAIL"] = states.get(cell, 0) + 1
         bucketed = states.get("pass (bucketed)", 0)
-        print(f"static column over {len(runnable)} runnable architectures: "
-              + ", ".join(f"{k}: {v}" for k, v in sorted(states.items(), key=lambda kv: -kv[1]))
-              + f"; bucketed {100 * bucketed / max(1, len(runnable)):.1f} %")
+        print(
+            f"static column over {len(runnable)} runnable architectures: "
+            + ", ".join(f"{k}: {v}" for k, v in sorted(states.items(), key=lambda kv: -kv[1]))
+            + f"; bucketed {100 * bucketed / max(1, len(runnable)):.1f} %"
+        )
     failing = [r for r in ordered if not r.get("na") and any(r["cells"].get(c, "").startswith("FAIL") for c in columns)]
     print(f"rows with a failing column (not n/a): {len(failing)}")
-    print(f"delegate {args.delegate}; torch {torch.__version__}, transformers {transformers.__version__}; "
-          f"{len(ordered)} architectures in {wall:.0f}s with --jobs {args.jobs}")
+    print(
+        f"delegate {args.delegate}; torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"{len(ordered)} architectures in {wall:.0f}s with --jobs {args.jobs}"
+    )
     out = Path(args.json_out) if args.json_out else OUT / f"conformance{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
-        "delegate": args.delegate, "torch": torch.__version__, "transformers": transformers.__version__,
-        "wall_s": round(wall, 1), "columns": columns, "totals": tot, "na": {r["arch"]: r["na"] for r in na_rows},
-        "table": table, "results": ordered}, indent=1, default=str))
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python "
+                + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
+                "delegate": args.delegate,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "wall_s": round(wall, 1),
+                "columns": columns,
+                "totals": tot,
+                "na": {r["arch"]: r["na"] for r in na_rows},
+                "table": table,
+                "results": ordered,
+            },
+            indent=1,
+            default=str,
+        )
+    )
     print(f"wrote {os.path.relpath(out, ROOT)}")
     return 0
 

@@ -48,11 +48,28 @@ def main() -> None:
     for n in range(1, args.max + 1):
         res = run(n, args.loops)
         wall = statistics.median(w for w, _ in res)
-        rows.append([n, f"{wall:.2f}", f"{statistics.median(c for _, c in res):.2f}", f"{wall / base:.2f}",
-                     f"{n * base / wall:.2f}"])
+        rows.append(
+            [
+                n,
+                f"{wall:.2f}",
+                f"{statistics.median(c for _, c in res):.2f}",
+                f"{wall / base:.2f}",
+                f"{n * base / wall:.2f}",
+            ]
+        )
     print(f"os.cpu_count() = {os.cpu_count()}; the same loop in N processes at once")
-    print(tabulate(rows, headers=["processes", "wall s (median)", "CPU s (median)", "wall ratio to 1 process",
-                                  "cores' worth of work done"]))
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "processes",
+                "wall s (median)",
+                "CPU s (median)",
+                "wall ratio to 1 process",
+                "cores' worth of work done",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -48,14 +48,17 @@ def _build(args):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
-    cfg = TransformerConfig(vocab=8192, hidden=args.hidden, heads=8, layers=args.layers, mlp=4 * args.hidden,
-                            max_seq=max(512, args.seq))
+    cfg = TransformerConfig(
+        vocab=8192, hidden=args.hidden, heads=8, layers=args.layers, mlp=4 * args.hidden, max_seq=max(512, args.seq)
+    )
     base = TinyTransformer(cfg).eval().requires_grad_(False)
     # the fused q|k|v and gate|up outputs are split unevenly: colwise layers all-gather their output
-    plan = {"attn.qkv": ColwiseParallel(output_layouts=Replicate()),
-            "attn.o_proj": RowwiseParallel(input_layouts=Replicate()),
-            "mlp.gate_up": ColwiseParallel(output_layouts=Replicate()),
-            "mlp.down": RowwiseParallel(input_layouts=Replicate())}
+    plan = {
+        "attn.qkv": ColwiseParallel(output_layouts=Replicate()),
+        "attn.o_proj": RowwiseParallel(input_layouts=Replicate()),
+        "mlp.gate_up": ColwiseParallel(output_layouts=Replicate()),
+        "mlp.down": RowwiseParallel(input_layouts=Replicate()),
+    }
     mesh = init_device_mesh("cpu", (args.world,))
     models = []
     for _ in range(4):
@@ -68,8 +71,12 @@ def _build(args):
 
 
 # variant -> the variant its ratio is taken against
-BASELINE = {"inductor": "inductor", "graphpass -> inductor": "inductor",
-            "graphpass -> eager": "graphpass -> eager", "graphpass -> eager + capture on": "graphpass -> eager"}
+BASELINE = {
+    "inductor": "inductor",
+    "graphpass -> inductor": "inductor",
+    "graphpass -> eager": "graphpass -> eager",
+    "graphpass -> eager + capture on": "graphpass -> eager",
+}
 
 
 def _variants(args, models, ids, folder):
@@ -114,7 +121,7 @@ def _rank(rank: int, args, port: int, out: str) -> None:
             times = {k: [] for k in variants}
             names = list(variants)
             for i in range(args.iters):
-                for k in (names if i % 2 == 0 else names[::-1]):
+                for k in names if i % 2 == 0 else names[::-1]:
                     dist.barrier()
                     t0 = time.perf_counter()
                     variants[k]()
@@ -139,10 +146,21 @@ def main() -> None:
     names = list(ranks[0]["times"])
     slowest = {k: [max(r["times"][k][i] for r in ranks) for i in range(args.iters)] for k in names}
     med = {k: statistics.median(v) for k, v in slowest.items()}
-    rows = [(k, f"{med[k] * 1e3:.2f}", f"{min(slowest[k]) * 1e3:.2f}", BASELINE[k], f"{med[k] / med[BASELINE[k]]:.3f}",
-             f"{max(r['diffs'][k] for r in ranks):.1e}") for k in names]
-    print(f"TP={args.world} (gloo, CPU, 1 thread per rank), TinyTransformer hidden {args.hidden}, {args.layers} layers, "
-          f"batch 1 x {args.seq} tokens, {args.iters} interleaved rounds; per round the slowest rank's time")
+    rows = [
+        (
+            k,
+            f"{med[k] * 1e3:.2f}",
+            f"{min(slowest[k]) * 1e3:.2f}",
+            BASELINE[k],
+            f"{med[k] / med[BASELINE[k]]:.3f}",
+            f"{max(r['diffs'][k] for r in ranks):.1e}",
+        )
+        for k in names
+    ]
+    print(
+        f"TP={args.world} (gloo, CPU, 1 thread per rank), TinyTransformer hidden {args.hidden}, {args.layers} layers, "
+        f"batch 1 x {args.seq} tokens, {args.iters} interleaved rounds; per round the slowest rank's time"
+    )
     print(tabulate(rows, headers=("variant", "median ms", "min ms", "baseline", "ratio", "max |out - inductor|")))
 
 

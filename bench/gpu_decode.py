@@ -105,9 +105,14 @@ def offloaded(base: nn.Module, args, device: torch.device, storage: str):
     """A copy of ``base`` offloaded with a budget that keeps all but ``--streamed`` layers resident."""
     model = copy.deepcopy(base)
     one = layer_bytes(model.layers[0])
-    cfg = graphpass.OffloadConfig(include_patterns=["layers.*"], exclude_patterns=["layers.*.cache"],
-                                  device=str(device), storage=storage, prefetch_distance=1,
-                                  max_device_bytes=(args.layers - args.streamed) * one + 2 * one)
+    cfg = graphpass.OffloadConfig(
+        include_patterns=["layers.*"],
+        exclude_patterns=["layers.*.cache"],
+        device=str(device),
+        storage=storage,
+        prefetch_distance=1,
+        max_device_bytes=(args.layers - args.streamed) * one + 2 * one,
+    )
     state = graphpass.offload(model, cfg)
     return model, state
 
@@ -131,16 +136,20 @@ def accelerate_model(base: nn.Module, args, device: torch.device):
 def run_batch(batch: int, args, device: torch.device, bw: float | None) -> list[list]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    base = Decoder(args.layers, args.hidden, args.heads, batch, args.context, dtype).to(dtype).eval().requires_grad_(False)
+    base = (
+        Decoder(args.layers, args.hidden, args.heads, batch, args.context, dtype).to(dtype).eval().requires_grad_(False)
+    )
     x = torch.randn(batch, 1, args.hidden, dtype=dtype, device=device)
     cuda = device.type == "cuda"
     storage = "pinned" if cuda else "cpu"
     rows, ref = [], None
     then = "inductor" if cuda else "aot_eager"
-    variants = [("resident, inductor reduce-overhead (= compute)", None, "reduce-overhead"),
-                ("graphpass offload -> inductor reduce-overhead", storage, "reduce-overhead"),
-                (f"graphpass offload -> {then} (no CUDA graphs)", storage, None),
-                ("accelerate cpu_offload (eager)", "accelerate", None)]
+    variants = [
+        ("resident, inductor reduce-overhead (= compute)", None, "reduce-overhead"),
+        ("graphpass offload -> inductor reduce-overhead", storage, "reduce-overhead"),
+        (f"graphpass offload -> {then} (no CUDA graphs)", storage, None),
+        ("accelerate cpu_offload (eager)", "accelerate", None),
+    ]
     times: dict[str, float] = {}
     streamed = args.streamed * layer_bytes(base.layers[0])
     for name, how, mode in variants:
@@ -169,16 +178,34 @@ def run_batch(batch: int, args, device: torch.device, bw: float | None) -> list[
         ref = out if ref is None else ref
         times[name] = t
         peak = torch.cuda.max_memory_allocated(device) / MiB if cuda else float("nan")
-        rows.append([batch, name, f"{t * 1e3:.3f}", None, f"{peak:.0f}", f"{(out.float() - ref.float()).abs().max().item():.3g}",
-                     f"{time.perf_counter() - t0:.0f} s"])
+        rows.append(
+            [
+                batch,
+                name,
+                f"{t * 1e3:.3f}",
+                None,
+                f"{peak:.0f}",
+                f"{(out.float() - ref.float()).abs().max().item():.3g}",
+                f"{time.perf_counter() - t0:.0f} s",
+            ]
+        )
         del fn, model
     compute = next(iter(times.values()), float("nan"))
     bound = max(compute, streamed / bw) if bw else compute
     for row in rows:
         if row[3] is None:
             row[3] = f"{float(row[2]) / 1e3 / bound:.3f}"
-    rows.append([batch, "bound max(compute, streamed / H2D)", f"{bound * 1e3:.3f}", "1.000", "", "",
-                 f"{streamed / MiB:.0f} MiB streamed" + (f" at {bw / 1e9:.1f} GB/s" if bw else "")])
+    rows.append(
+        [
+            batch,
+            "bound max(compute, streamed / H2D)",
+            f"{bound * 1e3:.3f}",
+            "1.000",
+            "",
+            "",
+            f"{streamed / MiB:.0f} MiB streamed" + (f" at {bw / 1e9:.1f} GB/s" if bw else ""),
+        ]
+    )
     return rows
 
 
@@ -205,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for batch in args.batch:
         rows += run_batch(batch, args, device, bw)
-    print(f"gpu_decode: {args.layers} layers, hidden {args.hidden}, {args.streamed} streamed, context {args.context}, "
-          f"torch {torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
+    print(
+        f"gpu_decode: {args.layers} layers, hidden {args.hidden}, {args.streamed} streamed, context {args.context}, "
+        f"torch {torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
+    )
     print(tabulate(rows, headers=["batch", "variant", "median ms / step", "x bound", "peak MiB", "max |diff|", "note"]))
     print(f"target: graphpass -> inductor reduce-overhead within {TARGET} x the bound")
     return 0

@@ -128,8 +128,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prefetch", type=int, default=1, help="graphpass prefetch_distance")
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth test copy")
-    ap.add_argument("--variants", nargs="+", default=["graphpass", "accelerate", "flextensor"],
-                    choices=["graphpass", "accelerate", "flextensor"])
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["graphpass", "accelerate", "flextensor"],
+        choices=["graphpass", "accelerate", "flextensor"],
+    )
     ap.add_argument("--small", action="store_true", help="smoke run: 4 layers, hidden 256, inter 1024, tokens 1 and 16")
     args = ap.parse_args()
     if args.small:
@@ -151,10 +155,12 @@ def main() -> None:
     layer_keys = [k for k in sd if k.startswith("layers.")]
     offloaded = sum(sd[k].numel() * sd[k].element_size() for k in layer_keys)
     total = sum(t.numel() * t.element_size() for t in sd.values())
-    print(f"model: {args.layers} layers x (LayerNorm, Linear {args.hidden}->{args.inter}, GELU, Linear "
-          f"{args.inter}->{args.hidden}) {str(dtype).replace('torch.', '')} + norm + head; {total / MiB:.0f} MiB, "
-          f"offloaded (layers.*) {offloaded / MiB:.0f} MiB = {offloaded / args.layers / MiB:.1f} MiB per trap; "
-          f"weights made in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"model: {args.layers} layers x (LayerNorm, Linear {args.hidden}->{args.inter}, GELU, Linear "
+        f"{args.inter}->{args.hidden}) {str(dtype).replace('torch.', '')} + norm + head; {total / MiB:.0f} MiB, "
+        f"offloaded (layers.*) {offloaded / MiB:.0f} MiB = {offloaded / args.layers / MiB:.1f} MiB per trap; "
+        f"weights made in {time.perf_counter() - t0:.1f} s"
+    )
     if cuda:
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
 
@@ -162,8 +168,10 @@ def main() -> None:
     if cuda:
         bw = pinned_bandwidth(args.copy_mib * MiB, device)
         transfer_s = offloaded / bw
-        print(f"pinned host->device bandwidth ({args.copy_mib} MiB copies, median of 5): {bw / 1e9:.1f} GB/s "
-              f"({bw / (1 << 30):.1f} GiB/s) -> offloaded bytes / bandwidth = {transfer_s * 1e3:.2f} ms per forward")
+        print(
+            f"pinned host->device bandwidth ({args.copy_mib} MiB copies, median of 5): {bw / 1e9:.1f} GB/s "
+            f"({bw / (1 << 30):.1f} GiB/s) -> offloaded bytes / bandwidth = {transfer_s * 1e3:.2f} ms per forward"
+        )
     else:
         bw, transfer_s = None, 0.0
         print("device cpu: no host->device transfer; the bound is the compute time (smoke run of the code path)")
@@ -186,8 +194,12 @@ def main() -> None:
         print(tabulate(probe, headers=["tokens", "eager ms/forward", "compute / transfer"]))
     else:
         tokens = [int(t) for t in args.tokens]
-    inputs = {t: torch.randn(t, args.hidden, generator=torch.Generator().manual_seed(t), dtype=torch.float32)
-              .to(dtype).to(device) for t in tokens}
+    inputs = {
+        t: torch.randn(t, args.hidden, generator=torch.Generator().manual_seed(t), dtype=torch.float32)
+        .to(dtype)
+        .to(device)
+        for t in tokens
+    }
     print(f"token counts: {tokens}; {args.iters} timed forwards each (median), after {args.warmup} warm-up\n")
 
     lat: dict[str, dict[int, tuple[float, float]]] = {}
@@ -206,8 +218,11 @@ def main() -> None:
             outs[name][t] = out.float().cpu()
         if cuda:
             mem[name] = torch.cuda.max_memory_allocated(device)
-        print(f"[{name}] {time.perf_counter() - t0:.1f} s (with any compile not done before): "
-              + ", ".join(f"{t} tokens {lat[name][t][0] * 1e3:.2f} ms" for t in tokens), flush=True)
+        print(
+            f"[{name}] {time.perf_counter() - t0:.1f} s (with any compile not done before): "
+            + ", ".join(f"{t} tokens {lat[name][t][0] * 1e3:.2f} ms" for t in tokens),
+            flush=True,
+        )
 
     def attempt(name: str, body) -> None:
         try:
@@ -222,7 +237,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
 
     def run_resident():
-        measure(RES, torch.compile(resident, backend="inductor", dynamic=False))
+        measure(RES, torch.compile(resident, backend="inductor", dynamic=False))  # noqa: F821 (bound above; the del below)
 
     attempt(RES, run_resident)
     del resident
@@ -236,9 +251,14 @@ def main() -> None:
     def run_graphpass():
         torch._dynamo.reset()  # the resident run compiled Stack.forward: offload() refuses a compiled class
         model = build(args, sd)
-        cfg = graphpass.OffloadConfig(include_patterns=["layers.*"], exclude_patterns=[], device=str(device),
-                                      storage="pinned" if cuda else "cpu", prefetch_distance=args.prefetch,
-                                      max_device_bytes=None)
+        cfg = graphpass.OffloadConfig(
+            include_patterns=["layers.*"],
+            exclude_patterns=[],
+            device=str(device),
+            storage="pinned" if cuda else "cpu",
+            prefetch_distance=args.prefetch,
+            max_device_bytes=None,
+        )
         state = graphpass.offload(model, cfg)
         print(f"[graphpass] {state}")
         compiled = torch.compile(model, backend="graphpass", dynamic=False)
@@ -251,9 +271,11 @@ def main() -> None:
         gp_stats.update(dataclasses.asdict(s), peak_resident_bytes=s.peak_resident_bytes)
         n = len(tokens) * (args.iters + args.warmup)
         print(f"[graphpass] memory_stats over {n} forwards: {s}")
-        print(f"[graphpass] per forward: {s.bytes_loaded / n / MiB:.0f} MiB loaded, {s.loads_issued / n:.0f} loads, "
-              f"{s.wait_seconds / n * 1e3:.2f} ms waiting for loads; peak streamed on device "
-              f"{s.peak_streamed_bytes / MiB:.0f} MiB")
+        print(
+            f"[graphpass] per forward: {s.bytes_loaded / n / MiB:.0f} MiB loaded, {s.loads_issued / n:.0f} loads, "
+            f"{s.wait_seconds / n * 1e3:.2f} ms waiting for loads; peak streamed on device "
+            f"{s.peak_streamed_bytes / MiB:.0f} MiB"
+        )
 
     if "graphpass" in args.variants:
         attempt(GP, run_graphpass)
@@ -289,8 +311,10 @@ def main() -> None:
         with torch.no_grad():
             for _ in range(om.iters_before_inference):
                 proxy(inputs[max(tokens)])
-        print(f"[flextensor] {om.iters_before_inference} discovery/profiling forwards at {max(tokens)} tokens: "
-              f"{time.perf_counter() - t0:.1f} s")
+        print(
+            f"[flextensor] {om.iters_before_inference} discovery/profiling forwards at {max(tokens)} tokens: "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
         measure(FT, proxy)
         try:
             print(f"[flextensor] gpu memory usage: {ft.get_gpu_memory_usage()}")
@@ -324,17 +348,40 @@ def main() -> None:
             diff = "-"
             if name != comp_name and comp_name in outs:
                 diff = f"{(outs[name][t] - outs[comp_name][t]).abs().max().item():.2e}"
-            rows.append([t, name, f"{med * 1e3:.2f}", f"{mn * 1e3:.2f}",
-                         f"{bound * 1e3:.2f}" if bound else "-",
-                         f"{med / bound:.3f}" if bound else "-",
-                         f"{mem[name] / MiB:.0f}" if name in mem else "-", diff])
+            rows.append(
+                [
+                    t,
+                    name,
+                    f"{med * 1e3:.2f}",
+                    f"{mn * 1e3:.2f}",
+                    f"{bound * 1e3:.2f}" if bound else "-",
+                    f"{med / bound:.3f}" if bound else "-",
+                    f"{mem[name] / MiB:.0f}" if name in mem else "-",
+                    diff,
+                ]
+            )
         for name, note in notes.items():
             if name not in lat:
                 rows.append([t, name, note, "", "", "", "", ""])
-    print(tabulate(rows, headers=["tokens", "variant", "median ms", "min ms", "bound ms", "median / bound",
-                                  "peak device MiB", "max |diff| vs resident"]))
-    print(f"bound = max(compute = resident inductor latency, offloaded {offloaded / MiB:.0f} MiB / "
-          + (f"{bw / 1e9:.1f} GB/s = {transfer_s * 1e3:.2f} ms)" if bw else "n/a on cpu)"))
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "tokens",
+                "variant",
+                "median ms",
+                "min ms",
+                "bound ms",
+                "median / bound",
+                "peak device MiB",
+                "max |diff| vs resident",
+            ],
+        )
+    )
+    print(
+        f"bound = max(compute = resident inductor latency, offloaded {offloaded / MiB:.0f} MiB / "
+        + (f"{bw / 1e9:.1f} GB/s = {transfer_s * 1e3:.2f} ms)" if bw else "n/a on cpu)")
+    )
     if GP in lat and compute:
         checks = []
         for t in tokens:

@@ -81,12 +81,22 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dg-blocks", type=int, default=1, help="diffusers num_blocks_per_group (1: lowest memory)")
-    ap.add_argument("--ft-mem-fraction", default="auto",
-                    help="flextensor max_gpu_mem_fraction: 'auto' (graphpass peak / device memory), 'none', or a number")
-    ap.add_argument("--time-budget", type=float, default=85.0,
-                    help="seconds from the start; a variant not started by then is skipped (one started runs on)")
-    ap.add_argument("--variants", nargs="+", default=["resident", "graphpass", "diffusers", "diffusers-compile",
-                                                       "flextensor", "flextensor-compile"])
+    ap.add_argument(
+        "--ft-mem-fraction",
+        default="auto",
+        help="flextensor max_gpu_mem_fraction: 'auto' (graphpass peak / device memory), 'none', or a number",
+    )
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=85.0,
+        help="seconds from the start; a variant not started by then is skipped (one started runs on)",
+    )
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["resident", "graphpass", "diffusers", "diffusers-compile", "flextensor", "flextensor-compile"],
+    )
     args = ap.parse_args()
     if args.small:
         args.layers, args.single_layers, args.heads, args.image, args.text_tokens = 1, 2, 2, 128, 16
@@ -97,10 +107,18 @@ def parse_args() -> argparse.Namespace:
 def flux_config(args) -> dict:
     small = args.small
     head_dim = 32 if small else 128
-    return dict(patch_size=1, in_channels=64, num_layers=args.layers, num_single_layers=args.single_layers,
-                attention_head_dim=head_dim, num_attention_heads=args.heads,
-                joint_attention_dim=64 if small else 4096, pooled_projection_dim=32 if small else 768,
-                guidance_embeds=True, axes_dims_rope=(8, 12, 12) if small else (16, 56, 56))
+    return dict(
+        patch_size=1,
+        in_channels=64,
+        num_layers=args.layers,
+        num_single_layers=args.single_layers,
+        attention_head_dim=head_dim,
+        num_attention_heads=args.heads,
+        joint_attention_dim=64 if small else 4096,
+        pooled_projection_dim=32 if small else 768,
+        guidance_embeds=True,
+        axes_dims_rope=(8, 12, 12) if small else (16, 56, 56),
+    )
 
 
 def build(cfg: dict, sd: dict[str, torch.Tensor]):
@@ -143,10 +161,13 @@ def make_inputs(cfg: dict, args, device: torch.device, dtype: torch.dtype) -> di
     img_ids = torch.zeros(side, side, 3)
     img_ids[..., 1] = torch.arange(side)[:, None]
     img_ids[..., 2] = torch.arange(side)[None, :]
-    inp = dict(hidden_states=torch.randn(1, side * side, cfg["in_channels"], generator=g),
-               encoder_hidden_states=torch.randn(1, args.text_tokens, cfg["joint_attention_dim"], generator=g),
-               pooled_projections=torch.randn(1, cfg["pooled_projection_dim"], generator=g),
-               timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]))
+    inp = dict(
+        hidden_states=torch.randn(1, side * side, cfg["in_channels"], generator=g),
+        encoder_hidden_states=torch.randn(1, args.text_tokens, cfg["joint_attention_dim"], generator=g),
+        pooled_projections=torch.randn(1, cfg["pooled_projection_dim"], generator=g),
+        timestep=torch.tensor([0.5]),
+        guidance=torch.tensor([3.5]),
+    )
     inp = {k: v.to(device=device, dtype=dtype) for k, v in inp.items()}
     inp["img_ids"] = img_ids.reshape(-1, 3).to(device=device, dtype=dtype)
     inp["txt_ids"] = torch.zeros(args.text_tokens, 3, device=device, dtype=dtype)
@@ -226,8 +247,11 @@ class Runner:
             res = body()
             res["before"] = before
             self.results[name] = res
-            print(f"[{name}] median {res['ms']:.2f} ms, warm-up {res['warm_s']:.1f} s"
-                  + (f", peak {res['peak'] / MiB:.0f} MiB" if res["peak"] is not None else ""), flush=True)
+            print(
+                f"[{name}] median {res['ms']:.2f} ms, warm-up {res['warm_s']:.1f} s"
+                + (f", peak {res['peak'] / MiB:.0f} MiB" if res["peak"] is not None else ""),
+                flush=True,
+            )
         except OutOfTime:
             self.notes[name] = f"killed by SIGTERM (out of time) {time.perf_counter() - t0:.0f} s into this variant"
             raise
@@ -256,9 +280,13 @@ class Runner:
 
         torch._dynamo.reset()  # offload() refuses a class Dynamo holds compiled code for
         model = build(self.cfg, self.sd)
-        cfg = graphpass.OffloadConfig(include_patterns=BLOCKS, device=str(self.device),
-                                      storage="pinned" if self.cuda else "cpu", prefetch_distance=1,
-                                      max_device_bytes=budget)
+        cfg = graphpass.OffloadConfig(
+            include_patterns=BLOCKS,
+            device=str(self.device),
+            storage="pinned" if self.cuda else "cpu",
+            prefetch_distance=1,
+            max_device_bytes=budget,
+        )
         state = graphpass.offload(model, cfg)
         print(f"[graphpass] {state}" + (f", max_device_bytes {budget / MiB:.0f} MiB" if budget else ""))
         compiled = torch.compile(model, backend=graphpass.backend(then="inductor", traps=BLOCKS), dynamic=False)
@@ -283,8 +311,13 @@ class Runner:
     def diffusers(self, compile_: bool) -> dict:
         model = build(self.cfg, self.sd)
         # use_stream needs an accelerator: diffusers raises ValueError for onload_device cpu
-        model.enable_group_offload(onload_device=self.device, offload_device="cpu", offload_type="block_level",
-                                   num_blocks_per_group=self.args.dg_blocks, use_stream=self.cuda)
+        model.enable_group_offload(
+            onload_device=self.device,
+            offload_device="cpu",
+            offload_type="block_level",
+            num_blocks_per_group=self.args.dg_blocks,
+            use_stream=self.cuda,
+        )
         if compile_:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 1000)
             model.compile()
@@ -309,8 +342,14 @@ class Runner:
                 child.to(self.device)  # flextensor streams the included blocks; the rest is placed by the user
         frac = self.ft_fraction(fraction)
         # pinned_memory (default True) raises without CUDA; on a CPU smoke run try the pageable path
-        cfg = ft.OffloadConfig(include_patterns=FT_BLOCKS, gpu_device=self.device.index or 0, pinned_memory=self.cuda,
-                               max_gpu_mem_fraction=frac, num_blocks=2, min_blocks=2)
+        cfg = ft.OffloadConfig(
+            include_patterns=FT_BLOCKS,
+            gpu_device=self.device.index or 0,
+            pinned_memory=self.cuda,
+            max_gpu_mem_fraction=frac,
+            num_blocks=2,
+            min_blocks=2,
+        )
         print(f"[flextensor] max_gpu_mem_fraction={frac}, num_blocks=2", flush=True)
         try:
             fn = ft.offload(model, cfg, compile_fn=(lambda m: torch.compile(m, dynamic=False)) if compile_ else None)
@@ -373,14 +412,34 @@ def report(r: Runner) -> None:
     for name, res in r.results.items():
         diff = "-" if ref is None or name == RES else f"{(res['out'] - ref['out']).abs().max().item():.2e}"
         peak = res["peak"]
-        rows.append([name, f"{res['ms']:.2f}", f"{res['min_ms']:.2f}",
-                     f"{res['ms'] / gp['ms']:.2f}" if gp else "-",
-                     f"{peak / MiB:.0f}" if peak is not None else "n/a",
-                     f"{peak / gp['peak']:.2f}" if peak is not None and gp and gp["peak"] else "-",
-                     f"{res['before'] / MiB:.0f}" if res["before"] is not None else "n/a", diff])
+        rows.append(
+            [
+                name,
+                f"{res['ms']:.2f}",
+                f"{res['min_ms']:.2f}",
+                f"{res['ms'] / gp['ms']:.2f}" if gp else "-",
+                f"{peak / MiB:.0f}" if peak is not None else "n/a",
+                f"{peak / gp['peak']:.2f}" if peak is not None and gp and gp["peak"] else "-",
+                f"{res['before'] / MiB:.0f}" if res["before"] is not None else "n/a",
+                diff,
+            ]
+        )
     print()
-    print(tabulate(rows, headers=["variant", "median ms", "min ms", "ms / graphpass", "peak device MiB",
-                                  "peak / graphpass peak", "alloc before MiB", "max |diff| vs resident"]))
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "variant",
+                "median ms",
+                "min ms",
+                "ms / graphpass",
+                "peak device MiB",
+                "peak / graphpass peak",
+                "alloc before MiB",
+                "max |diff| vs resident",
+            ],
+        )
+    )
     if r.notes:
         print()
         print(tabulate(list(r.notes.items()), headers=["variant not measured", "what happened"]))
@@ -393,9 +452,13 @@ def report(r: Runner) -> None:
             mine = r.results.get(name)
             if mine is not None:
                 ok = mine["ms"] <= peers[best]["ms"]
-                print(f"\ntarget: {name} {mine['ms']:.2f} ms <= fastest peer {best} {peers[best]['ms']:.2f} ms: "
-                      f"{'PASS' if ok else 'FAIL'} (ratio {mine['ms'] / peers[best]['ms']:.3f}, peak "
-                      f"{mine['peak'] / max(1, peers[best]['peak'] or 1):.2f} x the peer's)" if r.cuda else "")
+                print(
+                    f"\ntarget: {name} {mine['ms']:.2f} ms <= fastest peer {best} {peers[best]['ms']:.2f} ms: "
+                    f"{'PASS' if ok else 'FAIL'} (ratio {mine['ms'] / peers[best]['ms']:.3f}, peak "
+                    f"{mine['peak'] / max(1, peers[best]['peak'] or 1):.2f} x the peer's)"
+                    if r.cuda
+                    else ""
+                )
     if not r.cuda:
         print("(device cpu: a smoke run of the code path; latency and memory targets are about the GPU)")
 
@@ -417,22 +480,30 @@ def main() -> None:
     total = sum(t.nbytes for t in sd.values())
     blocks = sum(t.nbytes for k, t in sd.items() if k.split(".")[0] in CONTAINERS)
     inputs = make_inputs(cfg, args, device, dtype)
-    print(f"model: FluxTransformer2DModel {cfg}\n  {total / MiB:.0f} MiB {str(dtype).replace('torch.', '')} weights, "
-          f"{blocks / MiB:.0f} MiB in the {args.layers + args.single_layers} blocks (streamed); batch 1, "
-          f"{(args.image // 16) ** 2} image + {args.text_tokens} text tokens; made in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"model: FluxTransformer2DModel {cfg}\n  {total / MiB:.0f} MiB {str(dtype).replace('torch.', '')} weights, "
+        f"{blocks / MiB:.0f} MiB in the {args.layers + args.single_layers} blocks (streamed); batch 1, "
+        f"{(args.image // 16) ** 2} image + {args.text_tokens} text tokens; made in {time.perf_counter() - t0:.1f} s"
+    )
     if cuda:
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
     for mod in ("diffusers", "flextensor", "graphpass"):
         try:
-            print(f"  {mod} {__import__(mod).__version__}" + (f" (DISABLE_BEARTYPE={os.environ['DISABLE_BEARTYPE']})"
-                                                              if mod == "flextensor" else ""))
+            print(
+                f"  {mod} {__import__(mod).__version__}"
+                + (f" (DISABLE_BEARTYPE={os.environ['DISABLE_BEARTYPE']})" if mod == "flextensor" else "")
+            )
         except Exception as exc:
             print(f"  {mod}: {type(exc).__name__}: {exc}")
-    print(f"{args.iters} timed forwards (median) after {args.warmup} warm-up; time budget {args.time_budget:.0f} s\n",
-          flush=True)
+    print(
+        f"{args.iters} timed forwards (median) after {args.warmup} warm-up; time budget {args.time_budget:.0f} s\n",
+        flush=True,
+    )
     if not cuda:
-        print("device cpu: graphpass uses storage='cpu' and diffusers use_stream=False (diffusers raises ValueError "
-              "for use_stream with a cpu onload device); the names below keep their GPU labels")
+        print(
+            "device cpu: graphpass uses storage='cpu' and diffusers use_stream=False (diffusers raises ValueError "
+            "for use_stream with a cpu onload device); the names below keep their GPU labels"
+        )
     r = Runner(args, cfg, sd, inputs, device)
     signal.signal(signal.SIGTERM, on_sigterm)
     killed = False

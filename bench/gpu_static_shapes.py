@@ -57,10 +57,15 @@ def main() -> None:
     }
     static = {"dims": {"ids": 1}, "buckets": args.buckets}
     variants = {
-        "graphpass buckets -> cudagraphs": torch.compile(model, backend=graphpass.backend(
-            then=counters["graphpass buckets -> cudagraphs"], static_shapes=static)),
-        "graphpass buckets -> inductor reduce-overhead": torch.compile(model, backend=graphpass.backend(
-            then=counters["graphpass buckets -> inductor reduce-overhead"], static_shapes=static)),
+        "graphpass buckets -> cudagraphs": torch.compile(
+            model, backend=graphpass.backend(then=counters["graphpass buckets -> cudagraphs"], static_shapes=static)
+        ),
+        "graphpass buckets -> inductor reduce-overhead": torch.compile(
+            model,
+            backend=graphpass.backend(
+                then=counters["graphpass buckets -> inductor reduce-overhead"], static_shapes=static
+            ),
+        ),
         "inductor dynamic=True": torch.compile(model, backend=counters["inductor dynamic=True"], dynamic=True),
     }
     times = {k: [] for k in variants}
@@ -79,11 +84,17 @@ def main() -> None:
                     end.synchronize()
                     times[name].append(start.elapsed_time(end))
     base = statistics.median(times["inductor dynamic=True"])
-    rows = [[k, counters[k].calls, f"{statistics.median(v):.3f}", f"{statistics.median(v) / base:.3f}"]
-            for k, v in times.items()]
-    print(f"{torch.cuda.get_device_name()}: TinyTransformer {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M "
-          f"params bf16, batch 4, {args.lengths} lengths, buckets {args.buckets}")
-    print(tabulate(rows, headers=["variant", "recordings / compilations", "median ms/call", "ratio vs dynamic inductor"]))
+    rows = [
+        [k, counters[k].calls, f"{statistics.median(v):.3f}", f"{statistics.median(v) / base:.3f}"]
+        for k, v in times.items()
+    ]
+    print(
+        f"{torch.cuda.get_device_name()}: TinyTransformer {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M "
+        f"params bf16, batch 4, {args.lengths} lengths, buckets {args.buckets}"
+    )
+    print(
+        tabulate(rows, headers=["variant", "recordings / compilations", "median ms/call", "ratio vs dynamic inductor"])
+    )
 
 
 if __name__ == "__main__":

@@ -182,8 +182,13 @@ def layer_spans(args) -> list[list[tuple[int, int]]]:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     base = 8 + n
-    return [[(base + header[k]["data_offsets"][0], header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
-             for k in layer_names(i)] for i in range(args.layers)]
+    return [
+        [
+            (base + header[k]["data_offsets"][0], header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
+            for k in layer_names(i)
+        ]
+        for i in range(args.layers)
+    ]
 
 
 def _libc():
@@ -237,7 +242,10 @@ def read_mmap(fd: int, layer: list, libc) -> None:
 def _read_paths(args) -> tuple[dict, list, int]:
     libc, spans = _libc(), layer_spans(args)
     mv = memoryview(torch.empty(max(s for _, s in spans[0]), dtype=torch.uint8).numpy())
-    paths = {"preadv": lambda fd, layer: read_preadv(fd, layer, mv), "mmap": lambda fd, layer: read_mmap(fd, layer, libc)}
+    paths = {
+        "preadv": lambda fd, layer: read_preadv(fd, layer, mv),
+        "mmap": lambda fd, layer: read_mmap(fd, layer, libc),
+    }
     return paths, spans, sum(s for _, s in spans[0])
 
 
@@ -267,7 +275,7 @@ def cold_bandwidths(args, bws: dict, layers: int = 4) -> str:
         os.fdatasync(fd)  # dirty pages (a checkpoint just written) are not dropped
         for k, (name, read) in enumerate(paths.items()):
             times = []
-            for layer in spans[k * layers:(k + 1) * layers]:
+            for layer in spans[k * layers : (k + 1) * layers]:
                 page = mmap.PAGESIZE  # whole pages only are dropped: widen each region to its pages
                 for off, size in layer:  # a layer's tensors need not be adjacent in the file
                     os.posix_fadvise(fd, off - off % page, size + off % page + page, os.POSIX_FADV_DONTNEED)
@@ -276,9 +284,11 @@ def cold_bandwidths(args, bws: dict, layers: int = 4) -> str:
             bws[name]["cold"] = layer_bytes * len(times) / sum(times) if max(resid) < 0.05 else None
     finally:
         os.close(fd)
-    return (f"POSIX_FADV_DONTNEED on each measured layer's region ({layers} layers per path), after which "
-            f"{max(resid) * 100:.1f}% of it was still cached (mincore)"
-            + ("" if max(resid) < 0.05 else ": not cold, no cold bandwidth reported"))
+    return (
+        f"POSIX_FADV_DONTNEED on each measured layer's region ({layers} layers per path), after which "
+        f"{max(resid) * 100:.1f}% of it was still cached (mincore)"
+        + ("" if max(resid) < 0.05 else ": not cold, no cold bandwidth reported")
+    )
 
 
 def _timed(read, fd: int, layer: list) -> float:
@@ -323,9 +333,15 @@ def build(args, variant: str):
         with torch.device("meta"):
             model = Stack(args.layers, args.hidden, args.inter)
         model.eval().requires_grad_(False)  # storage="disk" is inference-only and refuses weights that require grad
-        cfg = graphpass.OffloadConfig(include_patterns=["layers.*"], exclude_patterns=[], device="cpu",
-                                      storage="disk", disk_path=None, prefetch_distance=args.prefetch,
-                                      max_device_bytes=None)
+        cfg = graphpass.OffloadConfig(
+            include_patterns=["layers.*"],
+            exclude_patterns=[],
+            device="cpu",
+            storage="disk",
+            disk_path=None,
+            prefetch_distance=args.prefetch,
+            max_device_bytes=None,
+        )
         graphpass.offload(model, cfg, checkpoint=ckpt)
         return torch.compile(model, backend="graphpass", dynamic=False), model, "graphpass -> inductor"
     if variant == "accelerate-disk":
@@ -339,8 +355,11 @@ def build(args, variant: str):
         with safe_open(ckpt, framework="pt") as f:
             resident = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("layers.")}
         model.load_state_dict(resident, assign=True, strict=False)
-        index = {k: {"safetensors_file": ckpt, "weight_name": k, "dtype": "float32"}
-                 for i in range(args.layers) for k in layer_names(i)}
+        index = {
+            k: {"safetensors_file": ckpt, "weight_name": k, "dtype": "float32"}
+            for i in range(args.layers)
+            for k in layer_names(i)
+        }
         dispatch_model(model, device_map, main_device="cpu", offload_index=index)
         return model, model, "eager (accelerate hooks)"
     if variant == "accelerate-disk-dat":
@@ -350,8 +369,9 @@ def build(args, variant: str):
             model = Stack(args.layers, args.hidden, args.inter)
         model.eval()
         device_map = {f"layers.{i}": "disk" for i in range(args.layers)} | {"norm": "cpu", "head": "cpu"}
-        model = load_checkpoint_and_dispatch(model, ckpt, device_map=device_map,
-                                             offload_folder=str(Path(args.workdir) / "accelerate-offload"))
+        model = load_checkpoint_and_dispatch(
+            model, ckpt, device_map=device_map, offload_folder=str(Path(args.workdir) / "accelerate-offload")
+        )
         return model, model, "eager (accelerate hooks, .dat memmaps)"
     raise SystemExit(f"unknown variant {variant!r}")
 
@@ -438,10 +458,28 @@ def run_variant(args) -> None:
 
 
 def child(args, variant: str, timeout: float) -> dict | None:
-    cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--layers", str(args.layers),
-           "--hidden", str(args.hidden), "--inter", str(args.inter), "--tokens-large", str(args.tokens_large),
-           "--iters", str(args.iters), "--workdir", args.workdir, "--prefetch", str(args.prefetch),
-           "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--variant",
+        variant,
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--inter",
+        str(args.inter),
+        "--tokens-large",
+        str(args.tokens_large),
+        "--iters",
+        str(args.iters),
+        "--workdir",
+        args.workdir,
+        "--prefetch",
+        str(args.prefetch),
+        "--threads",
+        str(args.threads),
+    ]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -451,7 +489,7 @@ def child(args, variant: str, timeout: float) -> dict | None:
     wall = time.perf_counter() - t0
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
-            rec = json.loads(line[len("RESULT "):])
+            rec = json.loads(line[len("RESULT ") :])
             rec["wall_s"] = wall
             return rec
     print(f"[{variant}] failed (exit {p.returncode}); last output:")
@@ -465,8 +503,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=8192)
     ap.add_argument("--tokens-large", default="auto", help="token count of the large batch, or 'auto'")
-    ap.add_argument("--compute-over-read", type=float, default=2.0,
-                    help="auto --tokens-large: smallest power of two with layer compute >= this x read time")
+    ap.add_argument(
+        "--compute-over-read",
+        type=float,
+        default=2.0,
+        help="auto --tokens-large: smallest power of two with layer compute >= this x read time",
+    )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch threads in each variant process (0: torch's default)")
     ap.add_argument("--rounds", type=int, default=2, help="processes per variant, run in alternation")
@@ -474,8 +516,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--workdir", default="/tmp/graphpass-offload-disk")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + OPTIONAL)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per variant process")
-    ap.add_argument("--no-cold", dest="cold", action="store_false",
-                    help="skip the cold-page-cache bandwidth (POSIX_FADV_DONTNEED on the checkpoint, after the runs)")
+    ap.add_argument(
+        "--no-cold",
+        dest="cold",
+        action="store_false",
+        help="skip the cold-page-cache bandwidth (POSIX_FADV_DONTNEED on the checkpoint, after the runs)",
+    )
     ap.add_argument("--small", action="store_true", help="smoke run: 4 layers, hidden 256, inter 1024")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
     ap.add_argument("--write", action="store_true", help=argparse.SUPPRESS)
@@ -495,24 +541,45 @@ def prepare(args) -> tuple[dict, int]:
         print(f"checkpoint: reusing {ckpt_path(args)}")
     else:
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--write", "--layers", str(args.layers),
-                        "--hidden", str(args.hidden), "--inter", str(args.inter), "--workdir", args.workdir],
-                       check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--write",
+                "--layers",
+                str(args.layers),
+                "--hidden",
+                str(args.hidden),
+                "--inter",
+                str(args.inter),
+                "--workdir",
+                args.workdir,
+            ],
+            check=True,
+        )
         print(f"checkpoint: wrote {ckpt_path(args)} in {time.perf_counter() - t0:.1f} s")
     size = ckpt_path(args).stat().st_size
     bws, layer_bytes = read_bandwidths(args)
     bw = bws["preadv"]["warm"]
     read_s = layer_bytes / bw
-    print(f"model: {args.layers} layers x (LayerNorm, Linear {args.hidden}->{args.inter}, GELU, Linear "
-          f"{args.inter}->{args.hidden}) fp32 + norm + head {args.hidden}->{HEAD}; checkpoint {size / MiB:.0f} MiB "
-          f"({size / (1 << 30):.2f} GiB), {layer_bytes / MiB:.1f} MiB per layer (= per trap)")
-    print(f"read bandwidth, WARM page cache, best of {2 * args.layers} layers: os.preadv into a reused buffer (a copy: "
-          f"accelerate's path) {bw / GiB:.2f} GiB/s -> read time per trap {read_s * 1e3:.2f} ms; graphpass's path "
-          f"(WILLNEED + private mapping + a fault per page + unmap) {bws['mmap']['warm'] / GiB:.2f} GiB/s -> "
-          f"{layer_bytes / bws['mmap']['warm'] * 1e3:.2f} ms")
-    print("OpenMP / torch threads in the variant processes: " + ", ".join(
-        f"{k}={os.environ.get(k, 'unset')}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
-        + f", --threads {args.threads or 'torch default'}")
+    print(
+        f"model: {args.layers} layers x (LayerNorm, Linear {args.hidden}->{args.inter}, GELU, Linear "
+        f"{args.inter}->{args.hidden}) fp32 + norm + head {args.hidden}->{HEAD}; checkpoint {size / MiB:.0f} MiB "
+        f"({size / (1 << 30):.2f} GiB), {layer_bytes / MiB:.1f} MiB per layer (= per trap)"
+    )
+    print(
+        f"read bandwidth, WARM page cache, best of {2 * args.layers} layers: os.preadv into a reused buffer (a copy: "
+        f"accelerate's path) {bw / GiB:.2f} GiB/s -> read time per trap {read_s * 1e3:.2f} ms; graphpass's path "
+        f"(WILLNEED + private mapping + a fault per page + unmap) {bws['mmap']['warm'] / GiB:.2f} GiB/s -> "
+        f"{layer_bytes / bws['mmap']['warm'] * 1e3:.2f} ms"
+    )
+    print(
+        "OpenMP / torch threads in the variant processes: "
+        + ", ".join(
+            f"{k}={os.environ.get(k, 'unset')}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+        )
+        + f", --threads {args.threads or 'torch default'}"
+    )
     return bws, layer_bytes
 
 
@@ -542,9 +609,11 @@ def choose_tokens(args, read_s: float) -> None:
         probe.append([args.tokens_large, f"{c * 1e3:.2f}", f"{c / read_s:.2f}", f"{c / c1:.2f}"])
     print(f"eager compute per layer ({torch.get_num_threads()} threads) vs read time per trap:")
     print(tabulate(probe, headers=["tokens", "compute ms/layer", "compute / read", "compute / 1-token compute"]))
-    print(f"batch 1 = 1 token; large batch = {args.tokens_large} tokens; {args.iters} timed forwards each "
-          f"(median), after warm-up; each variant in a fresh process, {args.rounds} round(s) A B C A B C ...; "
-          f"a variant's latency is its best round's median (and min), its peak RSS the highest round's\n")
+    print(
+        f"batch 1 = 1 token; large batch = {args.tokens_large} tokens; {args.iters} timed forwards each "
+        f"(median), after warm-up; each variant in a fresh process, {args.rounds} round(s) A B C A B C ...; "
+        f"a variant's latency is its best round's median (and min), its peak RSS the highest round's\n"
+    )
 
 
 def run_rounds(args) -> dict[str, list]:
@@ -556,16 +625,21 @@ def run_rounds(args) -> dict[str, list]:
             if rec is None:
                 continue
             runs.setdefault(v, []).append(rec)
-            print(f"[{v}, round {rnd + 1}] {rec['how']}: setup {rec['setup_s']:.1f} s, compile+warm-up {rec['warmup_s']:.1f} s, "
-                  f"process {rec['wall_s']:.1f} s; per-forward ms b1 {fmt_ms(rec['lat_b1_all'])}; "
-                  f"b{args.tokens_large} {fmt_ms(rec['lat_bN_all'])}; CPU in the timed phase: this process "
-                  f"{rec['own_cores']:.2f} cores, other processes {rec['other_cores']:.2f} cores", flush=True)
+            print(
+                f"[{v}, round {rnd + 1}] {rec['how']}: setup {rec['setup_s']:.1f} s, compile+warm-up {rec['warmup_s']:.1f} s, "
+                f"process {rec['wall_s']:.1f} s; per-forward ms b1 {fmt_ms(rec['lat_b1_all'])}; "
+                f"b{args.tokens_large} {fmt_ms(rec['lat_bN_all'])}; CPU in the timed phase: this process "
+                f"{rec['own_cores']:.2f} cores, other processes {rec['other_cores']:.2f} cores",
+                flush=True,
+            )
             if "memory_stats" in rec:
                 m = rec["memory_stats"]
                 n = m.pop("forwards")
-                print(f"[{v}] graphpass.memory_stats over the {n} timed forwards: {m}; per forward: "
-                      f"{m.get('bytes_loaded', 0) / n / MiB:.0f} MiB loaded, {m.get('loads_issued', 0) / n:.0f} loads, "
-                      f"{m.get('wait_seconds', 0) / n * 1e3:.1f} ms waiting for loads")
+                print(
+                    f"[{v}] graphpass.memory_stats over the {n} timed forwards: {m}; per forward: "
+                    f"{m.get('bytes_loaded', 0) / n / MiB:.0f} MiB loaded, {m.get('loads_issued', 0) / n:.0f} loads, "
+                    f"{m.get('wait_seconds', 0) / n * 1e3:.1f} ms waiting for loads"
+                )
             if "memory_stats_error" in rec:
                 print(f"[{v}] graphpass.memory_stats failed: {rec['memory_stats_error']}")
     return runs
@@ -604,16 +678,41 @@ def print_results(args, results: dict) -> None:
             scale = max(ref[k].abs().max().item() for k in ("b1", "bN"))
             diff = f"{d:.2e} ({d / scale:.1e} rel)"
             r["diff_ok"] = d <= 1e-3 * max(1.0, scale)
-        rows.append([v, r["how"], f"{r['peak_rss'] / MiB:.0f}", ratio(r, "peak_rss"),
-                     f"{r['peak_rss_forward'] / MiB:.0f}" if r.get("peak_rss_forward") else "-",
-                     f"{r['lat_b1'] * 1e3:.1f} / {r['min_b1'] * 1e3:.1f}", f"{ratio(r, 'lat_b1')} / {ratio(r, 'min_b1')}",
-                     f"{r['lat_bN'] * 1e3:.1f} / {r['min_bN'] * 1e3:.1f}", f"{ratio(r, 'lat_bN')} / {ratio(r, 'min_bN')}",
-                     diff])
-    print(tabulate(rows, headers=["variant", "runs as", "peak RSS MiB", "RSS ratio", "fwd-phase peak MiB",
-                                  "b1 ms med / min", "b1 ratio med / min", f"{bn} ms med / min",
-                                  f"{bn} ratio med / min", "max |diff| vs no-offload"]))
-    print("(ratios vs no-offload; peak RSS = VmHWM of the whole process incl. setup and compile; "
-          "page cache warm, so disk reads come from memory; accelerate runs eager)")
+        rows.append(
+            [
+                v,
+                r["how"],
+                f"{r['peak_rss'] / MiB:.0f}",
+                ratio(r, "peak_rss"),
+                f"{r['peak_rss_forward'] / MiB:.0f}" if r.get("peak_rss_forward") else "-",
+                f"{r['lat_b1'] * 1e3:.1f} / {r['min_b1'] * 1e3:.1f}",
+                f"{ratio(r, 'lat_b1')} / {ratio(r, 'min_b1')}",
+                f"{r['lat_bN'] * 1e3:.1f} / {r['min_bN'] * 1e3:.1f}",
+                f"{ratio(r, 'lat_bN')} / {ratio(r, 'min_bN')}",
+                diff,
+            ]
+        )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "variant",
+                "runs as",
+                "peak RSS MiB",
+                "RSS ratio",
+                "fwd-phase peak MiB",
+                "b1 ms med / min",
+                "b1 ratio med / min",
+                f"{bn} ms med / min",
+                f"{bn} ratio med / min",
+                "max |diff| vs no-offload",
+            ],
+        )
+    )
+    print(
+        "(ratios vs no-offload; peak RSS = VmHWM of the whole process incl. setup and compile; "
+        "page cache warm, so disk reads come from memory; accelerate runs eager)"
+    )
 
 
 def print_checks(args, results: dict) -> None:
@@ -637,15 +736,19 @@ def print_checks(args, results: dict) -> None:
             r, rm = gp[f"lat_{key}"] / acc[f"lat_{key}"], gp[f"min_{key}"] / acc[f"min_{key}"]
             checks.append([f"graphpass latency {label} < accelerate-disk", f"{r:.3f}", f"{rm:.3f}", verdict(r < 1.0)])
     if gp and "diff_ok" in gp:
-        checks.append(["graphpass output matches no-offload (|diff| <= 1e-3 x max|out|)", "", "",
-                       verdict(gp["diff_ok"])])
+        checks.append(
+            ["graphpass output matches no-offload (|diff| <= 1e-3 x max|out|)", "", "", verdict(gp["diff_ok"])]
+        )
     if checks:
         print()
         print(tabulate(checks, headers=["target", "ratio (median)", "ratio (min)", "verdict (median)"]))
     busy = {v: r["other_cores"] for v, r in results.items() if r["other_cores"] > 0.2}
     if busy:
-        print("\nWARNING: other processes used CPU during the timed phase (cores, most in any round): "
-              + ", ".join(f"{v} {c:.2f}" for v, c in busy.items()) + "; latencies of those variants are inflated")
+        print(
+            "\nWARNING: other processes used CPU during the timed phase (cores, most in any round): "
+            + ", ".join(f"{v} {c:.2f}" for v, c in busy.items())
+            + "; latencies of those variants are inflated"
+        )
     missing = [v for v in args.variants if v not in results]
     if missing:
         print(f"\nno result for: {', '.join(missing)}")
@@ -683,15 +786,36 @@ def print_bounds(args, results: dict, bws: dict, layer_bytes: int, cold_how: str
     if not rows:
         return
     bn = f"b{args.tokens_large}"
-    print("\nagainst the bound max(compute, streamed bytes / read bandwidth); compute = no-offload's median in this "
-          "run; read bandwidth of the variant's path measured in this run: WARM " + ", ".join(
-              f"{k} {v['warm'] / GiB:.2f} GiB/s" for k, v in bws.items()) + "; COLD " + ", ".join(
-              f"{k} {v['cold'] / GiB:.2f} GiB/s" for k, v in bws.items() if v.get("cold")) + f" ({cold_how})")
-    print(tabulate(rows, headers=["variant", "streamed MiB/fwd", "read path", "b1 ms med", "b1 bound warm",
-                                  "b1 med / bound", "b1 bound cold", f"{bn} ms med", f"{bn} bound warm",
-                                  f"{bn} med / bound", f"{bn} bound cold"]))
-    print("(the forwards ran with a warm page cache: med / bound is against the warm bound; the cold bound is "
-          "what a cold cache would allow)")
+    print(
+        "\nagainst the bound max(compute, streamed bytes / read bandwidth); compute = no-offload's median in this "
+        "run; read bandwidth of the variant's path measured in this run: WARM "
+        + ", ".join(f"{k} {v['warm'] / GiB:.2f} GiB/s" for k, v in bws.items())
+        + "; COLD "
+        + ", ".join(f"{k} {v['cold'] / GiB:.2f} GiB/s" for k, v in bws.items() if v.get("cold"))
+        + f" ({cold_how})"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "variant",
+                "streamed MiB/fwd",
+                "read path",
+                "b1 ms med",
+                "b1 bound warm",
+                "b1 med / bound",
+                "b1 bound cold",
+                f"{bn} ms med",
+                f"{bn} bound warm",
+                f"{bn} med / bound",
+                f"{bn} bound cold",
+            ],
+        )
+    )
+    print(
+        "(the forwards ran with a warm page cache: med / bound is against the warm bound; the cold bound is "
+        "what a cold cache would allow)"
+    )
 
 
 def bound_rows(args, results: dict, bws: dict, layer_bytes: int) -> list:
@@ -716,8 +840,12 @@ def bound_rows(args, results: dict, bws: dict, layer_bytes: int) -> list:
             compute = base[f"lat_{key}"]
             warm = max(compute, nbytes / bw["warm"]) if nbytes else compute
             cold = max(compute, nbytes / bw["cold"]) if nbytes and bw.get("cold") else None
-            row += [f"{r[f'lat_{key}'] * 1e3:.1f}", f"{warm * 1e3:.1f}", f"{r[f'lat_{key}'] / warm:.3f}",
-                    f"{cold * 1e3:.1f}" if cold else ("=" if not nbytes else "-")]
+            row += [
+                f"{r[f'lat_{key}'] * 1e3:.1f}",
+                f"{warm * 1e3:.1f}",
+                f"{r[f'lat_{key}'] / warm:.3f}",
+                f"{cold * 1e3:.1f}" if cold else ("=" if not nbytes else "-"),
+            ]
         rows.append(row)
     return rows
 

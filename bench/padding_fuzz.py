@@ -66,8 +66,11 @@ def _table(rows: list[tuple], wall: float, jobs: int) -> tuple[str, dict]:
         ["refused (not padded)", counts["refused"], share(counts["refused"])],
         ["errors (crash)", counts["error"], share(counts["error"])],
         ["GraphpassError", counts["graphpass_error"], share(counts["graphpass_error"])],
-        ["invalid programs (generator)", counts["invalid"] + counts["graph_break"],
-         share(counts["invalid"] + counts["graph_break"])],
+        [
+            "invalid programs (generator)",
+            counts["invalid"] + counts["graph_break"],
+            share(counts["invalid"] + counts["graph_break"]),
+        ],
         ["seconds (wall)", f"{wall:.0f}", f"{jobs} worker(s)"],
         ["seconds per program (one worker)", f"{sum(r[3] for r in rows) / max(n, 1):.3f}", ""],
     ]
@@ -75,11 +78,22 @@ def _table(rows: list[tuple], wall: float, jobs: int) -> tuple[str, dict]:
     for f in FAMILIES:
         with_f = [r for r in rows if f in r[2]]
         acc = sum(r[1] in ("exact", "WRONG") for r in with_f)
-        fam_rows.append([f, len(with_f), acc, f"{100 * acc / len(with_f):.1f}%" if with_f else "-",
-                         sum(r[1] == "WRONG" for r in with_f)])
-    text = (tabulate(summary, headers=["", "count", "share"], tablefmt="github") + "\n\n"
-            + tabulate(fam_rows, headers=["op family", "programs with it", "padded", "padded share", "WRONG"],
-                       tablefmt="github"))
+        fam_rows.append(
+            [
+                f,
+                len(with_f),
+                acc,
+                f"{100 * acc / len(with_f):.1f}%" if with_f else "-",
+                sum(r[1] == "WRONG" for r in with_f),
+            ]
+        )
+    text = (
+        tabulate(summary, headers=["", "count", "share"], tablefmt="github")
+        + "\n\n"
+        + tabulate(
+            fam_rows, headers=["op family", "programs with it", "padded", "padded share", "WRONG"], tablefmt="github"
+        )
+    )
     assert set(counts) <= set(CATEGORIES)
     return text, dict(counts)
 
@@ -114,15 +128,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{row[1]}] seed {row[0]}: {row[4]}", file=sys.stderr, flush=True)
             if len(rows) % a.progress == 0:
                 c = Counter(r[1] for r in rows)
-                print(f"{len(rows)} programs, {time.perf_counter() - t0:.0f} s: {dict(c)}", file=sys.stderr,
-                      flush=True)
+                print(f"{len(rows)} programs, {time.perf_counter() - t0:.0f} s: {dict(c)}", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t0
     text, counts = _table(rows, wall, jobs)
-    print(f"padding fuzz: seeds {a.seed}..{a.seed + a.n - 1} asked, {len(rows)} run; started {started:%Y-%m-%d %H:%M} "
-          f"UTC; torch {torch.__version__}; python {platform.python_version()}; {mp.cpu_count()} cores")
+    print(
+        f"padding fuzz: seeds {a.seed}..{a.seed + a.n - 1} asked, {len(rows)} run; started {started:%Y-%m-%d %H:%M} "
+        f"UTC; torch {torch.__version__}; python {platform.python_version()}; {mp.cpu_count()} cores"
+    )
     print(text)
-    failures = sorted((r for r in rows if r[1] in ("WRONG", "error", "graphpass_error", "invalid", "graph_break")),
-                      key=lambda r: r[0])
+    failures = sorted(
+        (r for r in rows if r[1] in ("WRONG", "error", "graphpass_error", "invalid", "graph_break")), key=lambda r: r[0]
+    )
     for r in failures:
         print()
         print(r[5] or f"[{r[1]}] seed {r[0]}: {r[4]}")

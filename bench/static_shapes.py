@@ -49,8 +49,12 @@ def main() -> None:
 
     counters = {k: Counting() for k in ("graphpass buckets", "dynamic=True", "automatic dynamic")}
     variants = {
-        "graphpass buckets": torch.compile(model, backend=graphpass.backend(
-            then=counters["graphpass buckets"], static_shapes={"dims": {"ids": 1}, "buckets": args.buckets})),
+        "graphpass buckets": torch.compile(
+            model,
+            backend=graphpass.backend(
+                then=counters["graphpass buckets"], static_shapes={"dims": {"ids": 1}, "buckets": args.buckets}
+            ),
+        ),
         "dynamic=True": torch.compile(model, backend=counters["dynamic=True"], dynamic=True),
         "automatic dynamic": torch.compile(model, backend=counters["automatic dynamic"]),
     }
@@ -69,12 +73,32 @@ def main() -> None:
                     f(inputs[n])
                     times[name].append(time.perf_counter() - t)
     base = statistics.median(times["automatic dynamic"])
-    rows = [[k, counters[k].calls, f"{first_pass[k]:.1f}", f"{statistics.median(v) * 1e3:.3f}",
-             f"{statistics.median(v) / base:.3f}"] for k, v in times.items()]
-    print(f"TinyTransformer {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, batch 1, "
-          f"{args.lengths} distinct lengths 1..{args.lengths}, buckets {args.buckets}, delegate inductor")
-    print(tabulate(rows, headers=["variant", "compilations", "first pass over all lengths s", "median ms/call",
-                                  "ratio vs automatic dynamic"]))
+    rows = [
+        [
+            k,
+            counters[k].calls,
+            f"{first_pass[k]:.1f}",
+            f"{statistics.median(v) * 1e3:.3f}",
+            f"{statistics.median(v) / base:.3f}",
+        ]
+        for k, v in times.items()
+    ]
+    print(
+        f"TinyTransformer {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, batch 1, "
+        f"{args.lengths} distinct lengths 1..{args.lengths}, buckets {args.buckets}, delegate inductor"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "variant",
+                "compilations",
+                "first pass over all lengths s",
+                "median ms/call",
+                "ratio vs automatic dynamic",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

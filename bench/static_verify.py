@@ -44,17 +44,24 @@ class FromEmbeddings(nn.Module):
 
 def delegate(then: str):
     if then == "inductor":
+
         def compile_inductor(gm, example_inputs):
             from torch._inductor.compile_fx import compile_fx
 
             return compile_fx(gm, example_inputs)
+
         return compile_inductor
     return then
 
 
 def compiled(model, name, buckets, then, verify):
-    return torch.compile(model, dynamic=True, backend=graphpass.backend(
-        then=delegate(then), static_shapes={"dims": {name: 1}, "buckets": buckets, "verify": verify}))
+    return torch.compile(
+        model,
+        dynamic=True,
+        backend=graphpass.backend(
+            then=delegate(then), static_shapes={"dims": {name: 1}, "buckets": buckets, "verify": verify}
+        ),
+    )
 
 
 class TimedVerify:
@@ -113,9 +120,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: on shared cores, a thread waiting for a busy core stalls "
-                         "every parallel op, and the timings follow the other load instead of the model)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on shared cores, a thread waiting for a busy core stalls "
+        "every parallel op, and the timings follow the other load instead of the model)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.then == "inductor":  # each variant compiles its buckets itself: no graph from the other one's cache
@@ -131,34 +142,83 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     cases = {
         "ids": (lm, "ids", [torch.randint(0, cfg.vocab, (args.batch, n), generator=g) for n in lengths]),
-        "embeds": (FromEmbeddings(lm).eval(), "x", [torch.randn(args.batch, n, cfg.hidden, generator=g) for n in lengths]),
+        "embeds": (
+            FromEmbeddings(lm).eval(),
+            "x",
+            [torch.randn(args.batch, n, cfg.hidden, generator=g) for n in lengths],
+        ),
     }
     rows = []
     timer = TimedVerify()
     for case, (model, name, inputs) in cases.items():
         got = {False: [], True: []}
-        one_repeat(model, name, inputs, args.buckets, args.then, (False, True), 1, timer)  # warm-up (process caches), not shown
+        one_repeat(
+            model, name, inputs, args.buckets, args.then, (False, True), 1, timer
+        )  # warm-up (process caches), not shown
         for r in range(args.repeats):
-            res = one_repeat(model, name, inputs, args.buckets, args.then, (False, True) if r % 2 == 0 else (True, False),
-                             args.rounds, timer)
+            res = one_repeat(
+                model,
+                name,
+                inputs,
+                args.buckets,
+                args.then,
+                (False, True) if r % 2 == 0 else (True, False),
+                args.rounds,
+                timer,
+            )
             for v, got_v in res.items():
                 got[v].append(got_v)
-        med = {v: [[statistics.median(rep[j][k] for rep in got[v]) for k in range(len(lengths))] for j in (0, 1)]
-               for v in got}
+        med = {
+            v: [[statistics.median(rep[j][k] for rep in got[v]) for k in range(len(lengths))] for j in (0, 1)]
+            for v in got
+        }
         own = [statistics.median(rep[2][k] for rep in got[True]) for k in range(len(lengths))]
         for k, (n, b) in enumerate(zip(lengths, args.buckets)):
             f0, f1 = med[False][0][k], med[True][0][k]
             s0, s1 = med[False][1][k], med[True][1][k]
-            rows.append([case, b, n, f"{f0 * 1e3:.1f}", f"{f1 * 1e3:.1f}", f"{f1 / f0:.2f}", f"{own[k] * 1e3:.1f}",
-                         f"{own[k] / s0:.2f}", f"{s0 * 1e3:.3f}", f"{s1 * 1e3:.3f}", f"{s1 / s0:.2f}"])
-    print(f"TinyTransformer {sum(p.numel() for p in lm.parameters()) / 1e6:.2f} M params, batch {args.batch}, "
-          f"buckets {args.buckets}, delegate {args.then}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{args.rounds} rounds, median of {args.repeats} repeats")
-    print(tabulate(rows, headers=["input", "bucket", "length", "first call ms", "first call ms verify", "ratio",
-                                  "checked run ms", "/ steady", "steady ms", "steady ms verify", "ratio"]))
-    print("first call: the bucket's first call (the first bucket's includes Dynamo's trace and graphpass's passes); "
-          "checked run: the time inside the checked first call's own step (usual run, copy of the results, other "
-          "fill, second run, comparison; compile excluded), '/ steady' against one steady call without verify")
+            rows.append(
+                [
+                    case,
+                    b,
+                    n,
+                    f"{f0 * 1e3:.1f}",
+                    f"{f1 * 1e3:.1f}",
+                    f"{f1 / f0:.2f}",
+                    f"{own[k] * 1e3:.1f}",
+                    f"{own[k] / s0:.2f}",
+                    f"{s0 * 1e3:.3f}",
+                    f"{s1 * 1e3:.3f}",
+                    f"{s1 / s0:.2f}",
+                ]
+            )
+    print(
+        f"TinyTransformer {sum(p.numel() for p in lm.parameters()) / 1e6:.2f} M params, batch {args.batch}, "
+        f"buckets {args.buckets}, delegate {args.then}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{args.rounds} rounds, median of {args.repeats} repeats"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "input",
+                "bucket",
+                "length",
+                "first call ms",
+                "first call ms verify",
+                "ratio",
+                "checked run ms",
+                "/ steady",
+                "steady ms",
+                "steady ms verify",
+                "ratio",
+            ],
+        )
+    )
+    print(
+        "first call: the bucket's first call (the first bucket's includes Dynamo's trace and graphpass's passes); "
+        "checked run: the time inside the checked first call's own step (usual run, copy of the results, other "
+        "fill, second run, comparison; compile excluded), '/ steady' against one steady call without verify"
+    )
 
 
 if __name__ == "__main__":

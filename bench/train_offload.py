@@ -103,8 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.reset()
     model = copy.deepcopy(base)
     storage = "pinned" if device.type == "cuda" else "cpu"
-    state = graphpass.offload(model, graphpass.OffloadConfig(include_patterns=["layers.*"], device=str(device),
-                                                             storage=storage, prefetch_distance=1))
+    state = graphpass.offload(
+        model,
+        graphpass.OffloadConfig(
+            include_patterns=["layers.*"], device=str(device), storage=storage, prefetch_distance=1
+        ),
+    )
     opt = torch.optim.SGD(list(state.parameters(model)), lr=1e-3)
     compiled = torch.compile(model, backend=graphpass.backend(then=args.then))
     t_off, fb_off = step_time(model, compiled, opt, x, args.steps, args.warmup, device)
@@ -113,8 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     streamed = state.streamed_bytes
     rows = [
         ["resident (every weight on the device)", f"{t_res * 1e3:.1f}", f"{fb_res * 1e3:.1f}", "1.000", "-"],
-        [f"graphpass offload ({storage}, prefetch 1)", f"{t_off * 1e3:.1f}", f"{fb_off * 1e3:.1f}", f"{t_off / t_res:.3f}",
-         f"{stats.wait_seconds * 1e3 / max(1, args.steps + args.warmup):.1f} ms waiting / step"],
+        [
+            f"graphpass offload ({storage}, prefetch 1)",
+            f"{t_off * 1e3:.1f}",
+            f"{fb_off * 1e3:.1f}",
+            f"{t_off / t_res:.3f}",
+            f"{stats.wait_seconds * 1e3 / max(1, args.steps + args.warmup):.1f} ms waiting / step",
+        ],
     ]
     headers = ["step", "ms / step (median)", "of which fwd+bwd", "x resident", "note"]
     target_line = f"target on the CPU: at most 1.25 x resident -> {'met' if t_off / t_res <= 1.25 else 'NOT met'}"
@@ -122,12 +131,23 @@ def main(argv: list[str] | None = None) -> int:
         h2d, d2h = bandwidth(device, 256, True), bandwidth(device, 256, False)
         transfer = 2 * streamed / h2d + streamed / d2h  # forward and backward loads, gradients back
         bound = max(fb_res, transfer)
-        rows.append(["bound max(resident fwd+bwd, transfers)", "", f"{bound * 1e3:.1f}", "",
-                     f"H2D {h2d / 1e9:.1f} GB/s, D2H {d2h / 1e9:.1f} GB/s"])
-        target_line = (f"graphpass fwd+bwd / bound = {fb_off / bound:.3f} (target at most 1.15); whole step with the "
-                       f"optimizer on the host copies / bound = {t_off / bound:.3f}")
-    print(f"train_offload: {args.layers} layers of {args.hidden}x{args.inter}, {args.tokens} tokens, {dtype}, "
-          f"{streamed / MiB:.1f} MiB streamed, delegate {args.then}, torch {torch.__version__}, device {device}")
+        rows.append(
+            [
+                "bound max(resident fwd+bwd, transfers)",
+                "",
+                f"{bound * 1e3:.1f}",
+                "",
+                f"H2D {h2d / 1e9:.1f} GB/s, D2H {d2h / 1e9:.1f} GB/s",
+            ]
+        )
+        target_line = (
+            f"graphpass fwd+bwd / bound = {fb_off / bound:.3f} (target at most 1.15); whole step with the "
+            f"optimizer on the host copies / bound = {t_off / bound:.3f}"
+        )
+    print(
+        f"train_offload: {args.layers} layers of {args.hidden}x{args.inter}, {args.tokens} tokens, {dtype}, "
+        f"{streamed / MiB:.1f} MiB streamed, delegate {args.then}, torch {torch.__version__}, device {device}"
+    )
     print(tabulate(rows, headers=headers))
     print(target_line)
     print(stats)

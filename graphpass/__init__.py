@@ -1,8 +1,8 @@
 """graphpass: a torch.compile backend that rewrites the FX graph and delegates to a real compiler.
 
-    compiled = torch.compile(model, backend="graphpass")
-    compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager", traps=["layers.*"]))
-    print(graphpass.explain(model, *example_inputs))
+compiled = torch.compile(model, backend="graphpass")
+compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager", traps=["layers.*"]))
+print(graphpass.explain(model, *example_inputs))
 """
 
 from __future__ import annotations

@@ -176,7 +176,9 @@ def is_collective(node: torch.fx.Node) -> bool:
         return op_name(target).namespace in _COLLECTIVE_NAMESPACES
     module = getattr(target, "__module__", "") or ""
     return module.startswith("torch.distributed._functional_collectives") or op_name(target).name in (
-        "redistribute", "prim_redistribute")
+        "redistribute",
+        "prim_redistribute",
+    )
 
 
 def placement_text(placements, mesh) -> str:

@@ -55,7 +55,8 @@ def format_version(doc: Mapping[str, Any], where: str | os.PathLike[str]) -> int
         raise FormatVersionError(
             f"{os.fspath(where)}: capture format version {found!r}, but this graphpass reads format version(s) "
             f"{', '.join(map(str, READ_VERSIONS))} (a meta without {FORMAT_VERSION_KEY!r} is version {UNVERSIONED}): "
-            "compare with the graphpass that wrote the capture, or a newer one")
+            "compare with the graphpass that wrote the capture, or a newer one"
+        )
     return int(found)
 
 
@@ -70,8 +71,24 @@ MODULES, TENSORS = "modules", "tensors"  # module order (execution order); per m
 DP_RANK, TP_RANK, TP_SIZE = "dp_rank", "tp_rank", "tp_size"
 PREFILL, DECODE = "prefill", "decode"  # the values of PHASE
 # the fields graphpass itself writes: a caller's extra_meta cannot replace them
-OWN_META = (REQ_IDS, POSITIONS, RUN, GRAPHPASS_VERSION, TORCH_VERSION, BUCKET, STEP, STEP_INDEX, PHASE, SIZE,
-            MODULES, TENSORS, DP_RANK, TP_RANK, TP_SIZE, FORMAT_VERSION_KEY)
+OWN_META = (
+    REQ_IDS,
+    POSITIONS,
+    RUN,
+    GRAPHPASS_VERSION,
+    TORCH_VERSION,
+    BUCKET,
+    STEP,
+    STEP_INDEX,
+    PHASE,
+    SIZE,
+    MODULES,
+    TENSORS,
+    DP_RANK,
+    TP_RANK,
+    TP_SIZE,
+    FORMAT_VERSION_KEY,
+)
 # one tensor entry of TENSORS[module]: its key in the module's output, dtype, (local) shape and, for a
 # DTensor shard, its layout (placements, global shape and offset, ...)
 KEY, DTYPE, SHAPE = "key", "dtype", "shape"
@@ -192,5 +209,8 @@ class EngineStepMeta:
         """The engine fields of a step's meta; an engine step's meta without ``engine`` is
         :data:`DEFAULT_ENGINE`'s (written before other engines)."""
         engine = doc.get(ENGINE)
-        return cls(engine if isinstance(engine, str) else DEFAULT_ENGINE, doc.get(TOKEN_REQUEST),
-                   **{f.name: doc.get(f.name) for f in fields(cls)[2:]})
+        return cls(
+            engine if isinstance(engine, str) else DEFAULT_ENGINE,
+            doc.get(TOKEN_REQUEST),
+            **{f.name: doc.get(f.name) for f in fields(cls)[2:]},
+        )

@@ -62,9 +62,15 @@ def parse_dynamic(specs: Sequence[str]) -> dict[str, dict[int, tuple[int | None,
             if not eq or not name or len(parts) not in (1, 3):
                 raise ValueError
             dim = int(parts[0])
-            lo, hi = (None, None) if len(parts) == 1 else (int(parts[1]) if parts[1] else None, int(parts[2]) if parts[2] else None)
+            lo, hi = (
+                (None, None)
+                if len(parts) == 1
+                else (int(parts[1]) if parts[1] else None, int(parts[2]) if parts[2] else None)
+            )
         except ValueError:
-            raise ConfigError("dynamic", spec, "expected NAME=DIM or NAME=DIM:MIN:MAX (MIN, MAX may be empty)") from None
+            raise ConfigError(
+                "dynamic", spec, "expected NAME=DIM or NAME=DIM:MIN:MAX (MIN, MAX may be empty)"
+            ) from None
         if dim in out.setdefault(name, {}):
             raise ConfigError("dynamic", spec, f"dim {dim} of {name!r} is given twice")
         out[name][dim] = (lo, hi)
@@ -100,8 +106,10 @@ def _run_demo(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     model, inputs = demo_model(seed=args.seed)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"graphpass demo: TinyTransformer, {n_params / 1e6:.2f} M parameters, delegate {args.then}"
-          + (f", layer weights offloaded to storage={args.offload!r}" if args.offload != "none" else ""))
+    print(
+        f"graphpass demo: TinyTransformer, {n_params / 1e6:.2f} M parameters, delegate {args.then}"
+        + (f", layer weights offloaded to storage={args.offload!r}" if args.offload != "none" else "")
+    )
     reference = copy.deepcopy(model)  # eager reference with its weights in place
     state = None
     if args.offload != "none":
@@ -125,7 +133,7 @@ def _run_demo(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     g = torch.Generator().manual_seed(args.seed + 1)
     worst = 0.0
     with torch.no_grad():
-        for trial in range(3):  # fresh random inputs, not the ones it was compiled with
+        for _trial in range(3):  # fresh random inputs, not the ones it was compiled with
             ids = torch.randint(0, model.cfg.vocab, inputs[0].shape, generator=g)
             with trace_traps() as events:
                 got = compiled(ids)
@@ -135,8 +143,10 @@ def _run_demo(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     rtol, atol = 1e-4, 1e-5
     ok = torch.allclose(got, ref, rtol=rtol, atol=atol) and worst <= atol + rtol * ref.abs().max().item()
     print(f"first call (compile + run): {compile_s:.1f} s; traps that ran: {', '.join(ran)}")
-    print(f"max |compiled - eager| over 3 fresh inputs: {worst:.3g} (tolerance atol={atol}, rtol={rtol}: "
-          f"{args.then} reorders float math) -> {'OK' if ok else 'MISMATCH'}")
+    print(
+        f"max |compiled - eager| over 3 fresh inputs: {worst:.3g} (tolerance atol={atol}, rtol={rtol}: "
+        f"{args.then} reorders float math) -> {'OK' if ok else 'MISMATCH'}"
+    )
     if state is not None:
         from .offloading import memory_stats
 
@@ -144,10 +154,12 @@ def _run_demo(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         print(memory_stats(compiled))
     del out
     print()
-    print("next: docs/index.md (the map), `graphpass explain MODULE:FACTORY` for your model's traps and owners,\n"
-          "      `graphpass audit MODULE:FACTORY --dynamic NAME=DIM` for its variable-size allocations,\n"
-          "      `graphpass trace MODULE:FACTORY --plot trace.png` to see whether loads overlap compute (docs/trace.md),\n"
-          "      docs/capture.md for `graphpass compare`, docs/offload.md for memory_stats")
+    print(
+        "next: docs/index.md (the map), `graphpass explain MODULE:FACTORY` for your model's traps and owners,\n"
+        "      `graphpass audit MODULE:FACTORY --dynamic NAME=DIM` for its variable-size allocations,\n"
+        "      `graphpass trace MODULE:FACTORY --plot trace.png` to see whether loads overlap compute (docs/trace.md),\n"
+        "      docs/capture.md for `graphpass compare`, docs/offload.md for memory_stats"
+    )
     return 0 if ok else 1
 
 
@@ -206,8 +218,16 @@ def _golden(args: argparse.Namespace) -> int:
     capture = args.capture or None
     try:
         accept = "release" if args.accept_release else (True if args.accept else None)
-        result = golden_check(model, *inputs, name=name, directory=args.dir, accept=accept,
-                              then=args.then, capture=capture, hint="re-accept with `graphpass golden ... --accept`")
+        result = golden_check(
+            model,
+            *inputs,
+            name=name,
+            directory=args.dir,
+            accept=accept,
+            then=args.then,
+            capture=capture,
+            hint="re-accept with `graphpass golden ... --accept`",
+        )
     except GoldenMismatch as exc:
         print(f"FAIL {name}: {exc}")
         return 1
@@ -227,41 +247,79 @@ def _golden(args: argparse.Namespace) -> int:
 
 def _add_compare_and_golden(add: Any) -> None:
     """The ``compare`` and ``golden`` subcommands (``add`` makes a subparser with an example)."""
-    p = add("compare", "compare two capture directories tensor by tensor: graphpass compare REF TEST [TEST ...]",
-            "graphpass compare captures_cpu captures_gpu --rtol 1e-3 --atol 1e-5 --json summary.json\n"
-            "  graphpass compare captures_tp1 hostA/captures hostB/captures   # one TP run written on two hosts\n"
-            "  graphpass compare ref vllm_captures   # `graphpass reference` vs vLLM: aligned by request and position")
+    p = add(
+        "compare",
+        "compare two capture directories tensor by tensor: graphpass compare REF TEST [TEST ...]",
+        "graphpass compare captures_cpu captures_gpu --rtol 1e-3 --atol 1e-5 --json summary.json\n"
+        "  graphpass compare captures_tp1 hostA/captures hostB/captures   # one TP run written on two hosts\n"
+        "  graphpass compare ref vllm_captures   # `graphpass reference` vs vLLM: aligned by request and position",
+    )
     p.add_argument("ref", help="reference capture directory")
-    p.add_argument("test", nargs="+", help="capture directory to check against REF; several: the roots of one run "
-                                           "whose ranks wrote on several hosts, read as one")
+    p.add_argument(
+        "test",
+        nargs="+",
+        help="capture directory to check against REF; several: the roots of one run "
+        "whose ranks wrote on several hosts, read as one",
+    )
     p.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default: 1e-3)")
     p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default: 1e-5)")
-    p.add_argument("--json", default=None, metavar="PATH",
-                   help="where to write the JSON summary (default: TEST/compare_summary.json, the first TEST)")
-    p.add_argument("--plot", default=None, metavar="PNG",
-                   help="draw each step's relative error per module, the tolerance and the first divergence "
-                        "(needs matplotlib: pip install 'graphpass[plot]')")
-    p.add_argument("--html", default=None, metavar="PATH",
-                   help="write one self-contained page: the plot, the table, both runs' meta (needs graphpass[plot])")
-    p.description += ("\n\nacross engines (a `graphpass reference` run as REF, a vLLM plugin run as TEST): steps are "
-                      "aligned by request and\ntoken position, the engine's modules rebuilt in transformers' terms "
-                      "(docs/vllm.md)")
-    p.description += ("\n\nexit status: 0 every tensor matches; 1 a difference, or a step, module, rank or key one run has "
-                 "and the other lacks\n(a FAIL row naming it, see docs/capture.md), or nothing compared; 2 bad arguments")
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="where to write the JSON summary (default: TEST/compare_summary.json, the first TEST)",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="draw each step's relative error per module, the tolerance and the first divergence "
+        "(needs matplotlib: pip install 'graphpass[plot]')",
+    )
+    p.add_argument(
+        "--html",
+        default=None,
+        metavar="PATH",
+        help="write one self-contained page: the plot, the table, both runs' meta (needs graphpass[plot])",
+    )
+    p.description += (
+        "\n\nacross engines (a `graphpass reference` run as REF, a vLLM plugin run as TEST): steps are "
+        "aligned by request and\ntoken position, the engine's modules rebuilt in transformers' terms "
+        "(docs/vllm.md)"
+    )
+    p.description += (
+        "\n\nexit status: 0 every tensor matches; 1 a difference, or a step, module, rank or key one run has "
+        "and the other lacks\n(a FAIL row naming it, see docs/capture.md), or nothing compared; 2 bad arguments"
+    )
     p.set_defaults(func=_compare)
 
-    p = add("golden", "check a model's graphs against its golden files: graphpass golden module:factory --dir DIR",
-            "graphpass golden graphpass.models.corpus:tiny_transformer --dir tests/golden --accept")
+    p = add(
+        "golden",
+        "check a model's graphs against its golden files: graphpass golden module:factory --dir DIR",
+        "graphpass golden graphpass.models.corpus:tiny_transformer --dir tests/golden --accept",
+    )
     p.add_argument("factory", help="module:function returning (model, example_inputs)")
-    p.add_argument("--dir", required=True, help="folder of the golden files (NAME.txt, NAME.summary.json, NAME.meta.json)")
+    p.add_argument(
+        "--dir", required=True, help="folder of the golden files (NAME.txt, NAME.summary.json, NAME.meta.json)"
+    )
     p.add_argument("--name", default=None, help="golden name (default: the factory's function name)")
-    p.add_argument("--accept", action="store_true", help="write the goldens instead of comparing (also GRAPHPASS_ACCEPT_GOLDEN=1)")
-    p.add_argument("--accept-release", action="store_true",
-                   help="record this torch release's exact golden beside the main one, NAME.torch<major.minor>.txt "
-                        "where it differs (also GRAPHPASS_ACCEPT_GOLDEN=release)")
+    p.add_argument(
+        "--accept", action="store_true", help="write the goldens instead of comparing (also GRAPHPASS_ACCEPT_GOLDEN=1)"
+    )
+    p.add_argument(
+        "--accept-release",
+        action="store_true",
+        help="record this torch release's exact golden beside the main one, NAME.torch<major.minor>.txt "
+        "where it differs (also GRAPHPASS_ACCEPT_GOLDEN=release)",
+    )
     p.add_argument("--then", default="eager", help="delegate backend (default: eager)")
-    p.add_argument("--capture", nargs="+", default=None, metavar="PATTERN",
-                   help="attach a ModelCapture for these module patterns (the capture nodes become part of the golden)")
+    p.add_argument(
+        "--capture",
+        nargs="+",
+        default=None,
+        metavar="PATTERN",
+        help="attach a ModelCapture for these module patterns (the capture nodes become part of the golden)",
+    )
     p.set_defaults(func=_golden)
 
 
@@ -291,15 +349,28 @@ def _trace(args: argparse.Namespace) -> int:
         if args.offload != "none":
             from .offloading import OffloadConfig, offload
 
-            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="graphpass-trace-")) \
-                if args.offload == "disk" else None
+            folder = (
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="graphpass-trace-"))
+                if args.offload == "disk"
+                else None
+            )
             model.requires_grad_(False)
-            offload(model, OffloadConfig(device="cpu", storage=args.offload, disk_path=folder,
-                                         prefetch_distance=args.prefetch))
+            offload(
+                model,
+                OffloadConfig(device="cpu", storage=args.offload, disk_path=folder, prefetch_distance=args.prefetch),
+            )
         compiled = torch.compile(model, backend=GraphpassBackend({"then": args.then}))
         with torch.no_grad():
-            report = trace(compiled, *inputs, path=args.out, plot=args.plot, plot_size=size, calls=args.calls,
-                           warmup=args.warmup, title=args.title or "")
+            report = trace(
+                compiled,
+                *inputs,
+                path=args.out,
+                plot=args.plot,
+                plot_size=size,
+                calls=args.calls,
+                warmup=args.warmup,
+                title=args.title or "",
+            )
         del compiled, model  # the offload file goes with the model, before its folder
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -312,20 +383,33 @@ def _trace(args: argparse.Namespace) -> int:
 
 def _add_trace(add: Any) -> None:
     """The ``trace`` subcommand: the offload schedule as a Chrome / Perfetto timeline (docs/trace.md)."""
-    p = add("trace", "run a model under torch.profiler and write a Chrome / Perfetto trace with every trap, "
-                     "load and eviction as a range: graphpass trace module:factory",
-            "graphpass trace graphpass.models.trace_example:compute_bound --prefetch 1 --out trace.json --plot trace.png")
+    p = add(
+        "trace",
+        "run a model under torch.profiler and write a Chrome / Perfetto trace with every trap, "
+        "load and eviction as a range: graphpass trace module:factory",
+        "graphpass trace graphpass.models.trace_example:compute_bound --prefetch 1 --out trace.json --plot trace.png",
+    )
     p.add_argument("factory", help="module:function returning (model, example_inputs)")
     p.add_argument("--out", default="trace.json", metavar="PATH", help="the trace file to write (default: trace.json)")
-    p.add_argument("--offload", default="cpu", choices=("none", "cpu", "disk"),
-                   help="stream the repeated blocks' weights from host memory or disk (default: cpu; none: keep them)")
+    p.add_argument(
+        "--offload",
+        default="cpu",
+        choices=("none", "cpu", "disk"),
+        help="stream the repeated blocks' weights from host memory or disk (default: cpu; none: keep them)",
+    )
     p.add_argument("--prefetch", type=int, default=1, metavar="N", help="prefetch_distance: traps ahead (default: 1)")
     p.add_argument("--then", default="aot_eager", help="delegate backend (default: aot_eager)")
     p.add_argument("--calls", type=int, default=1, help="calls traced, after the warm-up (default: 1)")
     p.add_argument("--warmup", type=int, default=1, help="calls before tracing; the first compiles (default: 1)")
-    p.add_argument("--plot", default=None, metavar="PNG",
-                   help="also draw the timeline (needs matplotlib: pip install 'graphpass[plot]')")
-    p.add_argument("--plot-size", default="1200x360", metavar="WxH", help="the plot's size in pixels (default: 1200x360)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="also draw the timeline (needs matplotlib: pip install 'graphpass[plot]')",
+    )
+    p.add_argument(
+        "--plot-size", default="1200x360", metavar="WxH", help="the plot's size in pixels (default: 1200x360)"
+    )
     p.add_argument("--title", default=None, help="a title for the plot")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (schema in docs/cli.md)")
     p.set_defaults(func=_trace)
@@ -340,9 +424,12 @@ def _reference(args: argparse.Namespace) -> int:
 
 
 def _add_reference(add: Any) -> None:
-    p = add("reference", "transformers, eager, greedy: capture MODULES of each prompt's steps, as an engine run to compare "
-                         "against: graphpass reference MODEL_DIR --prompts P.json --max-new-tokens N --modules ... --out REF",
-            "graphpass reference ./llama --prompts prompts.json --max-new-tokens 4 --modules model.layers.0-1 --out ref")
+    p = add(
+        "reference",
+        "transformers, eager, greedy: capture MODULES of each prompt's steps, as an engine run to compare "
+        "against: graphpass reference MODEL_DIR --prompts P.json --max-new-tokens N --modules ... --out REF",
+        "graphpass reference ./llama --prompts prompts.json --max-new-tokens 4 --modules model.layers.0-1 --out ref",
+    )
     p.add_argument("model_dir", help="a transformers checkpoint folder (config.json, weights)")
     p.add_argument("--prompts", required=True, help="JSON file: a list of prompts, each a list of token ids")
     p.add_argument("--max-new-tokens", type=int, required=True, help="greedy tokens generated per prompt")
@@ -359,35 +446,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, help: str, example: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {example}",
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        return sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=f"example:\n  {example}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
 
-    p = add("demo", "compile the bundled transformer with graphpass and check it against eager",
-            "graphpass demo --offload disk --then aot_eager")
+    p = add(
+        "demo",
+        "compile the bundled transformer with graphpass and check it against eager",
+        "graphpass demo --offload disk --then aot_eager",
+    )
     p.add_argument("--then", default="inductor", help="delegate backend (default: inductor)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--offload", default="cpu", choices=("none", "cpu", "disk"),
-                   help="stream the layer weights from host memory or disk (default: cpu; none: keep them)")
+    p.add_argument(
+        "--offload",
+        default="cpu",
+        choices=("none", "cpu", "disk"),
+        help="stream the layer weights from host memory or disk (default: cpu; none: keep them)",
+    )
     p.set_defaults(func=_demo)
 
-    p = add("explain", "print the trap table of a model: graphpass explain module:factory",
-            "graphpass explain graphpass.models.corpus:tiny_transformer --tensors")
+    p = add(
+        "explain",
+        "print the trap table of a model: graphpass explain module:factory",
+        "graphpass explain graphpass.models.corpus:tiny_transformer --tensors",
+    )
     p.add_argument("factory", help="module:function returning (model, example_inputs)")
     p.add_argument("--traps", nargs="+", default=None, help="trap patterns (default: the repeated blocks)")
     p.add_argument("--tensors", action="store_true", help="also print every weight's owners")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_explain)
 
-    p = add("audit", "list variable-size allocations and whether a fixed buffer fits: graphpass audit module:factory --dynamic x=0",
-            "graphpass audit graphpass.models.audit_example:factory --dynamic x=0:2:512 --json")
+    p = add(
+        "audit",
+        "list variable-size allocations and whether a fixed buffer fits: graphpass audit module:factory --dynamic x=0",
+        "graphpass audit graphpass.models.audit_example:factory --dynamic x=0:2:512 --json",
+    )
     p.add_argument("factory", help="module:function returning (model_or_fn, example_inputs)")
-    p.add_argument("--dynamic", action="append", required=True, metavar="NAME=DIM[:MIN:MAX]",
-                   help="an input dim that varies, with an optional range (repeat for more dims)")
+    p.add_argument(
+        "--dynamic",
+        action="append",
+        required=True,
+        metavar="NAME=DIM[:MIN:MAX]",
+        help="an input dim that varies, with an optional range (repeat for more dims)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--train", action="store_true", help="trace forward and backward with grad enabled")
     mode.add_argument("--inference", action="store_true", help="trace under no_grad only")
-    p.add_argument("--partial-factor", type=float, default=16.0,
-                   help="bound / example-size ratio above which a bounded allocation is PARTIAL (default: 16)")
+    p.add_argument(
+        "--partial-factor",
+        type=float,
+        default=16.0,
+        help="bound / example-size ratio above which a bounded allocation is PARTIAL (default: 16)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_audit)
 

@@ -145,4 +145,3 @@ def _check_then(value: Any) -> Any:
         check_delegate_spec(value)
         return value
     raise ConfigError("then", value, f"expected a backend name or a backend callable, not {type(value).__name__}")
-

@@ -30,7 +30,15 @@ from torch.fx.passes.split_module import split_module
 from graphpass.backends import Delegate
 
 from .errors import DelegateError, GraphpassError, _short
-from .fx_utils import aten_decomposition, copy_graph, example_of, find_calls, graphpass_op_name, is_custom_op, is_graphpass_node
+from .fx_utils import (
+    aten_decomposition,
+    copy_graph,
+    example_of,
+    find_calls,
+    graphpass_op_name,
+    is_custom_op,
+    is_graphpass_node,
+)
 
 log = logging.getLogger("graphpass.delegation")
 
@@ -129,8 +137,13 @@ def _contiguous_parts(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
             seg += 1
             part[n] = seg
             seg += 1
-        elif n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) \
-                and n.args[0] in part and runs_on_host(n.args[0]):
+        elif (
+            n.op == "call_function"
+            and n.target is operator.getitem
+            and isinstance(n.args[0], torch.fx.Node)
+            and n.args[0] in part
+            and runs_on_host(n.args[0])
+        ):
             part[n] = part[n.args[0]]  # moved right after its host node by _split_copy
         else:
             part[n] = seg
@@ -142,13 +155,18 @@ def _log_host_ops(gm: torch.fx.GraphModule, delegate: Delegate) -> None:
     ops = Counter(str(n.target) for n in gm.graph.nodes if runs_on_host(n) and not is_graphpass_node(n))
     if ops:
         listed = ", ".join(f"{op} ({count} call{'s' if count > 1 else ''})" for op, count in sorted(ops.items()))
-        log.warning("delegate %r cannot run host code and these custom ops have no aten decomposition "
-                    "(CompositeImplicitAutograd kernel or torch._decomp entry): they run on the host between "
-                    "its compiled pieces: %s", delegate.name, listed)
+        log.warning(
+            "delegate %r cannot run host code and these custom ops have no aten decomposition "
+            "(CompositeImplicitAutograd kernel or torch._decomp entry): they run on the host between "
+            "its compiled pieces: %s",
+            delegate.name,
+            listed,
+        )
 
 
-def compile_with_delegate(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], delegate: Delegate,
-                          graph_name: str = "the graph") -> Callable:
+def compile_with_delegate(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], delegate: Delegate, graph_name: str = "the graph"
+) -> Callable:
     """The delegate's compiled ``gm``. A delegate without host code gets the graph split at the nodes
     only the host can run (graphpass's ops, custom ops without an aten decomposition), its pieces
     compiled on their first call."""
@@ -174,11 +192,14 @@ def call_delegate(delegate: Delegate, gm: torch.fx.GraphModule, example_inputs: 
     except (GraphpassError, *_dynamo_fallbacks()):
         raise
     except Exception as err:
-        raise DelegateError(f"delegate {delegate.name!r} failed to compile {graph_name}: {type(err).__name__}: {err}") from err
+        raise DelegateError(
+            f"delegate {delegate.name!r} failed to compile {graph_name}: {type(err).__name__}: {err}"
+        ) from err
     if not callable(fn):
         raise DelegateError(
             f"delegate {delegate.name!r} returned {_short(fn)} instead of a callable when compiling {graph_name}: a "
-            "backend must return the compiled function (for example gm.forward)")
+            "backend must return the compiled function (for example gm.forward)"
+        )
     return fn
 
 
@@ -225,9 +246,11 @@ def _dynamo_fallbacks() -> tuple[type, ...]:
     """The exceptions Dynamo takes, from a backend, as "run this frame eagerly" instead of an error."""
     try:
         from torch._dynamo.exc import exceptions_allowed_to_be_fallback
+
         return tuple(exceptions_allowed_to_be_fallback)
     except ImportError:  # pragma: no cover - older layouts: the fake-tensor family it has always been
         from torch._subclasses import fake_tensor as ft
+
         return (ft.DataDependentOutputException, ft.DynamicOutputShapeException, ft.UnsupportedOperatorException)
 
 
@@ -241,8 +264,12 @@ def refuse_eager_fallback(gm: torch.fx.GraphModule, delegate: Delegate, err: Bas
     work = Counter(graphpass_op_name(n) for n in gm.graph.nodes if is_graphpass_node(n) and not is_boundary(n))
     what = f"{type(err).__name__}: {err}"
     if not work:
-        log.warning("delegate %r could not trace %s (%s): Dynamo runs that frame eagerly, without its trap "
-                    "boundaries", delegate.name, graph_name, what)
+        log.warning(
+            "delegate %r could not trace %s (%s): Dynamo runs that frame eagerly, without its trap boundaries",
+            delegate.name,
+            graph_name,
+            what,
+        )
         return
     ops = ", ".join(f"{count} {op}" for op, count in sorted(work.items()))
     raise DelegateError(
@@ -250,7 +277,8 @@ def refuse_eager_fallback(gm: torch.fx.GraphModule, delegate: Delegate, err: Bas
         "Dynamo would run that frame eagerly without these nodes (offloaded weights are stand-ins there and "
         "captures write nothing), so graphpass refuses it. then='eager' runs the rewritten graph without "
         "compiling it; otherwise remove the op at fault (a data-dependent size or value) from the model's "
-        "forward, or report it if the traceback ends in graphpass's own ops") from err
+        "forward, or report it if the traceback ends in graphpass's own ops"
+    ) from err
 
 
 def __getattr__(name: str) -> Any:
@@ -261,7 +289,10 @@ def __getattr__(name: str) -> Any:
 
         from .pipeline import with_post_grad_passes  # the documented upward import (docs/architecture.md, Layers)
 
-        warnings.warn("graphpass.delegation.with_post_grad_passes moved to graphpass.pipeline.with_post_grad_passes",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "graphpass.delegation.with_post_grad_passes moved to graphpass.pipeline.with_post_grad_passes",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return with_post_grad_passes
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

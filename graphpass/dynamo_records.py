@@ -92,14 +92,18 @@ def skipped_frame_message(reasons: list[str]) -> str:
     first = reasons[-1] if reasons else None  # the break that started it (a skip wraps it)
     lines = ["Dynamo compiled no graph for this call, so graphpass saw nothing to rewrite."]
     if skip is not None:
-        lines.append("Dynamo skipped the whole frame: a graph break inside a loop (torch.compile cannot "
-                     "resume inside a for/while loop, so it runs the frame eagerly).")
+        lines.append(
+            "Dynamo skipped the whole frame: a graph break inside a loop (torch.compile cannot "
+            "resume inside a for/while loop, so it runs the frame eagerly)."
+        )
     if first is not None:
         summary = "\n    ".join(line.strip() for line in first.strip().splitlines()[:4] if line.strip())
         lines.append(f"Dynamo's record of the break:\n    {summary}")
-    lines.append("What to do: remove the graph break (print, .item(), data-dependent Python control flow, "
-                 "an untraceable call) or move it out of the layer loop; TORCH_LOGS=graph_breaks shows each "
-                 "break where it happens.")
+    lines.append(
+        "What to do: remove the graph break (print, .item(), data-dependent Python control flow, "
+        "an untraceable call) or move it out of the layer loop; TORCH_LOGS=graph_breaks shows each "
+        "break where it happens."
+    )
     return "\n".join(lines)
 
 

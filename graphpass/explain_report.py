@@ -51,11 +51,23 @@ class ExplainReport:
             if sched is None:
                 continue
             for grp in sched.groups:
-                rows.append([g.index, grp.label, len(grp.fqns), fmt_bytes(grp.nbytes), grp.start_before, grp.wait_before,
-                             grp.evict_after])
+                rows.append(
+                    [
+                        g.index,
+                        grp.label,
+                        len(grp.fqns),
+                        fmt_bytes(grp.nbytes),
+                        grp.start_before,
+                        grp.wait_before,
+                        grp.evict_after,
+                    ]
+                )
             rows.append([g.index, "(schedule peak)", "", fmt_bytes(sched.peak_streamed_bytes), "", "", ""])
-        parts.append(tabulate(rows, headers=["graph", "load", "tensors", "bytes", "starts before", "waits before",
-                                             "evicts after"]))
+        parts.append(
+            tabulate(
+                rows, headers=["graph", "load", "tensors", "bytes", "starts before", "waits before", "evicts after"]
+            )
+        )
         return "\n".join(parts)
 
     def trap_rows(self) -> list[TrapRow]:
@@ -66,7 +78,16 @@ class ExplainReport:
                 # a tensor subclass input is listed with the tensors it wraps (weight, weight.qdata, ...)
                 fqns = [f for t in trap.tensors for f in [a.tensors[t].fqn, *a.tensors[t].inner_fqns]]
                 rows.append(
-                    TrapRow(g.index, trap.label, trap.manual, len(trap.tensors), trap.nbytes, trap.first_node, trap.last_node, fqns)
+                    TrapRow(
+                        g.index,
+                        trap.label,
+                        trap.manual,
+                        len(trap.tensors),
+                        trap.nbytes,
+                        trap.first_node,
+                        trap.last_node,
+                        fqns,
+                    )
                 )
         return rows
 
@@ -121,8 +142,11 @@ class ExplainReport:
             ],
         }
         if self.distributed:  # keys only under torch.distributed: other reports stay as they were
-            out["collectives"] = [{"graph": g.index, "node": n, "trap": label}
-                                  for g in self.graphs for n, label in g.analysis.collectives.items()]
+            out["collectives"] = [
+                {"graph": g.index, "node": n, "trap": label}
+                for g in self.graphs
+                for n, label in g.analysis.collectives.items()
+            ]
         return out
 
     def table(self) -> str:
@@ -147,7 +171,14 @@ class ExplainReport:
                 if not t.is_weight:
                     continue
                 rows.append(
-                    [g.index, ", ".join(t.fqns), t.kind, ", ".join(t.consumers) or "-", ", ".join(t.traps) or "-", fmt_bytes(t.nbytes)]
+                    [
+                        g.index,
+                        ", ".join(t.fqns),
+                        t.kind,
+                        ", ".join(t.consumers) or "-",
+                        ", ".join(t.traps) or "-",
+                        fmt_bytes(t.nbytes),
+                    ]
                 )
         return tabulate(rows, headers=["graph", "FQN(s)", "kind", "consumed in", "trap(s)", "bytes"])
 
@@ -158,20 +189,50 @@ class ExplainReport:
             for t in g.analysis.tensors.values():
                 if not t.is_weight:
                     continue
-                rows.append([g.index, ", ".join(t.fqns), t.placement or "(not distributed)", t.mesh or "-",
-                             t.sharded_by or "-", list(t.shape), fmt_bytes(t.local_nbytes), fmt_bytes(t.global_nbytes),
-                             ", ".join(t.traps) or "-"])
-        return tabulate(rows, headers=["graph", "FQN(s)", "placement", "mesh", "by", "shape here",
-                                       "bytes/rank", "global bytes", "trap(s)"])
+                rows.append(
+                    [
+                        g.index,
+                        ", ".join(t.fqns),
+                        t.placement or "(not distributed)",
+                        t.mesh or "-",
+                        t.sharded_by or "-",
+                        list(t.shape),
+                        fmt_bytes(t.local_nbytes),
+                        fmt_bytes(t.global_nbytes),
+                        ", ".join(t.traps) or "-",
+                    ]
+                )
+        return tabulate(
+            rows,
+            headers=[
+                "graph",
+                "FQN(s)",
+                "placement",
+                "mesh",
+                "by",
+                "shape here",
+                "bytes/rank",
+                "global bytes",
+                "trap(s)",
+            ],
+        )
 
     def _distributed_lines(self) -> list[str]:
-        rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+        rank = (
+            torch.distributed.get_rank()
+            if torch.distributed.is_available() and torch.distributed.is_initialized()
+            else 0
+        )
         global_bytes: dict[str, int] = {}
         for t in self.tensors():
             if t.is_weight:
                 global_bytes.setdefault(t.fqn, t.global_nbytes)
-        lines = ["", f"rank {rank}: weights sharded or replicated by torch.distributed "
-                 f"({fmt_bytes(sum(global_bytes.values()))} global)", self.sharding_table()]
+        lines = [
+            "",
+            f"rank {rank}: weights sharded or replicated by torch.distributed "
+            f"({fmt_bytes(sum(global_bytes.values()))} global)",
+            self.sharding_table(),
+        ]
         served = [(g.index, n, label) for g in self.graphs for n, label in g.analysis.collectives.items()]
         if served:
             per_trap: dict[str, int] = {}
@@ -202,8 +263,14 @@ def _distributed_fields(t) -> dict:
     """The torch.distributed fields of a tensor's JSON record (none for a tensor that is not distributed)."""
     if t.placement is None:
         return {}
-    return {"placement": t.placement, "mesh": t.mesh, "sharded_by": t.sharded_by, "global_shape": list(t.global_shape),
-            "local_nbytes": t.local_nbytes, "global_nbytes": t.global_nbytes}
+    return {
+        "placement": t.placement,
+        "mesh": t.mesh,
+        "sharded_by": t.sharded_by,
+        "global_shape": list(t.global_shape),
+        "local_nbytes": t.local_nbytes,
+        "global_nbytes": t.global_nbytes,
+    }
 
 
 def _compact(names: list[str], limit: int = 6) -> str:

@@ -36,8 +36,17 @@ import torch
 from torch.fx import Graph, Node
 
 # The tensor questions live in tensor_utils; re-exported here for callers that import them from the toolkit.
-from .tensor_utils import (flatten_wrappers, is_dtensor, is_wrapper_subclass, local_tensor,  # noqa: F401
-                           subclass_fields, unflatten_wrappers, with_spec_of, wrapper_fields, wrapper_inner_tensors)
+from .tensor_utils import (
+    flatten_wrappers,
+    is_dtensor,
+    is_wrapper_subclass,
+    local_tensor,
+    subclass_fields,
+    unflatten_wrappers,
+    with_spec_of,
+    wrapper_fields,
+    wrapper_inner_tensors,
+)
 
 # --------------------------------------------------------------------------------------------
 # Values and order
@@ -96,7 +105,10 @@ def flat_nodes(value: Any) -> list[Node]:
 
 def is_graphpass_op(target: object) -> bool:
     """Any op in the ``graphpass`` namespace (overload or packet)."""
-    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and op_name(target).namespace == "graphpass"
+    return (
+        isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+        and op_name(target).namespace == "graphpass"
+    )
 
 
 def is_graphpass_node(node: Node) -> bool:
@@ -195,8 +207,11 @@ def non_aten_nodes(graph: Graph) -> list[Node]:
     for n in graph.nodes:
         if n.op in ("call_method", "call_module"):
             out.append(n)
-        elif n.op == "call_function" and n.target is not operator.getitem and not (
-                isinstance(n.target, torch._ops.OpOverload) and op_name(n.target).namespace in ATEN_LIBRARIES):
+        elif (
+            n.op == "call_function"
+            and n.target is not operator.getitem
+            and not (isinstance(n.target, torch._ops.OpOverload) and op_name(n.target).namespace in ATEN_LIBRARIES)
+        ):
             out.append(n)
     return out
 
@@ -220,14 +235,47 @@ def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 # Names of ops, methods and functions whose result may share memory with their first argument.
 # Most aten views also say so in their schema (``OpOverload.is_view``); these are listed because
 # a Dynamo-level graph calls them as Python methods / functions, or their schema does not say so.
-VIEW_NAMES = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "_unsafe_view", "_reshape_alias", "alias", "lift_fresh",
-    "t", "transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis",
-    "expand", "expand_as", "flatten", "unflatten", "squeeze", "unsqueeze",
-    "narrow", "select", "slice", "as_strided", "diagonal", "unfold",
-    "split", "split_with_sizes", "chunk", "unbind", "tensor_split",
-    "detach", "real", "imag", "view_as_real", "view_as_complex",
-})
+VIEW_NAMES = frozenset(
+    {
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "_unsafe_view",
+        "_reshape_alias",
+        "alias",
+        "lift_fresh",
+        "t",
+        "transpose",
+        "swapaxes",
+        "swapdims",
+        "permute",
+        "movedim",
+        "moveaxis",
+        "expand",
+        "expand_as",
+        "flatten",
+        "unflatten",
+        "squeeze",
+        "unsqueeze",
+        "narrow",
+        "select",
+        "slice",
+        "as_strided",
+        "diagonal",
+        "unfold",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "unbind",
+        "tensor_split",
+        "detach",
+        "real",
+        "imag",
+        "view_as_real",
+        "view_as_complex",
+    }
+)
 
 
 def _target_name(node: Node) -> str:
@@ -308,11 +356,24 @@ class AliasIndex:
 # Writes
 # --------------------------------------------------------------------------------------------
 
-INPLACE_OPERATORS = frozenset({
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-    operator.irshift, operator.imatmul,
-})
+INPLACE_OPERATORS = frozenset(
+    {
+        operator.setitem,
+        operator.iadd,
+        operator.isub,
+        operator.imul,
+        operator.itruediv,
+        operator.ifloordiv,
+        operator.imod,
+        operator.ipow,
+        operator.iand,
+        operator.ior,
+        operator.ixor,
+        operator.ilshift,
+        operator.irshift,
+        operator.imatmul,
+    }
+)
 _INPLACE_DUNDER = re.compile(r"^__i[a-z]+__$")  # __iadd__, __imul__, ... (__init__ is no write: excluded below)
 
 
@@ -388,8 +449,14 @@ def is_noop_data_swap(node: Node) -> bool:
     if any(a is True for a in src.args[1:]):  # copy=True (or non_blocking) given positionally: not proven
         return False
     a, b = example_of(dst), example_of(src)
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-            and a.device == b.device and a.shape == b.shape and a.stride() == b.stride())
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
 
 
 def find_write(node: Node, index: AliasIndex | None = None) -> tuple[Node, Node] | None:
@@ -436,7 +503,7 @@ def torch_relative(path: str) -> str | None:
     """``path`` (a source file, as a frame names it) relative to torch's package folder (``_dynamo/utils.py``), links
     resolved; None for a file outside torch."""
     real, root = os.path.realpath(path), os.path.realpath(_TORCH_DIR) + os.sep
-    return real[len(root):] if real.startswith(root) else None
+    return real[len(root) :] if real.startswith(root) else None
 
 
 def _internal(path: str) -> bool:
@@ -505,7 +572,8 @@ def ran_inside_path(node: Node, path_suffix: str) -> bool:
 
 
 _SIZE_CANON: contextvars.ContextVar[Callable[[sympy.Basic], sympy.Basic] | None] = contextvars.ContextVar(
-    "graphpass_size_canon", default=None)
+    "graphpass_size_canon", default=None
+)
 
 
 @contextlib.contextmanager

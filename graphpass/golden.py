@@ -70,8 +70,7 @@ def render_ownership(record) -> str:
         aliases = ", ".join(t.fqns)
         lines.append(
             f"  {t.node}: {aliases} [{t.kind}] {t.dtype}{list(t.shape)} {t.nbytes}B "
-            f"holders={t.holders} consumers={t.consumers} traps={t.traps}"
-            + (f" parent={t.parent}" if t.parent else "")
+            f"holders={t.holders} consumers={t.consumers} traps={t.traps}" + (f" parent={t.parent}" if t.parent else "")
         )
     lines.append(f"traps (container {a.trap_container!r}):")
     for trap in a.traps.values():
@@ -89,8 +88,10 @@ def render_schedule(record) -> list[str]:
         return []
     lines = [f"schedule peak {sched.peak_streamed_bytes}B, prefetch {sched.prefetch_distance}"]
     for grp in sched.groups:
-        lines.append(f"  {grp.label}: {grp.nbytes}B {grp.fqns} start<{grp.start_before} wait<{grp.wait_before} "
-                     f"evict>{grp.evict_after}")
+        lines.append(
+            f"  {grp.label}: {grp.nbytes}B {grp.fqns} start<{grp.start_before} wait<{grp.wait_before} "
+            f"evict>{grp.evict_after}"
+        )
     return lines
 
 
@@ -146,8 +147,12 @@ def summarize(graphs: Iterable) -> dict[str, Any]:
                 count(node.args[2], "evictions")
             elif op == "capture":
                 count(open_traps[-1] if open_traps else OUTSIDE, "captures")
-    return {"graphs": len(graphs), "schedule": schedule, "traps": traps,
-            "fqn_traps": {k: fqn_traps[k] for k in sorted(fqn_traps)}}
+    return {
+        "graphs": len(graphs),
+        "schedule": schedule,
+        "traps": traps,
+        "fqn_traps": {k: fqn_traps[k] for k in sorted(fqn_traps)},
+    }
 
 
 def summary_text(summary: dict[str, Any]) -> str:
@@ -166,7 +171,9 @@ def summary_text(summary: dict[str, Any]) -> str:
 
 # --- golden files: check or accept --------------------------------------------------------------
 
-ACCEPT_HINT = "re-accept with `--graphpass-accept-golden` (pytest), GRAPHPASS_ACCEPT_GOLDEN=1 or `graphpass golden ... --accept`"
+ACCEPT_HINT = (
+    "re-accept with `--graphpass-accept-golden` (pytest), GRAPHPASS_ACCEPT_GOLDEN=1 or `graphpass golden ... --accept`"
+)
 
 
 class GoldenMismatch(AssertionError):
@@ -224,8 +231,11 @@ def _write(path: Path, text: str) -> None:
 
 
 def diff_text(expected: str, actual: str, path: str | os.PathLike, limit: int = 8000) -> str:
-    diff = "".join(difflib.unified_diff(expected.splitlines(True), actual.splitlines(True),
-                                        fromfile=f"{path} (golden)", tofile="actual", n=2))
+    diff = "".join(
+        difflib.unified_diff(
+            expected.splitlines(True), actual.splitlines(True), fromfile=f"{path} (golden)", tofile="actual", n=2
+        )
+    )
     return diff if len(diff) <= limit else diff[:limit] + f"\n... ({len(diff) - limit} more characters of diff)\n"
 
 
@@ -242,8 +252,9 @@ def record_meta(path: str | os.PathLike) -> dict[str, str]:
     return meta
 
 
-def check_exact(path: str | os.PathLike, actual: str, *, accept: bool | str | None = None,
-                hint: str = ACCEPT_HINT) -> str | None:
+def check_exact(
+    path: str | os.PathLike, actual: str, *, accept: bool | str | None = None, hint: str = ACCEPT_HINT
+) -> str | None:
     """Check the exact rendering against ``path`` (with ``accept``, or ``GRAPHPASS_ACCEPT_GOLDEN=1``
     when ``accept`` is None: write it and its meta sidecar instead; with ``accept="release"`` or
     ``GRAPHPASS_ACCEPT_GOLDEN=release``: record it for the running torch release, :func:`accept_release`).
@@ -281,10 +292,12 @@ def _recorded_torch(meta_file: Path, hint: str) -> str | None:
 def _check_recorded(golden: Path, meta_file: Path, actual: str, hint: str) -> str | None:
     recorded = _recorded_torch(meta_file, hint)
     if recorded is not None and torch_release(recorded) != torch_release(torch.__version__):
-        return (f"exact golden {golden.parent.name}/{golden.name} was recorded with torch {recorded}, this is torch {torch.__version__}: "
-                f"exact check skipped (Dynamo names nodes differently between releases; the structural "
-                f"summary is still checked; {hint} on this version to record it here, or "
-                f"{ACCEPT_ENV}={RELEASE} to record this release's goldens beside it)")
+        return (
+            f"exact golden {golden.parent.name}/{golden.name} was recorded with torch {recorded}, this is torch {torch.__version__}: "
+            f"exact check skipped (Dynamo names nodes differently between releases; the structural "
+            f"summary is still checked; {hint} on this version to record it here, or "
+            f"{ACCEPT_ENV}={RELEASE} to record this release's goldens beside it)"
+        )
     _compare_text(golden, golden.read_text(), actual, "graph", hint)
     return None
 
@@ -309,8 +322,9 @@ def accept_release(path: str | os.PathLike, actual: str) -> Path:
     return own if own.exists() else path
 
 
-def check_summary(path: str | os.PathLike, summary: dict[str, Any], *, accept: bool | str | None = None,
-                  hint: str = ACCEPT_HINT) -> None:
+def check_summary(
+    path: str | os.PathLike, summary: dict[str, Any], *, accept: bool | str | None = None, hint: str = ACCEPT_HINT
+) -> None:
     """Check the structural summary against ``path`` (JSON), on every torch version; accept like
     :func:`check_exact` (``"release"`` writes only a missing summary). Raises :class:`GoldenMismatch` with a unified diff of the JSON."""
     path = Path(path)

@@ -43,9 +43,14 @@ class ModelShape:
         """From a transformers config (``model.config``, vLLM's ``hf_config``)."""
         heads = getattr(config, "num_attention_heads", None)
         head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
-        return cls(str(getattr(config, "model_type", "")), heads,
-                   getattr(config, "num_key_value_heads", None) or heads, head_dim,
-                   getattr(config, "intermediate_size", None), tp_size)
+        return cls(
+            str(getattr(config, "model_type", "")),
+            heads,
+            getattr(config, "num_key_value_heads", None) or heads,
+            head_dim,
+            getattr(config, "intermediate_size", None),
+            tp_size,
+        )
 
     def to_meta(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "tp_rank"}
@@ -53,5 +58,7 @@ class ModelShape:
     def need(self, *names: str) -> list[int]:
         values = [getattr(self, n) for n in names]
         if any(v is None for v in values):
-            raise RebuildError(f"the engine's meta 'model' lacks {', '.join(n for n, v in zip(names, values) if v is None)}")
+            raise RebuildError(
+                f"the engine's meta 'model' lacks {', '.join(n for n, v in zip(names, values) if v is None)}"
+            )
         return values

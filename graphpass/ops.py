@@ -62,10 +62,12 @@ def _profiler_on() -> bool:
 # and need no autograd formula, and a direct CompositeExplicitAutograd kernel costs ~4 us a call
 # against ~18 us through custom_op's wrapper (measured here; it matters for small models).
 _LIB = torch.library.Library("graphpass", "FRAGMENT")
-_LIB.define("trap_enter(str label, Tensor[] deps, bool profile=True, Tensor[]? owner=None, str owner_fqn='', "
-            "int model=0) -> ()")
-_LIB.define("trap_exit(str label, Tensor[] deps, bool profile=True, Tensor[]? owner=None, str owner_fqn='', "
-            "int model=0) -> ()")
+_LIB.define(
+    "trap_enter(str label, Tensor[] deps, bool profile=True, Tensor[]? owner=None, str owner_fqn='', int model=0) -> ()"
+)
+_LIB.define(
+    "trap_exit(str label, Tensor[] deps, bool profile=True, Tensor[]? owner=None, str owner_fqn='', int model=0) -> ()"
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,8 +120,14 @@ def _relabel(label: str, owner_fqn: str, fqns: list[str]) -> str:
     return found[0] if len(found) == 1 and found[0] else label
 
 
-def trap_enter(label: str, deps: List[torch.Tensor], profile: bool = True, owner: Optional[List[torch.Tensor]] = None,
-               owner_fqn: str = "", model: int = 0) -> None:
+def trap_enter(
+    label: str,
+    deps: List[torch.Tensor],
+    profile: bool = True,
+    owner: Optional[List[torch.Tensor]] = None,
+    owner_fqn: str = "",
+    model: int = 0,
+) -> None:
     st = _state()
     label = _resolved_label(label, owner, owner_fqn, model) if owner else label
     handle = None
@@ -129,8 +137,14 @@ def trap_enter(label: str, deps: List[torch.Tensor], profile: bool = True, owner
     record_event("enter", label)
 
 
-def trap_exit(label: str, deps: List[torch.Tensor], profile: bool = True, owner: Optional[List[torch.Tensor]] = None,
-              owner_fqn: str = "", model: int = 0) -> None:
+def trap_exit(
+    label: str,
+    deps: List[torch.Tensor],
+    profile: bool = True,
+    owner: Optional[List[torch.Tensor]] = None,
+    owner_fqn: str = "",
+    model: int = 0,
+) -> None:
     st = _state()
     label = _resolved_label(label, owner, owner_fqn, model) if owner else label
     # Close the innermost open range with this label (and any left open inside it by an
@@ -230,8 +244,12 @@ class offload_block(trap_block):
 
     def __init__(self, name: str) -> None:
         if not torch.compiler.is_compiling():
-            warnings.warn("graphpass.offload_block is deprecated: use graphpass.trap_block (same arguments); "
-                          "a trap marks a region, offload() chooses what to offload", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                "graphpass.offload_block is deprecated: use graphpass.trap_block (same arguments); "
+                "a trap marks a region, offload() chooses what to offload",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         super().__init__(name)
 
 

@@ -98,8 +98,12 @@ def run_pipeline(
     t0 = time.perf_counter()
     changed = [p.name for p in passes if run_pass(p, ctx)]
     if _log.isEnabledFor(logging.INFO):
-        _log.info("graphpass: %s in %.1f ms; changed by %s", graph_name, (time.perf_counter() - t0) * 1e3,
-                  ", ".join(changed) or "no pass")
+        _log.info(
+            "graphpass: %s in %.1f ms; changed by %s",
+            graph_name,
+            (time.perf_counter() - t0) * 1e3,
+            ", ".join(changed) or "no pass",
+        )
     if _graphs_log.isEnabledFor(logging.INFO) and not _graphs_log.isEnabledFor(logging.DEBUG):
         _graphs_log.info("%s after the pipeline:\n%s", graph_name, _readable(gm))
     return ctx

@@ -46,5 +46,13 @@ def bar(total: float | None, desc: str, unit: str = "it", unit_scale: bool = Fal
         return _Silent()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, unit_divisor=1024 if unit == "B" else 1000,
-                leave=False, file=sys.stderr, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit_scale,
+        unit_divisor=1024 if unit == "B" else 1000,
+        leave=False,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )

@@ -34,15 +34,25 @@ def read_prompts(path: str | os.PathLike) -> list[list[int]]:
         prompts = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
         raise ConfigError("--prompts", str(path), f"cannot be read as JSON ({err})") from None
-    if not isinstance(prompts, list) or not prompts or not all(
+    if (
+        not isinstance(prompts, list)
+        or not prompts
+        or not all(
             isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
-            for p in prompts):
+            for p in prompts
+        )
+    ):
         raise ConfigError("--prompts", str(path), "must hold a non-empty JSON list of non-empty lists of token ids")
     return prompts
 
 
-def reference_run(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                  modules: Sequence[str], out: str | os.PathLike) -> list[list[int]]:
+def reference_run(
+    model_dir: str | os.PathLike,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    modules: Sequence[str],
+    out: str | os.PathLike,
+) -> list[list[int]]:
     """Run ``prompts`` greedily through the transformers model in ``model_dir``, capturing ``modules``
     into ``out``; writes and returns the tokens (see the module docstring)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -67,15 +77,16 @@ def reference_run(model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]]
         for i, prompt in enumerate(prompts):
             bad = [t for t in prompt if t >= vocab]
             if bad:
-                raise ConfigError("--prompts", bad[:3], f"token ids of prompt {i} are not below the vocabulary size {vocab}")
+                raise ConfigError(
+                    "--prompts", bad[:3], f"token ids of prompt {i} are not below the vocabulary size {vocab}"
+                )
             tokens.append(_greedy(model, capture, str(i), list(prompt), max_new_tokens, shape))
     Path(out, "tokens.json").write_text(json.dumps(tokens))
     log.info("reference run: %d prompt(s), %d new tokens each, captures in %s", len(prompts), max_new_tokens, out)
     return tokens
 
 
-def _greedy(model: Any, capture: Any, req_id: str, prompt: list[int], max_new_tokens: int,
-            shape: dict) -> list[int]:
+def _greedy(model: Any, capture: Any, req_id: str, prompt: list[int], max_new_tokens: int, shape: dict) -> list[int]:
     """One request: a prefill step, then a decode step per token but the last, each one capture step."""
     from transformers import DynamicCache
 
@@ -85,11 +96,15 @@ def _greedy(model: Any, capture: Any, req_id: str, prompt: list[int], max_new_to
     for step in range(max_new_tokens):
         start = len(prompt) + len(out) - ids.shape[1]
         positions = torch.arange(start, start + ids.shape[1])
-        meta = EngineStepMeta(REFERENCE_ENGINE, [0] * ids.shape[1], model=shape,
-                              input_ids=ids[0].tolist()).to_dict()
+        meta = EngineStepMeta(REFERENCE_ENGINE, [0] * ids.shape[1], model=shape, input_ids=ids[0].tolist()).to_dict()
         with capture.step(positions=positions, is_prefill=step == 0, req_ids=[req_id], extra_meta=meta):
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                           cache_position=positions, position_ids=positions[None]).logits
+            logits = model(
+                input_ids=ids,
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=positions,
+                position_ids=positions[None],
+            ).logits
         out.append(int(logits[0, -1].argmax()))
         ids = torch.tensor([[out[-1]]])
     return out

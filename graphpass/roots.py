@@ -141,7 +141,9 @@ class Roots:
     def is_entry_frame(self) -> bool:
         """The graph starts where the user's compiled call starts (not a resume after a graph
         break, not a submodule's own frame): its inputs are the call's arguments."""
-        return not self.frame_name.startswith("torch_dynamo_resume_in") and not self.frame_module and not self.inside_model
+        return (
+            not self.frame_name.startswith("torch_dynamo_resume_in") and not self.frame_module and not self.inside_model
+        )
 
     @property
     def frame_module(self) -> str:

@@ -145,7 +145,7 @@ def unflatten_wrappers(flat: list, metas: list) -> list:
             pos += 1
             continue
         cls, names, ctx, shape, stride = meta
-        out.append(cls.__tensor_unflatten__(dict(zip(names, flat[pos:pos + len(names)])), ctx, shape, stride))
+        out.append(cls.__tensor_unflatten__(dict(zip(names, flat[pos : pos + len(names)])), ctx, shape, stride))
         pos += len(names)
     return out
 

@@ -74,8 +74,14 @@ def _option_accept(config: Any) -> bool | str:
     return bool(config.getoption(ACCEPT_OPTION, default=False))
 
 
-def _compile_and_run(model: Any, inputs: Sequence[Any], then: Any, options: dict[str, Any] | None,
-                     capture: Sequence[str] | None, grad: bool) -> list:
+def _compile_and_run(
+    model: Any,
+    inputs: Sequence[Any],
+    then: Any,
+    options: dict[str, Any] | None,
+    capture: Sequence[str] | None,
+    grad: bool,
+) -> list:
     """Compile ``model`` with a fresh graphpass backend (Dynamo reset first, so no cached graph from
     an earlier compile hides this one), run it once on ``inputs`` and return its graph records."""
     import tempfile
@@ -104,8 +110,14 @@ def _compile_and_run(model: Any, inputs: Sequence[Any], then: Any, options: dict
     return list(gp.graphs)
 
 
-def check_goldens(exact: dict[Path, str], summaries: dict[Path, dict[str, Any]], *, accept: bool | str | None = None,
-                  hint: str | None = None, skip: bool = True) -> list[str]:
+def check_goldens(
+    exact: dict[Path, str],
+    summaries: dict[Path, dict[str, Any]],
+    *,
+    accept: bool | str | None = None,
+    hint: str | None = None,
+    skip: bool = True,
+) -> list[str]:
     """Check (or, accepting, write) structural summaries first, then exact renderings; returns the
     reasons exact checks were skipped (another torch release recorded them). With ``skip`` and under
     pytest, a skipped exact check skips the test once everything else passed."""
@@ -123,9 +135,18 @@ def check_goldens(exact: dict[Path, str], summaries: dict[Path, dict[str, Any]],
     return skipped
 
 
-def golden_check(model: Any, *inputs: Any, name: str, directory: str | os.PathLike, accept: bool | str | None = None,
-                 then: Any = "eager", options: dict[str, Any] | None = None, capture: Sequence[str] | None = None,
-                 grad: bool = False, hint: str | None = None) -> GoldenResult:
+def golden_check(
+    model: Any,
+    *inputs: Any,
+    name: str,
+    directory: str | os.PathLike,
+    accept: bool | str | None = None,
+    then: Any = "eager",
+    options: dict[str, Any] | None = None,
+    capture: Sequence[str] | None = None,
+    grad: bool = False,
+    hint: str | None = None,
+) -> GoldenResult:
     """:func:`assert_golden` without pytest: returns a :class:`GoldenResult` instead of skipping.
     Raises :class:`graphpass.golden.GoldenMismatch` (an ``AssertionError``) with a unified diff."""
     from .golden import render_model, summarize
@@ -134,14 +155,23 @@ def golden_check(model: Any, *inputs: Any, name: str, directory: str | os.PathLi
     graphs = _compile_and_run(model, inputs, then, options, capture, grad)
     summary = summarize(graphs)
     accept = _resolve_accept(accept)
-    skipped = check_goldens({text_path: render_model(graphs)}, {summary_path: summary}, accept=accept, hint=hint,
-                            skip=False)
+    skipped = check_goldens(
+        {text_path: render_model(graphs)}, {summary_path: summary}, accept=accept, hint=hint, skip=False
+    )
     return GoldenResult(name, text_path, summary_path, accept, skipped[0] if skipped else None, summary)
 
 
-def assert_golden(model: Any, *inputs: Any, name: str, directory: str | os.PathLike, accept: bool | str | None = None,
-                  then: Any = "eager", options: dict[str, Any] | None = None, capture: Sequence[str] | None = None,
-                  grad: bool = False) -> GoldenResult:
+def assert_golden(
+    model: Any,
+    *inputs: Any,
+    name: str,
+    directory: str | os.PathLike,
+    accept: bool | str | None = None,
+    then: Any = "eager",
+    options: dict[str, Any] | None = None,
+    capture: Sequence[str] | None = None,
+    grad: bool = False,
+) -> GoldenResult:
     """Compile ``model`` with graphpass (delegate ``then``, default eager; ``options`` as for
     ``graphpass.backend``), run it once on ``inputs`` (under no_grad unless ``grad``) and compare
     its graphs with the goldens ``directory/name.*``.
@@ -154,8 +184,17 @@ def assert_golden(model: Any, *inputs: Any, name: str, directory: str | os.PathL
     only on the torch release it was recorded with, otherwise the test is skipped (under pytest,
     after the summary passed) with a message saying so.
     """
-    result = golden_check(model, *inputs, name=name, directory=directory, accept=accept, then=then,
-                          options=options, capture=capture, grad=grad)
+    result = golden_check(
+        model,
+        *inputs,
+        name=name,
+        directory=directory,
+        accept=accept,
+        then=then,
+        options=options,
+        capture=capture,
+        grad=grad,
+    )
     if result.exact_skipped and os.environ.get("PYTEST_CURRENT_TEST"):
         import pytest
 
@@ -165,15 +204,28 @@ def assert_golden(model: Any, *inputs: Any, name: str, directory: str | os.PathL
 
 # --- the pytest plugin --------------------------------------------------------------------------
 
+
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("graphpass")
-    group.addoption(ACCEPT_OPTION, action="store_true", default=False,
-                    help="graphpass golden graphs: write the goldens instead of comparing (same as GRAPHPASS_ACCEPT_GOLDEN=1)")
-    group.addoption(ACCEPT_RELEASE_OPTION, action="store_true", default=False,
-                    help="graphpass golden graphs: record this torch release's exact goldens beside the main ones, "
-                         "NAME.torch<major.minor>.txt where they differ (same as GRAPHPASS_ACCEPT_GOLDEN=release)")
-    parser.addini(DIR_INI, "graphpass golden graphs: folder of the goldens, relative to the rootdir "
-                  "(default: a 'golden' folder beside each test file)", default="")
+    group.addoption(
+        ACCEPT_OPTION,
+        action="store_true",
+        default=False,
+        help="graphpass golden graphs: write the goldens instead of comparing (same as GRAPHPASS_ACCEPT_GOLDEN=1)",
+    )
+    group.addoption(
+        ACCEPT_RELEASE_OPTION,
+        action="store_true",
+        default=False,
+        help="graphpass golden graphs: record this torch release's exact goldens beside the main ones, "
+        "NAME.torch<major.minor>.txt where they differ (same as GRAPHPASS_ACCEPT_GOLDEN=release)",
+    )
+    parser.addini(
+        DIR_INI,
+        "graphpass golden graphs: folder of the goldens, relative to the rootdir "
+        "(default: a 'golden' folder beside each test file)",
+        default="",
+    )
 
 
 def pytest_configure(config: Any) -> None:
@@ -224,7 +276,12 @@ def _default_name(request: Any, directory: Path, accept: bool) -> str:
     module has that name (one class with that method, no function): existing goldens stay valid
     until re-accepted. Decided from the module, not from the tests selected (``-k``)."""
     name, plain = golden_name(request.node), _plain_name(request.node)
-    if name == plain or accept or golden_paths(directory, name)[1].exists() or not golden_paths(directory, plain)[1].exists():
+    if (
+        name == plain
+        or accept
+        or golden_paths(directory, name)[1].exists()
+        or not golden_paths(directory, plain)[1].exists()
+    ):
         return name
     method = request.function.__name__
     module = vars(request.module)

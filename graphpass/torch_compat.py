@@ -23,6 +23,7 @@ Differences handled here:
   guard is one); torch 2.9's Dynamo skips every frame in ``torch/nn``, so it runs eagerly.
   :func:`dynamo_compiles_own_frame` says whether a module class's ``forward`` gets its own frame.
 """
+
 from __future__ import annotations
 
 import re
@@ -31,8 +32,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["TORCH_RELEASE", "UNBACKED_SAFE_SLICING", "INDUCTOR_KEEPS_MARKED_OPS", "count_loop_skips",
-           "dynamo_compiles_own_frame", "keep_marked_ops_in_inductor", "source_name", "torch_release_tuple"]
+__all__ = [
+    "TORCH_RELEASE",
+    "UNBACKED_SAFE_SLICING",
+    "INDUCTOR_KEEPS_MARKED_OPS",
+    "count_loop_skips",
+    "dynamo_compiles_own_frame",
+    "keep_marked_ops_in_inductor",
+    "source_name",
+    "torch_release_tuple",
+]
 
 
 def torch_release_tuple(version: str | None = None) -> tuple[int, int]:
@@ -86,7 +95,8 @@ def keep_marked_ops_in_inductor(namespace: str = "graphpass") -> list[Any]:
                 continue
             lowering.add_needs_realized_inputs(op)
             lowering.add_layout_constraint(
-                op, lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True)))
+                op, lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+            )
             lowering.register_lowering(op, type_promotion_kind=None)(_kept_fallback_handler(op))
             added.append(op)
     return added
@@ -148,7 +158,8 @@ class _LoopSkipCounter:
 
             counters["unimplemented"][
                 "graph break in loop\n  Explanation: torch.compile detected a graph break in a for/while loop. "
-                f"Skipping the frame and falling back to eager.\n\n  Developer debug context: frame skipped: {where}"] += 1
+                f"Skipping the frame and falling back to eager.\n\n  Developer debug context: frame skipped: {where}"
+            ] += 1
         kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1  # the record names Dynamo's line, not this one
         self._log.info(msg, *args, **kwargs)
 

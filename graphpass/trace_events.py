@@ -15,7 +15,13 @@ from typing import Any, Callable
 
 from .errors import GraphpassError
 
-CALL, TRAP, LOAD, WAIT, EVICT = "graphpass.call", "graphpass.trap", "graphpass.load", "graphpass.wait", "graphpass.evict"
+CALL, TRAP, LOAD, WAIT, EVICT = (
+    "graphpass.call",
+    "graphpass.trap",
+    "graphpass.load",
+    "graphpass.wait",
+    "graphpass.evict",
+)
 
 
 class TraceError(GraphpassError):
@@ -52,7 +58,9 @@ class TraceSink:
         self.call = 0
         self._open: dict[tuple[int, str], list[float]] = {}
 
-    def add(self, cat: str, label: str, t0: float, t1: float | None = None, call: int | None = None, **args: Any) -> None:
+    def add(
+        self, cat: str, label: str, t0: float, t1: float | None = None, call: int | None = None, **args: Any
+    ) -> None:
         t1 = time.perf_counter() if t1 is None else t1
         th = threading.current_thread()
         span = Span(cat, label, threading.get_native_id(), th.name, t0, t1, self.call if call is None else call, args)

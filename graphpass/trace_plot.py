@@ -32,6 +32,7 @@ class PlottedReport(Protocol):
 
     def to_dict(self) -> dict[str, Any]: ...
 
+
 DPI = 100
 TRAP_COLORS = ("#4c78a8", "#72b7b2")
 COLORS = {LOAD: "#54a24b", WAIT: "#e45756", EVICT: "#b279a2", CALL: "#dddddd"}
@@ -69,8 +70,13 @@ def _draw(ax: Any, report: PlottedReport, origin: float, px_per_ms: float) -> No
         for i, (s, color) in enumerate(pairs):
             x0, width = (s.t0 - origin) * 1e3, max((s.t1 - s.t0) * 1e3, 1.5 / px_per_ms)  # at least 1.5 px
             face = color or TRAP_COLORS[i % 2]
-            ax.broken_barh([(x0, width)], (y - 0.35, 0.7), facecolors=face, edgecolors="white",
-                           linewidth=0.5 if s.cat == TRAP else 0)
+            ax.broken_barh(
+                [(x0, width)],
+                (y - 0.35, 0.7),
+                facecolors=face,
+                edgecolors="white",
+                linewidth=0.5 if s.cat == TRAP else 0,
+            )
             if s.cat == LOAD and "issued" in s.args and s.args["issued"] < s.t0:
                 ax.plot([(s.args["issued"] - origin) * 1e3, x0], [y, y], color=face, lw=1, alpha=0.7)
             text = s.label
@@ -100,10 +106,17 @@ def render_png(report: PlottedReport, size: tuple[int, int] = (1200, 360), dpi: 
         _draw(ax, report, origin, px_per_ms=0.8 * size[0] / max(span_ms, 1e-9))
         d = report.to_dict()
         hidden = "" if d["hidden_fraction"] is None else f"{d['hidden_fraction']:.0%} of load time under trap compute, "
-        ax.set_title(f"{report.title + ': ' if report.title else ''}{d['loads']} loads, {hidden}"
-                     f"compute waited {d['wait_ms']:.1f} ms of {sum(d['call_ms']):.1f} ms", fontsize=9)
-        handles = [Patch(color=TRAP_COLORS[0], label="trap"), Patch(color=COLORS[LOAD], label="load (worker)"),
-                   Patch(color=COLORS[WAIT], label="wait (compute idle)"), Patch(color=COLORS[EVICT], label="eviction")]
+        ax.set_title(
+            f"{report.title + ': ' if report.title else ''}{d['loads']} loads, {hidden}"
+            f"compute waited {d['wait_ms']:.1f} ms of {sum(d['call_ms']):.1f} ms",
+            fontsize=9,
+        )
+        handles = [
+            Patch(color=TRAP_COLORS[0], label="trap"),
+            Patch(color=COLORS[LOAD], label="load (worker)"),
+            Patch(color=COLORS[WAIT], label="wait (compute idle)"),
+            Patch(color=COLORS[EVICT], label="eviction"),
+        ]
         fig.legend(handles=handles, fontsize=7, loc="outside lower center", ncols=4, frameon=False)
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})

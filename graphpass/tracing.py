@@ -93,9 +93,11 @@ class TraceReport:
     def __str__(self) -> str:
         d = self.to_dict()
         hidden = "" if d["hidden_fraction"] is None else f", {d['hidden_fraction']:.0%} of it under trap compute"
-        return (f"trace written to {d['path']}: {d['calls']} call(s), {d['traps']} trap ranges, {d['loads']} loads "
-                f"({d['load_ms']:.2f} ms on the worker{hidden}), {d['evictions']} evictions, the compute waited "
-                f"{d['wait_ms']:.2f} ms on loads; open it in https://ui.perfetto.dev or chrome://tracing")
+        return (
+            f"trace written to {d['path']}: {d['calls']} call(s), {d['traps']} trap ranges, {d['loads']} loads "
+            f"({d['load_ms']:.2f} ms on the worker{hidden}), {d['evictions']} evictions, the compute waited "
+            f"{d['wait_ms']:.2f} ms on loads; open it in https://ui.perfetto.dev or chrome://tracing"
+        )
 
     def plot_png(self, path: str | os.PathLike[str], size: tuple[int, int] = (1200, 360)) -> Path:
         """Draw the timeline (tracks: compute, worker) to ``path``; needs ``graphpass[plot]``."""
@@ -123,11 +125,16 @@ def _clock_marks(n: int = 5) -> list[tuple[str, float, float]]:
 def _clock_offset(events: list[dict], marks: list[tuple[str, float, float]]) -> float:
     """Profiler microseconds minus ``perf_counter`` microseconds, from the tightest clock mark."""
     starts = {e.get("name"): e.get("ts") for e in events if e.get("ph") == "X"}
-    found = [(after - before, starts[name] - (before + after) / 2 * 1e6) for name, before, after in marks
-             if isinstance(starts.get(name), (int, float))]
+    found = [
+        (after - before, starts[name] - (before + after) / 2 * 1e6)
+        for name, before, after in marks
+        if isinstance(starts.get(name), (int, float))
+    ]
     if not found:
-        raise TraceError("the profiler's trace holds none of graphpass's clock marks: cannot place the "
-                         "offload worker's ranges on its clock (is another profiler consuming the events?)")
+        raise TraceError(
+            "the profiler's trace holds none of graphpass's clock marks: cannot place the "
+            "offload worker's ranges on its clock (is another profiler consuming the events?)"
+        )
     return min(found)[1]
 
 
@@ -177,14 +184,31 @@ def _track_events(spans: list[Span], offset_us: float, pid: int) -> list[dict]:
         args = {"trap": s.label, "call": s.call, **s.args}
         if "issued" in args:
             args["issued_us"] = round(args.pop("issued") * 1e6 + offset_us, 3)
-        events.append({"ph": "X", "cat": s.cat, "name": s.cat if s.cat == CALL else f"{s.cat}/{s.label}",
-                       "pid": pid, "tid": tid, "ts": round(s.t0 * 1e6 + offset_us, 3),
-                       "dur": round(max(0.0, s.t1 - s.t0) * 1e6, 3), "args": args})
+        events.append(
+            {
+                "ph": "X",
+                "cat": s.cat,
+                "name": s.cat if s.cat == CALL else f"{s.cat}/{s.label}",
+                "pid": pid,
+                "tid": tid,
+                "ts": round(s.t0 * 1e6 + offset_us, 3),
+                "dur": round(max(0.0, s.t1 - s.t0) * 1e6, 3),
+                "args": args,
+            }
+        )
     ts = min((e["ts"] for e in events), default=0.0)  # metadata carry a ts, as the profiler's own do
     for tid, (name, order) in tracks.items():
         events.append({"ph": "M", "name": "thread_name", "ts": ts, "pid": pid, "tid": tid, "args": {"name": name}})
-        events.append({"ph": "M", "name": "thread_sort_index", "ts": ts, "pid": pid, "tid": tid,
-                       "args": {"sort_index": -2 + order}})
+        events.append(
+            {
+                "ph": "M",
+                "name": "thread_sort_index",
+                "ts": ts,
+                "pid": pid,
+                "tid": tid,
+                "args": {"sort_index": -2 + order},
+            }
+        )
     return events
 
 
@@ -192,8 +216,11 @@ def _check_args(calls: Any, warmup: Any, plot_size: Any) -> None:
     for key, value, low in (("calls", calls, 1), ("warmup", warmup, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ConfigError(key, value, f"expected an integer >= {low}")
-    if not (isinstance(plot_size, tuple) and len(plot_size) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) and 64 <= v <= 8000 for v in plot_size)):
+    if not (
+        isinstance(plot_size, tuple)
+        and len(plot_size) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and 64 <= v <= 8000 for v in plot_size)
+    ):
         raise ConfigError("plot_size", plot_size, "expected (width, height) in pixels, each 64..8000")
 
 
@@ -211,15 +238,24 @@ def check_outputs(path: Any, plot: Any = None, names: tuple[str, str] = ("path",
             pass  # named below: a file where a folder should be, a folder that cannot be created
         problem = target_problem(value)
         if problem is not None:
-            raise TraceError(f"{key}: cannot write the {what} to {os.fspath(value)!r}: {problem} (checked before "
-                             f"running the model)")
+            raise TraceError(
+                f"{key}: cannot write the {what} to {os.fspath(value)!r}: {problem} (checked before running the model)"
+            )
     if plot is not None and os.path.abspath(path) == os.path.abspath(plot):
         raise ConfigError(names[1], os.fspath(plot), f"the same file as {names[0]}: the plot would overwrite the trace")
 
 
-def trace(compiled: Callable, *inputs: Any, path: str | os.PathLike[str] = "trace.json",
-          plot: str | os.PathLike[str] | None = None, plot_size: tuple[int, int] = (1200, 360),
-          calls: int = 1, warmup: int = 1, title: str = "", **kwargs: Any) -> TraceReport:
+def trace(
+    compiled: Callable,
+    *inputs: Any,
+    path: str | os.PathLike[str] = "trace.json",
+    plot: str | os.PathLike[str] | None = None,
+    plot_size: tuple[int, int] = (1200, 360),
+    calls: int = 1,
+    warmup: int = 1,
+    title: str = "",
+    **kwargs: Any,
+) -> TraceReport:
     """Run ``compiled(*inputs, **kwargs)`` ``warmup`` times (compiling it), then ``calls`` times under
     ``torch.profiler``, and write the Chrome / Perfetto trace to ``path`` (open it in
     https://ui.perfetto.dev or chrome://tracing): the profiler's events plus a range per call, trap,

@@ -20,8 +20,19 @@ from .registry import TensorRegistry
 from .staging import StagingConfig
 from .writer import CaptureWriter
 
-__all__ = ["ModelCapture", "StagingConfig", "AutoSteps", "StepInfo", "TensorRegistry", "CaptureWriter", "CaptureSpec",
-           "capture_tensor", "specs_for", "note_traced", "TRACED"]
+__all__ = [
+    "ModelCapture",
+    "StagingConfig",
+    "AutoSteps",
+    "StepInfo",
+    "TensorRegistry",
+    "CaptureWriter",
+    "CaptureSpec",
+    "capture_tensor",
+    "specs_for",
+    "note_traced",
+    "TRACED",
+]
 
 # moved to graphpass.comparing (compare is its own package): deprecated aliases, kept for one release, as are the
 # old module paths (graphpass.capturing.compare_runs, ...: thin modules here)
@@ -30,8 +41,12 @@ _MOVED = ("compare", "CompareReport", "CompareError")
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
-        warnings.warn(f"graphpass.capturing.{name} moved to graphpass.comparing.{name}; the old name will be "
-                      "removed in the next release", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"graphpass.capturing.{name} moved to graphpass.comparing.{name}; the old name will be "
+            "removed in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         from .. import comparing
 
         return getattr(comparing, name)

@@ -67,7 +67,8 @@ def default_step_info(args: tuple, kwargs: dict) -> StepInfo:
     if x is None or x.dim() == 0:
         raise CaptureError(
             "auto_steps cannot name this step: the forward got no input tensor (input_ids, inputs_embeds or a "
-            "positional tensor of shape (batch, seq, ...)); pass step_info=fn(args, kwargs) -> StepInfo")
+            "positional tensor of shape (batch, seq, ...)); pass step_info=fn(args, kwargs) -> StepInfo"
+        )
     batch, seq = (1, int(x.shape[0])) if x.dim() == 1 else (int(x.shape[0]), int(x.shape[1]))
     positions = _first_tensor(args, kwargs, POSITION_KEYS)
     if positions is not None:
@@ -101,8 +102,15 @@ class StepsOwner(Protocol):
 
     def _restore(self) -> None: ...
 
-    def _save_step(self, positions: Any = None, is_prefill: bool = True, req_ids: Any = None, size: int | None = None,
-                   extra_meta: Any = None, wait: bool = True) -> list[Path]: ...
+    def _save_step(
+        self,
+        positions: Any = None,
+        is_prefill: bool = True,
+        req_ids: Any = None,
+        size: int | None = None,
+        extra_meta: Any = None,
+        wait: bool = True,
+    ) -> list[Path]: ...
 
     def flush(self) -> None: ...
 
@@ -111,8 +119,13 @@ class AutoSteps:
     """The hooks that make every forward of ``module`` a step of ``capture``. Returned by
     :meth:`ModelCapture.auto_steps`; a context manager (``with``), or call :meth:`remove`."""
 
-    def __init__(self, capture: StepsOwner, module: torch.nn.Module,
-                 step_info: Callable[[tuple, dict], StepInfo | None] | None = None, wait: bool = False) -> None:
+    def __init__(
+        self,
+        capture: StepsOwner,
+        module: torch.nn.Module,
+        step_info: Callable[[tuple, dict], StepInfo | None] | None = None,
+        wait: bool = False,
+    ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise CaptureError(f"auto_steps needs an nn.Module to hook, got {type(module).__name__}")
         self.capture = capture
@@ -155,9 +168,12 @@ class AutoSteps:
                 "(eagerly, e.g. the prefill of transformers' compile_config path, or under another backend). "
                 "Compile the model's forward with graphpass "
                 "(model.forward = torch.compile(model.forward, backend=graphpass.backend(...))). "
-                "Warned once per auto_steps.", stacklevel=2)
-        written = self.capture._save_step(positions=info.positions, is_prefill=info.is_prefill,
-                                          req_ids=info.req_ids, size=info.size, wait=self.wait)
+                "Warned once per auto_steps.",
+                stacklevel=2,
+            )
+        written = self.capture._save_step(
+            positions=info.positions, is_prefill=info.is_prefill, req_ids=info.req_ids, size=info.size, wait=self.wait
+        )
         self.steps += bool(written)
 
     def remove(self) -> None:

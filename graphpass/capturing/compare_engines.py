@@ -6,6 +6,10 @@ import warnings
 
 from ..comparing import compare_engines as _moved
 
-warnings.warn("graphpass.capturing.compare_engines moved to graphpass.comparing.compare_engines; "
-              "the old path will be removed in the next release", DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "graphpass.capturing.compare_engines moved to graphpass.comparing.compare_engines; "
+    "the old path will be removed in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)
 sys.modules[__name__] = _moved

@@ -6,6 +6,10 @@ import warnings
 
 from ..comparing import compare_tensors as _moved
 
-warnings.warn("graphpass.capturing.compare_tensors moved to graphpass.comparing.compare_tensors; "
-              "the old path will be removed in the next release", DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "graphpass.capturing.compare_tensors moved to graphpass.comparing.compare_tensors; "
+    "the old path will be removed in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)
 sys.modules[__name__] = _moved

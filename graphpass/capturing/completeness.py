@@ -6,6 +6,10 @@ import warnings
 
 from ..comparing import completeness as _moved
 
-warnings.warn("graphpass.capturing.completeness moved to graphpass.comparing.completeness; "
-              "the old path will be removed in the next release", DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "graphpass.capturing.completeness moved to graphpass.comparing.completeness; "
+    "the old path will be removed in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)
 sys.modules[__name__] = _moved

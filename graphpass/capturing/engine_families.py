@@ -6,6 +6,10 @@ import warnings
 
 from ..comparing import engine_families as _moved
 
-warnings.warn("graphpass.capturing.engine_families moved to graphpass.comparing.engine_families; "
-              "the old path will be removed in the next release", DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "graphpass.capturing.engine_families moved to graphpass.comparing.engine_families; "
+    "the old path will be removed in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)
 sys.modules[__name__] = _moved

@@ -31,8 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..capture_format import (BUCKET, DROPPED_STEPS, GRAPHPASS_VERSION, OWN_META, POSITIONS, REQ_IDS, RUN,
-                              TORCH_VERSION)
+from ..capture_format import BUCKET, DROPPED_STEPS, GRAPHPASS_VERSION, OWN_META, POSITIONS, REQ_IDS, RUN, TORCH_VERSION
 from ..dynamo_records import has_compiled_code
 from ..errors import CaptureError, ConfigError
 from ..version import __version__
@@ -90,11 +89,13 @@ def _traced_other_instance(model: torch.nn.Module) -> bool:
 
 def _shared_graph_advice(model: torch.nn.Module) -> str:
     cls = type(model).__name__
-    return (f"Dynamo runs a graph compiled for one {cls} instance for every other {cls} instance whose guards "
-            "pass (parameters are graph inputs, nothing pins the instance), so this model may run a graph "
-            "compiled for another instance, without capture nodes for the modules this ModelCapture selects. "
-            f"Create a ModelCapture for every {cls} instance you want to capture before the first call of any "
-            "of them, or call torch._dynamo.reset() first so the next call recompiles once")
+    return (
+        f"Dynamo runs a graph compiled for one {cls} instance for every other {cls} instance whose guards "
+        "pass (parameters are graph inputs, nothing pins the instance), so this model may run a graph "
+        "compiled for another instance, without capture nodes for the modules this ModelCapture selects. "
+        f"Create a ModelCapture for every {cls} instance you want to capture before the first call of any "
+        "of them, or call torch._dynamo.reset() first so the next call recompiles once"
+    )
 
 
 # This context's open capture steps, innermost last: (ModelCapture, its registry for this step).
@@ -254,13 +255,17 @@ class ModelCapture:
         for i in range(len(frames) - 1, -1, -1):
             if frames[i][0] is self:
                 reg = frames[i][1]
-                _FRAMES.set(frames[:i] + frames[i + 1:])
+                _FRAMES.set(frames[:i] + frames[i + 1 :])
                 ACTIVE_CAPTURES.set(tuple(r for r in ACTIVE_CAPTURES.get() if r is not reg))
                 return
 
     def save_tensor_captures(
-        self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None,
-        extra_meta: Mapping[str, Any] | None = None, wait: bool = True,
+        self,
+        positions: Any = None,
+        is_prefill: bool = True,
+        req_ids: Sequence[str] | None = None,
+        extra_meta: Mapping[str, Any] | None = None,
+        wait: bool = True,
     ) -> list[Path]:
         """Write what was captured since ``setup_tensor_capture`` and restore the previous registry.
         ``extra_meta``: more JSON-able fields for the step's meta file (an engine's per-token request
@@ -268,9 +273,15 @@ class ModelCapture:
         and return at once (written behind the compute; the step dirs it will have are returned)."""
         return self._save_step(positions, is_prefill, req_ids, extra_meta=extra_meta, wait=wait)
 
-    def _save_step(self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None,
-                   size: int | None = None, extra_meta: Mapping[str, Any] | None = None,
-                   wait: bool = True) -> list[Path]:
+    def _save_step(
+        self,
+        positions: Any = None,
+        is_prefill: bool = True,
+        req_ids: Sequence[str] | None = None,
+        size: int | None = None,
+        extra_meta: Mapping[str, Any] | None = None,
+        wait: bool = True,
+    ) -> list[Path]:
         """``save_tensor_captures``; ``size``: the step's N / B when the caller knows it (auto steps)."""
         reg = self._current()
         try:
@@ -322,9 +333,14 @@ class ModelCapture:
         elif outcome == "dropped":
             written = []
             if self._behind.dropped == 1 or self._behind.dropped % 100 == 0:
-                log.warning("capture step %s dropped: the writer is behind and staging's when_full is 'drop' "
-                            "(%d dropped so far; max_staged_bytes=%d, max_staged_steps=%d)", reserved[0],
-                            self._behind.dropped, self.staging.max_staged_bytes, self.staging.max_staged_steps)
+                log.warning(
+                    "capture step %s dropped: the writer is behind and staging's when_full is 'drop' "
+                    "(%d dropped so far; max_staged_bytes=%d, max_staged_steps=%d)",
+                    reserved[0],
+                    self._behind.dropped,
+                    self.staging.max_staged_bytes,
+                    self.staging.max_staged_steps,
+                )
         else:
             written = self.writer.step_dirs([e[0] for e in tensors], reserved[0])
         self._behind.raise_errors()  # an earlier step's background failure surfaces at the next save
@@ -338,18 +354,26 @@ class ModelCapture:
             raise CaptureError(
                 f"capture step not written: {reg.problems[0]}"
                 + (f" (and {len(reg.problems) - 1} more)" if len(reg.problems) > 1 else "")
-                + f". {_shared_graph_advice(self.model)}")
+                + f". {_shared_graph_advice(self.model)}"
+            )
         if reg.module_tensor_count == 0 and _traced_other_instance(self.model) and _has_compiled_code(self.model):
             raise CaptureError(
                 f"capture step not written: nothing was captured for the modules this ModelCapture selects "
                 f"({', '.join(p.text for p in self.patterns)}), and graphpass compiled another "
                 f"{type(self.model).__name__} instance. {_shared_graph_advice(self.model)}. (If this model did not "
                 "run in the step, close the step without saving it: use setup_tensor_capture / a step only "
-                "around calls of this model.)")
+                "around calls of this model.)"
+            )
 
     @contextlib.contextmanager
-    def step(self, positions: Any = None, is_prefill: bool = True, req_ids: Sequence[str] | None = None,
-             extra_meta: Mapping[str, Any] | None = None, wait: bool = True) -> Iterator["ModelCapture"]:
+    def step(
+        self,
+        positions: Any = None,
+        is_prefill: bool = True,
+        req_ids: Sequence[str] | None = None,
+        extra_meta: Mapping[str, Any] | None = None,
+        wait: bool = True,
+    ) -> Iterator["ModelCapture"]:
         """``with capture.step(...): out = compiled(x)``: set up, run, save. If the body raises,
         nothing is written and the previously active registry is restored. ``wait=False``: the
         step is staged and written behind the compute (``flush()`` waits for it)."""
@@ -361,12 +385,16 @@ class ModelCapture:
             self._current().clear()
             self._restore()
             raise
-        self.save_tensor_captures(positions=positions, is_prefill=is_prefill, req_ids=req_ids, extra_meta=extra_meta,
-                                  wait=wait)
+        self.save_tensor_captures(
+            positions=positions, is_prefill=is_prefill, req_ids=req_ids, extra_meta=extra_meta, wait=wait
+        )
 
-    def auto_steps(self, module: torch.nn.Module | None = None,
-                   step_info: Callable[[tuple, dict], StepInfo | None] | None = None,
-                   wait: bool = False) -> AutoSteps:
+    def auto_steps(
+        self,
+        module: torch.nn.Module | None = None,
+        step_info: Callable[[tuple, dict], StepInfo | None] | None = None,
+        wait: bool = False,
+    ) -> AutoSteps:
         """Make every forward of ``module`` one step, named from its input: ``prefill_s{N}_{k}`` for
         ``N > 1`` tokens per sequence, ``decode_b{B}_{k}`` for one token per sequence of a batch of
         ``B`` (``with capture.auto_steps(): model.generate(...)``). ``module``: the module whose calls
@@ -391,8 +419,9 @@ def _mesh_rank(mesh: Any, dim: str) -> int:
     return int(mesh.get_local_rank(dim))
 
 
-def resolve_ranks(model: torch.nn.Module, dp_rank: Any, tp_rank: Any, mesh: Any = None,
-                  dp_dim: str = "dp", tp_dim: str = "tp") -> tuple[Any, Any]:
+def resolve_ranks(
+    model: torch.nn.Module, dp_rank: Any, tp_rank: Any, mesh: Any = None, dp_dim: str = "dp", tp_dim: str = "tp"
+) -> tuple[Any, Any]:
     """``(dp_rank, tp_rank)`` for a ModelCapture. An int is used as given; a ProcessGroup gives this
     process's rank in it. ``AUTO`` (the default) reads the DeviceMesh (``mesh``, else that of the
     model's first DTensor weight): its ``dp_dim`` / ``tp_dim`` dimensions, a 1-D mesh named neither
@@ -426,8 +455,9 @@ def resolve_ranks(model: torch.nn.Module, dp_rank: Any, tp_rank: Any, mesh: Any 
     return (dist.get_rank() if spread else 0) if dp is unset else dp, 0 if tp is unset else tp
 
 
-def resolve_tp_size(model: torch.nn.Module, tp_rank: Any, mesh: Any = None, dp_dim: str = "dp",
-                    tp_dim: str = "tp") -> int | None:
+def resolve_tp_size(
+    model: torch.nn.Module, tp_rank: Any, mesh: Any = None, dp_dim: str = "dp", tp_dim: str = "tp"
+) -> int | None:
     """How many tensor-parallel ranks the run has, as far as :func:`resolve_ranks` can tell (the
     meta's ``tp_size``: ``compare`` expects every one of them in every step): the size of a
     ``ProcessGroup`` given as ``tp_rank``; under ``AUTO`` the size of the mesh's ``tp_dim`` dimension
@@ -501,7 +531,8 @@ def _hook_in_own_frame() -> bool:
         if caller is None:  # the hook is the frame: Dynamo caught it called from eager code
             return True
         while caller is not None and caller.f_code.co_name.startswith(
-                _CALL_FRAMES + tuple(f"torch_dynamo_resume_in_{n}" for n in _CALL_FRAMES)):
+            _CALL_FRAMES + tuple(f"torch_dynamo_resume_in_{n}" for n in _CALL_FRAMES)
+        ):
             if caller.parent is None:
                 return True
             caller = caller.parent

@@ -28,8 +28,9 @@ from ..bucket_context import current_bucket
 from ..tensor_utils import dtensor_mesh, is_dtensor, local_tensor, register_dtensor_handlers
 
 _LIB = torch.library.Library("graphpass", "FRAGMENT")
-_LIB.define("capture(str name, Tensor t, Tensor[] owner, str owner_fqn='', bool manual=False, str key='', "
-            "str layout='') -> ()")
+_LIB.define(
+    "capture(str name, Tensor t, Tensor[] owner, str owner_fqn='', bool manual=False, str key='', str layout='') -> ()"
+)
 # Traced from the forward hook a ModelCapture puts on each module it selects: ``t`` is the output
 # leaf at pytree key path ``key`` of that module's return value. The capture pass reads these
 # markers (which module, which key, in output order) and removes them; run as an op, it does nothing.
@@ -44,8 +45,15 @@ def _nothing(*args, **kwargs) -> None:
 ACTIVE_CAPTURES: contextvars.ContextVar[tuple] = contextvars.ContextVar("graphpass_captures", default=())
 
 
-def capture(name: str, t: torch.Tensor, owner: List[torch.Tensor], owner_fqn: str = "",
-            manual: bool = False, key: str = "", layout: str = "") -> None:
+def capture(
+    name: str,
+    t: torch.Tensor,
+    owner: List[torch.Tensor],
+    owner_fqn: str = "",
+    manual: bool = False,
+    key: str = "",
+    layout: str = "",
+) -> None:
     active = ACTIVE_CAPTURES.get()
     if not active:
         return
@@ -105,10 +113,16 @@ def dtensor_layout(t: Any) -> str:
     # tensor (``int(offsets[0])``), a data-dependent value there: compute it with the modes off.
     with _disable_current_modes():
         _, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
-    return json.dumps({
-        "placements": [placement_name(p) for p in t.placements], "mesh_shape": [int(n) for n in mesh.shape],
-        "mesh_dim_names": list(mesh.mesh_dim_names or ()), "global_shape": [int(n) for n in t.shape],
-        "global_offset": [int(n) for n in offset], "coordinate": [int(c) for c in (mesh.get_coordinate() or [])]})
+    return json.dumps(
+        {
+            "placements": [placement_name(p) for p in t.placements],
+            "mesh_shape": [int(n) for n in mesh.shape],
+            "mesh_dim_names": list(mesh.mesh_dim_names or ()),
+            "global_shape": [int(n) for n in t.shape],
+            "global_offset": [int(n) for n in offset],
+            "coordinate": [int(c) for c in (mesh.get_coordinate() or [])],
+        }
+    )
 
 
 def placement_name(p: Any) -> str:

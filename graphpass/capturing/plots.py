@@ -6,6 +6,9 @@ import warnings
 
 from ..comparing import plots as _moved
 
-warnings.warn("graphpass.capturing.plots moved to graphpass.comparing.plots; "
-              "the old path will be removed in the next release", DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "graphpass.capturing.plots moved to graphpass.comparing.plots; the old path will be removed in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)
 sys.modules[__name__] = _moved

@@ -56,9 +56,15 @@ class TensorRegistry:
     off); by default each registry has its own.
     """
 
-    def __init__(self, enabled: bool = True, patterns: Sequence[ModulePattern] = (), *,
-                 switch: Switch | None = None, model: torch.nn.Module | None = None,
-                 sites: CaptureSites | None = None) -> None:
+    def __init__(
+        self,
+        enabled: bool = True,
+        patterns: Sequence[ModulePattern] = (),
+        *,
+        switch: Switch | None = None,
+        model: torch.nn.Module | None = None,
+        sites: CaptureSites | None = None,
+    ) -> None:
         self._switch = switch if switch is not None else Switch(enabled)
         self._sites = sites if sites is not None else CaptureSites()  # shared by a ModelCapture's registries
         self.patterns = tuple(patterns)  # module captures this registry accepts (empty: all)
@@ -127,7 +133,8 @@ class TensorRegistry:
             return found[0]
         self.problems.append(
             f"a value of module {name!r} (traced with its weight {owner_fqn!r}) ran with a weight this model "
-            f"holds as {', '.join(map(repr, fqns))}: cannot tell which module produced it")
+            f"holds as {', '.join(map(repr, fqns))}: cannot tell which module produced it"
+        )
         return None
 
     def module_name(self, module: torch.nn.Module) -> str | None:

@@ -6,6 +6,10 @@ import warnings
 
 from ..comparing import report_format as _moved
 
-warnings.warn("graphpass.capturing.report_format moved to graphpass.comparing.report_format; "
-              "the old path will be removed in the next release", DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "graphpass.capturing.report_format moved to graphpass.comparing.report_format; "
+    "the old path will be removed in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)
 sys.modules[__name__] = _moved

@@ -6,6 +6,9 @@ import warnings
 
 from ..comparing import shards as _moved
 
-warnings.warn("graphpass.capturing.shards moved to graphpass.comparing.shards; "
-              "the old path will be removed in the next release", DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "graphpass.capturing.shards moved to graphpass.comparing.shards; the old path will be removed in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)
 sys.modules[__name__] = _moved

@@ -76,8 +76,11 @@ class StagingConfig:
         if self.writer not in WRITERS:
             raise ConfigError("writer", self.writer, f"must be one of {', '.join(map(repr, WRITERS))}")
         if self.writer == "process" and not process_writer_available():
-            raise ConfigError("writer", self.writer, "a writer process needs os.memfd_create (Linux) and "
-                                                     "sys.executable: use 'thread' or 'auto' here")
+            raise ConfigError(
+                "writer",
+                self.writer,
+                "a writer process needs os.memfd_create (Linux) and sys.executable: use 'thread' or 'auto' here",
+            )
 
 
 def check_staging(value: Any) -> StagingConfig:
@@ -126,8 +129,7 @@ class WriteBehind:
 
     # -- saving side -------------------------------------------------------------------------------
     def fits(self, nbytes: int) -> bool:
-        return (self._bytes + nbytes <= self.config.max_staged_bytes
-                and self._busy < self.config.max_staged_steps)
+        return self._bytes + nbytes <= self.config.max_staged_bytes and self._busy < self.config.max_staged_steps
 
     def submit(self, nbytes: int, make_job: Callable[[], Any]) -> str:
         """Stage a step of ``nbytes``: ``make_job()`` (called under the ring's lock, so steps are
@@ -244,8 +246,8 @@ class WriteBehind:
                     self._cond.notify_all()
 
 
-
 # -- the writer process ---------------------------------------------------------------------------
+
 
 def process_writer_available() -> bool:
     """A writer process needs a shareable memory file (``os.memfd_create``: Linux) and an interpreter to start."""
@@ -348,10 +350,14 @@ class ProcessWriteBehind(WriteBehind):
         self._ring = StagingRing(self.config.max_staged_bytes)
         self._proc = subprocess.Popen(
             [sys.executable, "-I", "-S", _CHILD, str(self._ring.fd), str(self._ring.capacity)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self._ring.fd,),
-            start_new_session=True)  # its own process group: a terminal's Ctrl-C never reaches it
-        self._thread = threading.Thread(target=self._read_replies, args=(self._proc,),
-                                        name="graphpass-capture-replies", daemon=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            pass_fds=(self._ring.fd,),
+            start_new_session=True,
+        )  # its own process group: a terminal's Ctrl-C never reaches it
+        self._thread = threading.Thread(
+            target=self._read_replies, args=(self._proc,), name="graphpass-capture-replies", daemon=True
+        )
         self._thread.start()
 
     def _forget_parent(self) -> None:
@@ -378,12 +384,19 @@ class ProcessWriteBehind(WriteBehind):
             if n:
                 flat.append(b.reshape(-1).view(torch.uint8))
         if flat:  # one copy into the ring for the whole step
-            torch.cat(flat, out=self._ring.bytes[spans[0][0]:at])
+            torch.cat(flat, out=self._ring.bytes[spans[0][0] : at])
         w = self._writer
         self._seq += 1
-        body = json.dumps({"seq": self._seq, "records": records, "spans": spans, "step": step,
-                           "writer": [os.fspath(w.capture_dir), w.dp_rank, w.tp_rank, w.tp_size]},
-                          default=_jsonable).encode("utf-8")
+        body = json.dumps(
+            {
+                "seq": self._seq,
+                "records": records,
+                "spans": spans,
+                "step": step,
+                "writer": [os.fspath(w.capture_dir), w.dp_rank, w.tp_rank, w.tp_size],
+            },
+            default=_jsonable,
+        ).encode("utf-8")
         try:
             self._proc.stdin.write(struct.pack("<I", len(body)) + body)
             self._proc.stdin.flush()
@@ -391,8 +404,9 @@ class ProcessWriteBehind(WriteBehind):
             if nbytes:
                 self._ring.untake()
             self._proc = None  # the next staged step starts a new one
-            raise CaptureError(f"capture step not staged: the capture writer process is gone ({exc}); "
-                               "the next step starts a new one") from exc
+            raise CaptureError(
+                f"capture step not staged: the capture writer process is gone ({exc}); the next step starts a new one"
+            ) from exc
         self._inflight.append((self._seq, nbytes))
 
     def _read_replies(self, proc: subprocess.Popen) -> None:

@@ -25,10 +25,25 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .. import atomic_files
-from ..capture_format import (DP_RANK, FORMAT_VERSION, FORMAT_VERSION_KEY, MODULES, PHASE, SIZE, STEP, STEP_INDEX,
-                              TENSORS, TP_RANK, TP_SIZE, meta_file_name, meta_file_rank, rank_file_name,
-                              rank_file_rank)
+from ..capture_format import (
+    DP_RANK,
+    FORMAT_VERSION,
+    FORMAT_VERSION_KEY,
+    MODULES,
+    PHASE,
+    SIZE,
+    STEP,
+    STEP_INDEX,
+    TENSORS,
+    TP_RANK,
+    TP_SIZE,
+    meta_file_name,
+    meta_file_rank,
+    rank_file_name,
+    rank_file_rank,
+)
 from ..errors import CaptureError
+
 
 def safetensors_header(tensors: Sequence[dict]) -> tuple[bytes, list[dict]]:
     """The header of a safetensors file holding ``tensors`` (plan entries: ``key``, ``dtype`` (the
@@ -67,8 +82,18 @@ _HEADERS: dict[tuple, tuple[bytes, list[int]]] = {}  # safetensors_header's answ
 RECORD = ("name", "base", "key", "layout", "dtype", "meta_dtype", "shape", "nbytes", "esize", "src")
 
 
-def plan_step(records: Sequence[Sequence], *, step: str, index: int, is_prefill: bool, size: int, meta: dict,
-              dp_rank: int, tp_rank: int, tp_size: int | None) -> dict:
+def plan_step(
+    records: Sequence[Sequence],
+    *,
+    step: str,
+    index: int,
+    is_prefill: bool,
+    size: int,
+    meta: dict,
+    dp_rank: int,
+    tp_rank: int,
+    tp_size: int | None,
+) -> dict:
     """The plan of one step (what :meth:`StepFiles.emit` writes) from its values' ``records``
     (:data:`RECORD`, registration order): per step folder, one file per module (keys from
     :func:`file_keys`) and the meta file's text. A file holding a value whose ``dtype`` is None is
@@ -93,18 +118,39 @@ def plan_step(records: Sequence[Sequence], *, step: str, index: int, is_prefill:
             else:
                 tensors = [dict(entries[i], key=k) for k, i in file_keys([(None, e["key"]) for e in entries])]
             mod_dir = step_dir + os.sep + name  # name: one checked component (no separator, no "..")
-            f = {"dir": mod_dir, "path": mod_dir + os.sep + file_name, "name": name, "file": file_name,
-                 "tensors": tensors}
+            f = {
+                "dir": mod_dir,
+                "path": mod_dir + os.sep + file_name,
+                "name": name,
+                "file": file_name,
+                "tensors": tensors,
+            }
             if any(t["dtype"] is None for t in tensors):
                 f["encode"] = True
             files.append(f)
             info[name] = [_tensor_info(t) for t in tensors]
-        doc = {**meta, STEP: step, STEP_INDEX: index, PHASE: "prefill" if is_prefill else "decode", SIZE: size,
-               MODULES: names, TENSORS: info, DP_RANK: dp_rank, TP_RANK: tp_rank, TP_SIZE: tp_size,
-               FORMAT_VERSION_KEY: FORMAT_VERSION}
+        doc = {
+            **meta,
+            STEP: step,
+            STEP_INDEX: index,
+            PHASE: "prefill" if is_prefill else "decode",
+            SIZE: size,
+            MODULES: names,
+            TENSORS: info,
+            DP_RANK: dp_rank,
+            TP_RANK: tp_rank,
+            TP_SIZE: tp_size,
+            FORMAT_VERSION_KEY: FORMAT_VERSION,
+        }
         # one line: json's C encoder (an indented dump runs the pure-Python one, 10x slower)
-        bases.append({"dir": step_dir, "files": files, "meta": json.dumps(doc, default=str),
-                      "meta_path": os.path.join(step_dir, meta_file_name(step, tp_rank))})
+        bases.append(
+            {
+                "dir": step_dir,
+                "files": files,
+                "meta": json.dumps(doc, default=str),
+                "meta_path": os.path.join(step_dir, meta_file_name(step, tp_rank)),
+            }
+        )
     return {"bases": bases}
 
 
@@ -139,9 +185,11 @@ def file_keys(entries: Sequence[tuple[Any, str | None]]) -> list[tuple[str, int]
             n = seen.get(key, 0)
             seen[key] = n + 1
             named.append((key if n == 0 else f"{key}#{n}", index))
-    return (named + [(f"other[{i}]", index) for i, index in enumerate(other)]
-            + [(str(i), index) for i, index in enumerate(manual)])
-
+    return (
+        named
+        + [(f"other[{i}]", index) for i, index in enumerate(other)]
+        + [(str(i), index) for i, index in enumerate(manual)]
+    )
 
 
 class StepFiles:
@@ -239,7 +287,8 @@ class StepFiles:
             raise CaptureError(
                 f"step folder {str(step_dir)!r} already holds {str(stale)!r} from an earlier run, and graphpass never "
                 "mixes two runs in one folder (compare would read the old files as current): pass a new capture_dir "
-                f"(or subdirectory), or delete {str(self.capture_dir)!r} before capturing again")
+                f"(or subdirectory), or delete {str(self.capture_dir)!r} before capturing again"
+            )
         self._own_steps.add(key)
 
 
@@ -328,11 +377,14 @@ def _make_dir(path: str | Path, created: list) -> None:
         os.mkdir(path)
     except FileExistsError:
         if os.path.islink(path):
-            raise CaptureError(f"{str(path)!r} is a symbolic link graphpass did not create; refusing to write "
-                               "through it: remove it or use a new capture_dir") from None
+            raise CaptureError(
+                f"{str(path)!r} is a symbolic link graphpass did not create; refusing to write "
+                "through it: remove it or use a new capture_dir"
+            ) from None
         if not os.path.isdir(path):
-            raise CaptureError(f"{str(path)!r} exists and is not a directory: remove it or use a new "
-                               "capture_dir") from None
+            raise CaptureError(
+                f"{str(path)!r} exists and is not a directory: remove it or use a new capture_dir"
+            ) from None
     else:
         created.append(path)
 
@@ -352,7 +404,12 @@ def _roll_back(files: list, dirs: list) -> None:
 
 def _write_error(exc: Exception, where: Any) -> CaptureError:
     """The error a step whose write failed raises: the path, the cause and what to do."""
-    hint = "free some disk space" if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) \
+    hint = (
+        "free some disk space"
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
         else "check the path and its permissions"
-    return CaptureError(f"cannot write capture file {str(where)!r}: {type(exc).__name__}: {exc}; {hint} and "
-                        "run the step again (nothing of this step was kept)")
+    )
+    return CaptureError(
+        f"cannot write capture file {str(where)!r}: {type(exc).__name__}: {exc}; {hint} and "
+        "run the step again (nothing of this step was kept)"
+    )

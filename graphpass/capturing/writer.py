@@ -39,11 +39,15 @@ NAME_MAX = 255  # bytes in one path component (Linux, macOS, Windows)
 
 def _check_component(value: Any, what: str) -> str:
     if not isinstance(value, str) or not value or value in (".", "..") or _SAFE_NAME.fullmatch(value) is None:
-        raise CaptureError(f"{what} {value!r} cannot be used as a directory name under capture_dir "
-                           "(allowed: letters, digits, '_', '.', '-', '[', ']')")
+        raise CaptureError(
+            f"{what} {value!r} cannot be used as a directory name under capture_dir "
+            "(allowed: letters, digits, '_', '.', '-', '[', ']')"
+        )
     if len(value) > NAME_MAX:
-        raise CaptureError(f"{what} {value[:40]!r}... is {len(value)} characters long; a file or folder name may "
-                           f"have at most {NAME_MAX}: use a shorter name")
+        raise CaptureError(
+            f"{what} {value[:40]!r}... is {len(value)} characters long; a file or folder name may "
+            f"have at most {NAME_MAX}: use a shorter name"
+        )
     return value
 
 
@@ -62,8 +66,12 @@ def check_tp_size(value: Any, tp_rank: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not tp_rank < int(value) <= MAX_TP_SIZE:
-        raise ConfigError("tp_size", value, f"must be None or an int in ({tp_rank}, {MAX_TP_SIZE}] (the number of "
-                                            f"tensor-parallel ranks; this writer's tp_rank is {tp_rank})")
+        raise ConfigError(
+            "tp_size",
+            value,
+            f"must be None or an int in ({tp_rank}, {MAX_TP_SIZE}] (the number of "
+            f"tensor-parallel ranks; this writer's tp_rank is {tp_rank})",
+        )
     return int(value)
 
 
@@ -80,8 +88,10 @@ def check_capture_dir(value: Any) -> Path:
     path = Path(text)
     for part in path.parts:
         if len(os.fsencode(part)) > NAME_MAX:
-            raise CaptureError(f"capture_dir {text[:60]!r}...: the component {part[:40]!r}... is longer than "
-                               f"{NAME_MAX} bytes, which no file system allows: use a shorter path")
+            raise CaptureError(
+                f"capture_dir {text[:60]!r}...: the component {part[:40]!r}... is longer than "
+                f"{NAME_MAX} bytes, which no file system allows: use a shorter path"
+            )
     return path
 
 
@@ -117,8 +127,9 @@ class CaptureWriter:
         self.dp_rank = check_rank(dp_rank, "dp_rank")
         self.tp_rank = check_rank(tp_rank, "tp_rank")
         self.tp_size = check_tp_size(tp_size, self.tp_rank)
-        if capture_filter is not None and (isinstance(capture_filter, str)
-                                           or not isinstance(capture_filter, (list, tuple))):
+        if capture_filter is not None and (
+            isinstance(capture_filter, str) or not isinstance(capture_filter, (list, tuple))
+        ):
             raise ConfigError("capture_filter", capture_filter, "expected a list of module patterns or None")
         self.filter = compile_patterns(list(capture_filter), "capture_filter") if capture_filter is not None else None
         self._counts: dict[str, int] = {}
@@ -188,19 +199,22 @@ class CaptureWriter:
         bases = dict.fromkeys(base for base in map(self.route, dict.fromkeys(names)) if base)
         return [Path(base, step) for base in bases]
 
-    def write_reserved(self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int,
-                       meta: dict) -> list[Path]:
+    def write_reserved(
+        self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int, meta: dict
+    ) -> list[Path]:
         """:meth:`write` under a name taken earlier with :meth:`reserve` (the write-behind thread)."""
         with self._lock:
             return self._write(tensors, step=step, index=index, is_prefill=is_prefill, size=size, meta=meta)
 
-    def _write(self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int,
-               meta: dict) -> list[Path]:
+    def _write(
+        self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int, meta: dict
+    ) -> list[Path]:
         plan, buffers = self.plan(tensors, step=step, index=index, is_prefill=is_prefill, size=size, meta=meta)
         return [Path(d) for d in self._files.emit(plan, [host_bytes(b) for b in buffers])]
 
-    def plan(self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int,
-             meta: dict) -> tuple[dict, list]:
+    def plan(
+        self, tensors: Sequence[tuple], *, step: str, index: int, is_prefill: bool, size: int, meta: dict
+    ) -> tuple[dict, list]:
         """The step plan :meth:`StepFiles.emit <graphpass.capturing.step_files.StepFiles.emit>` writes
         (:func:`~graphpass.capturing.step_files.plan_step`) and its buffers: contiguous host tensors
         (the values' bytes) and, for a file holding a dtype the plain encoder does not know, that
@@ -208,8 +222,17 @@ class CaptureWriter:
         whose name cannot be a folder name."""
         records, buffers = self.records(tensors)
         meta = json.loads(json.dumps(meta, default=_jsonable))
-        plan = plan_step(records, step=step, index=index, is_prefill=is_prefill, size=size, meta=meta,
-                         dp_rank=self.dp_rank, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        plan = plan_step(
+            records,
+            step=step,
+            index=index,
+            is_prefill=is_prefill,
+            size=size,
+            meta=meta,
+            dp_rank=self.dp_rank,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
         for base in plan["bases"]:
             for f in base["files"]:
                 if f.pop("encode", False):
@@ -237,8 +260,20 @@ class CaptureWriter:
                 t = t.to("cpu")
             if not t.is_contiguous():
                 t = t.contiguous()
-            records.append([name, base, key, layout, plain_dtype(t), _META_DTYPES.get(t.dtype) or _meta_dtype(t),
-                            list(t.shape), t.numel() * t.element_size(), t.element_size(), len(buffers)])
+            records.append(
+                [
+                    name,
+                    base,
+                    key,
+                    layout,
+                    plain_dtype(t),
+                    _META_DTYPES.get(t.dtype) or _meta_dtype(t),
+                    list(t.shape),
+                    t.numel() * t.element_size(),
+                    t.element_size(),
+                    len(buffers),
+                ]
+            )
             buffers.append(t)
         return records, buffers
 
@@ -256,9 +291,18 @@ class CaptureWriter:
 
 
 # safetensors dtype names (the format's spec); a dtype not here goes through safetensors.torch.save
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def encode_safetensors(payload: dict[str, torch.Tensor]) -> bytes:
@@ -272,8 +316,17 @@ def encode_safetensors(payload: dict[str, torch.Tensor]) -> bytes:
         from safetensors.torch import save
 
         return save(payload)
-    tensors = [{"key": k, "dtype": plain_dtype(t), "shape": list(t.shape), "nbytes": t.numel() * t.element_size(),
-                "esize": t.element_size(), "src": i} for i, (k, t) in enumerate(payload.items())]
+    tensors = [
+        {
+            "key": k,
+            "dtype": plain_dtype(t),
+            "shape": list(t.shape),
+            "nbytes": t.numel() * t.element_size(),
+            "esize": t.element_size(),
+            "src": i,
+        }
+        for i, (k, t) in enumerate(payload.items())
+    ]
     buffers = [host_bytes(t) for t in payload.values()]
     return b"".join(bytes(p) for p in _file_parts({"tensors": tensors}, buffers))
 

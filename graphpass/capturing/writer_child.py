@@ -84,7 +84,7 @@ def serve(fd: int, size: int) -> None:
         try:
             files = writers.get((root, tp_rank)) or writers.setdefault((root, tp_rank), sf.StepFiles(root, tp_rank))
             plan = sf.plan_step(msg["records"], **msg["step"], dp_rank=dp_rank, tp_rank=tp_rank, tp_size=tp_size)
-            files.emit(plan, [view[o:o + n] for o, n in msg["spans"]])
+            files.emit(plan, [view[o : o + n] for o, n in msg["spans"]])
             error = None
         except Exception as exc:  # noqa: BLE001 - reported to the saving process, which raises it
             error = str(exc) or type(exc).__name__
@@ -98,7 +98,7 @@ def send_ack(seq: int, error: str | None) -> bool:
     line = (json.dumps({"seq": seq, "error": error}) + "\n").encode("utf-8")
     try:
         while line:
-            line = line[os.write(1, line):]
+            line = line[os.write(1, line) :]
     except OSError:
         return False
     return True

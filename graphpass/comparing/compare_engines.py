@@ -46,8 +46,19 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from ..capture_format import (ENGINE, INPUT_IDS, MODEL, POSITIONS, REFERENCE_ENGINE, REQ_IDS, ROW_FIELDS, STEP,
-                              VLLM_ENGINE, EngineStepMeta, meta_file_name)
+from ..capture_format import (
+    ENGINE,
+    INPUT_IDS,
+    MODEL,
+    POSITIONS,
+    REFERENCE_ENGINE,
+    REQ_IDS,
+    ROW_FIELDS,
+    STEP,
+    VLLM_ENGINE,
+    EngineStepMeta,
+    meta_file_name,
+)
 from .compare_report import FAIL, CompareError, CompareReport, CompareRow
 from .compare_tensors import compare_tensors
 from .completeness import StepScan, execution_order, find_steps, natural
@@ -89,8 +100,10 @@ class _Step:
         req_ids, which = meta.get(REQ_IDS) or [], fields.token_request
         positions = torch.as_tensor(meta.get(POSITIONS) or [], dtype=torch.long).reshape(-1).tolist()
         if not isinstance(which, list) or len(which) != len(positions):
-            raise CompareError(f"{rel}: its meta has no token_request of {len(positions)} rows (positions): "
-                               "not a capture of graphpass's vLLM plugin or `graphpass reference`")
+            raise CompareError(
+                f"{rel}: its meta has no token_request of {len(positions)} rows (positions): "
+                "not a capture of graphpass's vLLM plugin or `graphpass reference`"
+            )
         step = cls(rel, scan, engine)
         for i, pos in zip(which, positions):
             ok = isinstance(i, int) and 0 <= i < len(req_ids)
@@ -144,19 +157,26 @@ def compare_engines(ref: Path, test: Path, report: CompareReport, families: Fami
     known = list(dict.fromkeys([*ENGINES, *families.engines()]))
     for name, engine in (("ref", ref_engine), ("test", test_engine)):
         if engine not in known:
-            raise CompareError(f"{name}: its metas name no engine graphpass can align ({engine!r}; known: "
-                               f"{', '.join(known)})")
-    ref_steps = [_Step.read(rel, ref_scans[rel], ref_engine) for rel in execution_order(set(ref_scans), ref_scans, {})[0]]
+            raise CompareError(
+                f"{name}: its metas name no engine graphpass can align ({engine!r}; known: {', '.join(known)})"
+            )
+    ref_steps = [
+        _Step.read(rel, ref_scans[rel], ref_engine) for rel in execution_order(set(ref_scans), ref_scans, {})[0]
+    ]
     order, notes = execution_order(set(test_scans), {}, test_scans)
     report.notes.extend(notes)
     test_steps = [_Step.read(rel, test_scans[rel], test_engine) for rel in order]
     shape = _shape(test_steps, ref_steps)
     family = families.lookup(shape.model_type, engine=test_engine)
-    report.notes.append(f"across engines: {test_engine} against {ref_engine}, aligned by request and position; "
-                        f"modules rebuilt by the {family.name!r} family")
+    report.notes.append(
+        f"across engines: {test_engine} against {ref_engine}, aligned by request and position; "
+        f"modules rebuilt by the {family.name!r} family"
+    )
     if shape.tp_size > 1:
-        report.notes.append(f"test: {shape.tp_size} tensor-parallel ranks, each compared with the reference "
-                            "(whole tensors whole, each rank's shard with its part)")
+        report.notes.append(
+            f"test: {shape.tp_size} tensor-parallel ranks, each compared with the reference "
+            "(whole tensors whole, each rank's shard with its part)"
+        )
     where = _index(ref_steps, report)
     _align_children(test_steps, where, report)
     seen: set[tuple[str, int]] = set()
@@ -173,8 +193,10 @@ def _one_model(scans: dict[str, StepScan], name: str, root: Path, report: Compar
     if not others or len(others) == len(scans):
         return scans
     folders = sorted({rel.split("/", 1)[0] for rel in others})
-    report.notes.append(f"{name}: the steps under {', '.join(f + '/' for f in folders)} are another model's "
-                        f"(left out here): compare them on their own, e.g. {str(Path(root, folders[0]))!r}")
+    report.notes.append(
+        f"{name}: the steps under {', '.join(f + '/' for f in folders)} are another model's "
+        f"(left out here): compare them on their own, e.g. {str(Path(root, folders[0]))!r}"
+    )
     return {rel: scan for rel, scan in scans.items() if rel not in others}
 
 
@@ -183,8 +205,10 @@ def _shape(test_steps: list[_Step], ref_steps: list[_Step]) -> ModelShape:
         shape = ModelShape.from_meta((step.scan.meta or {}).get(MODEL))
         if shape is not None:
             return shape
-    raise CompareError("neither run's metas name the model (meta field 'model' with 'model_type'): capture with "
-                       "a graphpass whose vLLM plugin and `graphpass reference` record it")
+    raise CompareError(
+        "neither run's metas name the model (meta field 'model' with 'model_type'): capture with "
+        "a graphpass whose vLLM plugin and `graphpass reference` record it"
+    )
 
 
 def _index(ref_steps: list[_Step], report: CompareReport) -> dict[tuple[str, int], tuple[_Step, int]]:
@@ -219,8 +243,10 @@ def _align_children(test_steps: list[_Step], where: dict, report: CompareReport)
         step.cached = {children.get(r, r): n for r, n in step.cached.items()}
     if children:
         pairs = ", ".join(f"{c} of {p}" for c, p in sorted(children.items())[:4])
-        report.notes.append(f"test: {len(children)} parallel-sampling child request(s) aligned with the reference's "
-                            f"parent request ({pairs}{', ...' if len(children) > 4 else ''})")
+        report.notes.append(
+            f"test: {len(children)} parallel-sampling child request(s) aligned with the reference's "
+            f"parent request ({pairs}{', ...' if len(children) > 4 else ''})"
+        )
 
 
 def _cached(test_steps: list[_Step]) -> dict[str, int]:
@@ -241,13 +267,21 @@ def _fmt_tokens(tokens: list[tuple[str, int]], shown: int = 4) -> str:
     return "; ".join(parts[:shown]) + (f" and {len(parts) - shown} more requests" if len(parts) > shown else "")
 
 
-def _compare_step(report: CompareReport, step: _Step, where: dict, family: Any, shape: ModelShape,
-                  seen: set) -> None:
+def _compare_step(report: CompareReport, step: _Step, where: dict, family: Any, shape: ModelShape, seen: set) -> None:
     rows = [(row, tok) for row, tok in enumerate(step.tokens) if tok is not None]
     lost = [tok for _, tok in rows if tok not in where]
     if lost:
-        report.rows.append(CompareRow(step.rel, "", None, None, FAIL, missing="ref",
-                                      note=f"{len(lost)} token(s) missing in ref: {_fmt_tokens(lost)}"))
+        report.rows.append(
+            CompareRow(
+                step.rel,
+                "",
+                None,
+                None,
+                FAIL,
+                missing="ref",
+                note=f"{len(lost)} token(s) missing in ref: {_fmt_tokens(lost)}",
+            )
+        )
     rows = [(row, tok) for row, tok in rows if tok in where]
     seen.update(tok for _, tok in rows)
     if not rows:
@@ -280,14 +314,23 @@ def _check_rank_metas(report: CompareReport, step: _Step, ranks: list[int]) -> N
             doc = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             why = "no meta file" if isinstance(exc, FileNotFoundError) else f"unreadable meta file ({exc})"
-            report.rows.append(CompareRow(step.rel, "<meta>", rank, None, FAIL, missing="test",
-                                          note=f"rank {rank}: {why} {path.name}"))
+            report.rows.append(
+                CompareRow(step.rel, "<meta>", rank, None, FAIL, missing="test", note=f"rank {rank}: {why} {path.name}")
+            )
             continue
         differ = [f for f in ROW_FIELDS if doc.get(f) != base.get(f)] if isinstance(doc, dict) else ["all"]
         if differ:
-            report.rows.append(CompareRow(step.rel, "<meta>", rank, None, FAIL,
-                                          note=f"rank {rank}'s meta differs from rank 0's in {', '.join(differ)}: "
-                                               "the ranks did not capture the same engine step here"))
+            report.rows.append(
+                CompareRow(
+                    step.rel,
+                    "<meta>",
+                    rank,
+                    None,
+                    FAIL,
+                    note=f"rank {rank}'s meta differs from rank 0's in {', '.join(differ)}: "
+                    "the ranks did not capture the same engine step here",
+                )
+            )
 
 
 def _rebuilt(step: _Step, family: Any, shape: ModelShape, rank: int) -> dict[str, Any]:
@@ -340,34 +383,63 @@ def _ref_rows(module: str, rows: list, where: dict) -> tuple[dict[str, torch.Ten
     return {k: torch.stack(v) for k, v in ref_keys.items() if len(v) == len(rows)}, problems
 
 
-def _compare_module(report: CompareReport, step: _Step, module: str, rank: int, rows: list,
-                    ref: tuple[dict[str, torch.Tensor], list[str]], test: dict[str, Any] | str | None) -> None:
+def _compare_module(
+    report: CompareReport,
+    step: _Step,
+    module: str,
+    rank: int,
+    rows: list,
+    ref: tuple[dict[str, torch.Tensor], list[str]],
+    test: dict[str, Any] | str | None,
+) -> None:
     """Rows for one transformers module of one test step and rank: each key against the reference's rows
     (a :class:`Slice` against its part of the last dim)."""
     ref_keys, problems = ref
     if test is None or isinstance(test, str) or problems:
-        missing = _missing(test is None or test == "rank file missing",
-                           any(p.endswith(("module missing", "rank file missing")) for p in problems))
+        missing = _missing(
+            test is None or test == "rank file missing",
+            any(p.endswith(("module missing", "rank file missing")) for p in problems),
+        )
         test_note = ["module missing in test"] if test is None else [f"test: {test}"] if isinstance(test, str) else []
-        report.rows.append(CompareRow(step.rel, module, rank, None, FAIL, missing=missing,
-                                      note="; ".join(test_note + list(dict.fromkeys(problems))[:3])))
+        report.rows.append(
+            CompareRow(
+                step.rel,
+                module,
+                rank,
+                None,
+                FAIL,
+                missing=missing,
+                note="; ".join(test_note + list(dict.fromkeys(problems))[:3]),
+            )
+        )
         return
     test_rows = [row for row, _ in rows]
     for key in list(ref_keys) + [k for k in test if k not in ref_keys]:
         if key not in test or key not in ref_keys:
             side = "test" if key not in test else "ref"
-            report.rows.append(CompareRow(step.rel, module, rank, key, FAIL, missing=side,
-                                          note=f"key missing in {side}"))
+            report.rows.append(
+                CompareRow(step.rel, module, rank, key, FAIL, missing=side, note=f"key missing in {side}")
+            )
             continue
         want, got, note = ref_keys[key], test[key], ""
         if isinstance(got, Slice):
-            want, note = want[..., got.start:got.stop], f"rank {rank}'s shard [..., {got.start}:{got.stop}]"
+            want, note = want[..., got.start : got.stop], f"rank {rank}'s shard [..., {got.start}:{got.stop}]"
             got = got.tensor
         if got.dim() and test_rows and max(test_rows) >= got.shape[0]:
             # fewer rows than the meta's positions: a FAIL row naming it, not an IndexError (issue 36, item 5)
-            report.rows.append(CompareRow(step.rel, module, rank, key, FAIL, note=(
-                f"test tensor has {got.shape[0]} row(s) but the step's meta places {max(test_rows) + 1} token(s) "
-                "in it: a truncated or mismatched capture")))
+            report.rows.append(
+                CompareRow(
+                    step.rel,
+                    module,
+                    rank,
+                    key,
+                    FAIL,
+                    note=(
+                        f"test tensor has {got.shape[0]} row(s) but the step's meta places {max(test_rows) + 1} token(s) "
+                        "in it: a truncated or mismatched capture"
+                    ),
+                )
+            )
             continue
         got = got[test_rows] if got.dim() else got
         row = compare_tensors(step.rel, module, rank, key, want, got, report.rtol, report.atol)
@@ -390,9 +462,19 @@ def _unmatched(report: CompareReport, ref_steps: list[_Step], seen: set, cached:
         served += [tok for tok in lost if tok[1] < cached.get(tok[0], 0)]
         lost = [tok for tok in lost if tok[1] >= cached.get(tok[0], 0)]
         if lost:
-            report.rows.append(CompareRow(step.rel, "", None, None, FAIL, missing="test",
-                                          note=f"{len(lost)} token(s) of ref missing in test: {_fmt_tokens(lost)}"))
+            report.rows.append(
+                CompareRow(
+                    step.rel,
+                    "",
+                    None,
+                    None,
+                    FAIL,
+                    missing="test",
+                    note=f"{len(lost)} token(s) of ref missing in test: {_fmt_tokens(lost)}",
+                )
+            )
     if served:
-        report.notes.append(f"test: {len(served)} token(s) of ref served from the engine's prefix cache (computed "
-                            f"for an earlier request, not in this one's steps: not compared): {_fmt_tokens(served)}")
-
+        report.notes.append(
+            f"test: {len(served)} token(s) of ref served from the engine's prefix cache (computed "
+            f"for an earlier request, not in this one's steps: not compared): {_fmt_tokens(served)}"
+        )

@@ -75,8 +75,18 @@ class CompareReport:
         them in (a reference's meta lists a decoder layer before its own projections)."""
         first = next((row for row in self.rows if not row.passed), None)
         while first is not None and first.module:
-            inner = next((r for r in self.rows if not r.passed and r.step == first.step and r.rank == first.rank
-                          and r.module and r.module.startswith(first.module + ".")), None)
+            inner = next(
+                (
+                    r
+                    for r in self.rows
+                    if not r.passed
+                    and r.step == first.step
+                    and r.rank == first.rank
+                    and r.module
+                    and r.module.startswith(first.module + ".")
+                ),
+                None,
+            )
             if inner is None:
                 break
             first = inner
@@ -88,8 +98,20 @@ class CompareReport:
         return bool(self.rows) and self.first_failure is None
 
     def table(self) -> str:
-        body = [[r.step, r.module, "" if r.rank is None else r.rank, "" if r.key is None else r.key, r.status,
-                 fmt_value(r.max_abs), fmt_value(r.rel_l2), fmt_value(r.rel_linf), r.note] for r in self.rows]
+        body = [
+            [
+                r.step,
+                r.module,
+                "" if r.rank is None else r.rank,
+                "" if r.key is None else r.key,
+                r.status,
+                fmt_value(r.max_abs),
+                fmt_value(r.rel_l2),
+                fmt_value(r.rel_linf),
+                r.note,
+            ]
+            for r in self.rows
+        ]
         return tabulate(body, headers=HEADERS, disable_numparse=True)
 
     def summary_line(self) -> str:
@@ -104,8 +126,10 @@ class CompareReport:
         n_fail = sum(not r.passed for r in self.rows)
         missing = self.missing_counts()
         lost = "".join(f"; {n} missing in {side}" for side, n in missing.items() if n)
-        return (f"{n_fail} of {len(self.rows)} rows FAIL (rtol={self.rtol:g}, atol={self.atol:g}{lost})\n"
-                f"first diverging module: {bad.module or '<step>'} ({bad.where()}): {what}")
+        return (
+            f"{n_fail} of {len(self.rows)} rows FAIL (rtol={self.rtol:g}, atol={self.atol:g}{lost})\n"
+            f"first diverging module: {bad.module or '<step>'} ({bad.where()}): {what}"
+        )
 
     def missing_counts(self) -> dict[str, int]:
         """How many rows name something missing in the test run, in the ref run, in both."""
@@ -126,8 +150,12 @@ class CompareReport:
             "rtol": self.rtol,
             "atol": self.atol,
             "passed": self.passed,
-            "counts": {"total": len(self.rows), "pass": n_pass, "fail": len(self.rows) - n_pass,
-                       **{f"missing_in_{side}": n for side, n in self.missing_counts().items()}},
+            "counts": {
+                "total": len(self.rows),
+                "pass": n_pass,
+                "fail": len(self.rows) - n_pass,
+                **{f"missing_in_{side}": n for side, n in self.missing_counts().items()},
+            },
             "first_failure": first.to_dict() if first is not None else None,
             "summary": self.summary_line(),
             "notes": list(self.notes),

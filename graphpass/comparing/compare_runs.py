@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +41,20 @@ from ..capture_format import GLOBAL_OFFSET, GLOBAL_SHAPE, meta_file_rank
 from .compare_report import FAIL, MISSING_SIDES, PASS, CompareError, CompareReport, CompareRow  # noqa: F401 (re-exported)
 from .compare_tensors import CHUNK_ELEMS, LazyTensor, compare_tensors, open_safetensors  # noqa: F401
 from .report_format import HEADERS, printable  # noqa: F401 (re-exported)
-from .completeness import (StepScan, check_one_run, execution_order, find_steps, fmt_ranks, natural, run_ranks,
-                           tree_of)
+from .completeness import StepScan, check_one_run, execution_order, find_steps, fmt_ranks, natural, run_ranks, tree_of
 
 __all__ = ["CompareError", "CompareRow", "CompareReport", "compare"]
 
 # always used with fullmatch (`$` would accept a trailing newline); [0-9], not \d (no Unicode digits)
 
 
-def compare(ref_dir: "str | os.PathLike[str] | list", test_dir: "str | os.PathLike[str] | list",
-            rtol: float = 1e-3, atol: float = 1e-5, families: Any = None) -> CompareReport:
+def compare(
+    ref_dir: "str | os.PathLike[str] | list",
+    test_dir: "str | os.PathLike[str] | list",
+    rtol: float = 1e-3,
+    atol: float = 1e-5,
+    families: Any = None,
+) -> CompareReport:
     """Compare every captured tensor under ``test_dir`` with the same one under ``ref_dir``.
 
     A tensor passes iff the shapes match and ``torch.allclose(test, ref, rtol, atol, equal_nan=True)``
@@ -69,11 +72,12 @@ def compare(ref_dir: "str | os.PathLike[str] | list", test_dir: "str | os.PathLi
     """
     rtol, atol = _check_tol("rtol", rtol), _check_tol("atol", atol)
     with contextlib.ExitStack() as stack:
-        (ref, ref_name), (test, test_name) = (_root(name, value, stack) for name, value in
-                                              (("ref_dir", ref_dir), ("test_dir", test_dir)))
+        (ref, ref_name), (test, test_name) = (
+            _root(name, value, stack) for name, value in (("ref_dir", ref_dir), ("test_dir", test_dir))
+        )
         report = CompareReport(ref_dir=ref_name, test_dir=test_name, rtol=rtol, atol=atol)
         for side, roots in (("ref", ref_dir), ("test", test_dir)):
-            for root in (roots if isinstance(roots, (list, tuple)) else [roots]):
+            for root in roots if isinstance(roots, (list, tuple)) else [roots]:
                 _note_temp_files(report, side, Path(root))
         _compare_trees(report, ref, test, families)
     return report
@@ -97,8 +101,10 @@ def _root(name: str, value: Any, stack: contextlib.ExitStack) -> tuple[Path, str
 
 
 def _compare_trees(report: CompareReport, ref: Path, test: Path, families: Any = None) -> None:
-    scans = ({rel: StepScan.read(ref / rel) for rel in find_steps(ref)},
-             {rel: StepScan.read(test / rel) for rel in find_steps(test)})
+    scans = (
+        {rel: StepScan.read(ref / rel) for rel in find_steps(ref)},
+        {rel: StepScan.read(test / rel) for rel in find_steps(test)},
+    )
     check_one_run(scans[0], "ref_dir", ref)
     check_one_run(scans[1], "test_dir", test)
     from .compare_engines import engine_of, compare_engines
@@ -106,8 +112,10 @@ def _compare_trees(report: CompareReport, ref: Path, test: Path, families: Any =
     engines = (engine_of(scans[0]), engine_of(scans[1]))
     if engines[0] != engines[1] and None not in engines:
         if engines[0] != "transformers":
-            raise CompareError(f"ref_dir holds {engines[0]!r} captures and test_dir {engines[1]!r}: across engines, "
-                               "give the transformers reference (`graphpass reference`) as ref_dir")
+            raise CompareError(
+                f"ref_dir holds {engines[0]!r} captures and test_dir {engines[1]!r}: across engines, "
+                "give the transformers reference (`graphpass reference`) as ref_dir"
+            )
         compare_engines(ref, test, report, families)
         return
     steps, notes = execution_order(set(scans[0]) | set(scans[1]), *scans)
@@ -117,15 +125,23 @@ def _compare_trees(report: CompareReport, ref: Path, test: Path, families: Any =
         for rel in steps:
             lost = [side for side, found in zip(("ref", "test"), scans) if rel not in found]
             if lost:
-                report.rows.append(CompareRow(rel, "", None, None, FAIL, note=f"step missing in {lost[0]}",
-                                              missing=lost[0]))
+                report.rows.append(
+                    CompareRow(rel, "", None, None, FAIL, note=f"step missing in {lost[0]}", missing=lost[0])
+                )
             else:
-                _compare_step(report, rel, (("ref", scans[0][rel], run[0].get(tree_of(rel), set())),
-                                            ("test", scans[1][rel], run[1].get(tree_of(rel), set()))))
+                _compare_step(
+                    report,
+                    rel,
+                    (
+                        ("ref", scans[0][rel], run[0].get(tree_of(rel), set())),
+                        ("test", scans[1][rel], run[1].get(tree_of(rel), set())),
+                    ),
+                )
             shown.update(1)
 
 
 # --- arguments and discovery -------------------------------------------------------------------
+
 
 def _check_dir(name: str, value: Any) -> Path:
     try:
@@ -159,15 +175,19 @@ def _note_temp_files(report: CompareReport, side: str, root: Path, shown: int = 
         more = f" and {len(found) - shown} more" if len(found) > shown else ""
         report.notes.append(
             f"{side}: ignored {len(found)} temporary file(s) left by an interrupted capture (not data): "
-            + ", ".join(printable(f) for f in found[:shown]) + more)
+            + ", ".join(printable(f) for f in found[:shown])
+            + more
+        )
 
 
 def _module_order(report: CompareReport, rel: str, side: str, scan: StepScan) -> list[str]:
     """The meta's ``modules`` (execution order), then module folders it does not list, sorted;
     a note when there is no readable meta."""
     if scan.meta is None:
-        report.notes.append(f"{rel}: {scan.meta_problem.replace('meta file', f'{side} meta file', 1)}; "
-                            "module order from sorted directory names")
+        report.notes.append(
+            f"{rel}: {scan.meta_problem.replace('meta file', f'{side} meta file', 1)}; "
+            "module order from sorted directory names"
+        )
     listed = scan.listed or []
     return listed + sorted(set(scan.files) - set(listed), key=natural)
 
@@ -186,8 +206,16 @@ def _unlisted(report: CompareReport, rel: str, scan: StepScan, side: str) -> set
         what = "module folder" if entry.is_dir() else "file"
         if entry.is_dir():
             extra.add(name)
-        report.rows.append(CompareRow(rel, name, None, None, FAIL,
-                                      note=f"{what} in {side} not listed in its meta file (left from another run?)"))
+        report.rows.append(
+            CompareRow(
+                rel,
+                name,
+                None,
+                None,
+                FAIL,
+                note=f"{what} in {side} not listed in its meta file (left from another run?)",
+            )
+        )
     return extra
 
 
@@ -198,13 +226,22 @@ def _missing_ranks(report: CompareReport, rel: str, sides: tuple) -> None:
         lost = had - scan.ranks
         if lost:
             what = f"rank {fmt_ranks(lost)}" if len(lost) == 1 else f"ranks {fmt_ranks(lost)}"
-            report.rows.append(CompareRow(
-                rel, "", next(iter(lost)) if len(lost) == 1 else None, None, FAIL, missing=side,
-                note=f"{what} missing in {side}: no meta or rank file of {'it' if len(lost) == 1 else 'them'} in "
-                     f"this step (the {side} run has ranks {fmt_ranks(had)}: its other steps' files or tp_size)"))
+            report.rows.append(
+                CompareRow(
+                    rel,
+                    "",
+                    next(iter(lost)) if len(lost) == 1 else None,
+                    None,
+                    FAIL,
+                    missing=side,
+                    note=f"{what} missing in {side}: no meta or rank file of {'it' if len(lost) == 1 else 'them'} in "
+                    f"this step (the {side} run has ranks {fmt_ranks(had)}: its other steps' files or tp_size)",
+                )
+            )
 
 
 # --- comparison --------------------------------------------------------------------------------
+
 
 def _compare_step(report: CompareReport, rel: str, sides: tuple) -> None:
     """``sides``: ("ref", scan, the run's ranks) and ("test", ...)."""
@@ -218,8 +255,9 @@ def _compare_step(report: CompareReport, rel: str, sides: tuple) -> None:
             continue  # already a FAIL row: its files are not this run's
         in_ref, in_test = module in ref.files, module in test.files
         if not in_ref and not in_test:
-            report.rows.append(CompareRow(rel, module, None, None, FAIL, note="listed in meta but no directory",
-                                          missing="both"))
+            report.rows.append(
+                CompareRow(rel, module, None, None, FAIL, note="listed in meta but no directory", missing="both")
+            )
         elif not in_test or not in_ref:
             side = "test" if not in_test else "ref"
             report.rows.append(CompareRow(rel, module, None, None, FAIL, note=f"missing in {side}", missing=side))
@@ -237,9 +275,11 @@ def _note_old_keys(report: CompareReport, rel: str, module: str, ref_keys: set[s
     """A note when one side's keys are the numbers ``0``, ``1``, ... of a capture written before
     graphpass named tensors by their output key path, and the other side's are not."""
     old = [side for side, keys in (("ref", ref_keys), ("test", test_keys)) if keys and all(k.isdigit() for k in keys)]
-    note = (f"{rel}/{module}: {old[0] if old else ''} names its tensors 0, 1, ... (captured by a graphpass from before tensors were "
-            "named by their key path in the module's output, e.g. [0], .last_hidden_state): capture both runs "
-            "with the same graphpass version")
+    note = (
+        f"{rel}/{module}: {old[0] if old else ''} names its tensors 0, 1, ... (captured by a graphpass from before tensors were "
+        "named by their key path in the module's output, e.g. [0], .last_hidden_state): capture both runs "
+        "with the same graphpass version"
+    )
     if len(old) == 1 and not (ref_keys & test_keys) and note not in report.notes:
         report.notes.append(note)
 
@@ -257,8 +297,10 @@ def _resharded(files: tuple[dict, dict], want: tuple[set, set], layouts: tuple[d
         return True
 
     def pieces(layout: dict) -> dict:
-        return {r: {k: (e[GLOBAL_SHAPE], e.get(GLOBAL_OFFSET)) for k, e in keys.items() if e.get(GLOBAL_SHAPE)}
-                for r, keys in layout.items()}
+        return {
+            r: {k: (e[GLOBAL_SHAPE], e.get(GLOBAL_OFFSET)) for k, e in keys.items() if e.get(GLOBAL_SHAPE)}
+            for r, keys in layout.items()
+        }
 
     return pieces(ref_layout) != pieces(test_layout)
 
@@ -272,21 +314,39 @@ def _compare_module(report: CompareReport, rel: str, module: str, ref: StepScan,
     layouts = (ref.layouts(module), test.layouts(module))
     key_order = ref.key_order(module) + test.key_order(module)
     if not files[0] and not files[1] and not (want[0] | want[1]):
-        report.rows.append(CompareRow(rel, module, None, None, FAIL, note="no rank*.safetensors files",
-                                      missing="both"))
+        report.rows.append(CompareRow(rel, module, None, None, FAIL, note="no rank*.safetensors files", missing="both"))
         return
     resharded = bool(files[0] and files[1]) and _resharded(files, want, layouts)
     every = set(files[0]) | set(files[1]) | want[0] | want[1]
     for rank in sorted(every):
         # across shardings a side need hold only its own run's ranks; rank against rank, both sides every rank
-        lost = [side for side, have, must in zip(("ref", "test"), files, want)
-                if rank not in have and (rank in must or not resharded)]
+        lost = [
+            side
+            for side, have, must in zip(("ref", "test"), files, want)
+            if rank not in have and (rank in must or not resharded)
+        ]
         if lost:
-            report.rows.append(CompareRow(rel, module, rank, None, FAIL, missing=_side(lost),
-                                          note=f"rank file missing in {' and '.join(lost)}"))
+            report.rows.append(
+                CompareRow(
+                    rel,
+                    module,
+                    rank,
+                    None,
+                    FAIL,
+                    missing=_side(lost),
+                    note=f"rank file missing in {' and '.join(lost)}",
+                )
+            )
         elif not resharded and rank in files[0] and rank in files[1]:
-            _compare_rank(report, rel, module, rank, (files[0][rank], files[1][rank]), key_order,
-                          (layouts[0].get(rank, {}), layouts[1].get(rank, {})))
+            _compare_rank(
+                report,
+                rel,
+                module,
+                rank,
+                (files[0][rank], files[1][rank]),
+                key_order,
+                (layouts[0].get(rank, {}), layouts[1].get(rank, {})),
+            )
     if resharded:
         from .shards import compare_resharded
 
@@ -298,8 +358,15 @@ def _side(lost: list[str]) -> str:
     return lost[0] if len(lost) == 1 else "both"
 
 
-def _compare_rank(report: CompareReport, rel: str, module: str, rank: int, paths: tuple[Path, Path],
-                  key_order: list[str], listed: tuple[dict, dict]) -> None:
+def _compare_rank(
+    report: CompareReport,
+    rel: str,
+    module: str,
+    rank: int,
+    paths: tuple[Path, Path],
+    key_order: list[str],
+    listed: tuple[dict, dict],
+) -> None:
     """Rows for every key of one rank's two files: the keys either file holds or either meta lists."""
     with contextlib.ExitStack() as stack:
         ref_f, ref_err = open_safetensors(paths[0], stack)
@@ -316,19 +383,30 @@ def _compare_rank(report: CompareReport, rel: str, module: str, rank: int, paths
         for key in keys:
             lost = [side for side, have in (("ref", ref_keys), ("test", test_keys)) if key not in have]
             if lost:
-                report.rows.append(CompareRow(rel, module, rank, key, FAIL, missing=_side(lost),
-                                              note=f"key missing in {' and '.join(lost)}"
-                                                   + (" (listed in its meta file)" if len(lost) == 2 else "")))
+                report.rows.append(
+                    CompareRow(
+                        rel,
+                        module,
+                        rank,
+                        key,
+                        FAIL,
+                        missing=_side(lost),
+                        note=f"key missing in {' and '.join(lost)}"
+                        + (" (listed in its meta file)" if len(lost) == 2 else ""),
+                    )
+                )
                 continue
             try:
-                ref_t, test_t = LazyTensor.from_slice(ref_f.get_slice(key)), LazyTensor.from_slice(test_f.get_slice(key))
+                ref_t, test_t = (
+                    LazyTensor.from_slice(ref_f.get_slice(key)),
+                    LazyTensor.from_slice(test_f.get_slice(key)),
+                )
             except Exception as exc:
-                report.rows.append(CompareRow(rel, module, rank, key, FAIL,
-                                              note=f"cannot read tensor: {type(exc).__name__}: {exc}"))
+                report.rows.append(
+                    CompareRow(rel, module, rank, key, FAIL, note=f"cannot read tensor: {type(exc).__name__}: {exc}")
+                )
                 continue
             report.rows.append(compare_tensors(rel, module, rank, key, ref_t, test_t, report.rtol, report.atol))
 
 
 # --- formatting ---------------------------------------------------------------------------------
-
-

@@ -62,7 +62,7 @@ def chunk_indices(shape: tuple[int, ...], limit: int) -> Iterator[tuple]:
         return
     split = d - 1
     step = max(1, limit // inner)
-    whole = tuple(slice(0, n) for n in shape[split + 1:])
+    whole = tuple(slice(0, n) for n in shape[split + 1 :])
     for lead in itertools.product(*(range(n) for n in shape[:split])):
         head = tuple(slice(i, i + 1) for i in lead)
         for start in range(0, shape[split], step):
@@ -100,9 +100,17 @@ def _nanmax(a: float, b: float) -> float:
     return max(a, b)
 
 
-def compare_tensors(rel: str, module: str, rank: int, key: str, ref: "torch.Tensor | LazyTensor",
-                     test: "torch.Tensor | LazyTensor", rtol: float, atol: float,
-                     chunk_elems: int | None = None) -> CompareRow:
+def compare_tensors(
+    rel: str,
+    module: str,
+    rank: int,
+    key: str,
+    ref: "torch.Tensor | LazyTensor",
+    test: "torch.Tensor | LazyTensor",
+    rtol: float,
+    atol: float,
+    chunk_elems: int | None = None,
+) -> CompareRow:
     """Compare chunk by chunk in float64 (complex128): per chunk ``allclose``, max |t-r|, the sums of
     L2 norms (combined with hypot) and max |r| over finite r; combined, they are the whole-tensor numbers."""
     ref = ref if isinstance(ref, LazyTensor) else LazyTensor.from_tensor(ref.detach())
@@ -115,8 +123,10 @@ def compare_tensors(rel: str, module: str, rank: int, key: str, ref: "torch.Tens
         notes.insert(0, f"shape mismatch {list(ref.shape)} vs {list(test.shape)}")
         return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
     if kinds[0] != kinds[1] and _EXACT & set(kinds):
-        notes.append(f"{kinds[0]} vs {kinds[1]}: integer and bool tensors are compared exactly, and only with "
-                     "tensors of their own kind")
+        notes.append(
+            f"{kinds[0]} vs {kinds[1]}: integer and bool tensors are compared exactly, and only with "
+            "tensors of their own kind"
+        )
         return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))
     limit = CHUNK_ELEMS if chunk_elems is None else chunk_elems
     if kinds[0] in _EXACT:

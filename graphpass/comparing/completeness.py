@@ -26,8 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..capture_format import (DP_FOLDER, KEY, MAX_TP_SIZE, MODULES, RANK_TENSORS, RUN, STEP_INDEX, TENSORS,
-                              TP_SIZE, FormatVersionError, rank_file_rank, read_step_meta)
+from ..capture_format import (
+    DP_FOLDER,
+    KEY,
+    MAX_TP_SIZE,
+    MODULES,
+    RANK_TENSORS,
+    RUN,
+    STEP_INDEX,
+    TENSORS,
+    TP_SIZE,
+    FormatVersionError,
+    rank_file_rank,
+    read_step_meta,
+)
 from .compare_report import CompareError
 
 __all__ = ["StepScan", "execution_order", "fmt_ranks", "run_ranks", "tree_of"]
@@ -69,10 +81,14 @@ def check_one_run(scans: Mapping[str, "StepScan"], name: str, root: Path) -> Non
     for folder, counts in sorted(runs_of(scans).items()):
         named = [r for r in counts if r != "?"]
         if len(counts) > 1 and named:
-            found = ", ".join(f"run {r}: {n} step(s)" if r != "?" else f"{n} step(s) of a run with no id"
-                              for r, n in sorted(counts.items()))
-            raise CompareError(f"{name} {root}: {folder} holds the steps of {len(counts)} runs ({found}): two runs "
-                               "were captured into one capture_dir; capture each run into a folder of its own")
+            found = ", ".join(
+                f"run {r}: {n} step(s)" if r != "?" else f"{n} step(s) of a run with no id"
+                for r, n in sorted(counts.items())
+            )
+            raise CompareError(
+                f"{name} {root}: {folder} holds the steps of {len(counts)} runs ({found}): two runs "
+                "were captured into one capture_dir; capture each run into a folder of its own"
+            )
 
 
 _PHASES = {"prefill": 0, "decode": 1}
@@ -210,8 +226,9 @@ def _fallback_key(name: str) -> tuple:
     return (1, int(m.group(2)), _PHASES.get(m.group(1), 2), natural(name))
 
 
-def execution_order(steps: set[str], ref: dict[str, StepScan],
-                    test: dict[str, StepScan]) -> tuple[list[str], list[str]]:
+def execution_order(
+    steps: set[str], ref: dict[str, StepScan], test: dict[str, StepScan]
+) -> tuple[list[str], list[str]]:
     """(steps in execution order, notes). Trees in natural order; in each, by ``step_index`` (the
     ref's, the test's for a step only the test has), then the steps without one (see the module
     docstring). Notes: steps ordered without an index, steps the two runs ran in another order."""
@@ -222,8 +239,10 @@ def execution_order(steps: set[str], ref: dict[str, StepScan],
         r, t = (ref[rel].step_index if rel in ref else None), (test[rel].step_index if rel in test else None)
         index = r if r is not None else t
         name = rel.rpartition("/")[2]
-        keys[rel] = (tuple(natural(p) for p in tree_of(rel).split("/")),
-                     (0, index, 0, natural(name)) if index is not None else _fallback_key(name))
+        keys[rel] = (
+            tuple(natural(p) for p in tree_of(rel).split("/")),
+            (0, index, 0, natural(name)) if index is not None else _fallback_key(name),
+        )
         if index is None:
             unindexed.append(rel)
         elif r is not None and t is not None and r != t:
@@ -232,14 +251,19 @@ def execution_order(steps: set[str], ref: dict[str, StepScan],
     per_tree = Counter(tree_of(rel) for rel in steps)
     unindexed = [rel for rel in unindexed if per_tree[tree_of(rel)] > 1]  # a tree's only step needs no order
     if unindexed:
-        notes.append(f"{len(unindexed)} step(s) have no step_index in their meta (captured before graphpass "
-                     "recorded one, or no meta file): ordered by their counter k, a prefill before a decode of the "
-                     "same k, after the steps with an index; that is the order one generate() runs them in, not "
-                     "several: capture both runs again for the exact order")
+        notes.append(
+            f"{len(unindexed)} step(s) have no step_index in their meta (captured before graphpass "
+            "recorded one, or no meta file): ordered by their counter k, a prefill before a decode of the "
+            "same k, after the steps with an index; that is the order one generate() runs them in, not "
+            "several: capture both runs again for the exact order"
+        )
     if disagree:
         disagree.sort(key=lambda d: keys[d[0]])
         shown = "; ".join(f"{rel} (ref {r}, test {t})" for rel, r, t in disagree[:5])
-        notes.append("the two runs ran steps in another order (step_index differs: "
-                     + shown + (f" and {len(disagree) - 5} more" if len(disagree) > 5 else "")
-                     + "): steps are compared by name, in the ref's order")
+        notes.append(
+            "the two runs ran steps in another order (step_index differs: "
+            + shown
+            + (f" and {len(disagree) - 5} more" if len(disagree) > 5 else "")
+            + "): steps are compared by name, in the ref's order"
+        )
     return sorted(steps, key=keys.__getitem__), notes

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
@@ -42,8 +42,16 @@ from ..capture_format import DEFAULT_ENGINE, REFERENCE_ENGINE
 from ..errors import ConfigError, GraphpassError  # noqa: F401
 from ..model_shape import ModelShape, RebuildError  # noqa: F401 (re-exported)
 
-__all__ = ["Family", "FamilyRegistry", "FAMILIES", "ModelShape", "RebuildError", "Slice", "register_family",
-           "rebuild_llama"]
+__all__ = [
+    "Family",
+    "FamilyRegistry",
+    "FAMILIES",
+    "ModelShape",
+    "RebuildError",
+    "Slice",
+    "register_family",
+    "rebuild_llama",
+]
 
 _LAYER_RE = re.compile(r"(?:.*\.)?layers\.[0-9]+")  # a decoder layer: model.layers.3 (fullmatch)
 
@@ -78,14 +86,21 @@ class Family:
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ConfigError("Family.name", self.name, "must be a non-empty str")
-        if isinstance(self.model_types, str) or not self.model_types or not all(
-                isinstance(t, str) and t for t in self.model_types):
+        if (
+            isinstance(self.model_types, str)
+            or not self.model_types
+            or not all(isinstance(t, str) and t for t in self.model_types)
+        ):
             raise ConfigError("Family.model_types", self.model_types, "must be a non-empty tuple of model_type strings")
         if not callable(self.rebuild):
             raise ConfigError("Family.rebuild", self.rebuild, "must be callable: rebuild(module, tensors, shape)")
         if not isinstance(self.engine, str) or not self.engine or self.engine == REFERENCE_ENGINE:
-            raise ConfigError("Family.engine", self.engine, "must be the name of the engine whose captures it rebuilds "
-                                                           f"(a non-empty str, not {REFERENCE_ENGINE!r}: the reference)")
+            raise ConfigError(
+                "Family.engine",
+                self.engine,
+                "must be the name of the engine whose captures it rebuilds "
+                f"(a non-empty str, not {REFERENCE_ENGINE!r}: the reference)",
+            )
 
 
 @dataclass
@@ -106,9 +121,12 @@ class FamilyRegistry:
         keys = [(family.engine, t) for t in family.model_types]
         taken = [k for k in keys if k in self.by_key and self.by_key[k].name != family.name]
         if taken and not replace:
-            raise ConfigError("Family.model_types", [t for _, t in taken],
-                              f"already registered for engine {family.engine!r} (family "
-                              f"{self.by_key[taken[0]].name!r}); pass replace=True to override")
+            raise ConfigError(
+                "Family.model_types",
+                [t for _, t in taken],
+                f"already registered for engine {family.engine!r} (family "
+                f"{self.by_key[taken[0]].name!r}); pass replace=True to override",
+            )
         for key in keys:
             self.by_key[key] = family
         return family
@@ -124,10 +142,13 @@ class FamilyRegistry:
             return self.by_key[engine, model_type]
         except KeyError:
             known = sorted(t for e, t in self.by_key if e == engine)
-            raise ConfigError("model_type", model_type,
-                              f"has no registered family for engine {engine!r} (known: {', '.join(known) or 'none'}): "
-                              "register one with graphpass.comparing.engine_families.register_family "
-                              "(docs/vllm.md)") from None
+            raise ConfigError(
+                "model_type",
+                model_type,
+                f"has no registered family for engine {engine!r} (known: {', '.join(known) or 'none'}): "
+                "register one with graphpass.comparing.engine_families.register_family "
+                "(docs/vllm.md)",
+            ) from None
 
 
 def _main(module: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -139,17 +160,21 @@ def _main(module: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     raise RebuildError(f"{module}: neither 'output' nor '[0]' among its keys {sorted(tensors)}")
 
 
-def _split(module: str, t: torch.Tensor, names: list[str], sizes: list[int], starts: list[int],
-           tp_size: int) -> dict[str, dict[str, Any]]:
+def _split(
+    module: str, t: torch.Tensor, names: list[str], sizes: list[int], starts: list[int], tp_size: int
+) -> dict[str, dict[str, Any]]:
     """``t``'s last dim split into ``names`` of ``sizes``; with ``tp_size`` > 1 each piece is a
     :class:`Slice` starting at ``starts`` in transformers' tensor."""
     if t.shape[-1] != sum(sizes):
-        raise RebuildError(f"{module}: last dim {t.shape[-1]} is not {' + '.join(map(str, sizes))} "
-                           f"({', '.join(names)})")
+        raise RebuildError(
+            f"{module}: last dim {t.shape[-1]} is not {' + '.join(map(str, sizes))} ({', '.join(names)})"
+        )
     prefix = module.rpartition(".")[0]
     pieces = torch.split(t, sizes, dim=-1)
-    return {f"{prefix}.{n}": {"output": piece if tp_size == 1 else Slice(piece, start)}
-            for n, piece, start in zip(names, pieces, starts)}
+    return {
+        f"{prefix}.{n}": {"output": piece if tp_size == 1 else Slice(piece, start)}
+        for n, piece, start in zip(names, pieces, starts)
+    }
 
 
 def _qkv_sizes(shape: ModelShape) -> tuple[list[int], list[int]]:
@@ -165,7 +190,9 @@ def _qkv_sizes(shape: ModelShape) -> tuple[list[int], list[int]]:
     return [q, k, k], [rank * q, rank // replicas * k, rank // replicas * k]
 
 
-def rebuild_llama(module: str, tensors: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, dict[str, torch.Tensor]]:
+def rebuild_llama(
+    module: str, tensors: dict[str, torch.Tensor], shape: ModelShape
+) -> dict[str, dict[str, torch.Tensor]]:
     """vLLM's Llama-style modules in transformers' terms: a decoder layer's ``[0] + [1]`` (hidden +
     residual); ``qkv_proj`` split into ``q_proj``, ``k_proj``, ``v_proj`` (heads x head_dim, kv heads x
     head_dim, per tensor-parallel rank); ``gate_up_proj`` into ``gate_proj``, ``up_proj``; any other
@@ -184,8 +211,14 @@ def rebuild_llama(module: str, tensors: dict[str, torch.Tensor], shape: ModelSha
         if inter % shape.tp_size:
             raise RebuildError(f"intermediate size {inter} does not shard over {shape.tp_size} tensor-parallel ranks")
         half = inter // shape.tp_size
-        return _split(module, _main(module, tensors), ["gate_proj", "up_proj"], [half, half],
-                      [shape.tp_rank * half] * 2, shape.tp_size)
+        return _split(
+            module,
+            _main(module, tensors),
+            ["gate_proj", "up_proj"],
+            [half, half],
+            [shape.tp_rank * half] * 2,
+            shape.tp_size,
+        )
     return {module: {"output": _main(module, tensors)}}
 
 

@@ -25,8 +25,16 @@ from ..atomic_files import write_bytes_atomic
 from ..errors import GraphpassError
 from .report_format import HEADERS, fmt_value, printable
 
-__all__ = ["PlotUnavailableError", "plot_report", "render_png", "write_html", "html_page", "figure_pixels",
-           "step_series", "read_metas"]
+__all__ = [
+    "PlotUnavailableError",
+    "plot_report",
+    "render_png",
+    "write_html",
+    "html_page",
+    "figure_pixels",
+    "step_series",
+    "read_metas",
+]
 
 
 # What the plots read of a report and its rows, named here so this module never imports the report
@@ -89,12 +97,14 @@ def load_pyplot(what: str = "the divergence plot") -> Any:
         matplotlib.use("Agg", force=True)
         from matplotlib import pyplot
     except ImportError as exc:
-        raise PlotUnavailableError(f"drawing {what} needs matplotlib, which is not installed ({exc}): "
-                                   f"{EXTRA_HINT}") from None
+        raise PlotUnavailableError(
+            f"drawing {what} needs matplotlib, which is not installed ({exc}): {EXTRA_HINT}"
+        ) from None
     return pyplot
 
 
 # --- data ---------------------------------------------------------------------------------------
+
 
 def _worst(values: list[float | None]) -> float | None:
     nums = [v for v in values if v is not None]
@@ -111,10 +121,16 @@ def step_series(report: ReportView) -> dict[str, list[dict[str, Any]]]:
         steps.setdefault(row.step, {}).setdefault(row.module, []).append(row)
     out: dict[str, list[dict[str, Any]]] = {}
     for step, modules in steps.items():
-        out[step] = [{"module": module or "<step>", "rel_linf": _worst([r.rel_linf for r in rows]),
-                      "rel_l2": _worst([r.rel_l2 for r in rows]), "passed": all(r.passed for r in rows),
-                      "note": "; ".join(dict.fromkeys(r.note for r in rows if r.note))}
-                     for module, rows in modules.items()]
+        out[step] = [
+            {
+                "module": module or "<step>",
+                "rel_linf": _worst([r.rel_linf for r in rows]),
+                "rel_l2": _worst([r.rel_l2 for r in rows]),
+                "passed": all(r.passed for r in rows),
+                "note": "; ".join(dict.fromkeys(r.note for r in rows if r.note)),
+            }
+            for module, rows in modules.items()
+        ]
     return out
 
 
@@ -127,6 +143,7 @@ def figure_pixels(n_steps: int, dpi: int = DPI) -> tuple[int, int]:
 
 
 # --- the figure -----------------------------------------------------------------------------------
+
 
 def _draw_step(ax: Any, step: str, series: list[dict[str, Any]], rtol: float, is_first_step: bool) -> None:
     x = list(range(len(series)))
@@ -148,8 +165,14 @@ def _draw_step(ax: Any, step: str, series: list[dict[str, Any]], rtol: float, is
     first = next((i for i, s in enumerate(series) if not s["passed"]), None)
     if first is not None:
         ax.axvline(first, color="tab:red", ls="--", lw=1.2)
-        ax.annotate(("first diverging module: " if is_first_step else "first FAIL: ") + series[first]["module"],
-                    xy=(first, top), xytext=(4, -12), textcoords="offset points", color="tab:red", fontsize=8)
+        ax.annotate(
+            ("first diverging module: " if is_first_step else "first FAIL: ") + series[first]["module"],
+            xy=(first, top),
+            xytext=(4, -12),
+            textcoords="offset points",
+            color="tab:red",
+            fontsize=8,
+        )
     ax.set_yscale("log")
     ax.set_ylim(floor / 3, top * 3)
     ax.set_title(printable(step), fontsize=9)
@@ -184,8 +207,10 @@ def render_png(report: ReportView, dpi: int = DPI, max_steps: int = 24) -> bytes
         if not names:
             fig.text(0.5, 0.5, "nothing compared", ha="center", va="center")
         shown = f" (showing {len(names)} of {len(all_steps)} steps)" if len(names) < len(all_steps) else ""
-        fig.suptitle(f"relative error per module, execution order (rtol={report.rtol:g}, atol={report.atol:g}){shown}",
-                     fontsize=10)
+        fig.suptitle(
+            f"relative error per module, execution order (rtol={report.rtol:g}, atol={report.atol:g}){shown}",
+            fontsize=10,
+        )
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
     finally:
@@ -205,6 +230,7 @@ def plot_report(report: ReportView, path: str | os.PathLike[str], dpi: int = DPI
 
 
 # --- the HTML page --------------------------------------------------------------------------------
+
 
 def read_metas(root: str | os.PathLike[str], steps: list[str]) -> dict[str, Any]:
     """``{step: meta dict}`` for every step folder of ``root`` that has a readable ``{step}_meta.json``
@@ -238,8 +264,17 @@ def _table(report: ReportView) -> str:
     body = []
     for r in report.rows:
         cls = "first" if r is first else ("fail" if not r.passed else "")
-        cells = [r.step, r.module, "" if r.rank is None else r.rank, "" if r.key is None else r.key, r.status,
-                 fmt_value(r.max_abs), fmt_value(r.rel_l2), fmt_value(r.rel_linf), r.note]
+        cells = [
+            r.step,
+            r.module,
+            "" if r.rank is None else r.rank,
+            "" if r.key is None else r.key,
+            r.status,
+            fmt_value(r.max_abs),
+            fmt_value(r.rel_l2),
+            fmt_value(r.rel_linf),
+            r.note,
+        ]
         body.append(f'<tr class="{cls}">' + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>\n" + "\n".join(body) + "\n</tbody></table>"
 
@@ -263,10 +298,20 @@ def html_page(report: ReportView, png: bytes | None = None) -> str:
     and the meta of both runs' steps. No external resources: it opens offline."""
     first = report.first_failure
     verdict = "".join(f"{_esc(line)}<br>" for line in report.summary_line().splitlines())
-    img = "" if png is None else (f'<img alt="relative error per module and step" '
-                                  f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">')
+    img = (
+        ""
+        if png is None
+        else (
+            f'<img alt="relative error per module and step" '
+            f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
+        )
+    )
     notes = "".join(f"<li>{_esc(n)}</li>" for n in report.notes)
-    first_line = "" if first is None else f"<p>first diverging module: <b>{_esc(first.module or '<step>')}</b> ({_esc(first.where())})</p>"
+    first_line = (
+        ""
+        if first is None
+        else f"<p>first diverging module: <b>{_esc(first.module or '<step>')}</b> ({_esc(first.where())})</p>"
+    )
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>graphpass compare: {_esc(report.ref_dir)} vs {_esc(report.test_dir)}</title>"

@@ -45,8 +45,14 @@ class Incomplete(ValueError):
     """A side's pieces do not cover the global tensor: something of it is missing."""
 
 
-def compare_resharded(report: CompareReport, rel: str, module: str, files: tuple[dict, dict],
-                      layouts: tuple[dict, dict], key_order: list[str]) -> None:
+def compare_resharded(
+    report: CompareReport,
+    rel: str,
+    module: str,
+    files: tuple[dict, dict],
+    layouts: tuple[dict, dict],
+    key_order: list[str],
+) -> None:
     """Rows for ``module`` whose two runs hold it in different pieces (see the module docstring)."""
     with contextlib.ExitStack() as stack:
         opened = []
@@ -55,8 +61,9 @@ def compare_resharded(report: CompareReport, rel: str, module: str, files: tuple
             for rank, path in sorted(ranks.items()):
                 f, err = open_safetensors(path, stack)
                 if f is None:
-                    report.rows.append(CompareRow(rel, module, rank, None, FAIL,
-                                                  note=f"cannot read {side} file: {err}"))
+                    report.rows.append(
+                        CompareRow(rel, module, rank, None, FAIL, note=f"cannot read {side} file: {err}")
+                    )
                 else:
                     handles[rank] = f
             opened.append(handles)
@@ -71,15 +78,25 @@ def compare_resharded(report: CompareReport, rel: str, module: str, files: tuple
             _compare_key(report, rel, module, key, (ref, test), layouts)
 
 
-def _compare_key(report: CompareReport, rel: str, module: str, key: str, handles: tuple[dict, dict],
-                 layouts: tuple[dict, dict]) -> None:
+def _compare_key(
+    report: CompareReport, rel: str, module: str, key: str, handles: tuple[dict, dict], layouts: tuple[dict, dict]
+) -> None:
     ref, test = handles
     ref_layout, test_layout = layouts
     try:
         whole, how = _assemble(ref, ref_layout, key)
     except Exception as exc:
-        report.rows.append(CompareRow(rel, module, None, key, FAIL, note=f"cannot assemble ref: {exc}",
-                                      missing="ref" if isinstance(exc, Incomplete) else None))
+        report.rows.append(
+            CompareRow(
+                rel,
+                module,
+                None,
+                key,
+                FAIL,
+                note=f"cannot assemble ref: {exc}",
+                missing="ref" if isinstance(exc, Incomplete) else None,
+            )
+        )
         return
     for side, h, layout in (("ref", ref, ref_layout), ("test", test, test_layout)):
         _check_copies(report, rel, module, key, side, h, layout)
@@ -97,12 +114,21 @@ def _compare_key(report: CompareReport, rel: str, module: str, key: str, handles
             continue
         where = f"{_placements(entry)} at {list(offset)} of {list(global_shape)}; ref {how}"
         if global_shape != tuple(whole.shape):
-            report.rows.append(CompareRow(rel, module, rank, key, FAIL,
-                                          note=f"shape mismatch {list(whole.shape)} vs {list(global_shape)} (global)"))
+            report.rows.append(
+                CompareRow(
+                    rel,
+                    module,
+                    rank,
+                    key,
+                    FAIL,
+                    note=f"shape mismatch {list(whole.shape)} vs {list(global_shape)} (global)",
+                )
+            )
             continue
         index = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))
-        row = compare_tensors(rel, module, rank, key, LazyTensor.from_tensor(whole[index]), piece,
-                               report.rtol, report.atol)
+        row = compare_tensors(
+            rel, module, rank, key, LazyTensor.from_tensor(whole[index]), piece, report.rtol, report.atol
+        )
         row.note = "; ".join(n for n in (row.note, where) if n)
         report.rows.append(row)
 
@@ -110,8 +136,7 @@ def _compare_key(report: CompareReport, rel: str, module: str, key: str, handles
 def _check_test_cover(report: CompareReport, rel: str, module: str, key: str, test: dict, layout: dict) -> None:
     """A FAIL row when the test's pieces of ``key`` (if it is sharded there) do not tile its global
     shape: a piece missing (a lost rank, a host's root not passed), overlapping or misplaced."""
-    if not any(key in f.keys() and layout_entry(layout, r, key).get(GLOBAL_SHAPE) is not None
-               for r, f in test.items()):
+    if not any(key in f.keys() and layout_entry(layout, r, key).get(GLOBAL_SHAPE) is not None for r, f in test.items()):
         return
     try:
         piece_boxes(test, layout, key, "test")
@@ -137,7 +162,8 @@ def _placements(entry: dict) -> str:
 def _ints(value: Any, what: str) -> tuple[int, ...]:
     """``value`` as a tuple of ints >= 0, or ValueError naming ``what`` (a meta file may be tampered with)."""
     if not isinstance(value, (list, tuple)) or not all(
-            isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in value):
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
         raise ValueError(f"{what} {value!r} is not a list of ints >= 0")
     return tuple(int(v) for v in value)
 
@@ -150,9 +176,11 @@ def _place(entry: dict, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[
     global_shape = _ints(entry[GLOBAL_SHAPE], "global_shape")
     offset = _ints(entry.get(GLOBAL_OFFSET), "global_offset")
     if not len(offset) == len(shape) == len(global_shape) or any(
-            o + n > g for o, n, g in zip(offset, shape, global_shape)):
-        raise ValueError(f"the piece {list(shape)} at {list(offset)} lies outside the global shape "
-                         f"{list(global_shape)}")
+        o + n > g for o, n, g in zip(offset, shape, global_shape)
+    ):
+        raise ValueError(
+            f"the piece {list(shape)} at {list(offset)} lies outside the global shape {list(global_shape)}"
+        )
     return offset, global_shape
 
 
@@ -192,17 +220,23 @@ def piece_boxes(handles: dict, layout: dict, key: str, side: str) -> tuple[tuple
         places.setdefault(box, []).append(rank)
     for box, ranks in places.items():
         if len(ranks) > 1 and not all(_replica(layout_entry(layout, r, key)) for r in ranks):
-            raise ValueError(f"ranks {fmt_ranks(ranks)} hold the same piece {list(box[1])} at {list(box[0])}, but "
-                             "their placements shard the tensor (overlapping shards)")
+            raise ValueError(
+                f"ranks {fmt_ranks(ranks)} hold the same piece {list(box[1])} at {list(box[0])}, but "
+                "their placements shard the tensor (overlapping shards)"
+            )
     distinct = [(box, ranks[0]) for box, ranks in places.items() if math.prod(box[1]) > 0]
     for (a, ra), (b, rb) in itertools.combinations(distinct, 2):
         if _overlap(a, b):
-            raise ValueError(f"the pieces of rank {ra} ({list(a[1])} at {list(a[0])}) and rank {rb} "
-                             f"({list(b[1])} at {list(b[0])}) overlap")
+            raise ValueError(
+                f"the pieces of rank {ra} ({list(a[1])} at {list(a[0])}) and rank {rb} "
+                f"({list(b[1])} at {list(b[0])}) overlap"
+            )
     covered, total = sum(math.prod(box[1]) for box, _ in distinct), math.prod(global_shape or ())
     if covered != total:
-        raise Incomplete(f"the {side}'s pieces (ranks {fmt_ranks(boxes)}) hold {covered} of the {total} elements "
-                         f"of the global shape {list(global_shape)}")
+        raise Incomplete(
+            f"the {side}'s pieces (ranks {fmt_ranks(boxes)}) hold {covered} of the {total} elements "
+            f"of the global shape {list(global_shape)}"
+        )
     return global_shape, {rank: box for box, rank in distinct}
 
 
@@ -237,8 +271,9 @@ def _place_key(entry: dict) -> tuple:
         return ("?", repr(entry.get(GLOBAL_OFFSET)))
 
 
-def _check_copies(report: CompareReport, rel: str, module: str, key: str, side: str, handles: dict,
-                  layout: dict) -> None:
+def _check_copies(
+    report: CompareReport, rel: str, module: str, key: str, side: str, handles: dict, layout: dict
+) -> None:
     """FAIL rows for ranks whose piece sits where a lower rank's does but holds other values."""
     groups: dict[tuple, list[int]] = {}
     for rank in sorted(handles):
@@ -250,15 +285,25 @@ def _check_copies(report: CompareReport, rel: str, module: str, key: str, side: 
     for ranks in groups.values():
         base = ranks[0]
         for rank in ranks[1:]:
-            row = compare_tensors(rel, module, rank, key, LazyTensor.from_slice(handles[base].get_slice(key)),
-                                   LazyTensor.from_slice(handles[rank].get_slice(key)), report.rtol, report.atol)
+            row = compare_tensors(
+                rel,
+                module,
+                rank,
+                key,
+                LazyTensor.from_slice(handles[base].get_slice(key)),
+                LazyTensor.from_slice(handles[rank].get_slice(key)),
+                report.rtol,
+                report.atol,
+            )
             if not row.passed:
-                row.note = "; ".join(n for n in (f"{side}: this rank's Replicate() copy differs from rank {base}'s",
-                                                  row.note) if n)
+                row.note = "; ".join(
+                    n for n in (f"{side}: this rank's Replicate() copy differs from rank {base}'s", row.note) if n
+                )
                 report.rows.append(row)
 
 
 # --- several roots: captures of one run spread over hosts ---------------------------------------
+
 
 def merge_roots(roots: Sequence[str | os.PathLike], name: str) -> tuple[Path, Any]:
     """One folder that holds the files of every root (symbolic links to them), for a run whose
@@ -280,8 +325,10 @@ def merge_roots(roots: Sequence[str | os.PathLike], name: str) -> tuple[Path, An
                 rel = (here / f).relative_to(root).as_posix()
                 if rel in seen:
                     tmp.cleanup()
-                    raise CompareError(f"{name}: {rel!r} is in both {str(seen[rel])!r} and {str(root)!r}: each rank's "
-                                       "files may be in one root only")
+                    raise CompareError(
+                        f"{name}: {rel!r} is in both {str(seen[rel])!r} and {str(root)!r}: each rank's "
+                        "files may be in one root only"
+                    )
                 seen[rel] = root
                 (merged / rel).parent.mkdir(parents=True, exist_ok=True)
                 os.symlink(os.path.abspath(here / f), merged / rel)

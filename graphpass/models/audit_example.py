@@ -33,8 +33,15 @@ DYNAMIC = {
 
 
 class AnchorDrafter(nn.Module):
-    def __init__(self, vocab: int = 96, dim: int = 32, block: int = 4, num_anchors: int = 8, max_len: int = MAX_LEN,
-                 mask_token_id: int = 1) -> None:
+    def __init__(
+        self,
+        vocab: int = 96,
+        dim: int = 32,
+        block: int = 4,
+        num_anchors: int = 8,
+        max_len: int = MAX_LEN,
+        mask_token_id: int = 1,
+    ) -> None:
         super().__init__()
         self.num_anchors = num_anchors
         self.mask_token_id = mask_token_id

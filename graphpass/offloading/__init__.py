@@ -12,4 +12,13 @@ from .install import OffloadState, memory_stats, offload, offload_state
 from .planning import OffloadPlan, OffloadUnit
 from .runtime import MemoryStats
 
-__all__ = ["OffloadConfig", "OffloadPlan", "OffloadUnit", "OffloadState", "MemoryStats", "offload", "offload_state", "memory_stats"]
+__all__ = [
+    "OffloadConfig",
+    "OffloadPlan",
+    "OffloadUnit",
+    "OffloadState",
+    "MemoryStats",
+    "offload",
+    "offload_state",
+    "memory_stats",
+]

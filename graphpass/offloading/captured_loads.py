@@ -22,8 +22,11 @@ def captured_load(recs: list, group: str, facts: OffloadFacts, stream) -> tuple[
     slots = facts.graph_slots
     dsts = slots[-1].take(recs) if slots else None
     if dsts is None:  # not reserved (a capture graphpass was not told of) or every slot in use
-        _log.warning("trap %r: no free fixed slot for a load recorded into a CUDA graph; it uses the graph's own "
-                     "memory pool (correct, but its memory stays reserved by the graph)", group)
+        _log.warning(
+            "trap %r: no free fixed slot for a load recorded into a CUDA graph; it uses the graph's own "
+            "memory pool (correct, but its memory stays reserved by the graph)",
+            group,
+        )
         with torch.cuda.stream(stream):
             dsts = [torch.empty(r.shape, dtype=r.dtype, device=device) for r in recs]
     event = torch.cuda.Event()

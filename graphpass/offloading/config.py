@@ -44,23 +44,39 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         include = None if self.include_patterns is None else compile_patterns(self.include_patterns, "include_patterns")
         if include is not None and not include:
-            raise ConfigError("include_patterns", self.include_patterns, "an empty list offloads nothing; use None for the repeated blocks")
+            raise ConfigError(
+                "include_patterns",
+                self.include_patterns,
+                "an empty list offloads nothing; use None for the repeated blocks",
+            )
         exclude = compile_patterns(self.exclude_patterns, "exclude_patterns")
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError):
             raise ConfigError("device", self.device, "not a torch device (e.g. 'cuda', 'cuda:0', 'cpu')") from None
         if device.type == "meta":
-            raise ConfigError("device", self.device, "the meta device cannot compute; name the device the model runs on")
+            raise ConfigError(
+                "device", self.device, "the meta device cannot compute; name the device the model runs on"
+            )
         if self.storage not in _STORAGES:
             raise ConfigError("storage", self.storage, f"expected one of {', '.join(map(repr, _STORAGES))}")
         if self.storage == "pinned" and device.type != "cuda":
-            raise ConfigError("storage", self.storage, f"page-locked host memory only helps an accelerator; device is {device}: use storage='cpu'")
+            raise ConfigError(
+                "storage",
+                self.storage,
+                f"page-locked host memory only helps an accelerator; device is {device}: use storage='cpu'",
+            )
         if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
             raise ConfigError("disk_path", self.disk_path, "expected a folder path")
         if self.disk_path is not None and self.storage != "disk":
-            raise ConfigError("disk_path", self.disk_path, f"only used with storage='disk' (storage is {self.storage!r})")
-        if not isinstance(self.prefetch_distance, int) or isinstance(self.prefetch_distance, bool) or self.prefetch_distance < 0:
+            raise ConfigError(
+                "disk_path", self.disk_path, f"only used with storage='disk' (storage is {self.storage!r})"
+            )
+        if (
+            not isinstance(self.prefetch_distance, int)
+            or isinstance(self.prefetch_distance, bool)
+            or self.prefetch_distance < 0
+        ):
             raise ConfigError("prefetch_distance", self.prefetch_distance, "expected an integer >= 0 (traps ahead)")
         mdb = self.max_device_bytes
         if mdb is not None and (not isinstance(mdb, int) or isinstance(mdb, bool) or mdb <= 0):

@@ -135,9 +135,13 @@ def check_skipped_frames(facts: OffloadFacts) -> None:
         if hit is None or name in facts.eager_warned:
             continue
         first = next((line.strip() for line in hit.record.strip().splitlines() if line.strip()), "")
-        runs_eagerly(facts, name, f"Dynamo skipped {code.what} ({hit.name} at {hit.file} line {hit.line})",
-                      f"remove the graph break (Dynamo's record starts: {first!r}; TORCH_LOGS=graph_breaks shows it) "
-                      f"or move it out of the loop")
+        runs_eagerly(
+            facts,
+            name,
+            f"Dynamo skipped {code.what} ({hit.name} at {hit.file} line {hit.line})",
+            f"remove the graph break (Dynamo's record starts: {first!r}; TORCH_LOGS=graph_breaks shows it) "
+            f"or move it out of the loop",
+        )
 
 
 def runs_eagerly(facts: OffloadFacts, name: str, why: str, fix: str) -> None:
@@ -146,13 +150,20 @@ def runs_eagerly(facts: OffloadFacts, name: str, why: str, fix: str) -> None:
     and why; with the real bytes (host copies, mapped files) the result is right but nothing streams:
     a warning, once per module."""
     cls = facts.guarded_code[name].cls
-    where = (f"module {name!r} ({cls}) holds tensors graphpass.offload() streams, and {why}: it runs eagerly, "
-             f"outside every graph graphpass schedules")
+    where = (
+        f"module {name!r} ({cls}) holds tensors graphpass.offload() streams, and {why}: it runs eagerly, "
+        f"outside every graph graphpass schedules"
+    )
     todo = f"{fix}, or keep the module on the device with exclude_patterns=[{name!r}]"
     if not facts.eager_reads_real:
-        raise OffloadError(f"{where}, and reads {facts.stand_ins_are} instead of its weights, so its "
-                           f"results would be wrong. What to do: {todo}")
+        raise OffloadError(
+            f"{where}, and reads {facts.stand_ins_are} instead of its weights, so its "
+            f"results would be wrong. What to do: {todo}"
+        )
     facts.eager_warned.add(name)
-    warnings.warn(f"graphpass offload: {where}; it reads its weights from host memory directly, so they are not "
-                  f"streamed (results are right; memory_stats does not count them). To stream them: {todo}",
-                  UserWarning, stacklevel=3)
+    warnings.warn(
+        f"graphpass offload: {where}; it reads its weights from host memory directly, so they are not "
+        f"streamed (results are right; memory_stats does not count them). To stream them: {todo}",
+        UserWarning,
+        stacklevel=3,
+    )

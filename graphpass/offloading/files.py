@@ -26,7 +26,9 @@ import time
 
 from ..atomic_files import is_temp_name
 
-_NAME = re.compile(r"^graphpass-offload-(?P<cls>\w+)-(?P<pid>\d+)-(?P<token>[0-9a-f]+)-(?P<hex>[0-9a-f]+)\.safetensors$")
+_NAME = re.compile(
+    r"^graphpass-offload-(?P<cls>\w+)-(?P<pid>\d+)-(?P<token>[0-9a-f]+)-(?P<hex>[0-9a-f]+)\.safetensors$"
+)
 
 # Paths of the files this process wrote and still serves (removed on SIGTERM). Process-wide on
 # purpose: a signal handler has no model to ask; entries are removed with their model's state.

@@ -79,10 +79,12 @@ def managed_parameters(model: nn.Module) -> dict[int, Managed]:
 
 
 def _both_offloads(name: str, label: str) -> str:
-    return (f"tensor {name!r} is sharded by FSDP2 (fully_shard of {label!r}) with its own CPU offload "
-            f"(offload_policy=CPUOffloadPolicy()), and graphpass.offload() would move the same shard: the two "
-            f"cannot both own it. Use one of them: fully_shard without offload_policy, then graphpass.offload() "
-            f"(streams each rank's shards from host memory or disk per block), or CPUOffloadPolicy without graphpass.offload()")
+    return (
+        f"tensor {name!r} is sharded by FSDP2 (fully_shard of {label!r}) with its own CPU offload "
+        f"(offload_policy=CPUOffloadPolicy()), and graphpass.offload() would move the same shard: the two "
+        f"cannot both own it. Use one of them: fully_shard without offload_policy, then graphpass.offload() "
+        f"(streams each rank's shards from host memory or disk per block), or CPUOffloadPolicy without graphpass.offload()"
+    )
 
 
 def _refusal(entry: Managed, name: str, device: torch.device, stand_ins: bool) -> str | None:
@@ -91,20 +93,28 @@ def _refusal(entry: Managed, name: str, device: torch.device, stand_ins: bool) -
     if getattr(fp, "offload_to_cpu", False):
         return _both_offloads(name, label)
     if device.type != "cpu" or stand_ins:
-        return (f"tensor {name!r} is sharded by FSDP2 (fully_shard of {label!r}): graphpass.offload() streams FSDP2 "
-                f"shards on a host device (device='cpu') only; on {device.type!r} FSDP2 would reduce-scatter the "
-                f"gradients next to a host copy. Use fully_shard(..., offload_policy=CPUOffloadPolicy()) there")
+        return (
+            f"tensor {name!r} is sharded by FSDP2 (fully_shard of {label!r}): graphpass.offload() streams FSDP2 "
+            f"shards on a host device (device='cpu') only; on {device.type!r} FSDP2 would reduce-scatter the "
+            f"gradients next to a host copy. Use fully_shard(..., offload_policy=CPUOffloadPolicy()) there"
+        )
     world = getattr(fp.mesh_info, "shard_mesh_size", 1)  # DDP-style replication (no shard dim): 1
     if world < 2:
-        return (f"tensor {name!r}: FSDP2 (fully_shard of {label!r}) shards it over {world} rank(s), so it is not "
-                f"sharded; graphpass.offload() streams FSDP2 shards over two or more ranks")
+        return (
+            f"tensor {name!r}: FSDP2 (fully_shard of {label!r}) shards it over {world} rank(s), so it is not "
+            f"sharded; graphpass.offload() streams FSDP2 shards over two or more ranks"
+        )
     if tuple(fp.sharded_size) != tuple(fp.padded_sharded_param_size):
-        return (f"tensor {name!r}: FSDP2 (fully_shard of {label!r}) pads this rank's shard "
-                f"({list(fp.sharded_size)} padded to {list(fp.padded_sharded_param_size)}: dim 0 does not divide "
-                f"over {world} ranks); graphpass.offload() streams evenly sharded FSDP2 parameters only")
+        return (
+            f"tensor {name!r}: FSDP2 (fully_shard of {label!r}) pads this rank's shard "
+            f"({list(fp.sharded_size)} padded to {list(fp.padded_sharded_param_size)}: dim 0 does not divide "
+            f"over {world} ranks); graphpass.offload() streams evenly sharded FSDP2 parameters only"
+        )
     if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
-        return (f"tensor {name!r}: its FSDP2 shard is a tensor subclass with fsdp_pre_all_gather (an all-gather "
-                f"extension, e.g. float8), which graphpass.offload() does not stream")
+        return (
+            f"tensor {name!r}: its FSDP2 shard is a tensor subclass with fsdp_pre_all_gather (an all-gather "
+            f"extension, e.g. float8), which graphpass.offload() does not stream"
+        )
     return None
 
 
@@ -157,8 +167,17 @@ class BlockStream:
     Holds no reference to the offload state: the ops find the runtime from ``srcs``.
     """
 
-    def __init__(self, group: Any, label: str, params: list, srcs: list, device: torch.device,
-                 order: list, window: PrefetchWindow, disk: bool) -> None:
+    def __init__(
+        self,
+        group: Any,
+        label: str,
+        params: list,
+        srcs: list,
+        device: torch.device,
+        order: list,
+        window: PrefetchWindow,
+        disk: bool,
+    ) -> None:
         self.group, self.label, self.params, self.srcs = group, label, params, srcs
         self.device, self.order, self.window, self.disk = device, order, window, disk
         self.orig = group.unshard  # the bound method of the group's class
@@ -213,7 +232,8 @@ class BlockStream:
             raise OffloadError(
                 f"FSDP2 block {self.label!r} streams its shards from disk (storage='disk'), which serves inference "
                 f"only: its backward would compute gradients for weights whose bytes live in a file. Run it under "
-                f"torch.no_grad(), or offload with storage='cpu' to train")
+                f"torch.no_grad(), or offload with storage='cpu' to train"
+            )
         with torch.no_grad():
             loaded = self._loaded()
             # the all-gather inputs FSDP2 copies in (a helper: no loop variable outlives the eviction)
@@ -236,8 +256,9 @@ def _hand_over(params: list, data: list) -> list:
     return saved
 
 
-def install(managed: dict[int, Managed], streamed: list, records: list, device: torch.device,
-            window: PrefetchWindow, disk: bool) -> list[_Removable]:
+def install(
+    managed: dict[int, Managed], streamed: list, records: list, device: torch.device, window: PrefetchWindow, disk: bool
+) -> list[_Removable]:
     """Hand FSDP2 the new at-rest parameters and wrap the ``unshard()`` of every group that holds
     streamed shards. ``streamed`` and ``records`` are parallel (planning record, OffloadedTensor);
     ``window`` is the model's prefetch window (``OffloadFacts.window``)."""
@@ -249,8 +270,10 @@ def install(managed: dict[int, Managed], streamed: list, records: list, device: 
         fp = entry.param
         fp.reset_sharded_param()  # FSDP2 adopts the parameter the module holds now (as after assign=True)
         if fp._sharded_param_data.untyped_storage().data_ptr() != rec.key.untyped_storage().data_ptr():
-            raise OffloadError(f"tensor {rec.name!r}: FSDP2 did not adopt the offloaded shard (FSDP2 internals of "
-                               f"another torch release?)")
+            raise OffloadError(
+                f"tensor {rec.name!r}: FSDP2 did not adopt the offloaded shard (FSDP2 internals of "
+                f"another torch release?)"
+            )
         per_group.setdefault(id(entry.group), (entry.group, entry.label, [], []))
         per_group[id(entry.group)][2].append(fp)
         per_group[id(entry.group)][3].append(rec.key)

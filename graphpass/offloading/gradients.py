@@ -23,8 +23,9 @@ class GradientLanding:
     child made by ``fork()``). ``worker()`` is the runtime's worker; ``finish`` the callback the end of a
     backward pass runs (the runtime's ``finish_gradients``, which waits with its load timeout)."""
 
-    def __init__(self, device: torch.device, staging: StagingPool, worker: Callable[[], Worker],
-                 finish: Callable[[], None]) -> None:
+    def __init__(
+        self, device: torch.device, staging: StagingPool, worker: Callable[[], Worker], finish: Callable[[], None]
+    ) -> None:
         self._device = device
         self._staging = staging
         self._worker = worker

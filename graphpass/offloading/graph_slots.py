@@ -20,8 +20,9 @@ class GraphSlots:
 
     def __init__(self, device: torch.device, nbytes: int, count: int) -> None:
         self.nbytes = nbytes
-        self.storages = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device).untyped_storage()
-                         for _ in range(count)]
+        self.storages = [
+            torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device).untyped_storage() for _ in range(count)
+        ]
         self._next = 0
 
     @staticmethod

@@ -41,7 +41,14 @@ from torch import nn
 from .. import progress
 from ..dynamo_records import code_span, has_compiled_code
 from ..errors import ConfigError, OffloadError
-from ..tensor_utils import flatten_wrappers, is_dtensor, is_wrapper_subclass, local_tensor, unflatten_wrappers, with_spec_of
+from ..tensor_utils import (
+    flatten_wrappers,
+    is_dtensor,
+    is_wrapper_subclass,
+    local_tensor,
+    unflatten_wrappers,
+    with_spec_of,
+)
 from ..torch_compat import dynamo_compiles_own_frame
 from . import files, fsdp2
 from .config import OffloadConfig
@@ -122,8 +129,10 @@ class OffloadState:
         raise _pickle_error()
 
     def __repr__(self) -> str:
-        return (f"OffloadState(storage={self.config.storage!r}, device={str(self.device)!r}, streamed={len(self.records)} tensors "
-                f"/ {self.streamed_bytes:,} bytes, resident={self.plan.resident_bytes:,} bytes)")
+        return (
+            f"OffloadState(storage={self.config.storage!r}, device={str(self.device)!r}, streamed={len(self.records)} tensors "
+            f"/ {self.streamed_bytes:,} bytes, resident={self.plan.resident_bytes:,} bytes)"
+        )
 
 
 def _deepcopy_error(module: str = "") -> OffloadError:
@@ -138,8 +147,9 @@ def _deepcopy_error(module: str = "") -> OffloadError:
 def _pickle_error(module: str = "") -> OffloadError:
     where = f"module {module!r} holds streamed weights and offload hooks; " if module else ""
     return OffloadError(
-        "a model offloaded with graphpass.offload() cannot be pickled or torch.save()d (" + where +
-        "model._graphpass_offload holds the offload runtime): save model.state_dict() (it returns the real weights) "
+        "a model offloaded with graphpass.offload() cannot be pickled or torch.save()d ("
+        + where
+        + "model._graphpass_offload holds the offload runtime): save model.state_dict() (it returns the real weights) "
         "or save before offload()"
     )
 
@@ -185,7 +195,7 @@ def _has_compiled_code(model) -> bool:
 def _copy_plain_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Plain (non-tensor) attributes of a parameter, such as loaders' flags, travel along; inner
     tensor fields are tensors of their own and are placed separately."""
-    for k, v in (vars(src).items() if hasattr(src, "__dict__") else ()):
+    for k, v in vars(src).items() if hasattr(src, "__dict__") else ():
         if not isinstance(v, torch.Tensor):
             try:
                 setattr(dst, k, v)
@@ -222,7 +232,9 @@ class _Placement:
     held: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def _check_arguments(model: nn.Module, config: OffloadConfig | None, kwargs: dict[str, Any]) -> tuple[OffloadConfig, torch.device]:
+def _check_arguments(
+    model: nn.Module, config: OffloadConfig | None, kwargs: dict[str, Any]
+) -> tuple[OffloadConfig, torch.device]:
     """Check the arguments of :func:`offload`; return the config and the device it resolves to."""
     if config is None:
         config = OffloadConfig(**kwargs)
@@ -300,7 +312,9 @@ def _check_checkpoint(tensors: list[_Tensor], checkpoint: Any, idents: dict[str,
     else:
         meta = [r.fqns[0] for r in tensors if r.tensor.device.type == "meta"]
         if meta:
-            raise OffloadError(f"tensor {meta[0]!r} is on the meta device: pass checkpoint= (safetensors files) to load it")
+            raise OffloadError(
+                f"tensor {meta[0]!r} is on the meta device: pass checkpoint= (safetensors files) to load it"
+            )
     return locations
 
 
@@ -324,14 +338,18 @@ def _refuse_missing(missing: list[str], tensors: list[_Tensor], checkpoint: Any)
     )
 
 
-def _prepare_disk_path(config: OffloadConfig, streamed: list[_Tensor], locations: dict[int, TensorLocation]) -> Path | None:
+def _prepare_disk_path(
+    config: OffloadConfig, streamed: list[_Tensor], locations: dict[int, TensorLocation]
+) -> Path | None:
     """The writable folder for streamed tensors no checkpoint holds (``storage="disk"``), or None."""
     disk_path = None
     if config.storage == "disk":
         need_files = [r for r in streamed if id(r) not in locations]
         if need_files:
             if config.disk_path is None:
-                raise ConfigError("disk_path", None, "storage='disk' needs a folder for the weights (or checkpoint= files)")
+                raise ConfigError(
+                    "disk_path", None, "storage='disk' needs a folder for the weights (or checkpoint= files)"
+                )
             disk_path = Path(config.disk_path)
             try:
                 disk_path.mkdir(parents=True, exist_ok=True)
@@ -343,8 +361,9 @@ def _prepare_disk_path(config: OffloadConfig, streamed: list[_Tensor], locations
     return disk_path
 
 
-def _load_value(rec: _Tensor, loc: TensorLocation | None, target: torch.device, pin: bool = False,
-                idents: dict | None = None) -> torch.Tensor:
+def _load_value(
+    rec: _Tensor, loc: TensorLocation | None, target: torch.device, pin: bool = False, idents: dict | None = None
+) -> torch.Tensor:
     """A fresh copy of ``rec``'s data on ``target``, read from ``loc`` when the checkpoint holds it
     (a DTensor's: its local shard)."""
     src = local_tensor(rec.tensor)
@@ -352,7 +371,9 @@ def _load_value(rec: _Tensor, loc: TensorLocation | None, target: torch.device, 
         host = torch.empty(loc.shape, dtype=loc.dtype, pin_memory=pin)
         with open(loc.path, "rb") as f:
             if idents and not files.same_file(idents.get(loc.path), files.identity(os.fstat(f.fileno()))):
-                raise OffloadError(f"tensor {rec.fqns[0]!r}: checkpoint file {loc.path} changed while offload() read it")
+                raise OffloadError(
+                    f"tensor {rec.fqns[0]!r}: checkpoint file {loc.path} changed while offload() read it"
+                )
             read_into(f.fileno(), loc, host)
         return host if target.type == "cpu" else host.to(target)
     if target.type == "cpu":
@@ -362,13 +383,17 @@ def _load_value(rec: _Tensor, loc: TensorLocation | None, target: torch.device, 
     return src.detach().to(target, copy=True).contiguous()
 
 
-def _reading_checkpoint(tensors: list[_Tensor], config: OffloadConfig,
-                        locations: dict[int, TensorLocation]) -> Iterator[_Tensor]:
+def _reading_checkpoint(
+    tensors: list[_Tensor], config: OffloadConfig, locations: dict[int, TensorLocation]
+) -> Iterator[_Tensor]:
     """``tensors`` one by one, with a bar of the checkpoint bytes :func:`_materialize` reads (on a
     terminal only: :mod:`graphpass.progress`), advanced as each tensor is done. Every tensor the
     checkpoint holds is read, except the streamed ones of ``storage="disk"`` (read per trap)."""
-    reads = {id(r): locations[id(r)].nbytes for r in tensors
-             if id(r) in locations and not (config.storage == "disk" and r.streamed and not r.resident)}
+    reads = {
+        id(r): locations[id(r)].nbytes
+        for r in tensors
+        if id(r) in locations and not (config.storage == "disk" and r.streamed and not r.resident)
+    }
     if not reads:
         yield from tensors
         return
@@ -378,8 +403,13 @@ def _reading_checkpoint(tensors: list[_Tensor], config: OffloadConfig,
             shown.update(reads.get(id(rec), 0))
 
 
-def _materialize(tensors: list[_Tensor], config: OffloadConfig, device: torch.device,
-                 locations: dict[int, TensorLocation], idents: dict) -> _Placement:
+def _materialize(
+    tensors: list[_Tensor],
+    config: OffloadConfig,
+    device: torch.device,
+    locations: dict[int, TensorLocation],
+    idents: dict,
+) -> _Placement:
     """Build the new value of every tensor that moves, and collect what graphpass writes to disk."""
     placement = _Placement(locations)
     for rec in _reading_checkpoint(tensors, config, locations):
@@ -391,21 +421,27 @@ def _materialize(tensors: list[_Tensor], config: OffloadConfig, device: torch.de
                 # an untouched stand-in: right shape, dtype and a storage of its own, pages never written
                 placement.new_values[id(rec)] = torch.empty(local.shape, dtype=local.dtype)
             else:
-                placement.new_values[id(rec)] = _load_value(rec, locations.get(id(rec)), torch.device("cpu"),
-                                                            pin=config.storage == "pinned", idents=idents)
+                placement.new_values[id(rec)] = _load_value(
+                    rec, locations.get(id(rec)), torch.device("cpu"), pin=config.storage == "pinned", idents=idents
+                )
         elif rec.tensor.device != device or id(rec) in locations:
             placement.new_values[id(rec)] = _load_value(rec, locations.get(id(rec)), device, idents=idents)
     return placement
 
 
-def _write_disk_file(state: OffloadState, model: nn.Module, disk_path: Path, tensors: list[_Tensor],
-                     placement: _Placement) -> None:
+def _write_disk_file(
+    state: OffloadState, model: nn.Module, disk_path: Path, tensors: list[_Tensor], placement: _Placement
+) -> None:
     """Write ``placement.disk_tensors`` to a safetensors file of the state and record their locations."""
     fname = str(disk_path / files.file_name(type(model).__name__))
     files.track(fname)  # before the write: a SIGTERM from here on removes it
     state.files.append(fname)
-    write_file(fname, placement.disk_tensors, metadata={"format": "pt", "writer": "graphpass.offload"},
-               progress_desc=f"graphpass offload: writing {os.path.basename(fname)}")
+    write_file(
+        fname,
+        placement.disk_tensors,
+        metadata={"format": "pt", "writer": "graphpass.offload"},
+        progress_desc=f"graphpass offload: writing {os.path.basename(fname)}",
+    )
     state.runtime.track_file(fname)  # opened now: identity recorded, and a later rename over it is harmless
     written = read_header(fname)
     for rec in tensors:
@@ -428,11 +464,13 @@ def _map_disk_stand_ins(state: OffloadState, streamed: list[_Tensor], placement:
                 state.facts.eager_reads_real = False
                 state.facts.stand_ins_are = (
                     f"the empty stand-in the model holds for {rec.fqns[0]!r} (storage='disk': its file region could not "
-                    f"be mapped under a read lease of {loc.path}, see docs/reliability.md)")
+                    f"be mapped under a read lease of {loc.path}, see docs/reliability.md)"
+                )
 
 
-def _swap_into_model(tensors: list[_Tensor], config: OffloadConfig, device: torch.device, placement: _Placement,
-                     use_stand_ins: bool) -> None:
+def _swap_into_model(
+    tensors: list[_Tensor], config: OffloadConfig, device: torch.device, placement: _Placement, use_stand_ins: bool
+) -> None:
     """Make the new tensor objects, then put them in every place of the model that held an old one."""
     # New objects first, then every place that held an old one. ``replaced``: the new tensor of
     # each changed tensor (for a streamed one, its host copy); ``held``: what the model holds.
@@ -483,8 +521,13 @@ def _register(state: OffloadState, streamed: list[_Tensor], placement: _Placemen
     for rec in streamed:
         host = local_tensor(placement.replaced[id(rec.tensor)])  # what the loads read: a DTensor's local shard
         r = OffloadedTensor(
-            name=rec.fqns[0], fqns=tuple(rec.fqns), unit=rec.unit or "", shape=tuple(host.shape), dtype=host.dtype,
-            nbytes=rec.nbytes, host=host,
+            name=rec.fqns[0],
+            fqns=tuple(rec.fqns),
+            unit=rec.unit or "",
+            shape=tuple(host.shape),
+            dtype=host.dtype,
+            nbytes=rec.nbytes,
+            host=host,
             location=placement.locations.get(id(rec)) if state.config.storage == "disk" else None,
             handle=local_tensor(placement.held[id(rec.tensor)]) if use_stand_ins else None,
         )
@@ -515,8 +558,12 @@ def _guarded_code(name: str, modules: dict[str, nn.Module]) -> GuardedCode:
     while parent:
         parent = parent.rpartition(".")[0]
         if dynamo_compiles_own_frame(type(modules[parent])):
-            return GuardedCode(cls.__name__, code_span(type(modules[parent]).forward),
-                               f"the forward of {parent or 'the model'!r}, which calls it", False)
+            return GuardedCode(
+                cls.__name__,
+                code_span(type(modules[parent]).forward),
+                f"the forward of {parent or 'the model'!r}, which calls it",
+                False,
+            )
     return GuardedCode(cls.__name__, None, "its forward", False)
 
 
@@ -562,6 +609,7 @@ def _held(module: nn.Module, attr: str, kind: str) -> Any:
 def _state_dict_hook(entries: list):
     """Post-hook of ``state_dict()`` on a module holding streamed tensors: put the real weights where
     the module holds a stand-in (a tensor replaced since offload() is the model's own, kept)."""
+
     def hook(module, state_dict, prefix, local_metadata):
         for attr, kind, rec in entries:
             key = prefix + attr
@@ -583,12 +631,20 @@ def _load_hook(entries: list):
     stand-in (disk, or device stand-ins): the copy would land in the stand-in, never in what the
     loads read. With host copies the model holds (storage='cpu'/'pinned' on a host device) the
     in-place copy is what the loads read, and it is let through."""
+
     def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         for suffix, holder, attr, kind, rec in entries:
             key = prefix + suffix
-            if key in state_dict and local_tensor(_held(holder, attr, kind)) is rec.key and _real_value_is_elsewhere(rec):
-                where = (f"its bytes live in {rec.location.path}" if rec.location is not None
-                         else "the model holds a device stand-in; its bytes live in a host copy")
+            if (
+                key in state_dict
+                and local_tensor(_held(holder, attr, kind)) is rec.key
+                and _real_value_is_elsewhere(rec)
+            ):
+                where = (
+                    f"its bytes live in {rec.location.path}"
+                    if rec.location is not None
+                    else "the model holds a device stand-in; its bytes live in a host copy"
+                )
                 raise OffloadError(
                     f"load_state_dict: {key!r} was offloaded by graphpass.offload() ({where}), so the loaded value "
                     f"would never reach the loads. Load the state dict before offload(), or offload a fresh model "
@@ -612,8 +668,9 @@ def _wrapped_states(tensors: list[_Tensor], streamed: list[_Tensor], records: li
     return [(t, _WrappedState(t.tensor, inner[id(t.tensor)])) for t in tensors if id(t.tensor) in inner]
 
 
-def _install_state_dict_hooks(model: nn.Module, state: OffloadState, tensors: list[_Tensor],
-                              streamed: list[_Tensor]) -> None:
+def _install_state_dict_hooks(
+    model: nn.Module, state: OffloadState, tensors: list[_Tensor], streamed: list[_Tensor]
+) -> None:
     """``state_dict()`` returns the real weights and ``load_state_dict()`` is refused where it would
     be lost: hooks on every module holding a streamed tensor (or a wrapper subclass around streamed
     inner tensors) as a parameter or buffer."""
@@ -626,10 +683,14 @@ def _install_state_dict_hooks(model: nn.Module, state: OffloadState, tensors: li
         for holder, attr, kind in trec.places:
             if kind in ("parameter", "buffer") and isinstance(holder, nn.Module):
                 by_module.setdefault(id(holder), (holder, []))[1].append((attr, kind, rec))
-                everything += [(f"{n}.{attr}" if n else attr, holder, attr, kind, rec) for n in names.get(id(holder), [])]
+                everything += [
+                    (f"{n}.{attr}" if n else attr, holder, attr, kind, rec) for n in names.get(id(holder), [])
+                ]
     for module, entries in by_module.values():
         state.hooks.append(module.register_state_dict_post_hook(_state_dict_hook(entries)))
-        state.hooks.append(module.register_load_state_dict_pre_hook(_load_hook([(a, module, a, k, r) for a, k, r in entries])))
+        state.hooks.append(
+            module.register_load_state_dict_pre_hook(_load_hook([(a, module, a, k, r) for a, k, r in entries]))
+        )
     state.hooks.append(model.register_load_state_dict_pre_hook(_load_hook(everything)))
 
 
@@ -639,7 +700,9 @@ def _attach(model: nn.Module, state: OffloadState) -> None:
     object.__setattr__(model, "_graphpass_offload", state)
 
 
-def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: Any = None, **kwargs: Any) -> OffloadState:
+def offload(
+    model: nn.Module, config: OffloadConfig | None = None, checkpoint: Any = None, **kwargs: Any
+) -> OffloadState:
     """Move ``model``'s matched weights off the device as ``config`` says; returns the state.
 
     ``checkpoint``: a safetensors file, a list of them, or a folder (with an ``*.index.json`` or
@@ -649,8 +712,9 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
     config, device = _check_arguments(model, config, kwargs)
     tensors, plan, streamed = _plan(model, config)
     # wrapper subclasses (torchao) whose inner tensors stream: the load ops take their inner tensors
-    let_wrappers_through({type(h) for r in streamed for h, _, kind in r.places if kind.startswith("inner:")
-                          and is_wrapper_subclass(h)})
+    let_wrappers_through(
+        {type(h) for r in streamed for h, _, kind in r.places if kind.startswith("inner:") and is_wrapper_subclass(h)}
+    )
     use_stand_ins = device.type != "cpu" or _DEVICE_STAND_INS.get()
     sharded = fsdp2.check(model, streamed, device, use_stand_ins)  # FSDP2 shards: refusals before any change
     idents: dict[str, tuple] = {}
@@ -674,8 +738,9 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, checkpoint: A
         if use_stand_ins:
             state.facts.eager_reads_real = False  # the model holds stand-ins, not the weights
         # FSDP2 shards are loaded where FSDP2 all-gathers them (eagerly, in its unshard), not in a graph
-        state.hooks += fsdp2.install(sharded, streamed, state.records, device, state.facts.window,
-                                     config.storage == "disk")
+        state.hooks += fsdp2.install(
+            sharded, streamed, state.records, device, state.facts.window, config.storage == "disk"
+        )
         _install_guards(model, state, [r for r in streamed if id(r) not in sharded])
         _install_state_dict_hooks(model, state, tensors, streamed)
         _refuse_copies(model, streamed)

@@ -181,7 +181,11 @@ def _signal_main_thread(fd: int) -> None:
     retried), where one delivered to another thread would leave it waiting out the whole
     lease-break time."""
     try:
-        fcntl.fcntl(fd, _F_SETOWN_EX, struct.pack("ii", _F_OWNER_TID, _MAIN_TID.get(os.getpid()) or threading.main_thread().native_id))
+        fcntl.fcntl(
+            fd,
+            _F_SETOWN_EX,
+            struct.pack("ii", _F_OWNER_TID, _MAIN_TID.get(os.getpid()) or threading.main_thread().native_id),
+        )
     except (OSError, AttributeError, TypeError):  # older kernels: the process, as F_SETLEASE set it
         pass
 
@@ -309,8 +313,11 @@ class FileLeases:
                 return True
         except OSError:
             pass
-        log.error("lease break came too late (after /proc/sys/fs/lease-break-time): a mapped region of fd %d "
-                  "is past the file's end already and cannot be copied", fd)
+        log.error(
+            "lease break came too late (after /proc/sys/fs/lease-break-time): a mapped region of fd %d "
+            "is past the file's end already and cannot be copied",
+            fd,
+        )
         return False
 
     def _privatize(self, addr: int, length: int) -> None:
@@ -321,7 +328,9 @@ class FileLeases:
             log.error("lease break: no memory for a private copy of a mapped region (%d bytes)", length)
             return
         ctypes.memmove(copy, addr, length)  # the file is intact: its writer waits for the release
-        moved = libc.mremap(ctypes.c_void_p(copy), length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, ctypes.c_void_p(addr))
+        moved = libc.mremap(
+            ctypes.c_void_p(copy), length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, ctypes.c_void_p(addr)
+        )
         if moved != addr:
             libc.munmap(ctypes.c_void_p(copy), ctypes.c_size_t(length))
             log.error("lease break: mremap over a mapped region failed (errno %d)", ctypes.get_errno())

@@ -112,7 +112,9 @@ def changed(tensor: str, path: str, expected: tuple, now: tuple, when: str) -> s
     elif now[4] != expected[4]:
         what.append("status changed (ctime): rewritten with its mtime restored, or chmod/chown")
     name = f"tensor {tensor!r}: " if tensor else ""
-    return (f"{name}{path} changed {when} ({', '.join(what) or 'identity differs'}): graphpass reads the bytes "
-            f"there at every load and refuses a file rewritten, truncated or replaced in place. Restore it, or "
-            f"offload a fresh model from the new file; to update a checkpoint in use, write the new file "
-            f"under another name and rename it over the old one")
+    return (
+        f"{name}{path} changed {when} ({', '.join(what) or 'identity differs'}): graphpass reads the bytes "
+        f"there at every load and refuses a file rewritten, truncated or replaced in place. Restore it, or "
+        f"offload a fresh model from the new file; to update a checkpoint in use, write the new file "
+        f"under another name and rename it over the old one"
+    )

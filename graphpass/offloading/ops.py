@@ -11,8 +11,14 @@ import torch
 
 from .. import dynamo_records
 from ..errors import OffloadError
-from ..tensor_utils import (flatten_wrappers, is_dtensor, local_tensor, register_dtensor_handlers, unflatten_wrappers,
-                            with_spec_of)
+from ..tensor_utils import (
+    flatten_wrappers,
+    is_dtensor,
+    local_tensor,
+    register_dtensor_handlers,
+    unflatten_wrappers,
+    with_spec_of,
+)
 from ..ops import record_event
 from .facts import check_skipped_frames, runs_eagerly
 from .registry import guarded_module_names, lookup
@@ -46,7 +52,9 @@ def _records(srcs: List[torch.Tensor], group: str) -> list:
     return recs
 
 
-def _load_start(srcs: List[torch.Tensor], group: str, device: torch.device, after: List[torch.Tensor] = ()) -> torch.Tensor:
+def _load_start(
+    srcs: List[torch.Tensor], group: str, device: torch.device, after: List[torch.Tensor] = ()
+) -> torch.Tensor:
     recs = _records(srcs, group)
     runtime = recs[0].runtime
     facts = recs[0].facts
@@ -85,7 +93,9 @@ def _load_wait_fake(ticket, srcs, group, device, started=()):
     return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in srcs]
 
 
-def _evict(loaded: List[torch.Tensor], srcs: List[torch.Tensor], group: str, after: List[torch.Tensor] = ()) -> torch.Tensor:
+def _evict(
+    loaded: List[torch.Tensor], srcs: List[torch.Tensor], group: str, after: List[torch.Tensor] = ()
+) -> torch.Tensor:
     # ``srcs`` (the host tensors the group was loaded from) name the model whose counter this is.
     if srcs:
         rec = lookup(srcs[0])
@@ -117,7 +127,11 @@ def _guard(module: str) -> None:
     else:
         names = [n or "(the model itself)" for n in guarded_module_names()]
         shown = ", ".join(repr(n) for n in names[:6]) + (f", ... ({len(names)} modules)" if len(names) > 6 else "")
-        who = f"a module graphpass.offload() streams (one of {shown})" if names else "a module graphpass.offload() streams"
+        who = (
+            f"a module graphpass.offload() streams (one of {shown})"
+            if names
+            else "a module graphpass.offload() streams"
+        )
     msg = (
         f"{who} holds weights that graphpass.offload() moved off the device, and it ran outside a "
         f"graph graphpass scheduled (an eager call, or torch.compile with another backend). Run it as "
@@ -142,10 +156,15 @@ def _unloaded_reads(weights: List[torch.Tensor], compiled_for: str) -> None:
         module = max((g for g in facts.guarded_code if rec.name.startswith(g + ".") or not g), key=len, default=None)
         if module is None or module in facts.eager_warned:
             continue
-        runs_eagerly(facts, module, f"it runs a graph Dynamo compiled for {compiled_for!r}, an instance of the same class "
-                     f"that streams nothing (the class's forward is a frame of its own: a graph break above it), which has "
-                     f"no loads", f"offload every instance of that class or none (include_patterns / exclude_patterns), or "
-                     f"remove the graph break above it (TORCH_LOGS=graph_breaks)")
+        runs_eagerly(
+            facts,
+            module,
+            f"it runs a graph Dynamo compiled for {compiled_for!r}, an instance of the same class "
+            f"that streams nothing (the class's forward is a frame of its own: a graph break above it), which has "
+            f"no loads",
+            "offload every instance of that class or none (include_patterns / exclude_patterns), or "
+            "remove the graph break above it (TORCH_LOGS=graph_breaks)",
+        )
 
 
 _LIB.impl("load_start", _load_start, "CompositeExplicitAutograd")
@@ -232,9 +251,13 @@ def _dtensor_evict(op_call, args, kwargs):
 
 
 # registered with the ops, here where they are defined, never by a pass
-register_dtensor_handlers({torch.ops.graphpass.load_start.default: _dtensor_load_start,
-                           torch.ops.graphpass.load_wait.default: _dtensor_load_wait,
-                           torch.ops.graphpass.evict.default: _dtensor_evict})
+register_dtensor_handlers(
+    {
+        torch.ops.graphpass.load_start.default: _dtensor_load_start,
+        torch.ops.graphpass.load_wait.default: _dtensor_load_wait,
+        torch.ops.graphpass.evict.default: _dtensor_evict,
+    }
+)
 
 
 # --------------------------------------------------------------------------------------------

@@ -76,11 +76,25 @@ class OffloadPlan:
     def table(self) -> str:
         from tabulate import tabulate
 
-        rows = [(u.name, "resident" if u.resident else "streamed", f"{u.nbytes:,}", f"{u.saving_per_byte:.2f}") for u in self.units]
-        head = f"budget {self.max_device_bytes:,} bytes" if self.max_device_bytes else "no budget: everything matched streams"
-        foot = (f"resident {self.resident_bytes:,} + streaming window {self.window_bytes:,} "
-                f"({PrefetchWindow(self.prefetch_distance).traps} traps x largest streamed unit)")
-        return f"offload plan ({head})\n" + tabulate(rows, headers=("unit", "decision", "bytes", "transfer saved / byte")) + "\n" + foot
+        rows = [
+            (u.name, "resident" if u.resident else "streamed", f"{u.nbytes:,}", f"{u.saving_per_byte:.2f}")
+            for u in self.units
+        ]
+        head = (
+            f"budget {self.max_device_bytes:,} bytes"
+            if self.max_device_bytes
+            else "no budget: everything matched streams"
+        )
+        foot = (
+            f"resident {self.resident_bytes:,} + streaming window {self.window_bytes:,} "
+            f"({PrefetchWindow(self.prefetch_distance).traps} traps x largest streamed unit)"
+        )
+        return (
+            f"offload plan ({head})\n"
+            + tabulate(rows, headers=("unit", "decision", "bytes", "transfer saved / byte"))
+            + "\n"
+            + foot
+        )
 
 
 def _repeated_children(model: nn.Module, tensors: list[_Tensor]) -> list[str]:
@@ -157,7 +171,11 @@ def plan_units(model: nn.Module, config: OffloadConfig) -> tuple[list[_Tensor], 
     if include is None:
         auto_children = _repeated_children(model, tensors)
         if not auto_children:
-            raise ConfigError("include_patterns", None, "the model has no repeated blocks (numbered children) to stream; name the modules")
+            raise ConfigError(
+                "include_patterns",
+                None,
+                "the model has no repeated blocks (numbered children) to stream; name the modules",
+            )
     else:
         check_all_match(include, names, "include_patterns")
     if config._exclude:
@@ -200,12 +218,16 @@ def _check_wrappers(tensors: list[_Tensor]) -> None:
             continue
         kept = [n for n, r in inner if not r.streamed and n not in nested]
         if nested or kept:
-            why = (f"inner tensor {nested[0]!r} is itself a tensor subclass" if nested
-                   else f"inner tensor{'s' if len(kept) > 1 else ''} {', '.join(kept)} would stay where "
-                        f"{', '.join(streamed)} stream{'s' if len(streamed) == 1 else ''} (empty, or held elsewhere too)")
+            why = (
+                f"inner tensor {nested[0]!r} is itself a tensor subclass"
+                if nested
+                else f"inner tensor{'s' if len(kept) > 1 else ''} {', '.join(kept)} would stay where "
+                f"{', '.join(streamed)} stream{'s' if len(streamed) == 1 else ''} (empty, or held elsewhere too)"
+            )
             raise OffloadError(
                 f"{rec.fqns[0]!r} is a tensor subclass, {type(t).__name__}, that offload streams as its inner tensors, all "
-                f"of them: {why}; keep it on the device with exclude_patterns=[{rec.holders[0]!r}]")
+                f"of them: {why}; keep it on the device with exclude_patterns=[{rec.holders[0]!r}]"
+            )
 
 
 def plan_budget(units: list[OffloadUnit], config: OffloadConfig) -> OffloadPlan:
@@ -218,7 +240,8 @@ def plan_budget(units: list[OffloadUnit], config: OffloadConfig) -> OffloadPlan:
     need = PrefetchWindow(config.prefetch_distance).device_bytes(largest)
     if budget < need:
         raise ConfigError(
-            "max_device_bytes", budget,
+            "max_device_bytes",
+            budget,
             f"smaller than the largest trap plus its prefetch: unit {max(units, key=lambda u: u.nbytes).name!r} holds "
             f"{largest:,} bytes and prefetch_distance={config.prefetch_distance} needs {need:,} bytes on the device",
         )

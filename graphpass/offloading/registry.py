@@ -44,7 +44,6 @@ class OffloadedTensor:
         return self.handle if self.handle is not None else self.host
 
 
-
 class _Registry:
     """Storage address -> record, for live offloaded tensors only (weak both ways)."""
 
@@ -74,8 +73,12 @@ class _Registry:
             return None
         ref = self._by_ptr.get(ptr)
         rec = ref() if ref is not None else None
-        if rec is None or rec.key.untyped_storage().data_ptr() != ptr or tuple(t.shape) != rec.shape \
-                or t.device != rec.key.device:
+        if (
+            rec is None
+            or rec.key.untyped_storage().data_ptr() != ptr
+            or tuple(t.shape) != rec.shape
+            or t.device != rec.key.device
+        ):
             return None
         return rec
 

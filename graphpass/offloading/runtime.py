@@ -64,7 +64,13 @@ from .gradients import GradientLanding
 from .graph_slots import GraphSlots, use_count
 from .open_files import OpenFiles
 from .registry import (  # noqa: F401 (re-exported: the names this module held)
-    REGISTRY, OffloadedTensor, WrappedOffload, facts_guarding, guarded_module_names, lookup, lookup_input,
+    REGISTRY,
+    OffloadedTensor,
+    WrappedOffload,
+    facts_guarding,
+    guarded_module_names,
+    lookup,
+    lookup_input,
     plain_records,
 )
 from .safetensors_io import TensorLocation, read_into
@@ -123,6 +129,7 @@ class MemoryStats:
         ]
         return tabulate(rows, headers=("graphpass offload", "value"))
 
+
 class _TicketRef(weakref.ref):
     __slots__ = ("ticket",)
 
@@ -164,8 +171,9 @@ class OffloadRuntime:
         # one assignment, so an interrupted update is all or nothing.
         self._live: list[tuple[weakref.ref, int]] = []
         self._abandoned: collections.deque = collections.deque()  # tickets whose tensor died (appended by a finalizer)
-        self._stats = dict(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0,
-                           peak_streamed_bytes=0, wait_seconds=0.0)
+        self._stats = dict(
+            bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0, peak_streamed_bytes=0, wait_seconds=0.0
+        )
         self._closed = False
         self._forked_cuda = 0  # the parent's pid in a child made by fork() of a CUDA runtime (refused)
         forking.track(self)
@@ -193,14 +201,21 @@ class OffloadRuntime:
         with self._lock:
             now = self._streamed_now()
             pool = sum(s.nbytes() for storages in self._pool.values() for s in storages)
-            return MemoryStats(resident_bytes=self.resident_bytes, streamed_bytes_now=now, buffer_pool_bytes=pool,
-                               **self._stats)
+            return MemoryStats(
+                resident_bytes=self.resident_bytes, streamed_bytes_now=now, buffer_pool_bytes=pool, **self._stats
+            )
 
     def reset_stats(self) -> None:
         self._drain_abandoned()
         with self._lock:
-            self._stats = dict(bytes_loaded=0, loads_issued=0, groups_loaded=0, evictions=0,
-                               peak_streamed_bytes=self._streamed_now(), wait_seconds=0.0)  # the pool keeps its size
+            self._stats = dict(
+                bytes_loaded=0,
+                loads_issued=0,
+                groups_loaded=0,
+                evictions=0,
+                peak_streamed_bytes=self._streamed_now(),
+                wait_seconds=0.0,
+            )  # the pool keeps its size
 
     def _streamed_now(self) -> int:
         """Bytes of loaded tensors alive now (the truth, whatever was interrupted); prunes the dead."""
@@ -214,8 +229,13 @@ class OffloadRuntime:
             self._live = self._live + refs
             now = self._streamed_now()
             s = self._stats
-            self._stats = {**s, "peak_streamed_bytes": max(s["peak_streamed_bytes"], now), "bytes_loaded": s["bytes_loaded"] + nbytes,
-                           "loads_issued": s["loads_issued"] + len(dsts), "groups_loaded": s["groups_loaded"] + 1}
+            self._stats = {
+                **s,
+                "peak_streamed_bytes": max(s["peak_streamed_bytes"], now),
+                "bytes_loaded": s["bytes_loaded"] + nbytes,
+                "loads_issued": s["loads_issued"] + len(dsts),
+                "groups_loaded": s["groups_loaded"] + 1,
+            }
 
     def _count(self, key: str, amount) -> None:
         with self._lock:
@@ -428,7 +448,8 @@ class OffloadRuntime:
             raise OffloadError(
                 f"this model was offloaded to {self.device} in process {self._forked_cuda}, and this is a child it "
                 f"made with fork(): CUDA does not work in a forked child. Start workers with the 'spawn' or "
-                f"'forkserver' method (multiprocessing.set_start_method) and offload the model in each")
+                f"'forkserver' method (multiprocessing.set_start_method) and offload the model in each"
+            )
         self._drain_abandoned()
         device = self.device
         nbytes = sum(r.nbytes for r in recs)
@@ -498,7 +519,7 @@ class OffloadRuntime:
                 ) from None
             if pending.dsts is None:
                 pending.dsts = mapped
-        for path, rec in {r.location.path: r for r in pending.mapped}.items():
+        for rec in {r.location.path: r for r in pending.mapped}.values():
             self._checked_fd(rec)  # the compute reads the mapping next: the file must still cover it
         if pending.event is not None:
             current = torch.cuda.current_stream(self.device)
@@ -534,4 +555,3 @@ class OffloadRuntime:
         with self._lock:
             retired, self._retired = self._retired, []
         retired.clear()
-

@@ -64,7 +64,9 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorLocation]:
                 raise OffloadError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
             (n,) = struct.unpack("<Q", head)
             if n <= 0 or n > _MAX_HEADER or 8 + n > size:
-                raise OffloadError(f"{path}: not a safetensors file (header length {n} does not fit a {size}-byte file)")
+                raise OffloadError(
+                    f"{path}: not a safetensors file (header length {n} does not fit a {size}-byte file)"
+                )
             raw = f.read(n)
     except OSError as exc:
         raise OffloadError(f"{path}: cannot read the checkpoint file: {exc}") from None
@@ -116,8 +118,10 @@ def _parse_header(path: str, raw: bytes) -> dict:
     if not isinstance(header, dict):
         raise OffloadError(f"{path}: not a safetensors file (its header is not a JSON object)")
     if twice:
-        raise OffloadError(f"{path}: invalid safetensors header: key(s) {sorted(set(twice))} given more than once "
-                           f"(safetensors refuses such a file)")
+        raise OffloadError(
+            f"{path}: invalid safetensors header: key(s) {sorted(set(twice))} given more than once "
+            f"(safetensors refuses such a file)"
+        )
     return header
 
 
@@ -126,8 +130,10 @@ def _refuse_overlaps(path: str, tensors: dict[str, TensorLocation]) -> None:
     spans = sorted((loc.offset, loc.offset + loc.nbytes, name) for name, loc in tensors.items() if loc.nbytes)
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
-            raise OffloadError(f"{path}: invalid safetensors header: the bytes of tensors {first!r} and {second!r} "
-                               f"overlap (safetensors refuses such a file)")
+            raise OffloadError(
+                f"{path}: invalid safetensors header: the bytes of tensors {first!r} and {second!r} "
+                f"overlap (safetensors refuses such a file)"
+            )
 
 
 def checkpoint_files(checkpoint: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
@@ -137,9 +143,11 @@ def checkpoint_files(checkpoint: str | os.PathLike | Iterable[str | os.PathLike]
         if p.is_dir():
             indexes = sorted(p.glob("*.safetensors.index.json"))
             if len(indexes) > 1:
-                raise OffloadError(f"checkpoint folder {p} holds {len(indexes)} safetensors indexes "
-                                   f"({', '.join(i.name for i in indexes)}): which one is meant is unclear; remove the "
-                                   f"others, or pass the files as a list")
+                raise OffloadError(
+                    f"checkpoint folder {p} holds {len(indexes)} safetensors indexes "
+                    f"({', '.join(i.name for i in indexes)}): which one is meant is unclear; remove the "
+                    f"others, or pass the files as a list"
+                )
             if indexes:
                 files = _index_files(p, indexes[0])
             else:
@@ -168,8 +176,10 @@ def _index_files(folder: Path, index: Path) -> list[str]:
         )
     for name, f in weight_map.items():
         if not f or os.path.isabs(f) or ".." in Path(f).parts:
-            raise OffloadError(f"{index}: tensor {name!r} is mapped to {f!r}, outside the checkpoint folder: an index "
-                               f"names files in its own folder")
+            raise OffloadError(
+                f"{index}: tensor {name!r} is mapped to {f!r}, outside the checkpoint folder: an index "
+                f"names files in its own folder"
+            )
     return [str(folder / f) for f in dict.fromkeys(weight_map.values())]
 
 
@@ -211,8 +221,12 @@ def read_into(fd: int, loc: TensorLocation, dst: torch.Tensor) -> None:
         done += got
 
 
-def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
-               progress_desc: str | None = None) -> None:
+def write_file(
+    path: str | os.PathLike,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    progress_desc: str | None = None,
+) -> None:
     """Write ``tensors`` as one safetensors file, streaming each tensor's bytes (no whole-file buffer).
     With ``progress_desc``, a bar of the tensor bytes written (:func:`graphpass.progress.bar`: on a
     terminal only), advanced per tensor.
@@ -240,7 +254,11 @@ def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], met
     def write(fd: int) -> None:
         atomic_files.write_all(fd, struct.pack("<Q", len(raw)))
         atomic_files.write_all(fd, raw)
-        with progress.bar(offset, progress_desc, unit="B", unit_scale=True) if progress_desc else progress.silent() as shown:
+        with (
+            progress.bar(offset, progress_desc, unit="B", unit_scale=True)
+            if progress_desc
+            else progress.silent() as shown
+        ):
             for _name, t in order:
                 cpu = t.detach().to("cpu").contiguous()
                 atomic_files.write_all(fd, byte_view(cpu))
@@ -248,7 +266,9 @@ def write_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], met
                 del cpu
 
     try:
-        atomic_files.write_atomic(path, write, fsync=True)  # on failure the temporary file is removed: nothing partial is left
+        atomic_files.write_atomic(
+            path, write, fsync=True
+        )  # on failure the temporary file is removed: nothing partial is left
     except OSError as exc:
         raise OffloadError(
             f"cannot write the offload weights file {path}: {exc.strerror or exc}; free space there or choose "

@@ -111,13 +111,20 @@ def map_private(fd: int, loc: TensorLocation, dtype: torch.dtype, shape, leases:
         addr = _LIBC.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, _MAP_FLAGS, fd, start)
         if addr in (None, ctypes.c_void_p(-1).value):
             return None
-        return _over_region(addr, length, delta, loc.nbytes, dtype, shape,
-                            lambda region: leases.register(addr, length, fd, loc.offset + loc.nbytes, region, held=True))
+        return _over_region(
+            addr,
+            length,
+            delta,
+            loc.nbytes,
+            dtype,
+            shape,
+            lambda region: leases.register(addr, length, fd, loc.offset + loc.nbytes, region, held=True),
+        )
 
 
-
-def map_for_load(fd: int, loc: TensorLocation, dtype: torch.dtype, shape, leases: FileLeases,
-                 name: str) -> torch.Tensor:
+def map_for_load(
+    fd: int, loc: TensorLocation, dtype: torch.dtype, shape, leases: FileLeases, name: str
+) -> torch.Tensor:
     """``loc``'s bytes as a tensor over a private mapping of its file region, for a load on the worker; the
     caller holds ``leases.lock`` and the file's lease, and checked the region aligned for ``dtype``."""
     start = loc.offset - loc.offset % mmap.ALLOCATIONGRANULARITY
@@ -133,8 +140,15 @@ def map_for_load(fd: int, loc: TensorLocation, dtype: torch.dtype, shape, leases
     addr = _LIBC.mmap(None, length, prot, flags, fd, start)  # ctypes: the GIL is released
     if addr in (None, ctypes.c_void_p(-1).value):
         raise OffloadError(f"tensor {name!r}: cannot map {loc.path}: {os.strerror(ctypes.get_errno())}")
-    return _over_region(addr, length, delta, loc.nbytes, dtype, shape,
-                        lambda region: leases.register(addr, length, fd, loc.offset + loc.nbytes, region))
+    return _over_region(
+        addr,
+        length,
+        delta,
+        loc.nbytes,
+        dtype,
+        shape,
+        lambda region: leases.register(addr, length, fd, loc.offset + loc.nbytes, region),
+    )
 
 
 def can_map() -> bool:

@@ -35,8 +35,10 @@ class Job:
                 break
             except queue.Empty:
                 if not self.worker.alive():
-                    raise OffloadError(f"the offload worker of this load is gone ({self.worker.why_dead()}): "
-                                       f"nothing was computed with partial weights") from None
+                    raise OffloadError(
+                        f"the offload worker of this load is gone ({self.worker.why_dead()}): "
+                        f"nothing was computed with partial weights"
+                    ) from None
                 if time.monotonic() >= deadline:
                     raise TimeoutError from None
         if not ok:

@@ -27,8 +27,14 @@ from typing import Any
 import torch
 
 from ..analysis import TensorOwnership, mesh_text, module_paths, placement_text
-from ..fx_utils import (example_of, inner_tensor_fields, is_graphpass_node, is_graphpass_op, node_order,
-                        wrapper_inner_tensors)
+from ..fx_utils import (
+    example_of,
+    inner_tensor_fields,
+    is_graphpass_node,
+    is_graphpass_op,
+    node_order,
+    wrapper_inner_tensors,
+)
 from ..roots import parse_source_name
 from ..tensor_utils import dtensor_class, dtensor_mesh, dtensor_placements, fsdp_param_groups, local_tensor
 from ..torch_compat import source_name

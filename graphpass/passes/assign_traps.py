@@ -132,8 +132,11 @@ def _collective_traps(ctx: PassContext, manual: dict[str, str], by_module: dict[
         if not is_collective(node):
             continue
         own = manual.get(node.name) or by_module.get(node.name)
-        out[node.name] = own or _nearest_trap(node, manual, by_module, "users") or _nearest_trap(
-            node, manual, by_module, "all_input_nodes")
+        out[node.name] = (
+            own
+            or _nearest_trap(node, manual, by_module, "users")
+            or _nearest_trap(node, manual, by_module, "all_input_nodes")
+        )
     return out
 
 

@@ -36,7 +36,9 @@ class PassContext:
     config: GraphpassConfig
     roots: Roots = field(default_factory=Roots)  # the model objects the graph's sources start from
     captures: list[CaptureSpec] = field(default_factory=list)  # specs of the ModelCaptures attached to the model
-    static_bounds: StaticBounds = field(default_factory=dict)  # size symbol -> upper bound (largest bucket): BucketPlan.bounds
+    static_bounds: StaticBounds = field(
+        default_factory=dict
+    )  # size symbol -> upper bound (largest bucket): BucketPlan.bounds
     analysis: GraphAnalysis = field(default_factory=GraphAnalysis)
     log: list[str] = field(default_factory=list)  # what each pass did, one line per change
     graph_name: str = "graph"  # how errors and logs name this graph ("graph 0 of forward")
@@ -100,14 +102,22 @@ def run_pass(p: GraphPass, ctx: PassContext) -> bool:
     except Exception as err:  # noqa: BLE001 - re-raised with the pass named, the original as cause
         raise PassError(p.name, ctx.graph_name, f"{type(err).__name__}: {err}") from err
     if not isinstance(changed, bool):
-        raise PassError(p.name, ctx.graph_name, f"run() returned {changed!r}: a pass returns whether it changed the graph")
+        raise PassError(
+            p.name, ctx.graph_name, f"run() returned {changed!r}: a pass returns whether it changed the graph"
+        )
     if changed:
         check_well_formed(ctx.gm.graph, p.name, ctx.graph_name)
         ctx.gm.recompile()
     if p.logger.isEnabledFor(logging.DEBUG):
         what = "; ".join(ctx.log[lines:]) or "nothing to report"
-        p.logger.debug("%s: %.2f ms on %s, %s: %s", p.name, (time.perf_counter() - t0) * 1e3, ctx.graph_name,
-                       "changed the graph" if changed else "graph unchanged", what)
+        p.logger.debug(
+            "%s: %.2f ms on %s, %s: %s",
+            p.name,
+            (time.perf_counter() - t0) * 1e3,
+            ctx.graph_name,
+            "changed the graph" if changed else "graph unchanged",
+            what,
+        )
     if changed and _graphs_log.isEnabledFor(logging.DEBUG):
         _graphs_log.debug("%s after %s:\n%s", ctx.graph_name, p.name, readable(ctx.gm))
     _trace_graph(ctx, f"after_{p.name}")

@@ -43,7 +43,9 @@ from ..capturing.ops import CAPTURE, OUTPUT_KEY_TARGETS, is_output_key
 from .base import GraphPass, PassContext
 
 
-def _insert_captures(graph: torch.fx.Graph, after: torch.fx.Node, value: torch.fx.Node, key: str, calls) -> torch.fx.Node:
+def _insert_captures(
+    graph: torch.fx.Graph, after: torch.fx.Node, value: torch.fx.Node, key: str, calls
+) -> torch.fx.Node:
     """Capture nodes for ``value`` after ``after``, one per (name, owner, owner_fqn) of ``calls``,
     in ``calls`` order. ``key``: its output key path (``""``: not returned). Returns the last one."""
     for name, own, own_fqn in calls:
@@ -58,8 +60,9 @@ def _capture_module(graph: torch.fx.Graph, region: list, marked: list, calls, or
     right after the call's last leaf computed inside it (so inside its trap), then the values it
     computed that are read outside it without being returned. Returns how many were inserted."""
     members = set(region)
-    escaping = [n for n in region if is_tensor_node(n)
-                and any(u not in members and not is_graphpass_node(u) for u in n.users)]
+    escaping = [
+        n for n in region if is_tensor_node(n) and any(u not in members and not is_graphpass_node(u) for u in n.users)
+    ]
     leaves = {t for _, t, _ in marked}
     marked = [(m, _leaving(t, members, escaping, leaves), key) for m, t, key in marked]
     inserted = 0
@@ -176,8 +179,10 @@ class InsertCaptureNodes(GraphPass):
             specs = []  # (spec, name relative to its module) of every ModelCapture selecting fqn
             shared = False  # selected only where another instance of the frame's class runs this graph
             for spec in ctx.captures:
-                for i, where in enumerate([fqn] + [t + fqn[len(ctx.roots.frame_module):] for t in twins
-                                                   if _within(fqn, ctx.roots.frame_module)]):
+                for i, where in enumerate(
+                    [fqn]
+                    + [t + fqn[len(ctx.roots.frame_module) :] for t in twins if _within(fqn, ctx.roots.frame_module)]
+                ):
                     if not _within(where, spec.prefix):
                         continue
                     rel = where[len(spec.prefix) + 1 :] if spec.prefix else where

@@ -42,10 +42,25 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..errors import OffloadError
 from ..offloading.ops import EVICT, LOAD_START, LOAD_WAIT, OFFLOAD_GUARD_TARGETS, UNLOADED_READS
 from ..offloading.schedule import LoadGroup, OffloadSchedule  # noqa: F401 (re-exported)
-from ..offloading.facts import OffloadFacts, check_skipped_frames, facts_of, refuse_unpinned_cuda_graph_loads, runs_eagerly
+from ..offloading.facts import (
+    OffloadFacts,
+    check_skipped_frames,
+    facts_of,
+    refuse_unpinned_cuda_graph_loads,
+    runs_eagerly,
+)
 from ..offloading.registry import OffloadedTensor, WrappedOffload, facts_guarding, lookup_input, plain_records
-from ..fx_utils import (AliasIndex, example_of, find_calls, find_write, is_graphpass_node, is_noop_data_swap, is_view,
-                        node_order, views_of)
+from ..fx_utils import (
+    AliasIndex,
+    example_of,
+    find_calls,
+    find_write,
+    is_graphpass_node,
+    is_noop_data_swap,
+    is_view,
+    node_order,
+    views_of,
+)
 from ..tensor_utils import fake_mode_of, flatten_wrappers, is_dtensor, is_wrapper_subclass, unflatten_wrappers
 from ..ops import is_enter, is_exit
 from ..analysis import module_paths
@@ -118,7 +133,9 @@ class InsertOffloadSchedule(GraphPass):
         _refuse_disk_gradients(graph, records)
         models = {id(r.facts): r.facts for r in records.values()}
         if len(models) > 1:
-            raise OffloadError("one graph reads tensors offloaded from two different models; offload and compile them separately")
+            raise OffloadError(
+                "one graph reads tensors offloaded from two different models; offload and compile them separately"
+            )
         facts = next(iter(models.values()))
         check_skipped_frames(facts)
         order = node_order(graph)
@@ -131,8 +148,9 @@ class InsertOffloadSchedule(GraphPass):
             _prepare_cuda_graphs(facts, [plain_records(records[p] for p in g.phs) for g in plan], ctx.config)
         return True
 
-    def _insert(self, graph: torch.fx.Graph, plan: list[_Group], records: dict, facts: OffloadFacts,
-                order: dict) -> list[LoadGroup]:
+    def _insert(
+        self, graph: torch.fx.Graph, plan: list[_Group], records: dict, facts: OffloadFacts, order: dict
+    ) -> list[LoadGroup]:
         """Insert the start / wait / evict nodes of every group; return the schedule."""
         device = facts.device
         window = facts.window
@@ -167,18 +185,22 @@ class InsertOffloadSchedule(GraphPass):
             ev.meta["graphpass_offload"] = group.key
             if token is not None:
                 ev.meta["example_value"] = token
-            schedule.append(LoadGroup(
-                label=group.key,
-                placeholders=[p.name for p in group.phs],
-                fqns=[records[p].name for p in group.phs],
-                nbytes=sum(records[p].nbytes for p in group.phs),
-                start_before=first.name if window.issuer(k) == 0 else plan[window.issuer(k)].anchor.name,
-                wait_before=group.anchor.name,
-                evict_after=group.last.name,
-            ))
+            schedule.append(
+                LoadGroup(
+                    label=group.key,
+                    placeholders=[p.name for p in group.phs],
+                    fqns=[records[p].name for p in group.phs],
+                    nbytes=sum(records[p].nbytes for p in group.phs),
+                    start_before=first.name if window.issuer(k) == 0 else plan[window.issuer(k)].anchor.name,
+                    wait_before=group.anchor.name,
+                    evict_after=group.last.name,
+                )
+            )
         return schedule
 
-    def _check_budget(self, ctx: PassContext, graph: torch.fx.Graph, schedule: list[LoadGroup], facts: OffloadFacts) -> None:
+    def _check_budget(
+        self, ctx: PassContext, graph: torch.fx.Graph, schedule: list[LoadGroup], facts: OffloadFacts
+    ) -> None:
         """Record the schedule and its peak (bytes started and not yet evicted, walking the graph);
         refuse it when the peak and the resident units exceed ``max_device_bytes``."""
         prefetch = facts.window.distance
@@ -228,8 +250,9 @@ def _prepare_cuda_graphs(facts: OffloadFacts, groups: list, config) -> None:
             "included, as copied at each replay, and the recorded loads could not tell one model's weights from "
             "another's; drop static_shapes (one CUDA graph per shape Dynamo compiles) or mode='reduce-overhead'"
         )
-    refuse_unpinned_cuda_graph_loads([r for g in groups for r in g], facts.storage,
-                                     "the delegate records CUDA graphs of this graph")
+    refuse_unpinned_cuda_graph_loads(
+        [r for g in groups for r in g], facts.storage, "the delegate records CUDA graphs of this graph"
+    )
     facts.reserve_graph_slots(groups)
 
 
@@ -277,16 +300,22 @@ def _check_shared_frames(ctx: PassContext, facts_list: list[OffloadFacts], recor
     model = ctx.roots.models.get(("self", ()))
     prefix = ctx.roots.frame_module + "."
     placeholders = {n.name: n for n in ctx.gm.graph.nodes if n.op == "placeholder"}
-    reads = [placeholders[t.node] for t in ctx.analysis.weights()
-             if t.node in placeholders and any(f.startswith(prefix) for f in t.fqns)]
+    reads = [
+        placeholders[t.node]
+        for t in ctx.analysis.weights()
+        if t.node in placeholders and any(f.startswith(prefix) for f in t.fqns)
+    ]
     if root is None or model is None or not reads:
         return False
     if any(is_dtensor(example_of(n)) or is_wrapper_subclass(example_of(n)) for n in reads):
         return False  # the check takes plain tensors (a sharded or wrapped weight keeps today's behaviour)
     guarded = [g for facts in dict.fromkeys(facts_list) for g in facts.guarded_code]
     for name, mod in model.named_modules():
-        if type(mod) is type(root) and next(iter(mod.parameters()), None) is not None \
-                and any(g == name or g.startswith(name + ".") for g in guarded):
+        if (
+            type(mod) is type(root)
+            and next(iter(mod.parameters()), None) is not None
+            and any(g == name or g.startswith(name + ".") for g in guarded)
+        ):
             break
     else:
         return False
@@ -295,6 +324,7 @@ def _check_shared_frames(ctx: PassContext, facts_list: list[OffloadFacts], recor
     with graph.inserting_before(first):
         graph.call_function(UNLOADED_READS, (reads, ctx.roots.frame_module))
     return True
+
 
 def _check_hooks_alone(names: list[str], facts_of_roots: list[OffloadFacts]) -> None:
     """A graph of a module's hooks alone: the module was called from code running eagerly, and its
@@ -307,9 +337,13 @@ def _check_hooks_alone(names: list[str], facts_of_roots: list[OffloadFacts]) -> 
         for facts in mine or facts_guarding(name):
             if facts.guarded_code[name].own_frame or name in facts.eager_warned:
                 continue
-            runs_eagerly(facts, name, "it is called from code running eagerly (a frame Dynamo skipped), and this "
-                          "torch's Dynamo compiles no frame of its own for the forward of an inbuilt module",
-                          "remove the graph break in the code that calls it (TORCH_LOGS=graph_breaks shows it)")
+            runs_eagerly(
+                facts,
+                name,
+                "it is called from code running eagerly (a frame Dynamo skipped), and this "
+                "torch's Dynamo compiles no frame of its own for the forward of an inbuilt module",
+                "remove the graph break in the code that calls it (TORCH_LOGS=graph_breaks shows it)",
+            )
 
 
 def _offloaded_inputs(ctx: PassContext) -> dict[torch.fx.Node, OffloadedTensor | WrappedOffload]:
@@ -338,7 +372,9 @@ def _erase_noop_data_swaps(graph: torch.fx.Graph, records: dict) -> None:
     """``w.data = w.to(w.dtype)`` on an offloaded weight gives it its own data back: not a write, and
     left in the graph it would be a reader outside the weight's trap. Erased with its ``to`` (when
     nothing else reads it), so the layer's real readers are what the loads serve."""
-    for node in dict.fromkeys(n for ph in records for n in list(ph.users) if n.args and n.args[0] is ph and is_noop_data_swap(n)):
+    for node in dict.fromkeys(
+        n for ph in records for n in list(ph.users) if n.args and n.args[0] is ph and is_noop_data_swap(n)
+    ):
         src = node.args[1]
         graph.erase_node(node)
         if isinstance(src, torch.fx.Node) and src is not node.args[0] and not src.users:
@@ -369,8 +405,11 @@ def _refuse_disk_gradients(graph: torch.fx.Graph, records: dict) -> None:
             continue
         for alias in views_of(ph):
             # a view of a weight that requires grad does too, even under no_grad: look at what reads it
-            needs = [u for u in alias.users if not is_graphpass_node(u) and not is_view(u)
-                     and getattr(example_of(u), "requires_grad", False)]
+            needs = [
+                u
+                for u in alias.users
+                if not is_graphpass_node(u) and not is_view(u) and getattr(example_of(u), "requires_grad", False)
+            ]
             if needs:
                 raise OffloadError(
                     f"the graph needs the gradient of {rec.name!r}, which graphpass.offload streams from a file "
@@ -420,7 +459,9 @@ def _plan_groups(graph: torch.fx.Graph, records: dict, node_trap: dict[str, str]
     return plan
 
 
-def _insert_start(graph, plan: list[_Group], done: _Inserted, j: int, before: torch.fx.Node, k: int, device, order: dict) -> None:
+def _insert_start(
+    graph, plan: list[_Group], done: _Inserted, j: int, before: torch.fx.Node, k: int, device, order: dict
+) -> None:
     """Insert group ``j``'s ``load_start`` before ``before`` (issued at group ``k``), after the
     eviction of the group before ``k`` when that eviction comes earlier in the graph."""
     after = []

@@ -37,14 +37,38 @@ from ..ops import BOUNDARY_TARGETS, TRAP_ENTER, TRAP_EXIT, trap_model_key
 from .base import GraphPass, PassContext
 
 _ANCHOR_FUNCTIONS = {
-    F.linear, torch._C._nn.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
-    torch.einsum, operator.matmul, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
-    F.conv_transpose3d, F.scaled_dot_product_attention,
+    F.linear,
+    torch._C._nn.linear,
+    torch.matmul,
+    torch.mm,
+    torch.bmm,
+    torch.addmm,
+    torch.baddbmm,
+    torch.einsum,
+    operator.matmul,
+    F.conv1d,
+    F.conv2d,
+    F.conv3d,
+    F.conv_transpose1d,
+    F.conv_transpose2d,
+    F.conv_transpose3d,
+    F.scaled_dot_product_attention,
 }
 _ANCHOR_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"}
-_ANCHOR_ATEN = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution", "einsum",
-                "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+_ANCHOR_ATEN = {
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "matmul",
+    "linear",
+    "convolution",
+    "einsum",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+}
 
 
 def _owner_kwargs(ctx: PassContext, trap, nodes: dict) -> dict:

@@ -48,7 +48,11 @@ def _descendants_before(node: torch.fx.Node, order: dict, limit: int) -> set:
 
 def _is_compute(node: torch.fx.Node) -> bool:
     """A tensor-producing op other than graphpass's own: what a re-load can be pinned after."""
-    return node.op == "call_function" and not is_graphpass_op(node.target) and isinstance(node.meta.get("val"), torch.Tensor)
+    return (
+        node.op == "call_function"
+        and not is_graphpass_op(node.target)
+        and isinstance(node.meta.get("val"), torch.Tensor)
+    )
 
 
 def _previous_compute(nodes: list[torch.fx.Node]) -> list[torch.fx.Node | None]:
@@ -159,7 +163,9 @@ class PinBackwardLoads(GraphPass, CustomGraphPass):
         gm = graph.owning_module
         if gm is None:  # a graph no module owns: give it one, so the runner can recompile it
             gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-        return run_pass(self, PassContext(gm=gm, example_inputs=[], config=GraphpassConfig(), graph_name="a post-grad graph"))
+        return run_pass(
+            self, PassContext(gm=gm, example_inputs=[], config=GraphpassConfig(), graph_name="a post-grad graph")
+        )
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__,))

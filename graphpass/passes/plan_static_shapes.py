@@ -76,8 +76,14 @@ class PlanStaticShapes(GraphPass):
             return False  # not bucketed; the reason is in ctx.log
         symbols, masked_syms = found
         ties = _tied_symbols(placeholders, symbols)
-        plan = BucketPlan(symbols={**symbols, **{t: where for t, (_, where) in ties.items()}}, pad={}, pad_values={},
-                          size_inputs={}, outputs=[], ties={t: sym for t, (sym, _) in ties.items()})
+        plan = BucketPlan(
+            symbols={**symbols, **{t: where for t, (_, where) in ties.items()}},
+            pad={},
+            pad_values={},
+            size_inputs={},
+            outputs=[],
+            ties={t: sym for t, (sym, _) in ties.items()},
+        )
         masked_syms |= {t for t, sym in plan.ties.items() if sym in masked_syms}
         syms = set(plan.symbols)
         _plan_inputs(plan, placeholders, syms, inputs.pad_values(cfg.pad_value))
@@ -95,8 +101,10 @@ class PlanStaticShapes(GraphPass):
             ctx.static_bounds = plan.bounds(cfg)
         state = "bucketed" if plan.active else "refused: " + plan.refused[0]
         if plan.ties:
-            ctx.log.append(f"{self.name}: padded with the bucketed dim (equal when traced, checked per call): "
-                           + ", ".join(f"{t} = {sym}" for t, sym in plan.ties.items()))
+            ctx.log.append(
+                f"{self.name}: padded with the bucketed dim (equal when traced, checked per call): "
+                + ", ".join(f"{t} = {sym}" for t, sym in plan.ties.items())
+            )
         ctx.log.append(f"{self.name}: {len(plan.pad)} padded inputs, {len(plan.outputs)} outputs; {state}")
         return False  # a plan: the graph itself is padded per bucket by the dispatcher
 
@@ -119,7 +127,9 @@ class PlanStaticShapes(GraphPass):
                 e = _expr(val.shape[d])
                 if e is None:
                     _refuse_if_never_dynamic(name, d, int(val.shape[d]))
-                    ctx.log.append(f"{self.name}: {name} dim {d} is static here ({int(val.shape[d])}): exact-size graph")
+                    ctx.log.append(
+                        f"{self.name}: {name} dim {d} is static here ({int(val.shape[d])}): exact-size graph"
+                    )
                     _warn_if_specialized(ctx, inputs.placeholders[inputs.index[t.node]], val, name, d)
                     return None
                 if not isinstance(e, sympy.Symbol):
@@ -133,7 +143,11 @@ class PlanStaticShapes(GraphPass):
         if missing and not symbols:
             if ctx.roots.is_entry_frame:
                 known = ", ".join(sorted(inputs.by_name)) or "none"
-                raise ConfigError("static_shapes.dims", missing[0], f"no input of the compiled function has this name (inputs: {known})")
+                raise ConfigError(
+                    "static_shapes.dims",
+                    missing[0],
+                    f"no input of the compiled function has this name (inputs: {known})",
+                )
             ctx.log.append(f"{self.name}: inputs {missing} not in this graph (a graph after a break): not bucketed")
             _warn_if_entry_skipped(missing, ctx.roots)
             return None
@@ -142,9 +156,9 @@ class PlanStaticShapes(GraphPass):
         return symbols, masked_syms
 
 
-
-def _prove_padding(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.fx.Node], unmasked: set,
-                   syms: set) -> None:
+def _prove_padding(
+    ctx: PassContext, plan: BucketPlan, placeholders: list[torch.fx.Node], unmasked: set, syms: set
+) -> None:
     """Run the padding proof on the dims bucketing pads without a user mask (``unmasked``): its violations refuse
     the plan; what it needs checked goes into it: the per-call checks (``plan.call_checks``, looped over by the
     dispatcher) and the buckets where it does not hold, with typed reasons (``plan.invalid_buckets``)."""
@@ -156,29 +170,58 @@ def _prove_padding(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.
     values = {n.name: v for n, v in zip(placeholders, ctx.example_inputs) if isinstance(v, torch.Tensor)}
     owners = {name: t.fqn for name, t in ctx.analysis.tensors.items()}  # placeholder -> its owner: a table's FQN
     upper = {str(s): cfg.largest for s in (*plan.symbols, *plan.ties)}  # the largest size a padded call runs at
-    proof = prove_padding(ctx.gm, unmasked, ties=plan.ties, zero_padded=zero, values=values, rules=[TOPK_MASKS],
-                          buckets=cfg.buckets, bucket_symbols=syms, table_names=owners, upper=upper)
+    proof = prove_padding(
+        ctx.gm,
+        unmasked,
+        ties=plan.ties,
+        zero_padded=zero,
+        values=values,
+        rules=[TOPK_MASKS],
+        buckets=cfg.buckets,
+        bucket_symbols=syms,
+        table_names=owners,
+        upper=upper,
+    )
     for v in proof.violations:
         plan.refused.append(f"{v.op} at node {v.node}{f' ({v.source})' if v.source else ''}: {v.reason}")
     plan.refused += proof.refused
     plan.invalid_buckets.update(proof.invalid_buckets)
     plan.call_checks = list(proof.call_checks)
-    plan.zero_inputs = _zero_inputs(ctx, plan, placeholders, unmasked, values,
-                                    dict(rules=[TOPK_MASKS], buckets=cfg.buckets, bucket_symbols=syms,
-                                         table_names=owners, upper=upper), proof)
+    plan.zero_inputs = _zero_inputs(
+        ctx,
+        plan,
+        placeholders,
+        unmasked,
+        values,
+        dict(rules=[TOPK_MASKS], buckets=cfg.buckets, bucket_symbols=syms, table_names=owners, upper=upper),
+        proof,
+    )
     if proof.trusted and proof.safe and plan.invalid_buckets:
-        ctx.log.append(f"{PlanStaticShapes.name}: buckets where the traced graph is not the code's trace (calls run "
-                       f"unpadded): {plan.invalid_buckets}")
+        ctx.log.append(
+            f"{PlanStaticShapes.name}: buckets where the traced graph is not the code's trace (calls run "
+            f"unpadded): {plan.invalid_buckets}"
+        )
     if plan.causal_tables and not plan.refused:
-        ctx.log.append(f"{PlanStaticShapes.name}: causal masks read from the values of "
-                       f"{', '.join(t.name for t in plan.causal_tables.values())} (checked unchanged per call)")
+        ctx.log.append(
+            f"{PlanStaticShapes.name}: causal masks read from the values of "
+            f"{', '.join(t.name for t in plan.causal_tables.values())} (checked unchanged per call)"
+        )
     if plan.ones_inputs and not plan.refused:
-        ctx.log.append(f"{PlanStaticShapes.name}: padded only on calls where {', '.join(plan.ones_inputs.values())} "
-                       "holds 1 everywhere (an additive attention mask must leave every real row a key)")
+        ctx.log.append(
+            f"{PlanStaticShapes.name}: padded only on calls where {', '.join(plan.ones_inputs.values())} "
+            "holds 1 everywhere (an additive attention mask must leave every real row a key)"
+        )
 
 
-def _zero_inputs(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.fx.Node], unmasked: set,
-                 values: dict, options: dict, proof: Any) -> dict[int, str]:
+def _zero_inputs(
+    ctx: PassContext,
+    plan: BucketPlan,
+    placeholders: list[torch.fx.Node],
+    unmasked: set,
+    values: dict,
+    options: dict,
+    proof: Any,
+) -> dict[int, str]:
     """The padded inputs whose zero padding the padding proof may rely on (``BucketPlan.zero_inputs``: the checked
     mode keeps their fill and varies every other one). Conservatively every zero-padded integer or boolean input
     (token ids, attention masks: the proof reads a mask's zero padding). A zero-padded floating-point input counts
@@ -189,17 +232,26 @@ def _zero_inputs(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.fx
     functions, the causal tables). The proof holds with exactly these inputs zero-padded, so varying every other
     padding never contradicts it (no false alarm). ``options``: the other arguments ``proof`` was made with."""
     zero = {i: placeholders[i].name for i, v in plan.pad_values.items() if v == 0}
-    exact = {i: name for i, name in zero.items() if (t := example_of(placeholders[i])) is not None
-             and not (t.is_floating_point() or t.is_complex())}
+    exact = {
+        i: name
+        for i, name in zero.items()
+        if (t := example_of(placeholders[i])) is not None and not (t.is_floating_point() or t.is_complex())
+    }
     if exact == zero or plan.refused or not ctx.config.static_shapes.verify:
         return exact
     from ..static_shapes.padding_proof import prove_padding
 
     def holds(kept: dict[int, str]) -> bool:
-        trial = prove_padding(ctx.gm, unmasked, ties=plan.ties, zero_padded=set(kept.values()), values=values,
-                              **options)
-        return trial.safe and not trial.refused and trial.relied_on <= proof.relied_on \
-            and trial.trusted <= proof.trusted and set(trial.tables) <= set(proof.tables)
+        trial = prove_padding(
+            ctx.gm, unmasked, ties=plan.ties, zero_padded=set(kept.values()), values=values, **options
+        )
+        return (
+            trial.safe
+            and not trial.refused
+            and trial.relied_on <= proof.relied_on
+            and trial.trusted <= proof.trusted
+            and set(trial.tables) <= set(proof.tables)
+        )
 
     if holds(exact):
         return exact
@@ -208,8 +260,10 @@ def _zero_inputs(ctx: PassContext, plan: BucketPlan, placeholders: list[torch.fx
         trial = {j: n for j, n in kept.items() if j != i}
         if holds(trial):
             kept = trial
-    ctx.log.append(f"{PlanStaticShapes.name}: the padding proof relies on the zero padding of "
-                   f"{', '.join(n for i, n in kept.items() if i not in exact)} too (verify keeps it)")
+    ctx.log.append(
+        f"{PlanStaticShapes.name}: the padding proof relies on the zero padding of "
+        f"{', '.join(n for i, n in kept.items() if i not in exact)} too (verify keeps it)"
+    )
     return kept
 
 
@@ -220,7 +274,7 @@ def _tied_symbols(placeholders: list[torch.fx.Node], symbols: dict) -> dict:
     The dispatcher checks the equality on every call and runs the call unpadded when it fails, so a
     wrong guess costs bucketing, never correctness."""
     hints = {}
-    for sym, (i, _) in symbols.items():
+    for i, _ in symbols.values():
         env = shape_env_of(example_of(placeholders[i]))
         if env is not None:
             hints = shape_env_hints(env)
@@ -255,18 +309,26 @@ def _refuse_if_never_dynamic(name: str, d: int, size: int) -> None:
         return
     from ..errors import DynamicShapesDisabledError
 
-    cause = ("importing torch_xla turned it off for the whole process (transformers and accelerate import torch_xla "
-             "whenever it is installed, unless USE_TORCH_XLA=0 is set)" if "torch_xla" in sys.modules else
-             "torch.compile(dynamic=False) or the process's own setting turned it off")
-    raise DynamicShapesDisabledError(name, d, (
-        f"graphpass static_shapes: cannot bucket {name} dim {d}: {DynamicShapesDisabledError.setting} is False here "
-        f"({cause}). Dynamo then traces every new length as a graph of its own with the length fixed, so graphpass "
-        f"never receives a symbolic length to pad to a bucket and each length would compile its own static graph. "
-        f"Fix, either: call torch._dynamo.mark_dynamic(<the {name} tensor>, {d}) before the first call (that dim symbolic "
-        f"from the first graph, one static graph per bucket); or compile with torch.compile(model, backend=..., "
-        f"dynamic=True) (every dim symbolic; keep the first call's other sizes unequal to its length, which Dynamo would "
-        f"give the same symbol); or set {DynamicShapesDisabledError.setting} = True after importing torch_xla "
-        f"(then the first call's exact size compiles one extra graph)."))
+    cause = (
+        "importing torch_xla turned it off for the whole process (transformers and accelerate import torch_xla "
+        "whenever it is installed, unless USE_TORCH_XLA=0 is set)"
+        if "torch_xla" in sys.modules
+        else "torch.compile(dynamic=False) or the process's own setting turned it off"
+    )
+    raise DynamicShapesDisabledError(
+        name,
+        d,
+        (
+            f"graphpass static_shapes: cannot bucket {name} dim {d}: {DynamicShapesDisabledError.setting} is False here "
+            f"({cause}). Dynamo then traces every new length as a graph of its own with the length fixed, so graphpass "
+            f"never receives a symbolic length to pad to a bucket and each length would compile its own static graph. "
+            f"Fix, either: call torch._dynamo.mark_dynamic(<the {name} tensor>, {d}) before the first call (that dim symbolic "
+            f"from the first graph, one static graph per bucket); or compile with torch.compile(model, backend=..., "
+            f"dynamic=True) (every dim symbolic; keep the first call's other sizes unequal to its length, which Dynamo would "
+            f"give the same symbol); or set {DynamicShapesDisabledError.setting} = True after importing torch_xla "
+            f"(then the first call's exact size compiles one extra graph)."
+        ),
+    )
 
 
 def _warn_if_entry_skipped(missing: list[str], roots) -> None:
@@ -280,7 +342,9 @@ def _warn_if_entry_skipped(missing: list[str], roots) -> None:
         f"graphpass static_shapes: the dims name {missing}, which this graph (frame {where}, inside the model) does not "
         f"take, and Dynamo skipped a frame: the frame that takes {missing[0]!r} may run eagerly, unbucketed.\n"
         + dynamo_records.skipped_frame_message(skipped),
-        UserWarning, stacklevel=2)
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def specialized_by_code(placeholder: torch.fx.Node, val: Any, d: int) -> tuple[int, str] | None:
@@ -314,10 +378,12 @@ def _warn_if_specialized(ctx: PassContext, placeholder: torch.fx.Node, val: Any,
     if found is None:
         return
     value, where = found
-    msg = (f"graphpass static_shapes: not bucketing {name} dim {d}: Dynamo specialized it (to one value per length) because the "
-           f"model's code pins the length to its exact value ({where or 'source line unknown'}), so every length "
-           "compiles its own exact-size graph, as under plain torch.compile; graphpass receives no symbolic "
-           "length to pad")
+    msg = (
+        f"graphpass static_shapes: not bucketing {name} dim {d}: Dynamo specialized it (to one value per length) because the "
+        f"model's code pins the length to its exact value ({where or 'source line unknown'}), so every length "
+        "compiles its own exact-size graph, as under plain torch.compile; graphpass receives no symbolic "
+        "length to pad"
+    )
     ctx.log.append(f"{PlanStaticShapes.name}: {name} dim {d} specialized to {value} by the code: {where}")
     warnings.warn(msg, UserWarning, stacklevel=2)
 
@@ -359,7 +425,9 @@ def _plan_inputs(plan: BucketPlan, placeholders: list[torch.fx.Node], syms: set,
             if e is None or not (e.free_symbols & syms):
                 continue
             if e not in syms:
-                plan.refused.append(f"input {ph.name} dim {d} has size {e}: only dims sized exactly by a bucketed dim can be padded")
+                plan.refused.append(
+                    f"input {ph.name} dim {d} has size {e}: only dims sized exactly by a bucketed dim can be padded"
+                )
             dims.append((d, e))
         if dims:
             plan.pad[i] = tuple(dims)
@@ -385,7 +453,8 @@ def _refuse_unrelated_sizes(plan: BucketPlan, placeholders: list[torch.fx.Node],
             plan.refused.append(
                 f"input {ph.name} has size symbol(s) {', '.join(other)} of its own in a graph that starts inside the "
                 f"model (frame {frame!r}, after a graph break): it may equal the padded dim at run time without "
-                f"this graph knowing, so padding only the named inputs is unsafe")
+                f"this graph knowing, so padding only the named inputs is unsafe"
+            )
             return
 
 
@@ -397,7 +466,9 @@ def _plan_outputs(plan: BucketPlan, gm: torch.fx.GraphModule, syms: set) -> None
         if isinstance(val, torch.Tensor):
             plan.outputs.append(_output_spec(plan, arg, val, syms))
         elif isinstance(val, torch.SymInt) and val.node.expr.free_symbols & syms:
-            plan.refused.append(f"output {getattr(arg, 'name', arg)} is a size ({val.node.expr}) that depends on the padded dim")
+            plan.refused.append(
+                f"output {getattr(arg, 'name', arg)} is a size ({val.node.expr}) that depends on the padded dim"
+            )
             plan.outputs.append(None)
         else:
             plan.outputs.append(None)

@@ -82,8 +82,10 @@ class SlicedFactory:
     def line(self) -> str:
         if self.skipped_reason is not None:
             return f"{self.node} ({self.op} {self.shape}): skipped, {self.skipped_reason}"
-        return (f"{self.node} ({self.op} {self.shape}): slice of {self.buffer} "
-                f"{list(self.max_shape or ())} ({self.bytes:,} bytes)")
+        return (
+            f"{self.node} ({self.op} {self.shape}): slice of {self.buffer} "
+            f"{list(self.max_shape or ())} ({self.bytes:,} bytes)"
+        )
 
 
 class _Skip(Exception):
@@ -119,14 +121,20 @@ def _parse(node: Node) -> _Factory | None:
     if node.op == "call_function" and node.target in _FILLS:
         op = op_name(node.target).name
         if op == "full":
-            return _Factory(op, kwargs.get("size", args[0] if args else None),
-                            fill=kwargs.get("fill_value", args[1] if len(args) > 1 else None))
+            return _Factory(
+                op,
+                kwargs.get("size", args[0] if args else None),
+                fill=kwargs.get("fill_value", args[1] if len(args) > 1 else None),
+            )
         return _Factory(op, _size_arg(args, kwargs), fill=_FILLS[node.target])
     if node.op == "call_method" and node.target in _NEW_FILLS:
         rest = args[1:]
         if node.target == "new_full":
-            return _Factory(node.target, kwargs.get("size", rest[0] if rest else None),
-                            fill=kwargs.get("fill_value", rest[1] if len(rest) > 1 else None))
+            return _Factory(
+                node.target,
+                kwargs.get("size", rest[0] if rest else None),
+                fill=kwargs.get("fill_value", rest[1] if len(rest) > 1 else None),
+            )
         return _Factory(node.target, _size_arg(rest, kwargs), fill=_NEW_FILLS[node.target])
     return None
 
@@ -297,7 +305,8 @@ def _check(node: Node, spec: _Factory, ev: torch.Tensor, slice_outputs: bool, in
         items = spec.sizes
         if not isinstance(items, Node) and not all(
             i < len(items or ()) and isinstance(items[i], Node)
-            for i, d in enumerate(ev.shape) if isinstance(d, torch.SymInt)
+            for i, d in enumerate(ev.shape)
+            if isinstance(d, torch.SymInt)
         ):
             raise _Skip(f"cannot find the size nodes in {items}")
     unsafe = _unsafe_use(node, slice_outputs, index)
@@ -331,8 +340,10 @@ def _contents(
         if buf.shape[0] < max_shape[0]:
             raise _Skip(f"arange({start}, {max_end}, {step}) is shorter than the bound {max_shape[0]}")
         if not _exact_arange(start, step, buf.shape[0], ev.dtype):
-            raise _Skip(f"arange({start}, ..., {step}) in {ev.dtype} has values that are not exact in that dtype: "
-                        "the kernel rounds them differently for different lengths, so a prefix may differ")
+            raise _Skip(
+                f"arange({start}, ..., {step}) in {ev.dtype} has values that are not exact in that dtype: "
+                "the kernel rounds them differently for different lengths, so a prefix may differ"
+            )
         return buf
 
     return ("arange", start, max_end, step, ev.dtype, ev.device), make
@@ -405,8 +416,11 @@ def _replace(gm: GraphModule, node: Node, spec: _Factory, shape: list[sympy.Expr
             else:
                 numel = sizes[0]
                 for s in sizes[1:]:
-                    numel = numel * s if isinstance(s, int) and isinstance(numel, int) else call(
-                        "call_function", operator.mul, numel, s)
+                    numel = (
+                        numel * s
+                        if isinstance(s, int) and isinstance(numel, int)
+                        else call("call_function", operator.mul, numel, s)
+                    )
                 flat = call("call_function", torch.narrow, call("call_method", "view", buf, -1), 0, 0, numel)
                 out = call("call_method", "view", flat, *sizes)
     out.meta["example_value"] = ev  # the same shape and strides as the fresh tensor it replaces
@@ -435,8 +449,11 @@ def _arange_length(call: Callable[..., Node], spec: _Factory) -> Any:
         return end
     if all(isinstance(_value(v), (int, torch.SymInt)) for v in (start, end, step)):
         # ceil((end - start) / step) == -((start - end) // step) for integers, any sign of step
-        return call("call_function", operator.neg,
-                    call("call_function", operator.floordiv, call("call_function", operator.sub, start, end), step))
+        return call(
+            "call_function",
+            operator.neg,
+            call("call_function", operator.floordiv, call("call_function", operator.sub, start, end), step),
+        )
     diff = call("call_function", operator.sub, end, start)
     return call("call_function", math.ceil, call("call_function", operator.truediv, diff, step))
 

@@ -13,8 +13,15 @@ since it needs transformers). The graph passes are
 from .allocation_audit import AuditReport, audit
 from .buckets import PaddingReport, choose_buckets, padding_report, power_of_two_buckets
 
-__all__ = ["audit", "AuditReport", "BucketedCache", "choose_buckets", "padding_report", "PaddingReport",
-           "power_of_two_buckets"]
+__all__ = [
+    "audit",
+    "AuditReport",
+    "BucketedCache",
+    "choose_buckets",
+    "padding_report",
+    "PaddingReport",
+    "power_of_two_buckets",
+]
 
 
 def __getattr__(name: str):

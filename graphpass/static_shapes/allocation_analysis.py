@@ -1,7 +1,6 @@
 """The allocation audit's analysis (see :mod:`.allocation_audit`): the aten graphs Dynamo and AOTAutograd traced,
 read node by node: which nodes allocate, their symbolic sizes and bounds, and each one's verdict (:data:`RULES`)."""
 
-
 from __future__ import annotations
 
 import re
@@ -56,7 +55,6 @@ for _u in ("unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", 
 # ``recompute`` policy (PREFER_RECOMPUTE by default). The partitioner also stamps ``recompute=MUST_SAVE``
 # on nodes it saves for backward (the region's inputs among them), so the key alone proves nothing.
 _RECOMPUTE_POLICIES = {"PREFER_RECOMPUTE", "MUST_RECOMPUTE"}
-
 
 
 # ---------------------------------------------------------------------------------- analysis
@@ -209,9 +207,17 @@ def _allocation(node: torch.fx.Node, scan: _GraphScan) -> _Allocation | None:
     ex = [scan.bounds.example(e) for e in numels]
     example_elems = None if any(v is None for v in ex) else sum(ex)
     return _Allocation(
-        node=node, packet=packet, data_dep=data_dep, randperm_var=randperm_var, unbacked=unbacked,
-        shapes=shapes, numels=numels, bound_elems=bound_elems, bound_bytes=bound_bytes,
-        example_elems=example_elems, scan=scan,
+        node=node,
+        packet=packet,
+        data_dep=data_dep,
+        randperm_var=randperm_var,
+        unbacked=unbacked,
+        shapes=shapes,
+        numels=numels,
+        bound_elems=bound_elems,
+        bound_bytes=bound_bytes,
+        example_elems=example_elems,
+        scan=scan,
     )
 
 
@@ -220,7 +226,9 @@ def _row_for(node: torch.fx.Node, scan: _GraphScan) -> AllocationRow | None:
     in ``scan.view_base``)."""
     # getitem only picks one result of a multi-output op (which has its row); plain Python
     # callables compute SymInts
-    if node.op != "call_function" or not isinstance(node.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+    if node.op != "call_function" or not isinstance(
+        node.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)
+    ):
         return None
     if returns_alias(node.target):
         base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
@@ -253,15 +261,16 @@ def _row_for(node: torch.fx.Node, scan: _GraphScan) -> AllocationRow | None:
 
 def _analyze(
     rec: Any,  # the audit's _Recorder: the graphs it traced
-    named: dict[str, Any], dyn: dict[str, dict[int, tuple[int | None, int | None]]],
-    training: bool, factor: float, notes: list[str],
+    named: dict[str, Any],
+    dyn: dict[str, dict[int, tuple[int | None, int | None]]],
+    training: bool,
+    factor: float,
+    notes: list[str],
 ) -> AuditReport:
     names = list(named)
     rows: list[AllocationRow] = []
     dims = [
-        DynamicDim(name, d, int(named[name].shape[d]), lo, hi)
-        for name, ds in dyn.items()
-        for d, (lo, hi) in ds.items()
+        DynamicDim(name, d, int(named[name].shape[d]), lo, hi) for name, ds in dyn.items() for d, (lo, hi) in ds.items()
     ]
     for graph in rec.graphs:
         env = shape_env_of([tensors_of(n.meta.get("val")) for n in graph.gm.graph.nodes])
@@ -275,7 +284,9 @@ def _analyze(
 
     for d in dims:
         if d.symbol is None:
-            notes.append(f"note: {d.input}.size({d.dim}) was specialized to {d.example} by the code: nothing varies with it")
+            notes.append(
+                f"note: {d.input}.size({d.dim}) was specialized to {d.example} by the code: nothing varies with it"
+            )
     if len(rec.dynamo_graphs) > 1:
         notes.append(
             f"note: {len(rec.dynamo_graphs)} Dynamo graphs (graph breaks): code between them ran eagerly and is not audited"
@@ -359,9 +370,12 @@ def _verdict(a: _Allocation) -> tuple[str, str, str]:
     if a.randperm_var:
         count = size_expr(node.args[0])
         why = f"its count {count} is data-dependent" if _has_unbacked(count) else f"its count {count} varies"
-        return ("NO", "data-dependent",
-                f"randperm over a variable count ({why}): a prefix of a max-size permutation is not a permutation "
-                "of n, so no fixed buffer slice can stand in for it")
+        return (
+            "NO",
+            "data-dependent",
+            f"randperm over a variable count ({why}): a prefix of a max-size permutation is not a permutation "
+            "of n, so no fixed buffer slice can stand in for it",
+        )
     if a.data_dep or a.unbacked:
         if a.data_dep:
             return "NO", "data-dependent", f"data-dependent size: {_DATA_DEPENDENT_WHY.get(a.packet, _MASK_WHY)}"
@@ -369,33 +383,48 @@ def _verdict(a: _Allocation) -> tuple[str, str, str]:
         origin = "; ".join(f"{s} from {a.scan.born.get(s, 'an earlier graph or a .item()')}" for s in syms)
         return "NO", "data-dependent", f"data-dependent size: depends on {origin}"
     if _recomputed(node, a.scan.label):
-        return ("NO", "checkpoint",
-                "inside an activation-checkpoint region: a persistent buffer would keep alive the memory "
-                "that checkpointing frees after forward and recomputes in backward")
+        return (
+            "NO",
+            "checkpoint",
+            "inside an activation-checkpoint region: a persistent buffer would keep alive the memory "
+            "that checkpointing frees after forward and recomputes in backward",
+        )
     bound_elems = a.bound_elems
     if bound_elems is None:
         free = sorted({str(s) for e in numels for s in e.free_symbols if not _bounded(ranges_for(e)[s])})
-        return ("NO", "unbounded",
-                f"no upper bound for {', '.join(free) or 'the size'}: give a max in dynamic= or max_sizes=")
+        return (
+            "NO",
+            "unbounded",
+            f"no upper bound for {', '.join(free) or 'the size'}: give a max in dynamic= or max_sizes=",
+        )
     degree = max(_dyn_degree(e, ranges_for(e)) for e in numels)
     ratio = (bound_elems / a.example_elems) if a.example_elems else None
     if degree >= 2:
         prod = ", ".join(str(e) for e in numels if _dyn_degree(e, ranges_for(e)) >= 2)
-        return ("PARTIAL", "product",
-                f"size grows with a product of dynamic dims ({prod}): a max-size buffer is the product of the "
-                f"maxima ({bound_elems:,} elems{_ratio_txt(ratio)}); bucket the dims instead")
+        return (
+            "PARTIAL",
+            "product",
+            f"size grows with a product of dynamic dims ({prod}): a max-size buffer is the product of the "
+            f"maxima ({bound_elems:,} elems{_ratio_txt(ratio)}); bucket the dims instead",
+        )
     factor = a.scan.factor
     if ratio is not None and ratio > factor:
-        return ("PARTIAL", "ratio",
-                f"bounded, but the bound is {ratio:.0f}x the size at the example inputs (> {factor:g}x): "
-                "a max-size buffer would mostly sit idle; bucket the length")
+        return (
+            "PARTIAL",
+            "ratio",
+            f"bounded, but the bound is {ratio:.0f}x the size at the example inputs (> {factor:g}x): "
+            "a max-size buffer would mostly sit idle; bucket the length",
+        )
     if a.packet == "cat":
         found = _cat_verdict(a)
         if found is not None:
             return found
-    return ("YES", "bounded",
-            f"size depends only on input sizes: preallocate {bound_elems:,} elems once and slice per call"
-            f"{_ratio_txt(ratio)}")
+    return (
+        "YES",
+        "bounded",
+        f"size depends only on input sizes: preallocate {bound_elems:,} elems once and slice per call"
+        f"{_ratio_txt(ratio)}",
+    )
 
 
 def _cat_verdict(a: _Allocation) -> tuple[str, str, str] | None:
@@ -411,10 +440,13 @@ def _cat_verdict(a: _Allocation) -> tuple[str, str, str] | None:
             if base is not None and base.name in a.scan.allocating:
                 pieces.append(base.name if base is p else f"{p.name} of {base.name}")
         if pieces:
-            return ("PARTIAL", "cat",
-                    f"cat along variable dim {dim} of pieces that are themselves variable-size allocations "
-                    f"({', '.join(pieces)}): a max-size buffer helps only if their producers write into slices "
-                    "of it; preallocating the result alone still allocates every piece and copies it")
+            return (
+                "PARTIAL",
+                "cat",
+                f"cat along variable dim {dim} of pieces that are themselves variable-size allocations "
+                f"({', '.join(pieces)}): a max-size buffer helps only if their producers write into slices "
+                "of it; preallocating the result alone still allocates every piece and copies it",
+            )
     return None
 
 

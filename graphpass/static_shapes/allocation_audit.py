@@ -81,7 +81,9 @@ def _normalize_dynamic(dynamic: Any, named: dict[str, Any], names: list[str]) ->
         norm: dict[int, tuple] = {}
         for dim, rng in dims.items():
             if not _is_int(dim) or not -t.dim() <= dim < t.dim():
-                raise ConfigError("dynamic", entry, f"dim {dim!r} is out of range for {name!r} of shape {tuple(t.shape)}")
+                raise ConfigError(
+                    "dynamic", entry, f"dim {dim!r} is out of range for {name!r} of shape {tuple(t.shape)}"
+                )
             d = dim % t.dim()
             lo, hi = _range(rng, entry)
             size = t.shape[d]
@@ -105,7 +107,9 @@ def _range(rng: Any, entry: dict) -> tuple[int | None, int | None]:
     raise ConfigError("dynamic", entry, f"a range must be (min, max) of ints or None, got {rng!r}")
 
 
-def _normalize_max_sizes(max_sizes: Any, dyn: dict[str, dict[int, tuple]], named: dict[str, Any]) -> dict[tuple[str, int], int]:
+def _normalize_max_sizes(
+    max_sizes: Any, dyn: dict[str, dict[int, tuple]], named: dict[str, Any]
+) -> dict[tuple[str, int], int]:
     """``{"x": 1024}`` (every dynamic dim of x) or ``{"x": {0: 1024}}`` -> ``{("x", 0): 1024}``."""
     if max_sizes is None:
         return {}
@@ -127,7 +131,9 @@ def _normalize_max_sizes(max_sizes: Any, dyn: dict[str, dict[int, tuple]], named
                 raise ConfigError("max_sizes", entry, f"dim {dim!r} of {name!r} is not marked in dynamic=")
             size = named[name].shape[dim % ndim]
             if hi < size:
-                raise ConfigError("max_sizes", entry, f"max {hi} is below the example {name}.size({dim % ndim}) = {size}")
+                raise ConfigError(
+                    "max_sizes", entry, f"max {hi} is below the example {name}.size({dim % ndim}) = {size}"
+                )
             out[(name, dim % ndim)] = hi
     return out
 
@@ -190,9 +196,7 @@ def _fresh_entry(fn: Callable[..., Any]) -> types.FunctionType:
 
 def _run(fn: Callable[..., Any], inputs: tuple, dyn: dict, names: list[str], training: bool, strict: bool) -> _Recorder:
     # fresh tensor objects: the marks must not stick to the caller's tensors
-    args = [
-        t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs
-    ]
+    args = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
     for name, dims in dyn.items():
         t = args[names.index(name)]
         for d, (lo, hi) in dims.items():
@@ -232,7 +236,9 @@ def audit(
     """
     if kw:
         key = next(iter(kw))
-        raise ConfigError(key, kw[key], "unknown option of graphpass.audit (known: dynamic, max_sizes, train, partial_factor)")
+        raise ConfigError(
+            key, kw[key], "unknown option of graphpass.audit (known: dynamic, max_sizes, train, partial_factor)"
+        )
     if not callable(fn):
         raise ConfigError("fn", fn, "expected a module or a function")
     if isinstance(partial_factor, bool) or not isinstance(partial_factor, (int, float)) or partial_factor < 1:
@@ -259,7 +265,9 @@ def audit(
     try:
         rec = _run(fn, inputs, dyn, names, train, strict=True)
     except ConstraintViolationError as exc:
-        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip().startswith("-")), str(exc).splitlines()[0])
+        first = next(
+            (ln.strip() for ln in str(exc).splitlines() if ln.strip().startswith("-")), str(exc).splitlines()[0]
+        )
         notes.append(
             "note: the code narrows or specializes a dim marked in dynamic= (mark_dynamic refused: "
             f"{first.lstrip('- ')}); audited again with maybe_mark_dynamic, the declared ranges applied to the bounds"
@@ -267,5 +275,3 @@ def audit(
         rec = _run(fn, inputs, dyn, names, train, strict=False)
 
     return _analyze(rec, named, dyn, train, float(partial_factor), notes)
-
-

@@ -13,8 +13,12 @@ VERDICTS = ("YES", "PARTIAL", "NO")
 
 #: The verdict rules, first match wins. Documented in docs/static-shapes.md.
 RULES = (
-    ("NO", "data-dependent", "the size depends on tensor values (an unbacked symbol u*, or nonzero/masked_select/"
-     "unique/repeat_interleave/bool-mask index), or it is randperm over a variable count"),
+    (
+        "NO",
+        "data-dependent",
+        "the size depends on tensor values (an unbacked symbol u*, or nonzero/masked_select/"
+        "unique/repeat_interleave/bool-mask index), or it is randperm over a variable count",
+    ),
     ("NO", "checkpoint", "the node lies in an activation-checkpoint region"),
     ("NO", "unbounded", "a dynamic dim in the size has no upper bound (give max in dynamic= or max_sizes=)"),
     ("PARTIAL", "product", "the size grows with a product of dynamic dims (s0*s1, s0**2)"),
@@ -134,5 +138,3 @@ class AuditReport:
 
 def _fmt_int(n: int | None, none: str = "unbounded") -> str:
     return none if n is None else f"{n:,}"
-
-

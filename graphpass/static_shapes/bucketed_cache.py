@@ -69,12 +69,23 @@ if StaticLayer is not None:
         host_length = 0  # the true length, as a Python int (eager calls)
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            raise ConfigError("cache", type(self).__name__,
-                              "BucketedCache is filled between forwards by the hooks of BucketedCache.attach(model); "
-                              "this forward ran without them (attach the cache to the model that uses it)")
+            raise ConfigError(
+                "cache",
+                type(self).__name__,
+                "BucketedCache is filled between forwards by the hooks of BucketedCache.attach(model); "
+                "this forward ran without them (attach the cache to the model that uses it)",
+            )
 
-        def allocate(self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
-                     device: torch.device, filled: int) -> None:
+        def allocate(
+            self,
+            batch: int,
+            heads: int,
+            head_dim: int,
+            capacity: int,
+            dtype: torch.dtype,
+            device: torch.device,
+            filled: int,
+        ) -> None:
             """Buffers of ``capacity`` slots, the first ``filled`` copied from the old ones."""
             keys = torch.zeros((batch, heads, capacity, head_dim), dtype=dtype, device=device)
             values = torch.zeros((batch, heads, capacity, head_dim), dtype=dtype, device=device)
@@ -135,16 +146,23 @@ if StaticLayer is not None:
 
         def __init__(self, config: Any, buckets: Sequence[int], prefill_buckets: Sequence[int] | None = None) -> None:
             self.buckets = check_buckets("buckets", list(buckets) if isinstance(buckets, tuple) else buckets)
-            self.prefill_buckets = (check_buckets("prefill_buckets", list(prefill_buckets)
-                                                  if isinstance(prefill_buckets, tuple) else prefill_buckets)
-                                    if prefill_buckets is not None else ())
+            self.prefill_buckets = (
+                check_buckets(
+                    "prefill_buckets", list(prefill_buckets) if isinstance(prefill_buckets, tuple) else prefill_buckets
+                )
+                if prefill_buckets is not None
+                else ()
+            )
             text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             if getattr(text, "is_encoder_decoder", False):
                 raise ConfigError("config", type(config).__name__, "BucketedCache is for decoder-only models")
             if set(getattr(text, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
-                raise ConfigError("config", sorted(set(text.layer_types)),
-                                  "BucketedCache supports full-attention layers only (sliding-window or linear "
-                                  "attention layers keep another kind of state)")
+                raise ConfigError(
+                    "config",
+                    sorted(set(text.layer_types)),
+                    "BucketedCache supports full-attention layers only (sliding-window or linear "
+                    "attention layers keep another kind of state)",
+                )
             self.num_heads, self.head_dim = _kv_shape(text)
             self.length = 0  # tokens cached (host side, the truth)
             super().__init__(layers=[BucketedLayer(max_cache_len=0) for _ in range(text.num_hidden_layers)])
@@ -167,10 +185,13 @@ if StaticLayer is not None:
             need = self.slots_needed(n)
             cap = _bucket_for(self.buckets, need)
             if cap is None:
-                raise ConfigError("buckets", list(self.buckets),
-                                  f"the cache must hold {need} slots ({self.length} cached + {n} new"
-                                  f"{' padded to its prefill bucket' if need - self.length != n else ''}), more than "
-                                  f"the largest decode-context bucket: add a bucket >= {need}")
+                raise ConfigError(
+                    "buckets",
+                    list(self.buckets),
+                    f"the cache must hold {need} slots ({self.length} cached + {n} new"
+                    f"{' padded to its prefill bucket' if need - self.length != n else ''}), more than "
+                    f"the largest decode-context bucket: add a bucket >= {need}",
+                )
             return cap
 
         # -- the hooks ----------------------------------------------------------------------------
@@ -184,8 +205,9 @@ if StaticLayer is not None:
             if not first.is_initialized or first.max_cache_len < cap:
                 log.debug("BucketedCache: %d cached, %d new -> %d slots", self.length, n, cap)
                 for layer in self.layers:
-                    layer.allocate(int(tokens.shape[0]), self.num_heads, self.head_dim, cap, dtype,
-                                   tokens.device, self.length)
+                    layer.allocate(
+                        int(tokens.shape[0]), self.num_heads, self.head_dim, cap, dtype, tokens.device, self.length
+                    )
             for layer in self.layers:
                 layer.set_length(self.length)
 
@@ -194,8 +216,8 @@ if StaticLayer is not None:
             self.length += n
             for layer in self.layers:
                 if n > 1:  # the slots a padded prefill's padding rows wrote: zeros again, as unpadded
-                    layer.keys[:, :, self.length:].zero_()
-                    layer.values[:, :, self.length:].zero_()
+                    layer.keys[:, :, self.length :].zero_()
+                    layer.values[:, :, self.length :].zero_()
                 layer.set_length(self.length)
 
         @contextlib.contextmanager
@@ -212,9 +234,12 @@ if StaticLayer is not None:
                 if t is None and args:
                     t = args[0]
                 if torch.compiler.is_compiling():
-                    raise ConfigError("cache", "BucketedCache",
-                                      "its forward hooks are being traced: compile the model's forward "
-                                      "(model.forward = torch.compile(model.forward, ...)), not the module")
+                    raise ConfigError(
+                        "cache",
+                        "BucketedCache",
+                        "its forward hooks are being traced: compile the model's forward "
+                        "(model.forward = torch.compile(model.forward, ...)), not the module",
+                    )
                 return t
 
             def pre(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -233,8 +258,10 @@ if StaticLayer is not None:
                 if t is not None:
                     self.after_forward(t)
 
-            handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
-                       model.register_forward_hook(post, with_kwargs=True)]
+            handles = [
+                model.register_forward_pre_hook(pre, with_kwargs=True),
+                model.register_forward_hook(post, with_kwargs=True),
+            ]
             try:
                 yield self
             finally:

@@ -117,7 +117,9 @@ def _check_max_length(max_length: Any, largest: int, multiple_of: int) -> int | 
         return None
     m = _positive_int("max_length", max_length)
     if m < largest:
-        raise ConfigError("max_length", max_length, f"is below the largest length ({largest}): the top bucket must hold it")
+        raise ConfigError(
+            "max_length", max_length, f"is below the largest length ({largest}): the top bucket must hold it"
+        )
     if m % multiple_of:
         raise ConfigError("max_length", max_length, f"is not a multiple of multiple_of={multiple_of}")
     return m
@@ -165,8 +167,9 @@ def _layer(prev: list[float], sizes: list[int], pc: list[int], ps: list[int], k:
     return cur, arg
 
 
-def choose_buckets(lengths: Iterable[int] | Mapping[int, int], max_graphs: int, *,
-                   max_length: int | None = None, multiple_of: int = 1) -> list[int]:
+def choose_buckets(
+    lengths: Iterable[int] | Mapping[int, int], max_graphs: int, *, max_length: int | None = None, multiple_of: int = 1
+) -> list[int]:
     """The bucket sizes that pad ``lengths`` least with at most ``max_graphs`` buckets.
 
     lengths: the lengths the workload sees (one per call, repeats count), or a dict length -> count.
@@ -204,8 +207,14 @@ def choose_buckets(lengths: Iterable[int] | Mapping[int, int], max_graphs: int, 
         buckets.append(sizes[j - 1])
         j = args[k - 1][j]
     buckets.reverse()
-    log.debug("choose_buckets: %d lengths, %d candidates, budget %d -> %s (%d padded tokens)",
-              pc[n], n, k_max, buckets, prev[n])
+    log.debug(
+        "choose_buckets: %d lengths, %d candidates, budget %d -> %s (%d padded tokens)",
+        pc[n],
+        n,
+        k_max,
+        buckets,
+        prev[n],
+    )
     return buckets
 
 
@@ -243,5 +252,5 @@ def power_of_two_buckets(max_length: int, min_length: int = 128) -> list[int]:
     low = _positive_int("min_length", min_length)
     if low >= top:
         return [top]
-    buckets = [2 ** e for e in range(int(math.log2(low)), round(math.log2(top)))]
+    buckets = [2**e for e in range(int(math.log2(low)), round(math.log2(top)))]
     return sorted({b for b in buckets if b < top} | {top})

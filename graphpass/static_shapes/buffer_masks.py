@@ -65,7 +65,12 @@ class CausalTable:
     def holds(self, t: Any) -> bool:
         """``t`` is the proven tensor, unwritten since (same object, same version counter), or its values are
         causal again (then they are remembered as the proven ones)."""
-        if isinstance(t, torch.Tensor) and self._ref() is t and self._version is not None and _version(t) == self._version:
+        if (
+            isinstance(t, torch.Tensor)
+            and self._ref() is t
+            and self._version is not None
+            and _version(t) == self._version
+        ):
             return True
         if not is_causal_table(t):
             return False

@@ -50,8 +50,15 @@ import torch
 
 from ..fx_utils import example_of, ran_inside_file, ran_inside_path, size_expr, writes_into
 
-__all__ = ["CAUSAL_FUNCTIONS", "CausalFunction", "benign_guard", "causal_function_of", "check_causal_edges",
-           "is_proven_source", "source_digest"]
+__all__ = [
+    "CAUSAL_FUNCTIONS",
+    "CausalFunction",
+    "benign_guard",
+    "causal_function_of",
+    "check_causal_edges",
+    "is_proven_source",
+    "source_digest",
+]
 
 
 @dataclass(frozen=True)
@@ -78,50 +85,68 @@ _KDA = ("bailing_hybrid", "glm5_next", "kimi_linear")
 _MAMBA1 = ("falcon_mamba", "jamba", "mamba", "zamba")
 _DELTA = ("lara_mini", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp")
 
-_NO_PAD = ("traced with pad_size > 0, the graph pads by pad_size and cuts output[:, :sequence_length]; at a bucket "
-           "where pad_size is 0 both are the identity, which is what the code computes there")
-_UNROLLED = ("the loop over chunks is unrolled for the chunk count of the real length (Dynamo checks it per call); "
-             "a bucket is at least that long, so every chunk holding a real row is processed, and the chunks past "
-             "them hold padding rows only (their outputs stay zero and are sliced off)")
+_NO_PAD = (
+    "traced with pad_size > 0, the graph pads by pad_size and cuts output[:, :sequence_length]; at a bucket "
+    "where pad_size is 0 both are the identity, which is what the code computes there"
+)
+_UNROLLED = (
+    "the loop over chunks is unrolled for the chunk count of the real length (Dynamo checks it per call); "
+    "a bucket is at least that long, so every chunk holding a real row is processed, and the chunks past "
+    "them hold padding rows only (their outputs stay zero and are sliced off)"
+)
 
 #: function name -> the proven code.
-CAUSAL_FUNCTIONS: Mapping[str, CausalFunction] = MappingProxyType({
-    "mamba2_chunk_scan": CausalFunction(
-        "716d32c389cc9046", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _MAMBA2),
-        "Mamba-2 SSD chunked scan: chunks start at multiples of chunk_size from row 0 with or without padding; "
-        "within a chunk, output row l reads source rows s <= l only (exp(segment_sum) is exp(-inf) = 0 above the "
-        "diagonal, and segment_sum's cumsum reads rows <= l); a chunk's state (a sum over all its rows) and the "
-        "last row's cumulative decay feed only the start states of later chunks (the inter-chunk decay is again "
-        "exp(-inf) = 0 above the diagonal); the D residual is row-wise",
-        helpers=("pad_tensor_by_size", "reshape_into_chunks", "segment_sum"),
-        benign_guards={"if pad_size > 0:": _NO_PAD}, taken_only=frozenset({"if pad_size > 0:"})),
-    "torch_chunk_gated_delta_rule": CausalFunction(
-        "e8aa42c00b9d9dbe", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _DELTA),
-        "gated delta rule, chunked: chunks start at multiples of chunk_size from row 0; within a chunk the "
-        "pairwise decays are exp(-inf) = 0 above the diagonal, so the UT system and the intra-chunk attention are "
-        "lower triangular, the unit lower-triangular solve (forward substitution) gives row i from rows <= i, "
-        "and the chunk's last-row decay and key update feed only the recurrent state read by later chunks",
-        helpers=("l2norm",), benign_guards={"for i in range(num_chunks):": _UNROLLED}),
-    "chunk_kimi_delta_attention": CausalFunction(
-        "74cbb14a6f617905", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _KDA),
-        "Kimi delta attention, chunked: chunks start at multiples of chunk_size from row 0; the per-channel decays "
-        "are a cumsum within the chunk, their pairwise exp is exp(-inf) = 0 above the diagonal; the UT matrix is "
-        "masked to its strict lower triangle and the in-place forward substitution builds row i from rows < i; "
-        "value = attn @ v_beta and k_cumdecay are lower triangular (plus the identity); the intra-chunk attention "
-        "is masked to the lower triangle; the chunk's last-row decay and key update feed only the recurrent state "
-        "read by later chunks",
-        helpers=("l2norm",), benign_guards={"for i in range(total_sequence_length // chunk_size):": _UNROLLED}),
-    "mamba_selective_scan": CausalFunction(
-        "7741d95862eac581", tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _MAMBA1),
-        "Mamba (v1) selective scan, sequence last (batch, channels, length): dt's bias and softplus, "
-        "discrete_A = exp(A * dt), deltaB_u = dt * B * x and the D residual and silu(z) gate are per row; the "
-        "scan h[t] = discrete_A[t] * h[t - 1] + deltaB_u[t] (h[-1] = 0; associative_scan of the affine-map "
-        "composition (a_l * a_r, a_r * b_l + b_r) along dim 2, an inclusive scan: row t combines rows 0 .. t in "
-        "order; the sequential loop computes the same recurrence) passes state forward only, so all_states[t] "
-        "reads rows <= t; the output row t is all_states[t] @ C[t]. The final state (the last row, padding "
-        "included) is a violation when read (return_last_state)",
-        seq_dim=-1, unproven_callees=("mambapy/pscan.py",)),
-})
+CAUSAL_FUNCTIONS: Mapping[str, CausalFunction] = MappingProxyType(
+    {
+        "mamba2_chunk_scan": CausalFunction(
+            "716d32c389cc9046",
+            tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _MAMBA2),
+            "Mamba-2 SSD chunked scan: chunks start at multiples of chunk_size from row 0 with or without padding; "
+            "within a chunk, output row l reads source rows s <= l only (exp(segment_sum) is exp(-inf) = 0 above the "
+            "diagonal, and segment_sum's cumsum reads rows <= l); a chunk's state (a sum over all its rows) and the "
+            "last row's cumulative decay feed only the start states of later chunks (the inter-chunk decay is again "
+            "exp(-inf) = 0 above the diagonal); the D residual is row-wise",
+            helpers=("pad_tensor_by_size", "reshape_into_chunks", "segment_sum"),
+            benign_guards={"if pad_size > 0:": _NO_PAD},
+            taken_only=frozenset({"if pad_size > 0:"}),
+        ),
+        "torch_chunk_gated_delta_rule": CausalFunction(
+            "e8aa42c00b9d9dbe",
+            tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _DELTA),
+            "gated delta rule, chunked: chunks start at multiples of chunk_size from row 0; within a chunk the "
+            "pairwise decays are exp(-inf) = 0 above the diagonal, so the UT system and the intra-chunk attention are "
+            "lower triangular, the unit lower-triangular solve (forward substitution) gives row i from rows <= i, "
+            "and the chunk's last-row decay and key update feed only the recurrent state read by later chunks",
+            helpers=("l2norm",),
+            benign_guards={"for i in range(num_chunks):": _UNROLLED},
+        ),
+        "chunk_kimi_delta_attention": CausalFunction(
+            "74cbb14a6f617905",
+            tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _KDA),
+            "Kimi delta attention, chunked: chunks start at multiples of chunk_size from row 0; the per-channel decays "
+            "are a cumsum within the chunk, their pairwise exp is exp(-inf) = 0 above the diagonal; the UT matrix is "
+            "masked to its strict lower triangle and the in-place forward substitution builds row i from rows < i; "
+            "value = attn @ v_beta and k_cumdecay are lower triangular (plus the identity); the intra-chunk attention "
+            "is masked to the lower triangle; the chunk's last-row decay and key update feed only the recurrent state "
+            "read by later chunks",
+            helpers=("l2norm",),
+            benign_guards={"for i in range(total_sequence_length // chunk_size):": _UNROLLED},
+        ),
+        "mamba_selective_scan": CausalFunction(
+            "7741d95862eac581",
+            tuple(f"transformers/models/{m}/modeling_{m}.py" for m in _MAMBA1),
+            "Mamba (v1) selective scan, sequence last (batch, channels, length): dt's bias and softplus, "
+            "discrete_A = exp(A * dt), deltaB_u = dt * B * x and the D residual and silu(z) gate are per row; the "
+            "scan h[t] = discrete_A[t] * h[t - 1] + deltaB_u[t] (h[-1] = 0; associative_scan of the affine-map "
+            "composition (a_l * a_r, a_r * b_l + b_r) along dim 2, an inclusive scan: row t combines rows 0 .. t in "
+            "order; the sequential loop computes the same recurrence) passes state forward only, so all_states[t] "
+            "reads rows <= t; the output row t is all_states[t] @ C[t]. The final state (the last row, padding "
+            "included) is a violation when read (return_last_state)",
+            seq_dim=-1,
+            unproven_callees=("mambapy/pscan.py",),
+        ),
+    }
+)
 
 
 @functools.lru_cache(maxsize=64)
@@ -137,7 +162,11 @@ def _digest_at(path: str, functions: tuple[str, ...], mtime_ns: int) -> str | No
         if isinstance(node, ast.FunctionDef) and node.name in functions:
             node.decorator_list = []
             first = node.body[0] if node.body else None
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 node.body = node.body[1:]
             found[node.name] = ast.unparse(node)
     if set(found) != set(functions):
@@ -196,8 +225,9 @@ def benign_guard(where: str, functions: Iterable[str], expr: Any = None) -> str 
     return None
 
 
-def _layout_ok(value: Any, seq_dim: int, padded: Callable[[Any], tuple[int, ...]],
-               is_length: Callable[[Any], bool]) -> bool:
+def _layout_ok(
+    value: Any, seq_dim: int, padded: Callable[[Any], tuple[int, ...]], is_length: Callable[[Any], bool]
+) -> bool:
     t = example_of(value)
     dims = padded(t)
     if not dims:
@@ -206,10 +236,12 @@ def _layout_ok(value: Any, seq_dim: int, padded: Callable[[Any], tuple[int, ...]
     return dims == (d,) and is_length(t.shape[d])
 
 
-def check_causal_edges(node: torch.fx.Node, function: str, padded: Callable[[Any], tuple[int, ...]],
-                       is_length: Callable[[Any], bool]) -> tuple[int | None, str] | None:
+def check_causal_edges(
+    node: torch.fx.Node, function: str, padded: Callable[[Any], tuple[int, ...]], is_length: Callable[[Any], bool]
+) -> tuple[int | None, str] | None:
     """The violation at ``node``'s edges out of ``function`` (see the module docstring), or None.
     ``padded(t)``: the padded dims of a tensor; ``is_length(size)``: the size is the padded length itself."""
+
     def inside(n: torch.fx.Node) -> bool:
         return causal_function_of(n) == function
 
@@ -223,19 +255,25 @@ def check_causal_edges(node: torch.fx.Node, function: str, padded: Callable[[Any
             return None, f"{function} writes into a tensor from outside it ({a.name}): its rows are not proven"
         t = example_of(a)
         if isinstance(t, torch.Tensor) and not _layout_ok(t, seq, padded, is_length):
-            return None, (f"{function} reads {a.name} (shape {tuple(str(size_expr(s)) for s in t.shape)}) whose "
-                          f"padded dim is not {where} of the padded length: the layout the causal proof assumes")
+            return None, (
+                f"{function} reads {a.name} (shape {tuple(str(size_expr(s)) for s in t.shape)}) whose "
+                f"padded dim is not {where} of the padded length: the layout the causal proof assumes"
+            )
     t = example_of(node)
     if not isinstance(t, torch.Tensor) or all(inside(u) for u in node.users):
         return None
     if not padded(t):
-        return None, (f"{function}'s result {node.name} has no padded dim but is used outside it: a final "
-                      "recurrent state sums over every row, the padding included")
+        return None, (
+            f"{function}'s result {node.name} has no padded dim but is used outside it: a final "
+            "recurrent state sums over every row, the padding included"
+        )
     if not _layout_ok(t, seq, padded, is_length):
         d = seq % t.dim()
         if padded(t) == (d,):  # the right dim, another size: the trace's row count is not the padded length
-            return None, (f"{function}'s result {node.name} is used outside it with {where} of size "
-                          f"{size_expr(t.shape[d])}, not the padded length: the graph is not the code's trace at "
-                          "another length")
+            return None, (
+                f"{function}'s result {node.name} is used outside it with {where} of size "
+                f"{size_expr(t.shape[d])}, not the padded length: the graph is not the code's trace at "
+                "another length"
+            )
         return None, f"{function}'s result {node.name} is used outside it with the padded dim not {where}"
     return None

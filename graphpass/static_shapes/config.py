@@ -75,7 +75,11 @@ def check_static_shapes(value: Any) -> StaticShapesConfig | None:
         if not isinstance(name, str) or not name.isidentifier():
             raise ConfigError(f"{key}.dims", name, "input names must be Python identifiers (forward's parameter names)")
         ds = (d,) if isinstance(d, int) and not isinstance(d, bool) else d
-        if not isinstance(ds, (list, tuple)) or not ds or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ds):
+        if (
+            not isinstance(ds, (list, tuple))
+            or not ds
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ds)
+        ):
             raise ConfigError(f"{key}.dims.{name}", d, "expected a dim index >= 0 or a list of them")
         norm_dims[name] = tuple(ds)
     buckets = check_buckets(f"{key}.buckets", value.get("buckets"))
@@ -83,8 +87,9 @@ def check_static_shapes(value: Any) -> StaticShapesConfig | None:
     if isinstance(masked, str) or not isinstance(masked, (list, tuple)) or not all(m in norm_dims for m in masked):
         raise ConfigError(f"{key}.masked", masked, "expected a list of names that appear in 'dims'")
     pad = value.get("pad_value", {})
-    if not isinstance(pad, Mapping) or not all(k in norm_dims and isinstance(v, (int, float)) and not isinstance(v, bool)
-                                               for k, v in pad.items()):
+    if not isinstance(pad, Mapping) or not all(
+        k in norm_dims and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in pad.items()
+    ):
         raise ConfigError(f"{key}.pad_value", pad, "expected a dict input name (from 'dims') -> number")
     verify = value.get("verify", False)
     if not isinstance(verify, bool) and verify != "bitwise":

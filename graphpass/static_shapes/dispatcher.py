@@ -58,8 +58,11 @@ def scalar_items(gm: torch.fx.GraphModule) -> list[int]:
     out = []
     for i, ph in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         val = ph.meta.get("example_value")
-        if isinstance(val, torch.Tensor) and val.dim() == 0 and ph.users and all(
-            u.op == "call_method" and u.target == "item" for u in ph.users
+        if (
+            isinstance(val, torch.Tensor)
+            and val.dim() == 0
+            and ph.users
+            and all(u.op == "call_method" and u.target == "item" for u in ph.users)
         ):
             out.append(i)
     return out
@@ -141,7 +144,11 @@ def other_fill(pad: float, dtype: torch.dtype) -> float | int | bool:
         p = int(pad)
         return p - 1 if p >= 1 else p + 1
     for alt in (pad + 1, pad - 1, 0.0, 1.0):
-        if abs(alt) != float("inf") and alt == alt and bool(torch.tensor(alt, dtype=dtype) != torch.tensor(pad, dtype=dtype)):
+        if (
+            abs(alt) != float("inf")
+            and alt == alt
+            and bool(torch.tensor(alt, dtype=dtype) != torch.tensor(pad, dtype=dtype))
+        ):
             return alt
     return 1.0  # pragma: no cover - every candidate rounds to pad: not a float dtype we know
 
@@ -154,6 +161,7 @@ def _kept(result: Any) -> tuple[Any, Any]:
     """``(to return, to compare)``: copies of ``result`` that the next run of the same graph cannot overwrite (its
     outputs may alias the graph's own buffers: CUDA graphs' static outputs). On a lazy-tensor device the outputs are
     values already: they are returned as they are and compared from a host copy."""
+
     def keep(t: Any) -> tuple[Any, Any]:
         if not isinstance(t, torch.Tensor):
             return t, t
@@ -197,8 +205,14 @@ def first_difference(a: Any, b: Any) -> tuple[int, str] | None:
 
 
 #: dtype -> (rtol, atol): torch.testing.assert_close's defaults (a floating type not listed: bfloat16's)
-ROUNDING = {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
-            torch.float64: (1e-7, 1e-7), torch.complex64: (1.3e-6, 1e-5), torch.complex128: (1e-7, 1e-7)}
+ROUNDING = {
+    torch.float16: (1e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+    torch.float32: (1.3e-6, 1e-5),
+    torch.float64: (1e-7, 1e-7),
+    torch.complex64: (1.3e-6, 1e-5),
+    torch.complex128: (1e-7, 1e-7),
+}
 
 
 def within_rounding(a: Any, b: Any) -> bool:
@@ -252,8 +266,14 @@ class _CheckedRun:
 
 
 class BucketDispatcher:
-    def __init__(self, gm: torch.fx.GraphModule, plan: Any, cfg: StaticShapesConfig, delegate: Delegate,
-                 log: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        plan: Any,
+        cfg: StaticShapesConfig,
+        delegate: Delegate,
+        log: list[str] | None = None,
+    ) -> None:
         self.gm = gm
         self.plan = plan
         self.cfg = cfg
@@ -265,7 +285,9 @@ class BucketDispatcher:
         self.warned = False
         self.log = log if log is not None else []
         self.scalars = scalar_items(gm)
-        self.verified: dict[tuple, str] = {}  # checked mode: bucket key -> "verified" / "unchecked: why" / "refused: why"
+        self.verified: dict[
+            tuple, str
+        ] = {}  # checked mode: bucket key -> "verified" / "unchecked: why" / "refused: why"
         self._written: list[int] | None = None  # checked mode: placeholders the graph writes in place
 
     # -- helpers -------------------------------------------------------------------------------
@@ -299,8 +321,11 @@ class BucketDispatcher:
         from ..delegation import compile_with_delegate
 
         fakes = [ph.meta.get("example_value") for ph in source.graph.nodes if ph.op == "placeholder"]
-        symbolic = any(isinstance(f, torch.SymInt) or (isinstance(f, torch.Tensor) and any(
-            isinstance(d, torch.SymInt) for d in f.shape)) for f in fakes)
+        symbolic = any(
+            isinstance(f, torch.SymInt)
+            or (isinstance(f, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in f.shape))
+            for f in fakes
+        )
         if not symbolic or any(f is None for f in fakes):
             return None  # a static graph (Dynamo has not seen a second size yet): compile per size
         gm = copy_graph(source)
@@ -309,7 +334,9 @@ class BucketDispatcher:
             with _floats_specialized(fakes):
                 return compile_with_delegate(gm, fakes, self.delegate)
         except Exception as exc:  # a delegate that cannot take fake inputs: fall back per size
-            self.log.append(f"static_shapes: dynamic fallback not compiled ({type(exc).__name__}: {exc}); per size instead")
+            self.log.append(
+                f"static_shapes: dynamic fallback not compiled ({type(exc).__name__}: {exc}); per size instead"
+            )
             return None
 
     # -- the call --------------------------------------------------------------------------------
@@ -332,16 +359,17 @@ class BucketDispatcher:
             return self._run_unpadded(args, self._shape_key(args))
         bad = sorted({b for b in buckets.values() if b in plan.invalid_buckets})
         if bad:  # a typed reason (padding_proof.InvalidBucket) that words its own warning
-            self._warn(f"graphpass static_shapes: {plan.invalid_buckets[bad[0]].warning(bad[0])}; running it unpadded "
-                       "with dynamic shapes")
+            self._warn(
+                f"graphpass static_shapes: {plan.invalid_buckets[bad[0]].warning(bad[0])}; running it unpadded "
+                "with dynamic shapes"
+            )
             return self._run_unpadded(args, self._shape_key(args))
         subs = {sym: b for sym, b in buckets.items()}
         others = tuple((i, int(a)) for i, a in enumerate(args) if isinstance(a, int) and i not in plan.size_inputs)
-        key = (tuple(sorted((str(s), b) for s, b in subs.items())), others,
-               tuple(args[i].item() for i in self.scalars))
+        key = (tuple(sorted((str(s), b) for s, b in subs.items())), others, tuple(args[i].item() for i in self.scalars))
         state = self.verified.get(key, "") if self.cfg.verify else ""
         if state.startswith("refused: "):
-            self._warn(state[len("refused: "):])
+            self._warn(state[len("refused: ") :])
             return self._run_unpadded(args, self._shape_key(args))
         padded = list(args)
         for i, expr in plan.size_inputs.items():
@@ -365,8 +393,11 @@ class BucketDispatcher:
         and compare the real rows bitwise (:meth:`_judge`). Inputs the graph writes in place (a static cache's slots)
         are restored to their values before the call for the second run, and to the first run's afterwards."""
         run = _CheckedRun(key, fn, self._slice, args, padded, sizes, subs)
-        varied = {i: other_fill(self.plan.pad_values.get(i, 0.0), args[i].dtype) for i in self.plan.pad
-                  if i not in self.plan.zero_inputs and isinstance(args[i], torch.Tensor)}
+        varied = {
+            i: other_fill(self.plan.pad_values.get(i, 0.0), args[i].dtype)
+            for i in self.plan.pad
+            if i not in self.plan.zero_inputs and isinstance(args[i], torch.Tensor)
+        }
         if not varied:  # every padding is one the proof may read as zeros: nothing to vary, no cost
             self.verified[key] = "unchecked: every padded input is one the proof reads as zero-padded"
             self.log.append(f"static_shapes: verify: bucket {run.name} not checked: {self.verified[key][11:]}")
@@ -378,8 +409,10 @@ class BucketDispatcher:
         missed = [i for i, v in versions.items() if args[i]._version != v and i not in written]
         if missed:  # a write the graph's analysis did not see: a second run would apply it twice
             self.verified[key] = f"unchecked: the graph writes into input(s) {missed} in place"
-            self._warn_verify(f"graphpass static_shapes: verify: bucket {run.name} not checked (the graph writes into "
-                              f"input(s) {missed} in place, and a second run would apply that twice); it stays padded")
+            self._warn_verify(
+                f"graphpass static_shapes: verify: bucket {run.name} not checked (the graph writes into "
+                f"input(s) {missed} in place, and a second run would apply that twice); it stays padded"
+            )
             return result
         run.after = self._save(args, written)
         self._restore(args, run.before)
@@ -401,9 +434,12 @@ class BucketDispatcher:
         diff = first_difference(run.first, second)
         if diff is None or (self.cfg.verify != "bitwise" and within_rounding(run.first, second)):
             self._restore(args, run.after)
-            self.verified[key] = "verified" if diff is None else f"verified within rounding (output {diff[0]}, {diff[1]})"
-            self.log.append(f"static_shapes: verify: bucket {run.name} {self.verified[key]}; padding of {n_varied} "
-                            "input(s) varied")
+            self.verified[key] = (
+                "verified" if diff is None else f"verified within rounding (output {diff[0]}, {diff[1]})"
+            )
+            self.log.append(
+                f"static_shapes: verify: bucket {run.name} {self.verified[key]}; padding of {n_varied} input(s) varied"
+            )
             return True
         self._restore(args, run.before)
         for i, dims in self.plan.pad.items():  # the usual fill again (the first run may have written its buffers)
@@ -411,15 +447,19 @@ class BucketDispatcher:
         if (again := first_difference(run.first, run.run(run.padded))) is not None:
             self._restore(args, run.after)
             self.verified[key] = "unchecked: not bitwise deterministic"
-            self._warn_verify(f"graphpass static_shapes: verify: bucket {run.name} not checked: two runs with the same "
-                              f"padding differ bitwise (output {again[0]}, {again[1]}), so the graph is not deterministic "
-                              "(atomics?) and a bitwise comparison says nothing about the padding; it stays padded "
-                              "(torch.use_deterministic_algorithms makes it checkable)")
+            self._warn_verify(
+                f"graphpass static_shapes: verify: bucket {run.name} not checked: two runs with the same "
+                f"padding differ bitwise (output {again[0]}, {again[1]}), so the graph is not deterministic "
+                "(atomics?) and a bitwise comparison says nothing about the padding; it stays padded "
+                "(torch.use_deterministic_algorithms makes it checkable)"
+            )
             return True
         self._restore(args, run.before)
-        msg = (f"graphpass static_shapes: verify: bucket {run.name} refused: its real rows changed when the padding "
-               f"did (output {diff[0]}, {diff[1]}), so the padding proof does not hold for this graph; calls landing "
-               "in it run unpadded with dynamic shapes")
+        msg = (
+            f"graphpass static_shapes: verify: bucket {run.name} refused: its real rows changed when the padding "
+            f"did (output {diff[0]}, {diff[1]}), so the padding proof does not hold for this graph; calls landing "
+            "in it run unpadded with dynamic shapes"
+        )
         self.verified[key] = "refused: " + msg
         self.compiled.pop(key, None)
         for k in [k for k in self.staging if k[0] == key]:
@@ -444,8 +484,12 @@ class BucketDispatcher:
 
             index = AliasIndex(self.gm.graph)
             phs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-            self._written = [i for i, ph in enumerate(phs) if find_write(ph, index) is not None or (
-                isinstance(v := example_of(ph), torch.Tensor) and v._version > 0)]
+            self._written = [
+                i
+                for i, ph in enumerate(phs)
+                if find_write(ph, index) is not None
+                or (isinstance(v := example_of(ph), torch.Tensor) and v._version > 0)
+            ]
         return self._written
 
     @staticmethod
@@ -474,13 +518,19 @@ class BucketDispatcher:
 
     @staticmethod
     def _shape_key(args: Sequence[Any]) -> tuple:
-        return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args if isinstance(a, (torch.Tensor, int)))
+        return tuple(
+            tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args if isinstance(a, (torch.Tensor, int))
+        )
 
     def _warn_untied(self, sizes: dict) -> None:
         """An input padded with a bucketed dim (equal to it when traced) differs from it in this call."""
-        pairs = ", ".join(f"{t}={sizes[t]} vs {sym}={sizes[sym]}" for t, sym in self.plan.ties.items() if sizes[t] != sizes[sym])
-        self._warn(f"graphpass static_shapes: inputs padded together with the bucketed dim have other lengths in this call "
-                   f"({pairs}); running it unpadded with dynamic shapes")
+        pairs = ", ".join(
+            f"{t}={sizes[t]} vs {sym}={sizes[sym]}" for t, sym in self.plan.ties.items() if sizes[t] != sizes[sym]
+        )
+        self._warn(
+            f"graphpass static_shapes: inputs padded together with the bucketed dim have other lengths in this call "
+            f"({pairs}); running it unpadded with dynamic shapes"
+        )
 
     def _stage(self, key: tuple, i: int, t: torch.Tensor, dims: tuple, subs: dict) -> torch.Tensor:
         """Copy ``t`` into this bucket's persistent buffer for input ``i`` and fill the padding (on a

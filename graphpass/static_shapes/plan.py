@@ -24,14 +24,18 @@ class BucketPlan:
     size_inputs: dict[int, sympy.Expr]  # placeholder index of a SymInt input -> its expression
     outputs: list[Any]  # per output: None (no padded dim) or per-dim None / (symbol, a, b): size a*L + b
     refused: list[str] = field(default_factory=list)  # why this graph runs dynamic (empty: bucketed)
-    ties: dict[sympy.Symbol, sympy.Symbol] = field(default_factory=dict)  # symbol of another input's dim -> the bucketed symbol it must equal
+    ties: dict[sympy.Symbol, sympy.Symbol] = field(
+        default_factory=dict
+    )  # symbol of another input's dim -> the bucketed symbol it must equal
     # what the padding proof holds under, checked by the dispatcher on every call (``padding_proof.CallCheck``: an
     # input that must hold 1 everywhere, a causal table that must keep its values); a failed one: the call runs unpadded
     call_checks: list[Any] = field(default_factory=list)
     # placeholder index -> name of a padded input whose zero padding the padding proof may rely on (a mask read from
     # the padding of an attention mask); the checked mode (``verify``) keeps their fill and varies every other one
     zero_inputs: dict[int, str] = field(default_factory=dict)
-    unsliced: torch.fx.GraphModule | None = None  # copy of the graph before slice_static_buffers, for the dynamic fallback
+    unsliced: torch.fx.GraphModule | None = (
+        None  # copy of the graph before slice_static_buffers, for the dynamic fallback
+    )
     # bucket -> why calls landing there run unpadded (``padding_proof.InvalidBucket``: ``GuardFails``, a Dynamo guard
     # that fails there for a graph proven through a causal function's code; ``NotProven``, a proof that holds at some
     # buckets only: a top-k indexer keeping fewer keys than the bucket, a position table too short)
@@ -61,4 +65,3 @@ class BucketPlan:
         if not self.active:
             return {}
         return {sym: cfg.largest for sym in self.symbols if sym not in self.ties}
-

@@ -227,8 +227,11 @@ def _pads_to_buckets(fn: Any) -> bool:
         kwargs = getattr(fn, "kwargs", None)
         if isinstance(kwargs, dict) and "options" in kwargs:
             options = kwargs["options"]
-        fn = (getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
-              or getattr(fn, "__wrapped__", None))
+        fn = (
+            getattr(fn, "_torchdynamo_orig_backend", None)
+            or getattr(fn, "compiler_fn", None)
+            or getattr(fn, "__wrapped__", None)
+        )
     return False
 
 

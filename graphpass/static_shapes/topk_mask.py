@@ -77,6 +77,7 @@ __all__ = ["TOPK_MASKS", "TopkBuckets", "TopkMask", "TopkMaskRule", "topk_masks"
 class TopkMask:
     """A proven top-k selection: the nodes the op-by-op check skips, and ``k`` (an expression in the size
     symbols), which must be at least the bucket at every bucket the plan pads to."""
+
     topk: torch.fx.Node
     k: sympy.Expr
     nodes: frozenset[torch.fx.Node]
@@ -93,6 +94,7 @@ class TopkMask:
 @dataclass(frozen=True)
 class TopkBuckets:
     """The buckets at which a proven top-k keeps fewer keys than the bucket's length (a :class:`~.padding_proof.BucketCheck`)."""
+
     proof: TopkMask
     name: str = "topk_mask"
 
@@ -103,6 +105,7 @@ class TopkBuckets:
 @dataclass(frozen=True)
 class TopkMaskRule:
     """:func:`topk_masks` as a whole-pattern rule of the padding proof (:class:`~.padding_proof.PatternRule`)."""
+
     name: str = "topk_mask"
     needs_causal: bool = True
 
@@ -136,8 +139,12 @@ def _fill_tainted(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return tainted
 
 
-def topk_masks(gm: torch.fx.GraphModule, facts: Mapping[torch.fx.Node, Any],
-               same_size: Callable[[Any, Any], bool], padded: Callable[[Any], tuple[int, ...]]) -> list[TopkMask]:
+def topk_masks(
+    gm: torch.fx.GraphModule,
+    facts: Mapping[torch.fx.Node, Any],
+    same_size: Callable[[Any, Any], bool],
+    padded: Callable[[Any], tuple[int, ...]],
+) -> list[TopkMask]:
     """Every ``topk`` of ``gm`` proven to only narrow a causal mask (see the module docstring)."""
     huge = _fill_tainted(gm)
     found = []
@@ -174,8 +181,9 @@ def _prove(topk: torch.fx.Node, facts, huge, same_size, padded) -> TopkMask | No
     nodes = {topk}
     carried: list[tuple[torch.fx.Node, Any]] = []
     # the indices, through dtype conversions, into scatters
-    idx = _only_users(topk, lambda u: u.op == "call_function" and _op_name(u) == "getitem"
-                      and len(u.args) == 2 and u.args[1] == 1)
+    idx = _only_users(
+        topk, lambda u: u.op == "call_function" and _op_name(u) == "getitem" and len(u.args) == 2 and u.args[1] == 1
+    )
     if idx is None:
         return None
     scatters: list[torch.fx.Node] = []
@@ -189,8 +197,13 @@ def _prove(topk: torch.fx.Node, facts, huge, same_size, padded) -> TopkMask | No
                 todo.append(u)
             elif name == "scatter" and _arg(u, 2, "index", None) is n:
                 scatters.append(u)
-            elif name in _METADATA_FACTORIES and u.args and u.args[0] is n and n not in u.args[1:] \
-                    and n not in u.kwargs.values():
+            elif (
+                name in _METADATA_FACTORIES
+                and u.args
+                and u.args[0] is n
+                and n not in u.args[1:]
+                and n not in u.kwargs.values()
+            ):
                 continue  # idx.new_ones(...): reads the dtype and device only
             else:
                 return None
@@ -205,16 +218,23 @@ def _prove(topk: torch.fx.Node, facts, huge, same_size, padded) -> TopkMask | No
     return TopkMask(topk, size_expr(k), frozenset(nodes), tuple(carried))
 
 
-def _masked_scores_mask(s: torch.fx.Node, ts: torch.Tensor, facts, huge, same_size) -> tuple[torch.fx.Node, bool] | None:
+def _masked_scores_mask(
+    s: torch.fx.Node, ts: torch.Tensor, facts, huge, same_size
+) -> tuple[torch.fx.Node, bool] | None:
     """``S = masked_fill(X, ~M1, v <= -1e30)`` with ``M1`` false at every key after the query (or at every padding
     key) along ``S``'s last two dims: ``(M1, False)``; ``S = X + M1f`` with ``M1f`` an additive mask of 0 and fill values
     (:func:`_additive_mask`): ``(M1f, True)``; else None."""
     if _op_name(s) == "add" and len(s.args) == 2 and not s.kwargs:
         for x, m in (s.args, s.args[::-1]):
             tx = example_of(x)
-            if isinstance(x, torch.fx.Node) and x not in huge and isinstance(tx, torch.Tensor) \
-                    and tx.dtype.is_floating_point and isinstance(m, torch.fx.Node) \
-                    and _additive_mask(m, ts, facts, same_size):
+            if (
+                isinstance(x, torch.fx.Node)
+                and x not in huge
+                and isinstance(tx, torch.Tensor)
+                and tx.dtype.is_floating_point
+                and isinstance(m, torch.fx.Node)
+                and _additive_mask(m, ts, facts, same_size)
+            ):
                 return m, True
         return None
     if _op_name(s) != "masked_fill" or len(s.args) != 3 or s.kwargs:
@@ -222,8 +242,14 @@ def _masked_scores_mask(s: torch.fx.Node, ts: torch.Tensor, facts, huge, same_si
     x, notm, fill = s.args
     if not (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -_HUGE):
         return None
-    if not isinstance(x, torch.fx.Node) or x in huge or not isinstance(notm, torch.fx.Node) \
-            or _op_name(notm) not in _NOTS or len(notm.args) != 1 or not isinstance(notm.args[0], torch.fx.Node):
+    if (
+        not isinstance(x, torch.fx.Node)
+        or x in huge
+        or not isinstance(notm, torch.fx.Node)
+        or _op_name(notm) not in _NOTS
+        or len(notm.args) != 1
+        or not isinstance(notm.args[0], torch.fx.Node)
+    ):
         return None
     m1 = notm.args[0]
     t = example_of(m1)
@@ -250,29 +276,42 @@ def _additive_mask(m: torch.fx.Node, ts: torch.Tensor, facts, same_size) -> bool
     if _op_name(root) != "where" or len(root.args) != 3 or not _is_zero(root.args[1]):
         return False
     fill = root.args[2]
-    if not ((isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -_HUGE)
-            or (isinstance(fill, torch.fx.Node) and _is_negative_constant(fill))):
+    if not (
+        (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -_HUGE)
+        or (isinstance(fill, torch.fx.Node) and _is_negative_constant(fill))
+    ):
         return False
     fact = facts.get(m)
     return (isinstance(fact, NegMask) and fact.tail == 0 and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)) or (
-        isinstance(fact, NegKeys) and fact.k == t.dim() - 1)
+        isinstance(fact, NegKeys) and fact.k == t.dim() - 1
+    )
 
 
-def _scatter_picked_mask(sc: torch.fx.Node, ts: torch.Tensor, m1: torch.fx.Node, same_size, additive: bool,
-                         facts) -> tuple[set[torch.fx.Node], list[tuple[torch.fx.Node, Any]]] | None:
+def _scatter_picked_mask(
+    sc: torch.fx.Node, ts: torch.Tensor, m1: torch.fx.Node, same_size, additive: bool, facts
+) -> tuple[set[torch.fx.Node], list[tuple[torch.fx.Node, Any]]] | None:
     """``scatter(ones_bool, -1, idx, False)`` of ``S``'s sizes, used only through size-1 views, a NOT and an AND with
     a mask holding ``M1``'s elements (boolean masks), or, for an additive mask, as the condition of
     ``M2f.masked_fill(not_kept, v <= -1e30)`` with ``M2f`` holding ``M1f``'s elements: the nodes from the scatter to
     the NOT, and the masked_fill nodes with the fact they carry (``M2f``'s); else None."""
     base = sc.args[0] if sc.args else None
-    tb, tsc = example_of(base), example_of(sc)
+    tb = example_of(base)
     dim = _static_int(_arg(sc, 1, "dim", None))
     value = _arg(sc, 3, "value", _arg(sc, 3, "src", None))
-    if not (isinstance(base, torch.fx.Node) and isinstance(tb, torch.Tensor) and tb.dtype == torch.bool
-            and _op_name(base) in _ALL_TRUE_FACTORIES and len(base.users) == 1 and dim is not None
-            and _norm_dim(dim, tb.dim()) == tb.dim() - 1 and value is False and "reduce" not in sc.kwargs
-            and len(sc.args) <= 4 and tb.dim() == ts.dim()
-            and all(same_size(a, b) for a, b in zip(tb.shape, ts.shape))):
+    if not (
+        isinstance(base, torch.fx.Node)
+        and isinstance(tb, torch.Tensor)
+        and tb.dtype == torch.bool
+        and _op_name(base) in _ALL_TRUE_FACTORIES
+        and len(base.users) == 1
+        and dim is not None
+        and _norm_dim(dim, tb.dim()) == tb.dim() - 1
+        and value is False
+        and "reduce" not in sc.kwargs
+        and len(sc.args) <= 4
+        and tb.dim() == ts.dim()
+        and all(same_size(a, b) for a, b in zip(tb.shape, ts.shape))
+    ):
         return None
     nodes = {sc}
     cur = sc
@@ -292,19 +331,32 @@ def _scatter_picked_mask(sc: torch.fx.Node, ts: torch.Tensor, m1: torch.fx.Node,
             return None
         nodes.add(u)
         cur = u
-    ands = _only_users(notp, lambda a: a.op in ("call_function", "call_method") and _op_name(a) in _ANDS
-                       and len(a.args) == 2 and not a.kwargs and example_of(a).dtype == torch.bool)
+    ands = _only_users(
+        notp,
+        lambda a: (
+            a.op in ("call_function", "call_method")
+            and _op_name(a) in _ANDS
+            and len(a.args) == 2
+            and not a.kwargs
+            and example_of(a).dtype == torch.bool
+        ),
+    )
     if ands is None:
         return None
     for a in ands:
         other = a.args[1] if a.args[0] is notp else a.args[0]
-        if other is notp or not isinstance(other, torch.fx.Node) or not _same_elements(a, notp.args[0], other, sc, ts, m1):
+        if (
+            other is notp
+            or not isinstance(other, torch.fx.Node)
+            or not _same_elements(a, notp.args[0], other, sc, ts, m1)
+        ):
             return None
     return nodes, []
 
 
-def _fill_consumers(cur: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor, m1f: torch.fx.Node, facts,
-                    nodes: set[torch.fx.Node]) -> tuple[set[torch.fx.Node], list[tuple[torch.fx.Node, Any]]] | None:
+def _fill_consumers(
+    cur: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor, m1f: torch.fx.Node, facts, nodes: set[torch.fx.Node]
+) -> tuple[set[torch.fx.Node], list[tuple[torch.fx.Node, Any]]] | None:
     """From the scatter ``cur`` on: size-1 views, then only ``M2f.masked_fill(view, v <= -1e30)`` with ``M2f`` holding
     ``M1f``'s elements (and of its shape)."""
     while True:
@@ -316,15 +368,24 @@ def _fill_consumers(cur: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor, m1f
         break
     carried = []
     for u in users:
-        if not (u.op in ("call_function", "call_method") and _op_name(u) == "masked_fill" and len(u.args) == 3
-                and not u.kwargs and u.args[1] is cur and isinstance(u.args[0], torch.fx.Node)):
+        if not (
+            u.op in ("call_function", "call_method")
+            and _op_name(u) == "masked_fill"
+            and len(u.args) == 3
+            and not u.kwargs
+            and u.args[1] is cur
+            and isinstance(u.args[0], torch.fx.Node)
+        ):
             return None
         m2f, fill = u.args[0], u.args[2]
         if not (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -_HUGE):
             return None
         tu, tm2 = example_of(u), example_of(m2f)
-        if not (isinstance(tm2, torch.Tensor) and tu.dim() == tm2.dim() and all(
-                size_expr(a) == size_expr(b) for a, b in zip(tu.shape, tm2.shape))):
+        if not (
+            isinstance(tm2, torch.Tensor)
+            and tu.dim() == tm2.dim()
+            and all(size_expr(a) == size_expr(b) for a, b in zip(tu.shape, tm2.shape))
+        ):
             return None
         if not _same_elements(u, cur, m2f, sc, ts, m1f):
             return None
@@ -397,8 +458,9 @@ def _is_one(size: Any) -> bool:
     return _static_int(size) == 1
 
 
-def _same_elements(a: torch.fx.Node, picked: torch.fx.Node, m2: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor,
-                   m1: torch.fx.Node) -> bool:
+def _same_elements(
+    a: torch.fx.Node, picked: torch.fx.Node, m2: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor, m1: torch.fx.Node
+) -> bool:
     """At every element of the AND ``a``, the kept-key operand (``~picked``, a size-1-view chain of the scatter,
     whose elements are ``S``'s, masked by ``M1`` broadcast from the right) and ``M2`` read the same element of one
     node: so ``M2`` true implies that the key was unmasked in ``M1``."""
@@ -436,19 +498,25 @@ def topk_invalid_buckets(plan: Any, syms: set, buckets: tuple[int, ...], proofs:
             k = _k_at(proof.k, b, names)
             # the padded run (k at b) and the unpadded one (k at L) must both keep every unmasked key of each real row:
             # k(b) >= b, and k(L) >= L for every length L landing in this bucket (prev < L <= b)
-            ok = k is not None and k >= b and b - prev <= _MAX_CHECKED and all(
-                (kl := _k_at(proof.k, n, names)) is not None and kl >= n for n in range(prev + 1, b))
+            ok = (
+                k is not None
+                and k >= b
+                and b - prev <= _MAX_CHECKED
+                and all((kl := _k_at(proof.k, n, names)) is not None and kl >= n for n in range(prev + 1, b))
+            )
             if not ok:
                 plan.invalid_buckets[b] = NotProven(
                     f"{what} keeps k = {proof.k} keys per query row, {k} at bucket {b}: a real row with more "
-                    "unmasked keys than k picks among them, and a tie at the k-th score is broken differently with padding")
+                    "unmasked keys than k picks among them, and a tie at the k-th score is broken differently with padding"
+                )
         if len(plan.invalid_buckets) == len(buckets):
             k0 = proof.k.xreplace({s: sympy.Integer(buckets[0]) for s in proof.k.free_symbols if str(s) in names})
             plan.refused.append(
                 f"{what}: top-k of the masked index scores keeps k = {proof.k} keys per query row ({k0} at bucket "
                 f"{buckets[0]}), fewer than the bucket's length at every bucket: a real row with more unmasked keys than "
                 "k picks among them, and a tie at the k-th score is broken differently with padding (proven only for "
-                "buckets <= k)")
+                "buckets <= k)"
+            )
             return
 
 

@@ -68,8 +68,10 @@ def create_engine_config(create: Any, engine_args: Any, *args: Any, **kwargs: An
     if settings.tensor_capture is not None:
         engine_args.additional_config = _with_run(engine_args.additional_config, settings.tensor_capture)
     if settings.report is None:
-        engine_args.additional_config = {**engine_args.additional_config,
-                                         KEY: {**engine_args.additional_config[KEY], "report": new_report_path()}}
+        engine_args.additional_config = {
+            **engine_args.additional_config,
+            KEY: {**engine_args.additional_config[KEY], "report": new_report_path()},
+        }
     try:
         return create(engine_args, *args, **kwargs)
     except Exception as exc:  # vLLM's pydantic config wraps a ConfigError of update_config: unwrap it
@@ -102,8 +104,12 @@ def _check_engine_args(engine_args: Any, settings: VllmPluginConfig) -> None:
     is left to :func:`update_config`, once vLLM has resolved it)."""
     for flag in ("enforce_eager", "enable_lora"):
         if getattr(engine_args, flag, False):
-            raise ConfigError(flag, True, f"graphpass ({PREFIX}) needs vLLM to compile the model, and "
-                              f"{flag}=True turns compilation off: leave it out, or leave graphpass out")
+            raise ConfigError(
+                flag,
+                True,
+                f"graphpass ({PREFIX}) needs vLLM to compile the model, and "
+                f"{flag}=True turns compilation off: leave it out, or leave graphpass out",
+            )
     draft = settings.tensor_capture.draft_modules if settings.tensor_capture is not None else None
     spec = getattr(engine_args, "speculative_config", None)
     if draft and spec is None:
@@ -118,19 +124,30 @@ def update_config(vllm_config: Any, settings: VllmPluginConfig) -> None:
 
     comp = vllm_config.compilation_config
     if comp.mode == CompilationMode.NONE:
-        raise ConfigError("compilation_config.mode", str(comp.mode), f"graphpass ({PREFIX}) needs vLLM to compile "
-                          "the model, but compilation is off (enforce_eager=True, a LoRA adapter, or "
-                          "compilation_config mode 0): turn it back on")
+        raise ConfigError(
+            "compilation_config.mode",
+            str(comp.mode),
+            f"graphpass ({PREFIX}) needs vLLM to compile "
+            "the model, but compilation is off (enforce_eager=True, a LoRA adapter, or "
+            "compilation_config mode 0): turn it back on",
+        )
     if comp.mode != CompilationMode.DYNAMO_TRACE_ONCE or comp.backend != BACKEND:
-        log.info("vLLM compiles with graphpass: compilation mode DYNAMO_TRACE_ONCE (was %s), backend %s (was %r)",
-                 comp.mode, BACKEND, comp.backend)
+        log.info(
+            "vLLM compiles with graphpass: compilation mode DYNAMO_TRACE_ONCE (was %s), backend %s (was %r)",
+            comp.mode,
+            BACKEND,
+            comp.backend,
+        )
     comp.mode = CompilationMode.DYNAMO_TRACE_ONCE
     comp.backend = BACKEND  # the compile cache is turned off by the worker, in its own process (worker.py)
     parallel = vllm_config.parallel_config
     worker = WORKERS.get(parallel.worker_cls)
     if worker is None and parallel.worker_cls not in WORKERS.values():
-        raise ConfigError(PREFIX, "worker_cls", f"graphpass inside vLLM is supported with vLLM's CPU "
-                          f"worker only; this engine uses {parallel.worker_cls!r}")
+        raise ConfigError(
+            PREFIX,
+            "worker_cls",
+            f"graphpass inside vLLM is supported with vLLM's CPU worker only; this engine uses {parallel.worker_cls!r}",
+        )
     parallel.worker_cls = worker or parallel.worker_cls
     if settings.tensor_capture is not None and settings.tensor_capture.draft_modules:
         _check_draft(vllm_config.speculative_config, settings.tensor_capture.draft_modules)
@@ -146,11 +163,16 @@ def _with_run(additional_config: Any, capture: Any) -> dict:
     if root.is_dir():
         found = _runs_in(root)
         if found:
-            runs = ", ".join(f"run {r}: {n} meta file(s)" if r != "?" else f"{n} meta file(s) of a run with no id"
-                             for r, n in sorted(found.items()))
-            raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", str(root),
-                              f"holds the captures of another run ({runs}): give an empty or new folder, or "
-                              "remove them; two runs in one folder would be compared as one")
+            runs = ", ".join(
+                f"run {r}: {n} meta file(s)" if r != "?" else f"{n} meta file(s) of a run with no id"
+                for r, n in sorted(found.items())
+            )
+            raise ConfigError(
+                f"{PREFIX}.tensor_capture.capture_dir",
+                str(root),
+                f"holds the captures of another run ({runs}): give an empty or new folder, or "
+                "remove them; two runs in one folder would be compared as one",
+            )
     gp = dict(additional_config[KEY])
     gp["tensor_capture"] = {**gp["tensor_capture"], "run": capture.run or uuid.uuid4().hex[:16]}
     return {**additional_config, KEY: gp}
@@ -179,7 +201,10 @@ def _check_draft(spec: Any, draft_modules: tuple[str, ...]) -> None:
     method = getattr(spec, "method", None)
     if method not in DRAFT_METHODS:
         why = "no speculative_config" if spec is None else f"speculative_config method {method!r}, which runs no model"
-        raise ConfigError(f"{PREFIX}.tensor_capture.draft_modules", list(draft_modules),
-                          f"captures the draft model of speculative decoding, but this engine has {why}: give "
-                          f"speculative_config a draft model (method one of {', '.join(DRAFT_METHODS)}; "
-                          "'draft_model' is the tested one) or leave draft_modules out")
+        raise ConfigError(
+            f"{PREFIX}.tensor_capture.draft_modules",
+            list(draft_modules),
+            f"captures the draft model of speculative decoding, but this engine has {why}: give "
+            f"speculative_config a draft model (method one of {', '.join(DRAFT_METHODS)}; "
+            "'draft_model' is the tested one) or leave draft_modules out",
+        )

@@ -33,7 +33,8 @@ OFFLOAD_REFUSED = (
     "offload inside vLLM's CPU engine is not supported: vLLM's CPU linear layers repack their weights into "
     "oneDNN handles after loading (packed oneDNN weights, not torch parameters), so graphpass cannot see, "
     "move or reload them. Leave 'offload' out of additional_config.graphpass (serve the model without "
-    "offload), or offload with graphpass.offload() outside vLLM, on a transformers model")
+    "offload), or offload with graphpass.offload() outside vLLM, on a transformers model"
+)
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,12 @@ class VllmPluginConfig:
 def _patterns(key: str, value: Any, *, required: bool) -> tuple[str, ...] | None:
     if value is None and not required:
         return None
-    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value \
-            or not all(isinstance(v, str) and v for v in value):
+    if (
+        isinstance(value, str)
+        or not isinstance(value, (list, tuple))
+        or not value
+        or not all(isinstance(v, str) and v for v in value)
+    ):
         raise ConfigError(f"{PREFIX}.tensor_capture.{key}", value, "must be a non-empty list of module patterns")
     return tuple(value)
 
@@ -80,8 +85,11 @@ def _capture(value: Any) -> TensorCaptureConfig | None:
     if not isinstance(capture_dir, (str, os.PathLike)) or not str(capture_dir):
         raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", capture_dir, "must be a folder path")
     if os.path.exists(capture_dir) and not os.path.isdir(capture_dir):
-        raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", os.fspath(capture_dir),
-                          "is a file, not a folder: give a folder (it is made if missing)")
+        raise ConfigError(
+            f"{PREFIX}.tensor_capture.capture_dir",
+            os.fspath(capture_dir),
+            "is a file, not a folder: give a folder (it is made if missing)",
+        )
     _check_makeable(os.path.abspath(os.fspath(capture_dir)))
     return TensorCaptureConfig(
         modules=_patterns("modules", value.get("modules"), required=True),
@@ -102,11 +110,13 @@ def _check_makeable(folder: str) -> None:
     if parent == folder:
         return
     if not os.path.isdir(parent):
-        raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", folder,
-                          f"cannot be made: {parent!r} is a file, not a folder")
+        raise ConfigError(
+            f"{PREFIX}.tensor_capture.capture_dir", folder, f"cannot be made: {parent!r} is a file, not a folder"
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{PREFIX}.tensor_capture.capture_dir", folder,
-                          f"cannot be made: the folder {parent!r} is not writable")
+        raise ConfigError(
+            f"{PREFIX}.tensor_capture.capture_dir", folder, f"cannot be made: the folder {parent!r} is not writable"
+        )
 
 
 def _run(value: Any) -> str | None:
@@ -136,5 +146,4 @@ def parse(additional_config: Any) -> VllmPluginConfig | None:
     report = value.get("report")
     if report is not None and (not isinstance(report, str) or not os.path.isabs(report)):
         raise ConfigError(f"{PREFIX}.report", report, "must be an absolute file path (the plugin sets it)")
-    return VllmPluginConfig(options=dict(options), tensor_capture=_capture(value.get("tensor_capture")),
-                            report=report)
+    return VllmPluginConfig(options=dict(options), tensor_capture=_capture(value.get("tensor_capture")), report=report)

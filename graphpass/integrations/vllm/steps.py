@@ -67,8 +67,13 @@ def forward_query_starts() -> torch.Tensor | None:
     return starts if isinstance(starts, torch.Tensor) else None
 
 
-def draft_step(runner: Any, positions: torch.Tensor | None, query_starts: torch.Tensor | None,
-               target: EngineStep | None, draft_pass: int) -> EngineStep:
+def draft_step(
+    runner: Any,
+    positions: torch.Tensor | None,
+    query_starts: torch.Tensor | None,
+    target: EngineStep | None,
+    draft_pass: int,
+) -> EngineStep:
     """The step of one forward of the draft model (speculative decoding): its tokens per request from
     ``query_starts`` (:func:`forward_query_starts`; the draft's first pass runs each request's tokens of
     the target step plus its next token, each later pass one token per request), the requests from the

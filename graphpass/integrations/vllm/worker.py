@@ -94,11 +94,14 @@ class _GraphpassWorkerMixin:
 
         from vllm import envs
 
-        return {"unique_graphs": int(counters["stats"]["unique_graphs"]),
-                "compile_cache_disabled": bool(envs.VLLM_DISABLE_COMPILE_CACHE),
-                "capture_enabled": bool(self.graphpass_capture is not None and self.graphpass_capture.enabled),
-                "draft_capture_enabled": bool(self.graphpass_draft_capture is not None
-                                              and self.graphpass_draft_capture.enabled)}
+        return {
+            "unique_graphs": int(counters["stats"]["unique_graphs"]),
+            "compile_cache_disabled": bool(envs.VLLM_DISABLE_COMPILE_CACHE),
+            "capture_enabled": bool(self.graphpass_capture is not None and self.graphpass_capture.enabled),
+            "draft_capture_enabled": bool(
+                self.graphpass_draft_capture is not None and self.graphpass_draft_capture.enabled
+            ),
+        }
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -112,20 +115,36 @@ class _GraphpassWorkerMixin:
         runner = self.model_runner
         with reported(self.vllm_config, "tensor_capture"):  # modules matching nothing: at the caller, by its path
             self.graphpass_capture = graphpass.ModelCapture(
-                runner.model, modules=list(tc.modules), capture_dir=tc.capture_dir,
-                capture_filter=list(tc.capture_filter) if tc.capture_filter else None, dp_rank=dp_rank,
-                tp_rank=tp, run=tc.run)
+                runner.model,
+                modules=list(tc.modules),
+                capture_dir=tc.capture_dir,
+                capture_filter=list(tc.capture_filter) if tc.capture_filter else None,
+                dp_rank=dp_rank,
+                tp_rank=tp,
+                run=tc.run,
+            )
             _check_filter(runner.model, tc.modules, tc.capture_filter)
         state = self.graphpass_steps = _Steps()
         runner._model_forward = _stepping(runner, runner._model_forward, self.graphpass_capture, state)
-        log.info("graphpass captures %s of %s into %s (dp%d)", list(tc.modules), type(runner.model).__name__,
-                 tc.capture_dir, dp_rank)
+        log.info(
+            "graphpass captures %s of %s into %s (dp%d)",
+            list(tc.modules),
+            type(runner.model).__name__,
+            tc.capture_dir,
+            dp_rank,
+        )
         if tc.draft_modules:
             with reported(self.vllm_config, "draft"):
                 draft = _draft_model(runner)
                 self.graphpass_draft_capture = graphpass.ModelCapture(
-                    draft, modules=list(tc.draft_modules), capture_dir=tc.capture_dir, subdirectory="draft",
-                    dp_rank=dp_rank, tp_rank=tp, run=tc.run)
+                    draft,
+                    modules=list(tc.draft_modules),
+                    capture_dir=tc.capture_dir,
+                    subdirectory="draft",
+                    dp_rank=dp_rank,
+                    tp_rank=tp,
+                    run=tc.run,
+                )
             draft.forward = _draft_stepping(runner, draft.forward, self.graphpass_draft_capture, state)
             log.info("graphpass captures the draft model's %s into %s/draft", list(tc.draft_modules), tc.capture_dir)
 
@@ -178,9 +197,12 @@ def _draft_model(runner: Any) -> Any:
 
     model = getattr(getattr(runner, "drafter", None), "model", None)
     if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"{PREFIX}.tensor_capture.draft_modules", None,
-                          f"this engine's speculative decoding has no draft model to capture (drafter "
-                          f"{type(getattr(runner, 'drafter', None)).__name__}): leave draft_modules out")
+        raise ConfigError(
+            f"{PREFIX}.tensor_capture.draft_modules",
+            None,
+            f"this engine's speculative decoding has no draft model to capture (drafter "
+            f"{type(getattr(runner, 'drafter', None)).__name__}): leave draft_modules out",
+        )
     return model
 
 
@@ -199,18 +221,23 @@ def _stepping(runner: Any, forward: Any, capture: Any, state: _Steps) -> Any:
     from graphpass.model_shape import ModelShape
 
     config = runner.vllm_config
-    model = ModelShape.from_config(config.model_config.hf_config,
-                                   int(config.parallel_config.tensor_parallel_size)).to_meta()
+    model = ModelShape.from_config(
+        config.model_config.hf_config, int(config.parallel_config.tensor_parallel_size)
+    ).to_meta()
 
     @functools.wraps(forward)
     def model_forward(*args: Any, **kwargs: Any) -> Any:
         if not capture.enabled:
             return forward(*args, **kwargs)
         step = engine_step(runner, kwargs.get("positions"))
-        extra = _meta(step, kwargs, model, prefix_cached=[state.cached.get(r, 0) for r in step.req_ids],
-                      parents=[parent_of(r) for r in step.req_ids])
-        with capture.step(positions=step.positions, is_prefill=step.is_prefill, req_ids=step.req_ids,
-                          extra_meta=extra):
+        extra = _meta(
+            step,
+            kwargs,
+            model,
+            prefix_cached=[state.cached.get(r, 0) for r in step.req_ids],
+            parents=[parent_of(r) for r in step.req_ids],
+        )
+        with capture.step(positions=step.positions, is_prefill=step.is_prefill, req_ids=step.req_ids, extra_meta=extra):
             out = forward(*args, **kwargs)
         state.target, state.target_index, state.draft_pass = step, state.target_index + 1, 0
         return out
@@ -224,8 +251,9 @@ def _draft_stepping(runner: Any, forward: Any, capture: Any, state: _Steps) -> A
     from graphpass.model_shape import ModelShape
 
     spec = runner.vllm_config.speculative_config
-    model = ModelShape.from_config(spec.draft_model_config.hf_config,
-                                   int(spec.draft_parallel_config.tensor_parallel_size)).to_meta()
+    model = ModelShape.from_config(
+        spec.draft_model_config.hf_config, int(spec.draft_parallel_config.tensor_parallel_size)
+    ).to_meta()
 
     @functools.wraps(forward)
     def draft_forward(*args: Any, **kwargs: Any) -> Any:
@@ -234,8 +262,7 @@ def _draft_stepping(runner: Any, forward: Any, capture: Any, state: _Steps) -> A
         step = draft_step(runner, kwargs.get("positions"), forward_query_starts(), state.target, state.draft_pass)
         extra = _meta(step, kwargs, model, draft_pass=state.draft_pass, target_step_index=state.target_index)
         state.draft_pass += 1
-        with capture.step(positions=step.positions, is_prefill=step.is_prefill, req_ids=step.req_ids,
-                          extra_meta=extra):
+        with capture.step(positions=step.positions, is_prefill=step.is_prefill, req_ids=step.req_ids, extra_meta=extra):
             return forward(*args, **kwargs)
 
     return draft_forward

@@ -35,8 +35,11 @@ log = logging.getLogger("graphpass.integrations.vllm")
 # what a worker's ModelCapture / graphpass.backend call a setting -> its path in additional_config, per section
 SECTIONS = {
     "options": {},  # graphpass.backend's own keys: additional_config.graphpass.options.<key>
-    "tensor_capture": {"modules": "tensor_capture.modules", "capture_filter": "tensor_capture.capture_filter",
-                       "run": "tensor_capture.run"},
+    "tensor_capture": {
+        "modules": "tensor_capture.modules",
+        "capture_filter": "tensor_capture.capture_filter",
+        "run": "tensor_capture.run",
+    },
     "draft": {"modules": "tensor_capture.draft_modules"},
 }
 
@@ -145,8 +148,10 @@ def _rebuilt(doc: dict) -> errors.GraphpassError:
         cls = errors.GraphpassError
     if issubclass(cls, errors.ConfigError) and "key" in doc:
         return cls(doc["key"], doc.get("value"), str(doc.get("problem", "")))
-    message = f"{doc.get('message', '')} [raised in a vLLM worker of this engine (pid {doc.get('pid')}), " \
-              f"for {doc.get('setting') or PREFIX}]"
+    message = (
+        f"{doc.get('message', '')} [raised in a vLLM worker of this engine (pid {doc.get('pid')}), "
+        f"for {doc.get('setting') or PREFIX}]"
+    )
     try:
         return cls(message)
     except TypeError:  # a class with another signature

@@ -81,9 +81,32 @@ from __future__ import annotations
 
 from .emit import _interpret, build_module, program_source  # noqa: F401 (_interpret: read by the tests)
 from .programs import (  # noqa: F401 (the constants: read by the tests and the bench)
-    CATEGORIES, FAMILIES, LARGE, MIN_LEN, SMALL, X_FILLS, B, H, Program, Step, V, generate,
+    CATEGORIES,
+    FAMILIES,
+    LARGE,
+    MIN_LEN,
+    SMALL,
+    X_FILLS,
+    B,
+    H,
+    Program,
+    Step,
+    V,
+    generate,
 )
 from .run import Result, _inputs, format_failure, fuzz, run_program, shrink, summarize  # noqa: F401 (_inputs: tests)
 
-__all__ = ["Step", "Program", "Result", "FAMILIES", "generate", "program_source", "build_module", "run_program",
-           "shrink", "format_failure", "fuzz", "summarize"]
+__all__ = [
+    "Step",
+    "Program",
+    "Result",
+    "FAMILIES",
+    "generate",
+    "program_source",
+    "build_module",
+    "run_program",
+    "shrink",
+    "format_failure",
+    "fuzz",
+    "summarize",
+]

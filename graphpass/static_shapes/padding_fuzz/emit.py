@@ -62,10 +62,20 @@ class _State:
 
 def _emit_pointwise(st: _State, s: Step) -> None:
     v = s.get("v")
-    expr = {"relu": "torch.relu(h)", "tanh": "torch.tanh(h)", "sigmoid": "torch.sigmoid(h)", "gelu": "F.gelu(h)",
-            "silu": "F.silu(h)", "affine": "h * 1.5 - 0.25", "abs": "h.abs()", "square": "h * h",
-            "leaky": "F.leaky_relu(h, 0.1)", "masked_fill": "h.masked_fill(h > 1.0, 0.0)",
-            "exp_clamp": "torch.exp(h.clamp(max=10.0))", "where": "torch.where(h > 0, h, 0.1 * h)"}[v]
+    expr = {
+        "relu": "torch.relu(h)",
+        "tanh": "torch.tanh(h)",
+        "sigmoid": "torch.sigmoid(h)",
+        "gelu": "F.gelu(h)",
+        "silu": "F.silu(h)",
+        "affine": "h * 1.5 - 0.25",
+        "abs": "h.abs()",
+        "square": "h * h",
+        "leaky": "F.leaky_relu(h, 0.1)",
+        "masked_fill": "h.masked_fill(h > 1.0, 0.0)",
+        "exp_clamp": "torch.exp(h.clamp(max=10.0))",
+        "where": "torch.where(h > 0, h, 0.1 * h)",
+    }[v]
     if v in ("gelu", "silu", "sigmoid", "tanh", "exp_clamp"):
         st.inexact = True
     st.emit(f"h = {expr}")
@@ -122,8 +132,10 @@ def _emit_reduce(st: _State, s: Step) -> None:
         am = st.am_rows()
         if am is None:
             return st.skip("masked_mean needs the stream aligned with attention_mask")
-        st.emit(f"m = {am}[..., None].to(h.dtype)",
-                "h = h + (h * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)")
+        st.emit(
+            f"m = {am}[..., None].to(h.dtype)",
+            "h = h + (h * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)",
+        )
         return
     st.emit(code)
 
@@ -157,8 +169,17 @@ def _emit_scan(st: _State, s: Step) -> None:
 
 def _emit_slice(st: _State, s: Step) -> None:
     v = s.get("v")
-    shifts = {"drop_first": -1, "drop_last": -1, "drop2": -2, "narrow_prefix": -1, "narrow_shift": -1,
-              "keep_prefix": -1, "last_minus_one": 0, "split_len_minus": -1, "split_tail_read": -1}
+    shifts = {
+        "drop_first": -1,
+        "drop_last": -1,
+        "drop2": -2,
+        "narrow_prefix": -1,
+        "narrow_shift": -1,
+        "keep_prefix": -1,
+        "last_minus_one": 0,
+        "split_len_minus": -1,
+        "split_tail_read": -1,
+    }
     delta = shifts.get(v, 0)
     if delta and not st.can_shift(delta):
         return st.skip(f"{v} would leave too few rows")
@@ -228,8 +249,9 @@ def _emit_index(st: _State, s: Step) -> None:
     code = {
         "index_select_id": "h = torch.index_select(h, 1, torch.arange(h.shape[1]))",
         "index_select_rev": "h = torch.index_select(h, 1, torch.arange(h.shape[1]).flip(0))",
-        "gather_id": ("h = torch.gather(h, 1, torch.arange(h.shape[1])[None, :, None]"
-                      ".expand(h.shape[0], -1, h.shape[2]))"),
+        "gather_id": (
+            "h = torch.gather(h, 1, torch.arange(h.shape[1])[None, :, None].expand(h.shape[0], -1, h.shape[2]))"
+        ),
         "take_along_id": "h = torch.take_along_dim(h, torch.arange(h.shape[1])[None, :, None], dim=1)",
         "adv_id": "h = h[:, torch.arange(h.shape[1])]",
         "adv_prev": "h = h[:, (torch.arange(h.shape[1]) - 1).clamp(min=0)]",
@@ -245,8 +267,11 @@ def _emit_index(st: _State, s: Step) -> None:
         longest = max(prog_lengths(st)) + st.off
         rows = longest + 1 if v == "table_short" else max(st.buckets) + MAX_OFF
         t = st.param((rows, st.d), 1.0)
-        st.emit(f"h = h + F.embedding(torch.arange(h.shape[1]), {t})" if v != "table_index"
-                else f"h = h + {t}[torch.arange(h.shape[1])]")
+        st.emit(
+            f"h = h + F.embedding(torch.arange(h.shape[1]), {t})"
+            if v != "table_index"
+            else f"h = h + {t}[torch.arange(h.shape[1])]"
+        )
         return
     if v == "ids_gather":
         if st.off != 0:
@@ -274,8 +299,9 @@ def _emit_intpos(st: _State, s: Step) -> None:
         st.emit("w = (pos[None, :] <= pos[:, None]).to(h.dtype)", "h = w @ h")
     elif use == "cmp_cummean":
         st.inexact = True
-        st.emit("w = (pos[None, :] <= pos[:, None]).to(h.dtype)",
-                "h = (w / w.sum(-1, keepdim=True).clamp(min=1.0)) @ h")
+        st.emit(
+            "w = (pos[None, :] <= pos[:, None]).to(h.dtype)", "h = (w / w.sum(-1, keepdim=True).clamp(min=1.0)) @ h"
+        )
 
 
 def _attn_mask_lines(s: Step, mask: str, cast: str, am_keys: str | None, and_am: bool) -> tuple[list[str], str]:
@@ -284,9 +310,11 @@ def _attn_mask_lines(s: Step, mask: str, cast: str, am_keys: str | None, and_am:
     lines: list[str] = []
     kw = ""
     if mask in ("bool", "add_sdpa", "manual_add", "manual_bool"):
-        lines += [f"qp = torch.arange(q.shape[2]){cast}" + (f" + {oq}" if oq > 0 else f" - {-oq}" if oq < 0 else ""),
-                  f"kp = torch.arange(k.shape[2]){cast}" + (f" + {ok}" if ok > 0 else f" - {-ok}" if ok < 0 else ""),
-                  f"m = kp[None, :] {'<=' if cmp == 'le' else '<'} qp[:, None]"]
+        lines += [
+            f"qp = torch.arange(q.shape[2]){cast}" + (f" + {oq}" if oq > 0 else f" - {-oq}" if oq < 0 else ""),
+            f"kp = torch.arange(k.shape[2]){cast}" + (f" + {ok}" if ok > 0 else f" - {-ok}" if ok < 0 else ""),
+            f"m = kp[None, :] {'<=' if cmp == 'le' else '<'} qp[:, None]",
+        ]
         if window:
             lines.append(f"m = m & ((qp[:, None] - kp[None, :]) < {window})")
         if s.get("or_false"):
@@ -312,8 +340,9 @@ def _attn_mask_lines(s: Step, mask: str, cast: str, am_keys: str | None, and_am:
 
 def _emit_attn(st: _State, s: Step) -> None:
     src, mask = s.get("src"), s.get("mask")
-    oq, ok, cmp, window, and_am, proj, int_dt = (s.get(n) for n in ("oq", "ok", "cmp", "window", "and_am", "proj",
-                                                                   "int_dt"))
+    oq, ok, cmp, window, and_am, proj, int_dt = (
+        s.get(n) for n in ("oq", "ok", "cmp", "window", "and_am", "proj", "int_dt")
+    )
     st.inexact = True
     if st.d % 2:
         return st.skip("attention needs an even hidden size")
@@ -361,8 +390,10 @@ def _emit_attn(st: _State, s: Step) -> None:
             lines.append("sc = sc.masked_fill(~m, float('-inf'))")
         if s.get("sink"):  # a learned sink logit per head appended after the keys, its weight dropped again
             sink = st.param((1, 2, 1, 1), 1.0)
-            lines += [f"sc = torch.cat([sc, {sink}.expand(sc.shape[0], -1, sc.shape[2], -1)], dim=-1)",
-                      "o = sc.softmax(-1)[..., :-1] @ v"]
+            lines += [
+                f"sc = torch.cat([sc, {sink}.expand(sc.shape[0], -1, sc.shape[2], -1)], dim=-1)",
+                "o = sc.softmax(-1)[..., :-1] @ v",
+            ]
         else:
             lines.append("o = sc.softmax(-1) @ v")
     else:
@@ -396,8 +427,9 @@ def _emit_conv(st: _State, s: Step) -> None:
     st.emit(f"c = F.conv1d(h.transpose(1, 2), {w}, padding={p}, dilation={dil}, groups={st.d})")
     if act:
         st.emit("c = F.silu(c)")
-    st.emit({"prefix": "c = c[..., : h.shape[1]]", "none": "", "left2": "c = c[..., 2:]",
-             "centre": "c = c[..., 1:-1]"}[cut])
+    st.emit(
+        {"prefix": "c = c[..., : h.shape[1]]", "none": "", "left2": "c = c[..., 2:]", "centre": "c = c[..., 1:-1]"}[cut]
+    )
     st.emit("h = c.transpose(1, 2)")
     st.off = new
     st.fwd = [ln for ln in st.fwd if ln]
@@ -409,10 +441,16 @@ def _emit_reshape(st: _State, s: Step) -> None:
     if v in ("heads_roundtrip",) and d % 2:
         return st.skip("needs an even hidden size")
     code = {
-        "heads_roundtrip": [f"h = h.unflatten(-1, (2, {d // 2})).transpose(1, 2)", "h = h * 1.0",
-                            "h = h.transpose(1, 2).flatten(2)"],
-        "merge_batch": [f"t = h.reshape(-1, {d})", f"t = F.layer_norm(t, ({d},))",
-                        f"h = h + t.view(h.shape[0], -1, {d})"],
+        "heads_roundtrip": [
+            f"h = h.unflatten(-1, (2, {d // 2})).transpose(1, 2)",
+            "h = h * 1.0",
+            "h = h.transpose(1, 2).flatten(2)",
+        ],
+        "merge_batch": [
+            f"t = h.reshape(-1, {d})",
+            f"t = F.layer_norm(t, ({d},))",
+            f"h = h + t.view(h.shape[0], -1, {d})",
+        ],
         "merge_batch_wrong": [f"t = h.transpose(0, 1).reshape(-1, {d})", f"h = t.view(h.shape[0], -1, {d})"],
         "merge_hidden": ["t = h.reshape(h.shape[0], -1)", f"h = t.view(h.shape[0], -1, {d})"],
         "merge_hidden_wrong": ["t = h.reshape(h.shape[0], -1)", f"h = t.view(h.shape[0], {d}, -1).transpose(1, 2)"],
@@ -421,8 +459,10 @@ def _emit_reshape(st: _State, s: Step) -> None:
         "permute_roundtrip": ["h = h.permute(2, 0, 1).contiguous()", "h = h.permute(1, 2, 0)"],
         "repeat_view": [f"h = h.repeat(1, 2, 1).view(h.shape[0], 2, -1, {d}).mean(1)"],
         "repeat_view_wrong": [f"h = h.repeat(1, 2, 1).view(h.shape[0], -1, 2, {d}).mean(2)"],
-        "expand_merge_wrong": [f"t = h.unsqueeze(1).expand(-1, 2, -1, -1).reshape(h.shape[0], -1, {d})",
-                               f"h = t.view(h.shape[0], -1, 2, {d}).sum(2)"],
+        "expand_merge_wrong": [
+            f"t = h.unsqueeze(1).expand(-1, 2, -1, -1).reshape(h.shape[0], -1, {d})",
+            f"h = t.view(h.shape[0], -1, 2, {d}).sum(2)",
+        ],
     }[v]
     if v in ("merge_batch", "repeat_view", "repeat_view_wrong", "expand_merge_wrong"):
         st.inexact = True
@@ -432,9 +472,13 @@ def _emit_reshape(st: _State, s: Step) -> None:
 def _emit_mix(st: _State, s: Step) -> None:
     v = s.get("v")
     st.inexact = True
-    st.emit({"gram": "h = h @ (h.transpose(1, 2) @ h) * 0.01",
-             "einsum_seq": "h = torch.einsum('bst,btd->bsd', torch.einsum('bsd,btd->bst', h, h).softmax(-1), h)",
-             "outer_seq": "h = h + (h.transpose(1, 2) @ torch.ones_like(h[..., :1])).transpose(1, 2) * 0.1"}[v])
+    st.emit(
+        {
+            "gram": "h = h @ (h.transpose(1, 2) @ h) * 0.01",
+            "einsum_seq": "h = torch.einsum('bst,btd->bsd', torch.einsum('bsd,btd->bst', h, h).softmax(-1), h)",
+            "outer_seq": "h = h + (h.transpose(1, 2) @ torch.ones_like(h[..., :1])).transpose(1, 2) * 0.1",
+        }[v]
+    )
 
 
 def _emit_ids(st: _State, s: Step) -> None:
@@ -473,44 +517,69 @@ def _emit_mask(st: _State, s: Step) -> None:
 
 def _emit_sortlike(st: _State, s: Step) -> None:
     v = s.get("v")
-    st.emit({"sort_s": "h = h.sort(1).values",
-             "sort_h": "h = h.sort(-1).values",
-             "topk_h": "h = h + h.topk(2, dim=-1).values.sum(-1, keepdim=True)",
-             "topk_s": "h = h + h.topk(2, dim=1).values.sum(1, keepdim=True)",
-             "flip_s": "h = h.flip(1)",
-             "flip_h": "h = h.flip(-1)",
-             "roll_s": "h = torch.roll(h, 1, dims=1)",
-             "roll_h": "h = torch.roll(h, 1, dims=2)",
-             "argmax_s_side": "outs.append(h.argmax(1))"}[v])
+    st.emit(
+        {
+            "sort_s": "h = h.sort(1).values",
+            "sort_h": "h = h.sort(-1).values",
+            "topk_h": "h = h + h.topk(2, dim=-1).values.sum(-1, keepdim=True)",
+            "topk_s": "h = h + h.topk(2, dim=1).values.sum(1, keepdim=True)",
+            "flip_s": "h = h.flip(1)",
+            "flip_h": "h = h.flip(-1)",
+            "roll_s": "h = torch.roll(h, 1, dims=1)",
+            "roll_h": "h = torch.roll(h, 1, dims=2)",
+            "argmax_s_side": "outs.append(h.argmax(1))",
+        }[v]
+    )
     if v in ("topk_h", "topk_s"):
         st.inexact = True
 
 
 def _emit_value(st: _State, s: Step) -> None:
     v = s.get("v")
-    st.emit({"mul_len": "h = h * h.shape[1]",
-             "arange_frac": "h = h + (torch.arange(h.shape[1]) / h.shape[1])[None, :, None]",
-             "arange_bias": "h = h + torch.arange(h.shape[1])[None, :, None] * 0.01",
-             "full_len": "h = h + torch.full((1, 1, 1), h.shape[1])"}[v])
+    st.emit(
+        {
+            "mul_len": "h = h * h.shape[1]",
+            "arange_frac": "h = h + (torch.arange(h.shape[1]) / h.shape[1])[None, :, None]",
+            "arange_bias": "h = h + torch.arange(h.shape[1])[None, :, None] * 0.01",
+            "full_len": "h = h + torch.full((1, 1, 1), h.shape[1])",
+        }[v]
+    )
 
 
 def _emit_side(st: _State, s: Step) -> None:
     v = s.get("v")
     if v in ("side_pool", "side_cumsum"):
         st.inexact = True
-    st.emit({"side_h": "outs.append(h * 1.0)",
-             "side_last": "outs.append(h[:, -1])",
-             "side_first": "outs.append(h[:, 0])",
-             "side_pool": "outs.append(h.mean(1))",
-             "side_x_last": "outs.append(x[:, -1] * 2.0)",
-             "side_cumsum": "outs.append(h.cumsum(1)[:, -1])"}[v])
+    st.emit(
+        {
+            "side_h": "outs.append(h * 1.0)",
+            "side_last": "outs.append(h[:, -1])",
+            "side_first": "outs.append(h[:, 0])",
+            "side_pool": "outs.append(h.mean(1))",
+            "side_x_last": "outs.append(x[:, -1] * 2.0)",
+            "side_cumsum": "outs.append(h.cumsum(1)[:, -1])",
+        }[v]
+    )
 
 
 _EMIT: dict[str, Callable[[_State, Step], None]] = {
-    "pointwise": _emit_pointwise, "linear": _emit_linear, "reduce": _emit_reduce, "scan": _emit_scan,
-    "slice": _emit_slice, "repad": _emit_repad, "index": _emit_index, "intpos": _emit_intpos, "attn": _emit_attn,
-    "conv": _emit_conv, "reshape": _emit_reshape, "mix": _emit_mix, "ids": _emit_ids, "mask": _emit_mask,
-    "sortlike": _emit_sortlike, "value": _emit_value, "side": _emit_side,
+    "pointwise": _emit_pointwise,
+    "linear": _emit_linear,
+    "reduce": _emit_reduce,
+    "scan": _emit_scan,
+    "slice": _emit_slice,
+    "repad": _emit_repad,
+    "index": _emit_index,
+    "intpos": _emit_intpos,
+    "attn": _emit_attn,
+    "conv": _emit_conv,
+    "reshape": _emit_reshape,
+    "mix": _emit_mix,
+    "ids": _emit_ids,
+    "mask": _emit_mask,
+    "sortlike": _emit_sortlike,
+    "value": _emit_value,
+    "side": _emit_side,
 }
 
 
@@ -568,5 +637,3 @@ def build_module(prog: Program) -> torch.nn.Module:
     ns: dict[str, Any] = {"__name__": f"padding_fuzz_program_{prog.seed}"}
     exec(compile(src, filename, "exec"), ns)  # noqa: S102 - the fuzzer's own generated program
     return ns["Program"]().eval()
-
-

@@ -68,9 +68,11 @@ class Program:
         return self.lengths if self.lengths is not None else (LARGE if self.large else SMALL)[1]
 
     def __str__(self) -> str:
-        return (f"Program(seed={self.seed}, buckets={list(self.buckets)}, lengths={list(self.call_lengths)}, "
-                f"x_fill={self.x_fill}, ids_fill={self.ids_fill}, mask_fill={self.mask_fill}, "
-                f"mask_bool={self.mask_bool}, steps=[{', '.join(map(str, self.steps))}])")
+        return (
+            f"Program(seed={self.seed}, buckets={list(self.buckets)}, lengths={list(self.call_lengths)}, "
+            f"x_fill={self.x_fill}, ids_fill={self.ids_fill}, mask_fill={self.mask_fill}, "
+            f"mask_bool={self.mask_bool}, steps=[{', '.join(map(str, self.steps))}])"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -80,32 +82,119 @@ class Program:
 INT_DTYPES = ("int8", "int16", "int32", "uint8", "int64")
 
 _VARIANTS: dict[str, tuple[str, ...]] = {
-    "pointwise": ("relu", "tanh", "sigmoid", "gelu", "silu", "affine", "abs", "square", "leaky", "masked_fill",
-                  "exp_clamp", "where"),
+    "pointwise": (
+        "relu",
+        "tanh",
+        "sigmoid",
+        "gelu",
+        "silu",
+        "affine",
+        "abs",
+        "square",
+        "leaky",
+        "masked_fill",
+        "exp_clamp",
+        "where",
+    ),
     "linear": ("linear", "matmul", "einsum", "bmm", "linear_nobias"),
-    "reduce": ("mean_h", "softmax_h", "layer_norm", "rms_norm", "amax_h", "logsumexp_h", "log_softmax_h", "var_h",
-               "sum_s", "mean_s", "softmax_s", "amax_s", "max_s", "log_softmax_s", "instance_norm", "sum_all",
-               "norm_s", "logsumexp_s", "masked_mean"),
-    "scan": ("cumsum", "cumprod", "cummax", "logcumsumexp", "diff", "diff_prepend", "diff_append", "cumsum_h",
-             "flip_cumsum"),
-    "slice": ("drop_first", "drop_last", "drop2", "narrow_prefix", "narrow_shift", "neg_n", "last_bcast",
-              "first_bcast", "keep_prefix", "last_minus_one", "neg_len_x", "split_len", "split_len_minus",
-              "split_tail_read", "split_halves"),
-    "repad": ("pad_left", "pad_right", "pad_right_value", "cat_front", "cat_back", "cat_self_back", "cat_hidden",
-              "pad_hidden", "shift_right", "shift_left", "stack_mean"),
-    "index": ("index_select_id", "index_select_rev", "gather_id", "take_along_id", "adv_id", "adv_prev", "adv_next",
-              "adv_minus1", "adv_half", "narrow_id", "ids_gather", "index_neg_last", "table_emb", "table_index",
-              "table_short"),
+    "reduce": (
+        "mean_h",
+        "softmax_h",
+        "layer_norm",
+        "rms_norm",
+        "amax_h",
+        "logsumexp_h",
+        "log_softmax_h",
+        "var_h",
+        "sum_s",
+        "mean_s",
+        "softmax_s",
+        "amax_s",
+        "max_s",
+        "log_softmax_s",
+        "instance_norm",
+        "sum_all",
+        "norm_s",
+        "logsumexp_s",
+        "masked_mean",
+    ),
+    "scan": (
+        "cumsum",
+        "cumprod",
+        "cummax",
+        "logcumsumexp",
+        "diff",
+        "diff_prepend",
+        "diff_append",
+        "cumsum_h",
+        "flip_cumsum",
+    ),
+    "slice": (
+        "drop_first",
+        "drop_last",
+        "drop2",
+        "narrow_prefix",
+        "narrow_shift",
+        "neg_n",
+        "last_bcast",
+        "first_bcast",
+        "keep_prefix",
+        "last_minus_one",
+        "neg_len_x",
+        "split_len",
+        "split_len_minus",
+        "split_tail_read",
+        "split_halves",
+    ),
+    "repad": (
+        "pad_left",
+        "pad_right",
+        "pad_right_value",
+        "cat_front",
+        "cat_back",
+        "cat_self_back",
+        "cat_hidden",
+        "pad_hidden",
+        "shift_right",
+        "shift_left",
+        "stack_mean",
+    ),
+    "index": (
+        "index_select_id",
+        "index_select_rev",
+        "gather_id",
+        "take_along_id",
+        "adv_id",
+        "adv_prev",
+        "adv_next",
+        "adv_minus1",
+        "adv_half",
+        "narrow_id",
+        "ids_gather",
+        "index_neg_last",
+        "table_emb",
+        "table_index",
+        "table_short",
+    ),
     "intpos": ("index", "index_shift", "bias", "cmp_matmul", "cmp_cummean"),
     "attn": ("sdpa",),
     "conv": ("conv1d",),
-    "reshape": ("heads_roundtrip", "merge_batch", "merge_batch_wrong", "merge_hidden", "merge_hidden_wrong",
-                "flatten_unflatten", "flatten_unflatten_wrong", "permute_roundtrip", "repeat_view", "repeat_view_wrong",
-                "expand_merge_wrong"),
+    "reshape": (
+        "heads_roundtrip",
+        "merge_batch",
+        "merge_batch_wrong",
+        "merge_hidden",
+        "merge_hidden_wrong",
+        "flatten_unflatten",
+        "flatten_unflatten_wrong",
+        "permute_roundtrip",
+        "repeat_view",
+        "repeat_view_wrong",
+        "expand_merge_wrong",
+    ),
     "mix": ("gram", "einsum_seq", "outer_seq"),
     "ids": ("emb", "ids_mask", "ids_cumsum", "ids_count"),
-    "mask": ("mul", "count", "left_count", "eq0_count", "cumsum_pos", "any_pad", "left_count_int8",
-             "left_count_uint8"),
+    "mask": ("mul", "count", "left_count", "eq0_count", "cumsum_pos", "any_pad", "left_count_int8", "left_count_uint8"),
     "sortlike": ("sort_s", "sort_h", "topk_h", "topk_s", "flip_s", "flip_h", "roll_s", "roll_h", "argmax_s_side"),
     "value": ("mul_len", "arange_frac", "arange_bias", "full_len"),
     "side": ("side_h", "side_last", "side_first", "side_pool", "side_x_last", "side_cumsum"),
@@ -114,28 +203,77 @@ _VARIANTS: dict[str, tuple[str, ...]] = {
 #: Op families (the per-family acceptance rows of the bench).
 FAMILIES: tuple[str, ...] = tuple(_VARIANTS)
 
-_WEIGHTS = {"attn": 5, "conv": 4, "reshape": 3, "intpos": 3, "index": 3, "scan": 3, "repad": 3, "reduce": 3,
-            "pointwise": 2, "linear": 2, "slice": 2, "mix": 1, "ids": 1, "mask": 1.5, "sortlike": 1, "value": 1,
-            "side": 1}
+_WEIGHTS = {
+    "attn": 5,
+    "conv": 4,
+    "reshape": 3,
+    "intpos": 3,
+    "index": 3,
+    "scan": 3,
+    "repad": 3,
+    "reduce": 3,
+    "pointwise": 2,
+    "linear": 2,
+    "slice": 2,
+    "mix": 1,
+    "ids": 1,
+    "mask": 1.5,
+    "sortlike": 1,
+    "value": 1,
+    "side": 1,
+}
 
 #: Per family, the variants this generator expects the proof to accept (a guess, used only to draw them more often:
 #: a program is padded only when every step is accepted, and only padded programs test the proof's soundness).
 _LIKELY_SAFE: dict[str, tuple[str, ...]] = {
     "pointwise": _VARIANTS["pointwise"],
     "linear": _VARIANTS["linear"],
-    "reduce": ("mean_h", "softmax_h", "layer_norm", "rms_norm", "amax_h", "logsumexp_h", "log_softmax_h", "var_h",
-               "masked_mean"),
+    "reduce": (
+        "mean_h",
+        "softmax_h",
+        "layer_norm",
+        "rms_norm",
+        "amax_h",
+        "logsumexp_h",
+        "log_softmax_h",
+        "var_h",
+        "masked_mean",
+    ),
     "scan": ("cumsum", "cumprod", "cummax", "logcumsumexp", "diff", "diff_prepend", "cumsum_h"),
-    "slice": ("drop_first", "drop_last", "drop2", "narrow_prefix", "narrow_shift", "neg_n", "first_bcast",
-              "keep_prefix", "split_len", "split_len_minus"),
+    "slice": (
+        "drop_first",
+        "drop_last",
+        "drop2",
+        "narrow_prefix",
+        "narrow_shift",
+        "neg_n",
+        "first_bcast",
+        "keep_prefix",
+        "split_len",
+        "split_len_minus",
+    ),
     "repad": ("pad_left", "cat_front", "cat_hidden", "pad_hidden", "shift_right", "stack_mean"),
-    "index": ("index_select_id", "gather_id", "adv_id", "narrow_id", "adv_prev", "table_emb", "table_index",
-              "table_short"),
+    "index": (
+        "index_select_id",
+        "gather_id",
+        "adv_id",
+        "narrow_id",
+        "adv_prev",
+        "table_emb",
+        "table_index",
+        "table_short",
+    ),
     "intpos": ("index", "bias", "cmp_matmul", "cmp_cummean"),
     "attn": ("sdpa",),
     "conv": ("conv1d",),
-    "reshape": ("heads_roundtrip", "merge_batch", "merge_hidden", "flatten_unflatten", "permute_roundtrip",
-                "repeat_view"),
+    "reshape": (
+        "heads_roundtrip",
+        "merge_batch",
+        "merge_hidden",
+        "flatten_unflatten",
+        "permute_roundtrip",
+        "repeat_view",
+    ),
     "mix": _VARIANTS["mix"],
     "ids": ("emb", "ids_mask", "ids_cumsum"),
     "mask": ("mul", "count", "left_count", "cumsum_pos"),
@@ -145,8 +283,18 @@ _LIKELY_SAFE: dict[str, tuple[str, ...]] = {
 }
 
 ATTN_SOURCES = ("self", "self", "self", "shift_k1", "k_drop_last", "k_shift_right", "shift_q1", "static_q")
-ATTN_MASKS = ("causal", "causal", "bool", "bool", "add_sdpa", "manual_add", "manual_bool", "none", "keys_am",
-              "legacy_am")
+ATTN_MASKS = (
+    "causal",
+    "causal",
+    "bool",
+    "bool",
+    "add_sdpa",
+    "manual_add",
+    "manual_bool",
+    "none",
+    "keys_am",
+    "legacy_am",
+)
 SAFE_PROBABILITY = 0.7  # a step is drawn from the likely-safe variants this often
 
 
@@ -155,18 +303,36 @@ def _draw_step(rng: random.Random, kind: str) -> Step:
     variant = rng.choice((_LIKELY_SAFE if safe else _VARIANTS)[kind])
     if kind == "attn":
         if safe:
-            return Step.of("attn", src=rng.choice(("self", "self", "self", "k_shift_right")),
-                           mask=rng.choice(ATTN_MASKS[:7] + ("keys_am", "legacy_am")), oq=0,
-                           ok=rng.choice((0, 0, 1)), cmp="le", window=rng.choice((None, None, 3)),
-                           and_am=rng.random() < 0.25, proj=rng.random() < 0.5,
-                           int_dt=rng.choice((None, None, None) + INT_DTYPES[:4]), q_len=rng.choice((4, 8)),
-                           sink=rng.random() < 0.2, or_false=rng.random() < 0.2)
-        return Step.of("attn", src=rng.choice(ATTN_SOURCES), mask=rng.choice(ATTN_MASKS),
-                       oq=rng.choice((0, 0, 0, 1, -1)), ok=rng.choice((0, 0, 0, 1, -1)),
-                       cmp=rng.choice(("le", "le", "lt")), window=rng.choice((None, None, None, 3)),
-                       and_am=rng.random() < 0.25, proj=rng.random() < 0.5,
-                       int_dt=rng.choice((None, None, None) + INT_DTYPES[:4]), q_len=rng.choice((4, 8)),
-                       sink=rng.random() < 0.2, or_false=rng.random() < 0.2)
+            return Step.of(
+                "attn",
+                src=rng.choice(("self", "self", "self", "k_shift_right")),
+                mask=rng.choice(ATTN_MASKS[:7] + ("keys_am", "legacy_am")),
+                oq=0,
+                ok=rng.choice((0, 0, 1)),
+                cmp="le",
+                window=rng.choice((None, None, 3)),
+                and_am=rng.random() < 0.25,
+                proj=rng.random() < 0.5,
+                int_dt=rng.choice((None, None, None) + INT_DTYPES[:4]),
+                q_len=rng.choice((4, 8)),
+                sink=rng.random() < 0.2,
+                or_false=rng.random() < 0.2,
+            )
+        return Step.of(
+            "attn",
+            src=rng.choice(ATTN_SOURCES),
+            mask=rng.choice(ATTN_MASKS),
+            oq=rng.choice((0, 0, 0, 1, -1)),
+            ok=rng.choice((0, 0, 0, 1, -1)),
+            cmp=rng.choice(("le", "le", "lt")),
+            window=rng.choice((None, None, None, 3)),
+            and_am=rng.random() < 0.25,
+            proj=rng.random() < 0.5,
+            int_dt=rng.choice((None, None, None) + INT_DTYPES[:4]),
+            q_len=rng.choice((4, 8)),
+            sink=rng.random() < 0.2,
+            or_false=rng.random() < 0.2,
+        )
     if kind == "conv":
         k = rng.choice((1, 2, 3, 4))
         d = rng.choice((1, 1, 2))
@@ -192,7 +358,12 @@ def generate(seed: int, max_steps: int = 6) -> Program:
     uses_int = any(s.kind == "intpos" or (s.kind == "attn" and s.get("int_dt")) for s in steps)
     large = rng.random() < (0.7 if uses_int else 0.2)
     x_fill = 0.0 if rng.random() < 0.2 else rng.choice(X_FILLS)
-    return Program(steps=steps, seed=seed, large=large, x_fill=x_fill, ids_fill=rng.choice((0, 0, 3)),
-                   mask_fill=rng.choice((0, 0, 1)), mask_bool=rng.random() < 0.25)
-
-
+    return Program(
+        steps=steps,
+        seed=seed,
+        large=large,
+        x_fill=x_fill,
+        ids_fill=rng.choice((0, 0, 3)),
+        mask_fill=rng.choice((0, 0, 1)),
+        mask_bool=rng.random() < 0.25,
+    )

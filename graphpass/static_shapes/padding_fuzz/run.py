@@ -58,8 +58,9 @@ class _RecordingDelegate:
         runs = self.runs
 
         def run(*args: Any) -> Any:
-            runs.append({int(a.shape[1]) for a in args if isinstance(a, torch.Tensor) and a.dim() in (2, 3)
-                         and a.shape[0] == B})
+            runs.append(
+                {int(a.shape[1]) for a in args if isinstance(a, torch.Tensor) and a.dim() in (2, 3) and a.shape[0] == B}
+            )
             return forward(*args)
 
         return run
@@ -159,8 +160,14 @@ def run_program(prog: Program) -> Result:
     fills = {"x": prog.x_fill, "ids": prog.ids_fill, "attention_mask": prog.mask_fill}
     rec = _RecordingDelegate()
     torch._dynamo.reset()
-    gp = graphpass.backend(then=rec, static_shapes={"dims": {n: 1 for n in names}, "buckets": list(prog.buckets),
-                                                    "pad_value": {n: fills[n] for n in names}})
+    gp = graphpass.backend(
+        then=rec,
+        static_shapes={
+            "dims": {n: 1 for n in names},
+            "buckets": list(prog.buckets),
+            "pad_value": {n: fills[n] for n in names},
+        },
+    )
     compiled = torch.compile(module, backend=gp)
     padded: list[int] = []
     wrong: list[tuple[int, int, str]] = []
@@ -200,8 +207,14 @@ def run_program(prog: Program) -> Result:
 def _verdict(prog: Program, gp: Any, padded: list, wrong: list, refused: str | None, seconds: float) -> Result:
     """The result of a program whose every call ran: refused, exact, WRONG, or a graph break."""
     if not padded and gp.graphs and all(r.analysis.bucket_plan is None for r in gp.graphs):
-        return Result(prog, "refused", (), (), f"not bucketed: {len(gp.graphs)} graphs without a symbolic length "
-                      "(Dynamo specialized it)", seconds)
+        return Result(
+            prog,
+            "refused",
+            (),
+            (),
+            f"not bucketed: {len(gp.graphs)} graphs without a symbolic length (Dynamo specialized it)",
+            seconds,
+        )
     if len(gp.graphs) > 1 and any(r.analysis.bucket_plan is None for r in gp.graphs) and not padded:
         return Result(prog, "graph_break", tuple(padded), tuple(wrong), f"{len(gp.graphs)} graphs", seconds)
     if wrong:
@@ -218,9 +231,19 @@ def _verdict(prog: Program, gp: Any, padded: list, wrong: list, refused: str | N
 
 #: Per family, simpler values to try for each parameter (first the simplest).
 _SIMPLER: dict[str, dict[str, tuple[Any, ...]]] = {
-    "attn": {"sink": (False,), "or_false": (False,), "proj": (False,), "and_am": (False,), "window": (None,),
-             "int_dt": (None,), "oq": (0,), "ok": (0,),
-             "cmp": ("le",), "src": ("self",), "mask": ("causal", "bool", "none")},
+    "attn": {
+        "sink": (False,),
+        "or_false": (False,),
+        "proj": (False,),
+        "and_am": (False,),
+        "window": (None,),
+        "int_dt": (None,),
+        "oq": (0,),
+        "ok": (0,),
+        "cmp": ("le",),
+        "src": ("self",),
+        "mask": ("causal", "bool", "none"),
+    },
     "conv": {"act": (False,), "dilation": (1,), "k": (1, 2, 3), "cut": ("prefix", "none")},
     "intpos": {"shift": (0,), "dt": ("int64",)},
 }
@@ -229,12 +252,12 @@ _SIMPLER: dict[str, dict[str, tuple[Any, ...]]] = {
 def _candidates(prog: Program) -> Iterable[Program]:
     steps = prog.steps
     for i in range(len(steps)):
-        yield replace(prog, steps=steps[:i] + steps[i + 1:])
+        yield replace(prog, steps=steps[:i] + steps[i + 1 :])
     for i, s in enumerate(steps):
         for name, values in _SIMPLER.get(s.kind, {}).items():
             for v in values:
                 if s.get(name) != v and name in dict(s.params):
-                    yield replace(prog, steps=steps[:i] + (s.with_(**{name: v}),) + steps[i + 1:])
+                    yield replace(prog, steps=steps[:i] + (s.with_(**{name: v}),) + steps[i + 1 :])
     if prog.x_fill not in (1.5,):
         yield replace(prog, x_fill=1.5)
     if prog.mask_bool:
@@ -270,8 +293,11 @@ def shrink(result: Result, run: Callable[[Program], Result] = run_program, budge
                 best = got
                 improved = True
                 break
-    return replace(result, shrunk=best.program, detail=result.detail if best is result else
-                   f"{result.detail}; shrunk: {best.detail}")
+    return replace(
+        result,
+        shrunk=best.program,
+        detail=result.detail if best is result else f"{result.detail}; shrunk: {best.detail}",
+    )
 
 
 def format_failure(result: Result) -> str:
@@ -281,10 +307,11 @@ def format_failure(result: Result) -> str:
     fills = {"x": prog.x_fill, "ids": prog.ids_fill, "attention_mask": prog.mask_fill}
     names = ["x"] + (["ids"] if built.uses_ids else []) + (["attention_mask"] if built.uses_mask else [])
     cfg = {"dims": {n: 1 for n in names}, "buckets": list(prog.buckets), "pad_value": {n: fills[n] for n in names}}
-    return (f"[{result.category}] seed {result.program.seed}: {result.detail}\n"
-            f"# static_shapes={cfg}, lengths {list(prog.call_lengths)}"
-            f"{', attention_mask as bool' if prog.mask_bool and built.uses_mask else ''}\n"
-            + program_source(prog))
+    return (
+        f"[{result.category}] seed {result.program.seed}: {result.detail}\n"
+        f"# static_shapes={cfg}, lengths {list(prog.call_lengths)}"
+        f"{', attention_mask as bool' if prog.mask_bool and built.uses_mask else ''}\n" + program_source(prog)
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -292,8 +319,12 @@ def format_failure(result: Result) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def fuzz(seeds: Iterable[int], shrink_failures: bool = True, run: Callable[[Program], Result] = run_program,
-         on_result: Callable[[Result], None] | None = None) -> list[Result]:
+def fuzz(
+    seeds: Iterable[int],
+    shrink_failures: bool = True,
+    run: Callable[[Program], Result] = run_program,
+    on_result: Callable[[Result], None] | None = None,
+) -> list[Result]:
     """Run the programs of ``seeds``; failures (``WRONG``, ``error``) shrunk when ``shrink_failures``."""
     out = []
     for seed in seeds:
@@ -318,5 +349,4 @@ def summarize(results: Sequence[Result]) -> dict[str, Any]:
         for f in r.families:
             fam[f][0] += 1
             fam[f][1] += r.category in ("exact", "WRONG")
-    return {"programs": len(results), "counts": counts, "families": fam,
-            "seconds": sum(r.seconds for r in results)}
+    return {"programs": len(results), "counts": counts, "families": fam, "seconds": sum(r.seconds for r in results)}

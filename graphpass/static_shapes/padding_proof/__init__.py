@@ -56,8 +56,23 @@ How the package is laid out (what a contributor extends):
 
 from __future__ import annotations
 
-from .facts import (AllTrue, Causal, Const, Diag, KeysOnly, MaskedAbove, NegKeys, NegMask, OnePad, PadCount, Positions,
-                    ZeroAbove, ZeroKeys, ZeroPad, ZeroPadIf)
+from .facts import (
+    AllTrue,
+    Causal,
+    Const,
+    Diag,
+    KeysOnly,
+    MaskedAbove,
+    NegKeys,
+    NegMask,
+    OnePad,
+    PadCount,
+    Positions,
+    ZeroAbove,
+    ZeroKeys,
+    ZeroPad,
+    ZeroPadIf,
+)
 from .conditions import CausalTablesCheck, GuardBuckets, OnesCheck, TableBuckets
 from .nodes import padded_dims
 from .op_checks import UNKNOWN_OP
@@ -68,9 +83,49 @@ from .registry import FACT_RULES, OP_RULES, FactEnv, FactRule, OpRule, ProofCont
 from .result import BucketCheck, CallCheck, GuardFails, InvalidBucket, NotProven, PaddingProof, PaddingViolation
 from .tables import ROW_WISE_FUNCTIONS
 
-__all__ = ["AllTrue", "BucketCheck", "CallCheck", "Causal", "CausalTablesCheck", "Const", "Diag", "FACT_RULES", "FactEnv",
-           "FactRule", "GuardBuckets", "GuardFails", "InvalidBucket", "KeysOnly", "MaskedAbove", "NegKeys", "NegMask",
-           "NotProven", "OP_RULES", "OnePad", "OnesCheck", "OpRule", "PATTERN_RULES", "PadCount", "PaddingProof",
-           "PaddingViolation", "PatternProof", "PatternRule", "Positions", "ProofContext", "ROW_WISE_FUNCTIONS",
-           "TableBuckets", "UNKNOWN_OP", "ZeroAbove", "ZeroKeys", "ZeroPad", "ZeroPadIf", "check_padding_safety",
-           "fact_rule", "index_provenance", "op_rule", "padded_dims", "prove_padding", "remove_op_rule"]
+__all__ = [
+    "AllTrue",
+    "BucketCheck",
+    "CallCheck",
+    "Causal",
+    "CausalTablesCheck",
+    "Const",
+    "Diag",
+    "FACT_RULES",
+    "FactEnv",
+    "FactRule",
+    "GuardBuckets",
+    "GuardFails",
+    "InvalidBucket",
+    "KeysOnly",
+    "MaskedAbove",
+    "NegKeys",
+    "NegMask",
+    "NotProven",
+    "OP_RULES",
+    "OnePad",
+    "OnesCheck",
+    "OpRule",
+    "PATTERN_RULES",
+    "PadCount",
+    "PaddingProof",
+    "PaddingViolation",
+    "PatternProof",
+    "PatternRule",
+    "Positions",
+    "ProofContext",
+    "ROW_WISE_FUNCTIONS",
+    "TableBuckets",
+    "UNKNOWN_OP",
+    "ZeroAbove",
+    "ZeroKeys",
+    "ZeroPad",
+    "ZeroPadIf",
+    "check_padding_safety",
+    "fact_rule",
+    "index_provenance",
+    "op_rule",
+    "padded_dims",
+    "prove_padding",
+    "remove_op_rule",
+]

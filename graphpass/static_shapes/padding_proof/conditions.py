@@ -35,6 +35,7 @@ def _all_ones(t: Any) -> bool:
 class OnesCheck:
     """Zero-padded inputs an accepted additive-mask proof needs to hold 1 at every position (no real query row
     fully masked): ``ones``, placeholder position -> name."""
+
     ones: dict[int, str]
     name: str = "ones_inputs"
     _failed: list[str] = field(default_factory=list, repr=False)
@@ -48,14 +49,17 @@ class OnesCheck:
         return not self._failed
 
     def why(self) -> str:
-        return (f"{', '.join(self._failed)} is not 1 everywhere in this call, and the padding proof of this graph's "
-                "additive attention mask needs it (a fully masked row's softmax is uniform over the padded length)")
+        return (
+            f"{', '.join(self._failed)} is not 1 everywhere in this call, and the padding proof of this graph's "
+            "additive attention mask needs it (a fully masked row's softmax is uniform over the padded length)"
+        )
 
 
 @dataclass
 class CausalTablesCheck:
     """Boolean inputs (a module's ``tril`` buffer) read as causal masks from their values (:mod:`..buffer_masks`):
     ``tables``, placeholder position -> :class:`..buffer_masks.CausalTable`; each call's tensors must still be."""
+
     tables: dict[int, CausalTable]
     name: str = "causal_tables"
     _failed: list[str] = field(default_factory=list, repr=False)
@@ -69,13 +73,16 @@ class CausalTablesCheck:
         return not self._failed
 
     def why(self) -> str:
-        return (f"{', '.join(self._failed)} is no longer the causal (lower-triangular) table this graph's padding "
-                "proof read its attention mask from")
+        return (
+            f"{', '.join(self._failed)} is no longer the causal (lower-triangular) table this graph's padding "
+            "proof read its attention mask from"
+        )
 
 
 @dataclass(frozen=True)
 class TableBuckets:
     """The buckets whose padding rows would read past a table looked up by position (:mod:`..position_tables`)."""
+
     reads: tuple[TableRead, ...]
     name: str = "position_tables"
 
@@ -87,6 +94,7 @@ class TableBuckets:
 class GuardBuckets:
     """The buckets at which a guard Dynamo recorded on a padded length fails, for a graph proven through a causal
     function's code (:mod:`..causal_functions`)."""
+
     gm: torch.fx.GraphModule
     trusted: tuple[str, ...]
     name: str = "causal_function_guards"
@@ -95,8 +103,9 @@ class GuardBuckets:
         _guard_invalid_buckets(proof, self.gm, names, buckets, list(self.trusted))
 
 
-def _guard_invalid_buckets(plan: PaddingProof, gm: torch.fx.GraphModule, names: set[str],
-                           buckets: tuple[int, ...], trusted: list[str]) -> None:
+def _guard_invalid_buckets(
+    plan: PaddingProof, gm: torch.fx.GraphModule, names: set[str], buckets: tuple[int, ...], trusted: list[str]
+) -> None:
     """Fill ``plan.invalid_buckets``: buckets at which a guard Dynamo recorded on a padded length fails.
 
     A causal function's proof (``static_shapes/causal_functions.py``) is about its code at every size. The graph
@@ -126,8 +135,10 @@ def _guard_invalid_buckets(plan: PaddingProof, gm: torch.fx.GraphModule, names: 
             plan.invalid_buckets[b] = GuardFails(failing)
     if len(plan.invalid_buckets) == len(buckets):
         b, why = next(iter(plan.invalid_buckets.items()))
-        plan.refused.append(f"{', '.join(trusted)} proven for the code, but Dynamo's guard {why} fails at every bucket "
-                            f"(at {b} first): the traced graph is not the code's trace at any bucket size")
+        plan.refused.append(
+            f"{', '.join(trusted)} proven for the code, but Dynamo's guard {why} fails at every bucket "
+            f"(at {b} first): the traced graph is not the code's trace at any bucket size"
+        )
 
 
 def _failing_guards(env: Any, names: set[str], b: int, trusted: list[str]) -> tuple[str | None, list[str]]:
@@ -156,7 +167,9 @@ def _failing_guards(env: Any, names: set[str], b: int, trusted: list[str]) -> tu
     return None, inside_ops
 
 
-def _table_invalid_buckets(plan: PaddingProof, syms: Iterable[Any], buckets: tuple[int, ...], reads: list[TableRead]) -> None:
+def _table_invalid_buckets(
+    plan: PaddingProof, syms: Iterable[Any], buckets: tuple[int, ...], reads: list[TableRead]
+) -> None:
     """Mark ``plan.invalid_buckets`` where a padding row would read past a position table (see
     :mod:`..position_tables`); every bucket marked: the plan is refused."""
     names = {str(s) for s in syms}
@@ -169,8 +182,11 @@ def _table_invalid_buckets(plan: PaddingProof, syms: Iterable[Any], buckets: tup
                 continue
             plan.invalid_buckets[b] = NotProven(
                 f"{read.what} reads row {last if last is not None else read.last} of {read.table}, which "
-                f"has {read.rows} rows, at bucket {b} (its padding rows read positions past the table){fits}")
+                f"has {read.rows} rows, at bucket {b} (its padding rows read positions past the table){fits}"
+            )
         if len(plan.invalid_buckets) == len(buckets):
-            plan.refused.append(f"{read.what} reads {read.table} ({read.rows} rows) by position: every bucket "
-                                f"({', '.join(map(str, buckets))}) would read past it with its padding rows{fits}")
+            plan.refused.append(
+                f"{read.what} reads {read.table} ({read.rows} rows) by position: every bucket "
+                f"({', '.join(map(str, buckets))}) would read past it with its padding rows{fits}"
+            )
             return

@@ -59,15 +59,21 @@ def drift_note(node: torch.fx.Node) -> str | None:
         name, suffix = changed
         if suffix.startswith("transformers/"):
             where = f"transformers {version}" if version else "the installed transformers"
-            return (f"{name} ({suffix}) in {where} is not the code graphpass proved (its digests were recorded "
-                    f"against transformers {', '.join(CHECKED_TRANSFORMERS)}), so this proof no longer applies "
-                    f"and it is checked op by op: pin transformers=={CHECKED_TRANSFORMERS[-1]}, or update graphpass "
-                    f"(a new release re-checks the function and records its digest)")
-        return (f"{name} ({suffix}) is not the code graphpass proved (another release or an edited copy): it is "
-                "checked op by op")
+            return (
+                f"{name} ({suffix}) in {where} is not the code graphpass proved (its digests were recorded "
+                f"against transformers {', '.join(CHECKED_TRANSFORMERS)}), so this proof no longer applies "
+                f"and it is checked op by op: pin transformers=={CHECKED_TRANSFORMERS[-1]}, or update graphpass "
+                f"(a new release re-checks the function and records its digest)"
+            )
+        return (
+            f"{name} ({suffix}) is not the code graphpass proved (another release or an edited copy): it is "
+            "checked op by op"
+        )
     trace = (node.meta.get("stack_trace") or "").replace("\\", "/")
     if version and version not in CHECKED_TRANSFORMERS and "/transformers/models/" in trace:
-        return (f"transformers {version} is not a release this proof was checked on "
-                f"({', '.join(CHECKED_TRANSFORMERS)}): if this model bucketed there, the release changed its code; "
-                f"pin transformers=={CHECKED_TRANSFORMERS[-1]} or update graphpass")
+        return (
+            f"transformers {version} is not a release this proof was checked on "
+            f"({', '.join(CHECKED_TRANSFORMERS)}): if this model bucketed there, the release changed its code; "
+            f"pin transformers=={CHECKED_TRANSFORMERS[-1]} or update graphpass"
+        )
     return None

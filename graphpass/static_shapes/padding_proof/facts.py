@@ -16,8 +16,27 @@ import torch
 
 from ...fx_utils import example_of
 
-__all__ = ["AllTrue", "Causal", "Const", "Diag", "FACTS", "KeysOnly", "MaskedAbove", "NegKeys", "NegMask", "OnePad",
-           "PadCount", "Positions", "ZeroAbove", "ZeroKeys", "ZeroPad", "ZeroPadIf", "aligned", "fact_dims", "moved"]
+__all__ = [
+    "AllTrue",
+    "Causal",
+    "Const",
+    "Diag",
+    "FACTS",
+    "KeysOnly",
+    "MaskedAbove",
+    "NegKeys",
+    "NegMask",
+    "OnePad",
+    "PadCount",
+    "Positions",
+    "ZeroAbove",
+    "ZeroKeys",
+    "ZeroPad",
+    "ZeroPadIf",
+    "aligned",
+    "fact_dims",
+    "moved",
+]
 
 # --------------------------------------------------------------------------------------------
 # Index provenance: position tensors and causal masks
@@ -201,8 +220,23 @@ class ZeroPadIf:
 
 
 #: Every fact type, in the order of the section comment above.
-FACTS: tuple[type, ...] = (Positions, Causal, Diag, AllTrue, ZeroPad, NegMask, MaskedAbove, KeysOnly, NegKeys, ZeroKeys,
-                           ZeroAbove, OnePad, PadCount, Const, ZeroPadIf)
+FACTS: tuple[type, ...] = (
+    Positions,
+    Causal,
+    Diag,
+    AllTrue,
+    ZeroPad,
+    NegMask,
+    MaskedAbove,
+    KeysOnly,
+    NegKeys,
+    ZeroKeys,
+    ZeroAbove,
+    OnePad,
+    PadCount,
+    Const,
+    ZeroPadIf,
+)
 
 
 def fact_dims(fact: Any) -> tuple[str, ...] | None:
@@ -229,4 +263,3 @@ def aligned(fact: Any, src: Any, out: torch.Tensor) -> Any:
     if fact is None or not isinstance(t, torch.Tensor) or t.dim() > out.dim():
         return None
     return moved(fact, lambda d: d + out.dim() - t.dim())
-

@@ -60,8 +60,9 @@ def _implies_multiple(expr: sympy.Basic, s: sympy.Symbol, c: int, mods: list[sym
     return True
 
 
-def multiples_from_guards(env: Any, names: Iterable[str],
-                          trusted: Iterable[str]) -> dict[sympy.Symbol, tuple[int, str]]:
+def multiples_from_guards(
+    env: Any, names: Iterable[str], trusted: Iterable[str]
+) -> dict[sympy.Symbol, tuple[int, str]]:
     """Padded symbol -> ``(c, the guard)``, where a guard of ``env`` that mentions only that symbol, and that is not
     excused as benign for the ``trusted`` functions, holds only at multiples of ``c`` (the least common multiple
     when several do)."""
@@ -128,6 +129,7 @@ class MultipleBuckets:
     """The buckets that are not a multiple of the size a guard requires of the padded length (a graph traced at a
     multiple of a chunk size): the graph is not the code's trace there, and the canonical sizes the proof read
     (:class:`MultipleCanon`) do not hold. ``multiples``: (symbol name, c, the guard)."""
+
     multiples: tuple[tuple[str, int, str], ...]
     name: str = "length_multiples"
 
@@ -135,10 +137,12 @@ class MultipleBuckets:
         from .result import GuardFails
 
         for b in buckets:  # every padded size is the bucket: a symbol tied to a bucketed one (``names``) too
-            for sym, c, why in self.multiples:
+            for _sym, c, why in self.multiples:
                 if b % c and b not in proof.invalid_buckets:
                     proof.invalid_buckets[b] = GuardFails(f"{why}: the length must be a multiple of {c}")
         if buckets and len(proof.invalid_buckets) == len(buckets):
             sym, c, why = self.multiples[0]
-            proof.refused.append(f"Dynamo traced this graph for lengths that are a multiple of {c} ({why}); no "
-                                 f"bucket ({', '.join(map(str, buckets))}) is one: make the buckets multiples of {c}")
+            proof.refused.append(
+                f"Dynamo traced this graph for lengths that are a multiple of {c} ({why}); no "
+                f"bucket ({', '.join(map(str, buckets))}) is one: make the buckets multiples of {c}"
+            )

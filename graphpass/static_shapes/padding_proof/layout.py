@@ -61,7 +61,9 @@ class Digit:
 
 
 #: Ops that only move or broadcast dims (their digits move with them); reshapes are handled by the digit rule.
-_MOVES = frozenset("permute transpose swapaxes swapdims movedim moveaxis t adjoint expand expand_as broadcast_to".split())
+_MOVES = frozenset(
+    "permute transpose swapaxes swapdims movedim moveaxis t adjoint expand expand_as broadcast_to".split()
+)
 _RESHAPES = frozenset("view reshape flatten unflatten view_as reshape_as _unsafe_view ravel squeeze unsqueeze".split())
 #: Matmuls whose row dims (all but the contracted one) keep their digits.
 _MATMULS = frozenset("linear matmul mm bmm addmm baddbmm".split())
@@ -72,8 +74,9 @@ def _exact(expr: sympy.Expr, env: Any) -> sympy.Expr:
     from torch.utils._sympy.functions import FloorDiv
 
     known = getattr(env, "divisible", None) or ()
-    reps = {atom: atom.args[0] / atom.args[1] for atom in expr.atoms(FloorDiv)
-            if any(m.args == atom.args for m in known)}
+    reps = {
+        atom: atom.args[0] / atom.args[1] for atom in expr.atoms(FloorDiv) if any(m.args == atom.args for m in known)
+    }
     return sympy.expand(expr.xreplace(reps)) if reps else expr
 
 
@@ -82,9 +85,15 @@ def _divides(a: sympy.Expr, b: sympy.Expr) -> bool:
 
 
 class _Sweep:
-    def __init__(self, padded: Callable[[Any], tuple[int, ...]], name_of: Callable[[torch.fx.Node], str | None],
-                 arg_of: Callable[..., Any], along_dims: Callable[[torch.fx.Node, str], list[int] | None],
-                 transparent: Callable[[torch.fx.Node], bool], inside: Callable[[torch.fx.Node], str | None]) -> None:
+    def __init__(
+        self,
+        padded: Callable[[Any], tuple[int, ...]],
+        name_of: Callable[[torch.fx.Node], str | None],
+        arg_of: Callable[..., Any],
+        along_dims: Callable[[torch.fx.Node, str], list[int] | None],
+        transparent: Callable[[torch.fx.Node], bool],
+        inside: Callable[[torch.fx.Node], str | None],
+    ) -> None:
         self.padded, self.name_of, self.arg_of, self.along_dims = padded, name_of, arg_of, along_dims
         self.transparent, self.inside = transparent, inside
         self.digits: dict[Any, dict[int, Digit]] = {}  # node (or (node, i) of a tuple result) -> padded dim -> digit
@@ -113,18 +122,21 @@ class _Sweep:
         dst_shape = [_exact(size_expr(s), env) for s in out.shape]
         found: dict[int, Digit] = {}
         for d, g in self.of(src).items():
-            stride = _exact(g.inner * sympy.Mul(*src_shape[d + 1:]), env)
+            stride = _exact(g.inner * sympy.Mul(*src_shape[d + 1 :]), env)
             for dd in range(len(dst_shape)):
-                c2 = sympy.Mul(*dst_shape[dd + 1:])
+                c2 = sympy.Mul(*dst_shape[dd + 1 :])
                 if _divides(c2, stride) and _divides(stride * g.digit, c2 * dst_shape[dd]):
                     if dd in found:
                         return f"puts two padded factors into dim {dd}"
-                    found[dd] = Digit(sympy.cancel(c2 * dst_shape[dd] / (stride * g.digit)), g.digit,
-                                      sympy.cancel(stride / c2))
+                    found[dd] = Digit(
+                        sympy.cancel(c2 * dst_shape[dd] / (stride * g.digit)), g.digit, sympy.cancel(stride / c2)
+                    )
                     break
             else:
-                return (f"splits the padded factor {g.digit} of dim {d} across dims "
-                        f"{tuple(str(s) for s in out.shape)}: the rows come back in another order")
+                return (
+                    f"splits the padded factor {g.digit} of dim {d} across dims "
+                    f"{tuple(str(s) for s in out.shape)}: the rows come back in another order"
+                )
         missing = [d for d in self.padded(out) if d not in found]
         if missing:
             return f"gives dim {missing[0]} a padded size that holds no whole padded factor"
@@ -274,9 +286,13 @@ class _Sweep:
     def _output(self, node: torch.fx.Node) -> None:
         for a in _leaves(node.args):
             if isinstance(a, torch.fx.Node) and self.interleaved(a):
-                self.violations[node] = (self.interleaved(a)[0], (
-                    f"returns {a.name} with the padded dim {self.interleaved(a)[0]} interleaved with another dim: "
-                    "its real rows are not a prefix, so slicing it back is wrong"))
+                self.violations[node] = (
+                    self.interleaved(a)[0],
+                    (
+                        f"returns {a.name} with the padded dim {self.interleaved(a)[0]} interleaved with another dim: "
+                        "its real rows are not a prefix, so slicing it back is wrong"
+                    ),
+                )
 
     def _opaque(self, node: torch.fx.Node, operands: list, src: Any, out: Any) -> bool:
         """Nodes whose layout another proof answers for: inside a proven causal function (its edges are checked to
@@ -292,14 +308,26 @@ class _Sweep:
                 self.digits[node] = self._rows_kept(result)
             return True
         if self.transparent(node):
-            if src is not None and isinstance(out, torch.Tensor) and isinstance(example_of(src), torch.Tensor) \
-                    and tuple(out.shape) == tuple(example_of(src).shape):
+            if (
+                src is not None
+                and isinstance(out, torch.Tensor)
+                and isinstance(example_of(src), torch.Tensor)
+                and tuple(out.shape) == tuple(example_of(src).shape)
+            ):
                 self.digits[node] = self.of(src)
             return True
         return False
 
-    def _rule(self, node: torch.fx.Node, name: str | None, operands: list, interleaved: list, src: Any, out: Any,
-              allowed: Callable[[str | None], bool]) -> Any:
+    def _rule(
+        self,
+        node: torch.fx.Node,
+        name: str | None,
+        operands: list,
+        interleaved: list,
+        src: Any,
+        out: Any,
+        allowed: Callable[[str | None], bool],
+    ) -> Any:
         """The digits of ``node``'s result (a dict), a violation (a str), or None (every padded dim a prefix)."""
         tensor_out = isinstance(out, torch.Tensor)
         if name == "repeat" and src is not None and tensor_out:
@@ -307,8 +335,10 @@ class _Sweep:
         if name in _RESHAPES and src is not None and tensor_out:
             result = self.reshape(node, src, out) if (self.padded(src) or self.padded(out)) else None
             if isinstance(result, str):
-                return (f"{name} {tuple(example_of(src).shape)} -> {tuple(out.shape)} moves padding rows away from "
-                        f"the end of the padded dim: it {result}")
+                return (
+                    f"{name} {tuple(example_of(src).shape)} -> {tuple(out.shape)} moves padding rows away from "
+                    f"the end of the padded dim: it {result}"
+                )
             return result
         if name in _MOVES and src is not None and tensor_out:
             result = self.moved(node, name, src, out)
@@ -318,9 +348,11 @@ class _Sweep:
         if name == "getitem" and src is not None and tensor_out:
             return self.getitem(node, src, out)
         if interleaved and not allowed(name):
-            return (f"reads {interleaved[0].name}, whose padded dim {self.interleaved(interleaved[0])[0]} is "
-                    "interleaved with another dim (merged by a reshape): only row-wise ops may read it before it "
-                    "is split back in the same order")
+            return (
+                f"reads {interleaved[0].name}, whose padded dim {self.interleaved(interleaved[0])[0]} is "
+                "interleaved with another dim (merged by a reshape): only row-wise ops may read it before it "
+                "is split back in the same order"
+            )
         if interleaved and name in _MATMULS and self._contracts_interleaved(node, name):
             return "contracts over an interleaved padded dim"
         along = self.along_dims(node, name) if interleaved else None
@@ -349,8 +381,9 @@ class _Sweep:
 
     def _repeat(self, node: torch.fx.Node, src: torch.fx.Node, out: torch.Tensor) -> dict[int, Digit] | str:
         t = example_of(src)
-        counts: Any = list(node.args[1:]) if node.op == "call_method" and len(node.args) > 2 else \
-            self.arg_of(node, 1, "repeats")
+        counts: Any = (
+            list(node.args[1:]) if node.op == "call_method" and len(node.args) > 2 else self.arg_of(node, 1, "repeats")
+        )
         counts = list(counts) if isinstance(counts, (list, tuple)) else [counts]
         shift = out.dim() - t.dim()
         found = {}
@@ -363,13 +396,17 @@ class _Sweep:
         return found
 
 
-def layout_sweep(gm: torch.fx.GraphModule, *, padded: Callable[[Any], tuple[int, ...]],
-                 name_of: Callable[[torch.fx.Node], str | None], arg_of: Callable[..., Any],
-                 along_dims: Callable[[torch.fx.Node, str], list[int] | None],
-                 row_wise: Callable[[str | None], bool],
-                 transparent: Callable[[torch.fx.Node], bool] = lambda node: False,
-                 inside: Callable[[torch.fx.Node], str | None] = lambda node: None) -> tuple[Mapping[Any, dict[int, Digit]],
-                                                                   dict[torch.fx.Node, tuple[int | None, str]]]:
+def layout_sweep(
+    gm: torch.fx.GraphModule,
+    *,
+    padded: Callable[[Any], tuple[int, ...]],
+    name_of: Callable[[torch.fx.Node], str | None],
+    arg_of: Callable[..., Any],
+    along_dims: Callable[[torch.fx.Node, str], list[int] | None],
+    row_wise: Callable[[str | None], bool],
+    transparent: Callable[[torch.fx.Node], bool] = lambda node: False,
+    inside: Callable[[torch.fx.Node], str | None] = lambda node: None,
+) -> tuple[Mapping[Any, dict[int, Digit]], dict[torch.fx.Node, tuple[int | None, str]]]:
     """Every node's padded dims' :class:`Digit` and the nodes that break the layout rules (the module docstring).
 
     ``padded(t)``: the padded dims of a tensor; ``name_of(node)``: the op's bare name; ``arg_of(node, pos, kw)``: an
@@ -409,22 +446,36 @@ def along_dims(node: torch.fx.Node, name: str | None) -> list[int] | None:
 
 #: Ops that may read a padded dim whose rows are interleaved with another dim's (after a reshape merged them): they
 #: treat every index of that dim alike (their own rules still refuse them along it).
-ROW_WISE_ANY_LAYOUT = POINTWISE | frozenset(NORMS) | frozenset(ALONG_DIM) | META | frozenset(FACTORIES) | frozenset(
-    {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "stack"})
+ROW_WISE_ANY_LAYOUT = (
+    POINTWISE
+    | frozenset(NORMS)
+    | frozenset(ALONG_DIM)
+    | META
+    | frozenset(FACTORIES)
+    | frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "stack"})
+)
 
 #: The pattern rules (:mod:`.patterns`) whose nodes' layout their own proof answers for.
 _WHOLE = {"causal_function": "causal", "row_wise_function": "row_wise"}
 
 
-def layout_violations(gm: torch.fx.GraphModule, padded: Callable[[Any], tuple[int, ...]],
-                      claimed: Mapping[torch.fx.Node, Any]) -> dict[torch.fx.Node, tuple[int | None, str]]:
+def layout_violations(
+    gm: torch.fx.GraphModule, padded: Callable[[Any], tuple[int, ...]], claimed: Mapping[torch.fx.Node, Any]
+) -> dict[torch.fx.Node, tuple[int | None, str]]:
     """The layout sweep over ``gm`` with the proof's readers; ``claimed``: node -> (the pattern rule that proved it,
     ...) (:func:`.prove._claim`)."""
+
     def inside(node: torch.fx.Node) -> str | None:
         return _WHOLE.get(claimed[node][0]) if node in claimed else None
 
-    _, found = layout_sweep(gm, padded=padded, name_of=_op_name, arg_of=_arg, along_dims=along_dims,
-                            row_wise=lambda name: name in ROW_WISE_ANY_LAYOUT,
-                            transparent=lambda n: n.op == "call_function" and _namespace(n.target) in _SAFE_NAMESPACES,
-                            inside=inside)
+    _, found = layout_sweep(
+        gm,
+        padded=padded,
+        name_of=_op_name,
+        arg_of=_arg,
+        along_dims=along_dims,
+        row_wise=lambda name: name in ROW_WISE_ANY_LAYOUT,
+        transparent=lambda n: n.op == "call_function" and _namespace(n.target) in _SAFE_NAMESPACES,
+        inside=inside,
+    )
     return found

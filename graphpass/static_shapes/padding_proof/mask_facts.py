@@ -46,8 +46,9 @@ def _huge_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
         if node.op not in ("call_function", "call_method") or _op_name(node) in _BOUNDED:
             continue
         if _op_name(node) in ATTENTION and not any(
-                isinstance(a, torch.fx.Node) and a in huge for a in (_arg(node, i, kw, None) for i, kw in (
-                    (0, "query"), (1, "key"), (2, "value")))):
+            isinstance(a, torch.fx.Node) and a in huge
+            for a in (_arg(node, i, kw, None) for i, kw in ((0, "query"), (1, "key"), (2, "value")))
+        ):
             continue  # softmax weights times the values: a fill value in the mask does not reach the result
         leaves = list(_leaves((node.args, node.kwargs)))
         if any(_huge_value(v) or (isinstance(v, torch.fx.Node) and v in huge) for v in leaves):
@@ -55,17 +56,25 @@ def _huge_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return huge
 
 
-def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node],
-               out: torch.Tensor) -> Any:
+def _mask_fact(
+    node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node], out: torch.Tensor
+) -> Any:
     """The additive-mask facts: ``where(causal, score, fill)`` and ``score + mask`` (a :class:`NegMask`), a softmax
     of one over its keys (a :class:`ZeroAbove`)."""
     if name == "where" and len(node.args) == 3 and out.dtype in _NEG_MASK_DTYPES:
         cond, keep, fill = (_aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else None for a in node.args)
         fill_value = node.args[2]
-        huge_fill = (isinstance(fill_value, (int, float)) and not isinstance(fill_value, bool)
-                     and fill_value <= -_HUGE) or (isinstance(fill_value, torch.fx.Node) and fill_value in huge
-                                                   and fill_value.op == "call_function" and _is_negative_constant(fill_value))
-        keep_ok = not (isinstance(node.args[1], torch.fx.Node) and node.args[1] in huge) and not _huge_value(node.args[1])
+        huge_fill = (
+            isinstance(fill_value, (int, float)) and not isinstance(fill_value, bool) and fill_value <= -_HUGE
+        ) or (
+            isinstance(fill_value, torch.fx.Node)
+            and fill_value in huge
+            and fill_value.op == "call_function"
+            and _is_negative_constant(fill_value)
+        )
+        keep_ok = not (isinstance(node.args[1], torch.fx.Node) and node.args[1] in huge) and not _huge_value(
+            node.args[1]
+        )
         if isinstance(cond, Causal) and cond.diag is not None and huge_fill and keep_ok:
             return NegMask(cond.q, cond.k, cond.diag, pure=_is_zero(node.args[1]))
         if isinstance(cond, KeysOnly) and huge_fill and keep_ok:
@@ -97,9 +106,16 @@ def _mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, Any
             return both
         for m, x in (node.args, node.args[::-1]):
             fact = _aligned(facts.get(m), m, out) if isinstance(m, torch.fx.Node) else None
-            if isinstance(fact, (NegMask, NegKeys)) and isinstance(x, torch.fx.Node) and x not in huge \
-                    and isinstance(example_of(x), torch.Tensor) and example_of(x).dtype.is_floating_point:
-                return replace(fact, pure=False) if isinstance(fact, NegMask) else fact  # plus scores: not 0 on the diagonal
+            if (
+                isinstance(fact, (NegMask, NegKeys))
+                and isinstance(x, torch.fx.Node)
+                and x not in huge
+                and isinstance(example_of(x), torch.Tensor)
+                and example_of(x).dtype.is_floating_point
+            ):
+                return (
+                    replace(fact, pure=False) if isinstance(fact, NegMask) else fact
+                )  # plus scores: not 0 on the diagonal
         return None
     if name in _SOFTMAXES:
         src = node.args[0]
@@ -127,8 +143,13 @@ def _row_max_of(value: Any, src: torch.fx.Node, k: int) -> bool:
     """``value`` is ``src.max(dim=k, keepdim=True).values`` (or ``amax``)."""
     if not isinstance(value, torch.fx.Node):
         return False
-    if value.op == "call_function" and value.target in (operator.getitem, getattr) and len(value.args) == 2 \
-            and value.args[1] in (0, "values") and isinstance(value.args[0], torch.fx.Node):
+    if (
+        value.op == "call_function"
+        and value.target in (operator.getitem, getattr)
+        and len(value.args) == 2
+        and value.args[1] in (0, "values")
+        and isinstance(value.args[0], torch.fx.Node)
+    ):
         value = value.args[0]
         if _op_name(value) != "max":
             return False
@@ -136,19 +157,34 @@ def _row_max_of(value: Any, src: torch.fx.Node, k: int) -> bool:
         return False
     t = example_of(src)
     dim = _static_int(_arg(value, 1, "dim", None))
-    return value.args[0] is src and dim is not None and _norm_dim(dim, t.dim()) == k and _arg(value, 2, "keepdim", False) is True
+    return (
+        value.args[0] is src
+        and dim is not None
+        and _norm_dim(dim, t.dim()) == k
+        and _arg(value, 2, "keepdim", False) is True
+    )
 
 
-def _sink_cat_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node], out: torch.Tensor) -> Any:
+def _sink_cat_fact(
+    node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node], out: torch.Tensor
+) -> Any:
     """``cat([scores + mask, sinks], dim=k)``: static columns of finite values after the masked keys."""
     pieces = _arg(node, 0, "tensors", ())
     d = _static_int(_arg(node, 1, "dim", 0))
-    if not isinstance(pieces, (list, tuple)) or len(pieces) < 2 or d is None or not isinstance(pieces[0], torch.fx.Node):
+    if (
+        not isinstance(pieces, (list, tuple))
+        or len(pieces) < 2
+        or d is None
+        or not isinstance(pieces[0], torch.fx.Node)
+    ):
         return None
     fact = facts.get(pieces[0])
     if not (isinstance(fact, NegMask) and fact.tail == 0 and _norm_dim(d, out.dim()) == fact.k):
         return None
-    widths = [_static_int(example_of(p).shape[fact.k]) if isinstance(example_of(p), torch.Tensor) else None for p in pieces[1:]]
+    widths = [
+        _static_int(example_of(p).shape[fact.k]) if isinstance(example_of(p), torch.Tensor) else None
+        for p in pieces[1:]
+    ]
     if any(w is None for w in widths) or any(p in huge for p in pieces[1:]):
         return None
     return replace(fact, tail=sum(widths), pure=False)
@@ -170,13 +206,23 @@ def _legacy_key_mask_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.f
     if name in ("sub", "rsub"):
         one, m = (a, b) if name == "sub" else (b, a)
         fact = _aligned(facts.get(m), m, out) if isinstance(m, torch.fx.Node) else None
-        if isinstance(one, (int, float)) and not isinstance(one, bool) and one == 1 \
-                and isinstance(fact, ZeroPad) and fact.source is not None:
+        if (
+            isinstance(one, (int, float))
+            and not isinstance(one, bool)
+            and one == 1
+            and isinstance(fact, ZeroPad)
+            and fact.source is not None
+        ):
             return OnePad(fact.dim, frozenset({fact.source}))
         return None
     for x, c in ((a, b), (b, a)):
         fact = _aligned(facts.get(x), x, out) if isinstance(x, torch.fx.Node) else None
-        if isinstance(fact, OnePad) and isinstance(c, (int, float)) and not isinstance(c, bool) and c <= -_HUGE \
-                and out.dtype in _NEG_MASK_DTYPES:
+        if (
+            isinstance(fact, OnePad)
+            and isinstance(c, (int, float))
+            and not isinstance(c, bool)
+            and c <= -_HUGE
+            and out.dtype in _NEG_MASK_DTYPES
+        ):
             return NegKeys(fact.dim, fact.needs)
     return None

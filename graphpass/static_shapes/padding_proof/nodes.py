@@ -191,6 +191,9 @@ def _static_int(value: Any) -> int | None:
 
 
 def _is_int_tensor(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and not t.dtype.is_floating_point and not t.dtype.is_complex \
+    return (
+        isinstance(t, torch.Tensor)
+        and not t.dtype.is_floating_point
+        and not t.dtype.is_complex
         and t.dtype != torch.bool
-
+    )

@@ -27,9 +27,11 @@ def _check_attention(node: torch.fx.Node, name: str, ctx: ProofContext) -> _Find
             mask = _arg(node, 3, "attn_mask", None)
             causal = _arg(node, 5, "is_causal", False) is True or _causal_mask(mask, ctx)
             if causal and ctx.causal_ok and not _rows_aligned(q, k, ctx):
-                return t.dim() - 2, ("causal attention whose queries and keys do not have the same padded length "
-                                     f"({size_expr(q.shape[-2]) if isinstance(q, torch.Tensor) and q.dim() >= 2 else '?'} "
-                                     f"queries, {size_expr(k.shape[-2])} keys): a real query row may see a padding key")
+                return t.dim() - 2, (
+                    "causal attention whose queries and keys do not have the same padded length "
+                    f"({size_expr(q.shape[-2]) if isinstance(q, torch.Tensor) and q.dim() >= 2 else '?'} "
+                    f"queries, {size_expr(k.shape[-2])} keys): a real query row may see a padding key"
+                )
             if causal and ctx.causal_ok:
                 ctx.because("causal_sdpa" if _arg(node, 5, "is_causal", False) is True else "causal_mask_sdpa")
                 break  # row i sees rows <= i; the padding sits after every real row
@@ -50,8 +52,13 @@ def _rows_aligned(q: Any, k: Any, ctx: ProofContext) -> bool:
     queries. Both rows start at row 0 of their tensors (anything else is refused where it is sliced), so that holds
     when both dims have the same padded length (the same size expression). A key tensor that is a shifted slice of
     the queries' rows (``h[:, :, 1:]``, ``L - 1`` rows against ``L``) or static queries over padded keys do not."""
-    return isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 2 and k.dim() >= 2 \
+    return (
+        isinstance(q, torch.Tensor)
+        and isinstance(k, torch.Tensor)
+        and q.dim() >= 2
+        and k.dim() >= 2
         and ctx.same_size(q.shape[-2], k.shape[-2])
+    )
 
 
 def _additive_causal_mask(mask: Any, q: Any, k: Any, ctx: ProofContext) -> bool:
@@ -62,28 +69,46 @@ def _additive_causal_mask(mask: Any, q: Any, k: Any, ctx: ProofContext) -> bool:
     (doge's dynamic mask: ``dt_states.masked_fill(mask != 0, finfo.min)``)."""
     fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
     m = example_of(mask)
-    if not (isinstance(fact, NegMask) and fact.tail == 0 and isinstance(m, torch.Tensor) and m.dim() >= 2
-            and m.dtype in _NEG_MASK_DTYPES and (fact.q, fact.k) == (m.dim() - 2, m.dim() - 1)
-            and isinstance(q, torch.Tensor) and q.dim() >= 2 and isinstance(k, torch.Tensor) and k.dim() >= 2
-            and ctx.same_size(m.shape[-2], q.shape[-2]) and ctx.same_size(m.shape[-1], k.shape[-2])
-            and _rows_aligned(q, k, ctx)):
+    if not (
+        isinstance(fact, NegMask)
+        and fact.tail == 0
+        and isinstance(m, torch.Tensor)
+        and m.dim() >= 2
+        and m.dtype in _NEG_MASK_DTYPES
+        and (fact.q, fact.k) == (m.dim() - 2, m.dim() - 1)
+        and isinstance(q, torch.Tensor)
+        and q.dim() >= 2
+        and isinstance(k, torch.Tensor)
+        and k.dim() >= 2
+        and ctx.same_size(m.shape[-2], q.shape[-2])
+        and ctx.same_size(m.shape[-1], k.shape[-2])
+        and _rows_aligned(q, k, ctx)
+    ):
         return False
     ctx.relied_on.update(fact.needs)
     return True
-
 
 
 def _pad_keys_masked(mask: Any, ctx: ProofContext) -> bool:
     """A boolean attention mask that is False at every padding key (dim -1): no query reads them."""
     fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
     t = example_of(mask)
-    return isinstance(fact, (ZeroPad, KeysOnly)) and isinstance(t, torch.Tensor) and t.dtype == torch.bool \
+    return (
+        isinstance(fact, (ZeroPad, KeysOnly))
+        and isinstance(t, torch.Tensor)
+        and t.dtype == torch.bool
         and fact.dim == t.dim() - 1
+    )
 
 
 def _causal_mask(mask: Any, ctx: ProofContext) -> bool:
     """An attention mask proven true only where key index (dim -1) <= query index (dim -2)."""
     fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
     t = example_of(mask)
-    return isinstance(fact, Causal) and fact.shift is None and isinstance(t, torch.Tensor) \
-        and t.dtype == torch.bool and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)
+    return (
+        isinstance(fact, Causal)
+        and fact.shift is None
+        and isinstance(t, torch.Tensor)
+        and t.dtype == torch.bool
+        and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)
+    )

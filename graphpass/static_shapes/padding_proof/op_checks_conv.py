@@ -28,22 +28,34 @@ def _check_conv1d(node: torch.fx.Node, name: str, ctx: ProofContext) -> _Finding
         return pads[0], f"{name} contracts over the padded dim"
     if not pads:
         return _value_use(node, ctx)
-    stride, padding, dilation = (_dims(_arg(node, i, kw, dflt)) for i, kw, dflt in (
-        (3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
+    stride, padding, dilation = (
+        _dims(_arg(node, i, kw, dflt)) for i, kw, dflt in ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1))
+    )
     k = _static_int(w.shape[-1])
-    causal = (ctx.causal_ok and k is not None and stride is not None and padding is not None and dilation is not None
-              and stride[0] == 1 and padding[0] >= (k - 1) * dilation[0])
+    causal = (
+        ctx.causal_ok
+        and k is not None
+        and stride is not None
+        and padding is not None
+        and dilation is not None
+        and stride[0] == 1
+        and padding[0] >= (k - 1) * dilation[0]
+    )
     if not causal and ctx.causal_ok and _valid_conv(stride, padding, dilation, k):
         return _value_use(node, ctx)
     if not causal:
-        return pads[0], f"{name} along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"
+        return pads[
+            0
+        ], f"{name} along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"
     extra = 2 * padding[0] - (k - 1) * dilation[0]
     if extra > 0:
         bad = _unsliced_extra_rows(node, x.dim() - 1, x.shape[-1], ctx)
         if bad is not None:
-            return pads[0], (f"{name}'s {extra} output rows past the input's length read its zero padding unpadded and "
-                             f"padding rows bucketed; {_label(bad)} at node {bad.name} reads them (only a slice "
-                             "[..., :length] may, before anything else)")
+            return pads[0], (
+                f"{name}'s {extra} output rows past the input's length read its zero padding unpadded and "
+                f"padding rows bucketed; {_label(bad)} at node {bad.name} reads them (only a slice "
+                "[..., :length] may, before anything else)"
+            )
     return _value_use(node, ctx)
 
 
@@ -67,14 +79,22 @@ def _unsliced_extra_rows(node: torch.fx.Node, dim: int, length: Any, ctx: ProofC
                 continue
             if name == "getitem" and _prefix_slice_of(u, dim, length, ctx):
                 continue
-            if name in ("narrow", "slice") and _static_int(_arg(u, 1, "dim", None)) in (dim, dim - example_of(n).dim()) \
-                    and _starts_at_row_0(_arg(u, 2, "start", None)) \
-                    and ctx.same_size(_arg(u, 3, "length" if name == "narrow" else "end", None), length) \
-                    and _static_int(_arg(u, 4, "step", 1)) in (1, None):
+            if (
+                name in ("narrow", "slice")
+                and _static_int(_arg(u, 1, "dim", None)) in (dim, dim - example_of(n).dim())
+                and _starts_at_row_0(_arg(u, 2, "start", None))
+                and ctx.same_size(_arg(u, 3, "length" if name == "narrow" else "end", None), length)
+                and _static_int(_arg(u, 4, "step", 1)) in (1, None)
+            ):
                 continue
             others = [a for a in _iter_nodes((u.args, u.kwargs)) if a is not n and ctx.padded(a)]
-            if name in POINTWISE and not others and isinstance(out, torch.Tensor) \
-                    and out.dim() == example_of(n).dim() and ctx.same_size(out.shape[dim], example_of(n).shape[dim]):
+            if (
+                name in POINTWISE
+                and not others
+                and isinstance(out, torch.Tensor)
+                and out.dim() == example_of(n).dim()
+                and ctx.same_size(out.shape[dim], example_of(n).shape[dim])
+            ):
                 todo.append(u)
                 continue
             return u
@@ -86,8 +106,11 @@ def _prefix_slice_of(node: torch.fx.Node, dim: int, length: Any, ctx: ProofConte
     t = example_of(node.args[0])
     idx = node.args[1] if len(node.args) > 1 else None
     items = list(idx) if isinstance(idx, tuple) else [idx]
-    if not isinstance(t, torch.Tensor) or any(i is None or isinstance(example_of(i), torch.Tensor) for i in items) \
-            or sum(1 for i in items if i is Ellipsis) > 1:
+    if (
+        not isinstance(t, torch.Tensor)
+        or any(i is None or isinstance(example_of(i), torch.Tensor) for i in items)
+        or sum(1 for i in items if i is Ellipsis) > 1
+    ):
         return False
     d, found = 0, False
     for item in items:
@@ -97,8 +120,12 @@ def _prefix_slice_of(node: torch.fx.Node, dim: int, length: Any, ctx: ProofConte
         if not isinstance(item, slice):
             return False
         if d == dim:
-            found = _starts_at_row_0(item.start) and item.step in (None, 1) and item.stop is not None \
+            found = (
+                _starts_at_row_0(item.start)
+                and item.step in (None, 1)
+                and item.stop is not None
                 and ctx.same_size(item.stop, length)
+            )
         elif item != slice(None):
             return False
         d += 1
@@ -114,8 +141,15 @@ def _valid_conv(stride: list[int] | None, padding: list[int] | None, dilation: l
     ``i`` of the result then reads rows ``i - (k1 - 1 + k2 - 1) .. i`` of ``x``. A zero padding inside the
     convolution (``padding > 0``) is different: the unpadded call's last rows read those zeros, where the bucketed
     one reads padding rows."""
-    return (k is not None and stride is not None and padding is not None and dilation is not None
-            and len(stride) == len(padding) == len(dilation) == 1 and stride[0] == 1 and padding[0] == 0)
+    return (
+        k is not None
+        and stride is not None
+        and padding is not None
+        and dilation is not None
+        and len(stride) == len(padding) == len(dilation) == 1
+        and stride[0] == 1
+        and padding[0] == 0
+    )
 
 
 @op_rule(*WINDOWS)

@@ -136,8 +136,11 @@ def _bad_index(item: Any, ctx: ProofContext, size: Any = None) -> str | None:
             why = why or "steps backwards or by a non-static step"
         return why
     if isinstance(v, torch.Tensor):
-        return "is a boolean mask: rows chosen by tensor values" if v.dtype == torch.bool else \
-            "is a tensor: rows chosen by tensor values"
+        return (
+            "is a boolean mask: rows chosen by tensor values"
+            if v.dtype == torch.bool
+            else "is a tensor: rows chosen by tensor values"
+        )
     if isinstance(item, (list, tuple)):
         return "is a list: rows picked by position"
     return _bad_start(item, ctx)
@@ -159,8 +162,9 @@ def _tail_closed(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any]) -> boo
                     todo.append(u)
                 continue  # tail 0: the slice that dropped the sink columns
             if _op_name(u) in ("max", "amax") and all(
-                    all(isinstance(facts.get(w), NegMask) and facts[w].tail > 0 for w in g.users)
-                    for g in (list(u.users) if _op_name(u) == "max" else [u])):
+                all(isinstance(facts.get(w), NegMask) and facts[w].tail > 0 for w in g.users)
+                for g in (list(u.users) if _op_name(u) == "max" else [u])
+            ):
                 continue  # the row max, subtracted from the same rows
             return False
     return True
@@ -266,9 +270,14 @@ def _note_table_read(node: torch.fx.Node, index: Any, table: Any, rows: Any, ctx
     if not mentions_symbol(length, ctx.names):
         return
     where = _source(node)
-    ctx.table_reads.append(TableRead(f"{_label(node)} at node {node.name}{f' ({where})' if where else ''}",
-                                     getattr(table, "name", str(table)), rows, length - 1 + fact.offset))
-
+    ctx.table_reads.append(
+        TableRead(
+            f"{_label(node)} at node {node.name}{f' ({where})' if where else ''}",
+            getattr(table, "name", str(table)),
+            rows,
+            length - 1 + fact.offset,
+        )
+    )
 
 
 def _identity_index(item: Any, size: Any, ctx: ProofContext) -> bool:

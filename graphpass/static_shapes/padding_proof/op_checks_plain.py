@@ -37,7 +37,6 @@ def _check_pointwise(node: torch.fx.Node, name: str, ctx: ProofContext) -> _Find
     return _value_use(node, ctx)
 
 
-
 @op_rule(*LAYOUT, *META, name="layout")
 def _check_layout(node: torch.fx.Node, name: str, ctx: ProofContext) -> _Finding | None:
     """Dim-wise layout ops (:data:`.tables.LAYOUT`) and size queries (:data:`.tables.META`): always safe."""

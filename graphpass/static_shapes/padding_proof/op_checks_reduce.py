@@ -45,8 +45,13 @@ def _check_along_dim(node: torch.fx.Node, name: str, ctx: ProofContext) -> _Find
         return None, f"{name} over every dim includes the padded dim {pads[0]} and mixes rows"
     for d in dims:
         d = _norm_dim(d, t.dim())
-        if d in pads and not _causal_scan(node, name, ctx) and not _masked_softmax(node, name, d, ctx) \
-                and not _zero_padded_count(node, name, d, ctx) and not _split_at_length(node, name, d, t, ctx):
+        if (
+            d in pads
+            and not _causal_scan(node, name, ctx)
+            and not _masked_softmax(node, name, d, ctx)
+            and not _zero_padded_count(node, name, d, ctx)
+            and not _split_at_length(node, name, d, t, ctx)
+        ):
             return d, f"{name} {spec.what}"
     return None
 
@@ -86,9 +91,14 @@ def _zero_padded_count(node: torch.fx.Node, name: str, d: int, ctx: ProofContext
     x = _arg(node, 0, "input")
     fact = ctx.facts.get(x) if isinstance(x, torch.fx.Node) else None
     t = example_of(x)
-    if not ctx.causal_ok or name not in ("sum", "count_nonzero", "any") or not isinstance(fact, (ZeroPad, ZeroPadIf)) \
-            or fact.dim != d \
-            or not (t.dtype == torch.bool or _is_int_tensor(t)) or _arg(node, -1, "dtype", None) not in (None, torch.int64):
+    if (
+        not ctx.causal_ok
+        or name not in ("sum", "count_nonzero", "any")
+        or not isinstance(fact, (ZeroPad, ZeroPadIf))
+        or fact.dim != d
+        or not (t.dtype == torch.bool or _is_int_tensor(t))
+        or _arg(node, -1, "dtype", None) not in (None, torch.int64)
+    ):
         return False
     if isinstance(fact, ZeroPadIf):
         ctx.relied_on.update(fact.needs)
@@ -124,8 +134,13 @@ def _masked_softmax(node: torch.fx.Node, name: str, d: int, ctx: ProofContext) -
         ctx.relied_on.update(fact.needs)
         ctx.because("key_masked_softmax")
         return True  # every row's padding keys get exactly 0 (no causality needed)
-    if not (ctx.causal_ok and name in _SOFTMAXES and isinstance(fact, NegMask) and fact.k == d
-            and ctx.same_size(t.shape[fact.q], size_expr(t.shape[fact.k]) - fact.tail)):
+    if not (
+        ctx.causal_ok
+        and name in _SOFTMAXES
+        and isinstance(fact, NegMask)
+        and fact.k == d
+        and ctx.same_size(t.shape[fact.q], size_expr(t.shape[fact.k]) - fact.tail)
+    ):
         return False
     ctx.relied_on.update(fact.needs)
     ctx.because("masked_softmax")
@@ -138,15 +153,26 @@ def _causal_product(node: torch.fx.Node, name: str, ctx: ProofContext) -> bool:
     a, b = _arg(node, 0, "input"), _arg(node, 1, "other" if name == "matmul" else "mat2", None)
     fact = ctx.facts.get(a) if isinstance(a, torch.fx.Node) else None
     ta, tb = example_of(a), example_of(b)
-    if isinstance(fact, ZeroKeys) and name in ("matmul", "bmm") and isinstance(tb, torch.Tensor) and tb.dim() >= 2 \
-            and fact.k == ta.dim() - 1:
+    if (
+        isinstance(fact, ZeroKeys)
+        and name in ("matmul", "bmm")
+        and isinstance(tb, torch.Tensor)
+        and tb.dim() >= 2
+        and fact.k == ta.dim() - 1
+    ):
         ctx.relied_on.update(fact.needs)
         ctx.because("key_masked_product")
         return True  # the padding value rows are multiplied by exact zeros
-    if not (ctx.causal_ok and name in ("matmul", "bmm") and isinstance(fact, ZeroAbove) and fact.tail == 0
-            and isinstance(tb, torch.Tensor)
-            and tb.dim() >= 2 and (fact.q, fact.k) == (ta.dim() - 2, ta.dim() - 1)
-            and ctx.same_size(ta.shape[-2], ta.shape[-1])):
+    if not (
+        ctx.causal_ok
+        and name in ("matmul", "bmm")
+        and isinstance(fact, ZeroAbove)
+        and fact.tail == 0
+        and isinstance(tb, torch.Tensor)
+        and tb.dim() >= 2
+        and (fact.q, fact.k) == (ta.dim() - 2, ta.dim() - 1)
+        and ctx.same_size(ta.shape[-2], ta.shape[-1])
+    ):
         return False
     ctx.relied_on.update(fact.needs)
     ctx.because("causal_product")

@@ -37,8 +37,7 @@ from typing import Any, Mapping
 import sympy
 import torch
 
-from ...fx_utils import (example_of, mentions_symbol, op_name, shape_env_hints, storage_key, torch_relative,
-                         writes_into)
+from ...fx_utils import example_of, mentions_symbol, op_name, shape_env_hints, storage_key, torch_relative, writes_into
 from ...tensor_utils import static_fake_mode
 
 __all__ = ["recorded_inside_an_op", "replay_differs"]
@@ -47,8 +46,10 @@ log = logging.getLogger("graphpass.static_shapes.padding_proof")
 
 _RUN_NODE = (os.path.join("_dynamo", "utils.py"), frozenset({"run_node", "get_fake_value"}))
 # torch's code that computes an op's result on fake tensors (reached from ``run_node``; Dynamo does not trace into it)
-_META_CODE = tuple(os.path.join(*p.split("/")) for p in (
-    "_prims_common/", "_refs/", "_prims/", "_decomp/", "_meta_registrations.py", "_subclasses/fake_impls.py"))
+_META_CODE = tuple(
+    os.path.join(*p.split("/"))
+    for p in ("_prims_common/", "_refs/", "_prims/", "_decomp/", "_meta_registrations.py", "_subclasses/fake_impls.py")
+)
 _STRIDE_READERS = frozenset({"as_strided", "as_strided_", "as_strided_scatter", "set_"})
 
 
@@ -85,9 +86,11 @@ def _bucket_values(env: Any, names: set[str], bucket: int) -> dict[sympy.Symbol,
     return values
 
 
-def _fake_inputs(gm: torch.fx.GraphModule, values: Mapping[sympy.Symbol, Any], names: set[str],
-                 mode: Any) -> list[Any] | str:
+def _fake_inputs(
+    gm: torch.fx.GraphModule, values: Mapping[sympy.Symbol, Any], names: set[str], mode: Any
+) -> list[Any] | str:
     """The placeholders' values at the bucket: fake tensors of the static sizes, ints for SymInts."""
+
     def padded(t: torch.Tensor) -> bool:
         return any(mentions_symbol(s, frozenset(names)) for s in t.shape)
 
@@ -133,8 +136,13 @@ def _shares_first_operand(node: torch.fx.Node, value_of: Any) -> bool | None:
     return None if a is None or b is None else a == b
 
 
-def _node_differs(node: torch.fx.Node, got: Any, values: Mapping[sympy.Symbol, Any], writes: bool,
-                  results: Mapping[torch.fx.Node, Any]) -> str | None:
+def _node_differs(
+    node: torch.fx.Node,
+    got: Any,
+    values: Mapping[sympy.Symbol, Any],
+    writes: bool,
+    results: Mapping[torch.fx.Node, Any],
+) -> str | None:
     traced = example_of(node)
     if not isinstance(traced, torch.Tensor):
         return None
@@ -147,9 +155,11 @@ def _node_differs(node: torch.fx.Node, got: Any, values: Mapping[sympy.Symbol, A
         before = _shares_first_operand(node, example_of)
         after = _shares_first_operand(node, lambda n: results.get(n))
         if before is not None and after is not None and before != after:
-            return (f"{node.name} ({op_name(node.target).name}) is {'a view' if after else 'a copy'} of its operand "
-                    f"at the bucket but was {'a view' if before else 'a copy'} when traced, and the graph writes in "
-                    "place")
+            return (
+                f"{node.name} ({op_name(node.target).name}) is {'a view' if after else 'a copy'} of its operand "
+                f"at the bucket but was {'a view' if before else 'a copy'} when traced, and the graph writes in "
+                "place"
+            )
     return None
 
 

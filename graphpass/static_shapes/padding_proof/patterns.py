@@ -36,6 +36,7 @@ _Finding = Finding
 class PatternProof:
     """What a pattern rule proved: the nodes it claims (not checked op by op), the facts it proves for other rules,
     the violations it found at its nodes, and what the caller must still check."""
+
     nodes: frozenset[torch.fx.Node]
     facts: tuple[tuple[torch.fx.Node, Any], ...] = ()
     findings: Mapping[torch.fx.Node, Finding] = field(default_factory=dict)
@@ -48,6 +49,7 @@ class PatternRule(Protocol):
     """A whole-pattern rule: ``prove(gm, ctx)`` -> its proofs (objects with ``nodes`` and ``facts``, and optionally
     ``findings``, ``trusted`` and ``bucket_checks``, as :class:`PatternProof`). ``needs_causal``: run only where the
     padding sits at the end (``causal_ok``)."""
+
     name: str
     needs_causal: bool
 
@@ -58,6 +60,7 @@ class PatternRule(Protocol):
 class _CallableRule:
     """A rule written as a function ``rule(gm, facts, same_size, padded)`` (the form ``check_padding_safety(rules=)``
     took before :class:`PatternRule`)."""
+
     fn: Callable[..., list]
     name: str
     needs_causal: bool = True
@@ -81,6 +84,7 @@ def _calls(gm: torch.fx.GraphModule, ctx: ProofContext) -> list[torch.fx.Node]:
 @dataclass(frozen=True)
 class GraphpassOps:
     """graphpass's own markers (``torch.ops.graphpass.*``): no outputs, run-time side effects only."""
+
     name: str = "graphpass_op"
     needs_causal: bool = False
 
@@ -92,12 +96,18 @@ class GraphpassOps:
 @dataclass(frozen=True)
 class RowWiseFunctions:
     """The nodes traced inside a library function that is row-wise as a whole (:data:`.tables.ROW_WISE_FUNCTIONS`)."""
+
     name: str = "row_wise_function"
     needs_causal: bool = False
 
     def prove(self, gm: torch.fx.GraphModule, ctx: ProofContext) -> list[PatternProof]:
-        nodes = [n for n in gm.graph.nodes if n in ctx.live and n.op not in ("placeholder", "output", "get_attr")
-                 and row_wise_function_of(n) is not None]
+        nodes = [
+            n
+            for n in gm.graph.nodes
+            if n in ctx.live
+            and n.op not in ("placeholder", "output", "get_attr")
+            and row_wise_function_of(n) is not None
+        ]
         return [PatternProof(frozenset(nodes))] if nodes else []
 
 
@@ -121,6 +131,7 @@ def row_wise_function_of(node: torch.fx.Node) -> str | None:
 class CausalFunctions:
     """The nodes traced inside a proven causal function (:mod:`..causal_functions`): trusted as a whole, only its
     edges checked (:func:`..causal_functions.check_causal_edges`); one proof per function."""
+
     name: str = "causal_function"
     needs_causal: bool = True
 
@@ -131,14 +142,19 @@ class CausalFunctions:
                 fn = causal_function_of(node)
                 if fn is not None:
                     by_fn.setdefault(fn, {})[node] = check_causal_edges(node, fn, ctx.padded, ctx.is_length)
-        return [PatternProof(frozenset(found), findings={n: f for n, f in found.items() if f is not None},
-                             trusted=frozenset({fn})) for fn, found in by_fn.items()]
+        return [
+            PatternProof(
+                frozenset(found), findings={n: f for n, f in found.items() if f is not None}, trusted=frozenset({fn})
+            )
+            for fn, found in by_fn.items()
+        ]
 
 
 @dataclass(frozen=True)
 class KvSlotWrites:
     """Padding rows written into a tensor that is not padded (a key/value cache's slots): proven when the slots are
     positions after the real rows' and every later read is an attention masking them (:func:`_check_row_write`)."""
+
     name: str = "kv_slot_write"
     needs_causal: bool = False
 
@@ -172,20 +188,29 @@ def _check_row_write(node: torch.fx.Node, name: str, ctx: ProofContext) -> _Find
     dim = _static_int(_arg(node, 1, "dim", None)) if name == "index_copy" else None
     t_dst, t_src = example_of(dst), example_of(src)
     if dim is None or not isinstance(t_dst, torch.Tensor) or ctx.padded(src) != (dim % t_src.dim(),):
-        return None, f"{_label(node)} writes padding rows into {_label(dst)}, which is not padded: later reads may see them"
+        return (
+            None,
+            f"{_label(node)} writes padding rows into {_label(dst)}, which is not padded: later reads may see them",
+        )
     index = _arg(node, 2, "index", None)
     fact = ctx.facts.get(index) if isinstance(index, torch.fx.Node) else None
     if not isinstance(fact, Positions) or fact.offset != 0 or dim % t_dst.dim() != t_dst.dim() - 2:
-        return dim, (f"{_label(node)} writes padding rows into {_label(dst)} at slots not proven to be "
-                     f"positions after the real rows' (an arange plus a run-time offset, along the slot dim -2)")
+        return dim, (
+            f"{_label(node)} writes padding rows into {_label(dst)} at slots not proven to be "
+            f"positions after the real rows' (an arange plus a run-time offset, along the slot dim -2)"
+        )
     bad = _unmasked_slot_read(node, dst, fact.base, ctx)
     if bad is not None:
-        return dim, (f"{_label(node)} writes padding rows into {_label(dst)}, and {_label(bad)} reads those slots "
-                     f"without an attention mask proven to hide every slot past a query's position")
+        return dim, (
+            f"{_label(node)} writes padding rows into {_label(dst)}, and {_label(bad)} reads those slots "
+            f"without an attention mask proven to hide every slot past a query's position"
+        )
     return None
 
 
-def _unmasked_slot_read(write: torch.fx.Node, buf: torch.fx.Node, shift: str | None, ctx: ProofContext) -> torch.fx.Node | None:
+def _unmasked_slot_read(
+    write: torch.fx.Node, buf: torch.fx.Node, shift: str | None, ctx: ProofContext
+) -> torch.fx.Node | None:
     """The first read of ``buf`` after ``write`` that is not proven blind to the slots past each real
     query's position, or None. Reads before the write see none of the written rows."""
     order = {n: i for i, n in enumerate(write.graph.nodes)}
@@ -236,7 +261,11 @@ def _masks_slots(node: torch.fx.Node, reached: set[torch.fx.Node], shift: str | 
     mask = _arg(node, 3, "attn_mask", None)
     fact = ctx.facts.get(mask) if isinstance(mask, torch.fx.Node) else None
     t = example_of(mask)
-    return isinstance(fact, Causal) and fact.shift == shift and isinstance(t, torch.Tensor) \
-        and t.dtype == torch.bool and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1) \
+    return (
+        isinstance(fact, Causal)
+        and fact.shift == shift
+        and isinstance(t, torch.Tensor)
+        and t.dtype == torch.bool
+        and (fact.q, fact.k) == (t.dim() - 2, t.dim() - 1)
         and _arg(node, 5, "is_causal", False) is not True
-
+    )

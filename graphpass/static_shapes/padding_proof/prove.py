@@ -54,8 +54,9 @@ def _check_node(node: torch.fx.Node, ctx: ProofContext) -> tuple[Finding | None,
     return hit, ctx.notes[-1] if ctx.notes else rule.name
 
 
-def _prove_patterns(gm: torch.fx.GraphModule, ctx: ProofContext, rules: Sequence[PatternRule],
-                    provenance: Callable[[dict], Mapping]) -> tuple[ProofContext, list[tuple[PatternRule, Any]]]:
+def _prove_patterns(
+    gm: torch.fx.GraphModule, ctx: ProofContext, rules: Sequence[PatternRule], provenance: Callable[[dict], Mapping]
+) -> tuple[ProofContext, list[tuple[PatternRule, Any]]]:
     """Run ``rules`` to a fixpoint: the facts their proofs carry are added to the index-provenance facts
     (``provenance(carried)``) until no rule proves a new node; return the context with those facts and the proofs
     (with their rules). A rule that ``needs_causal`` runs only with ``causal_ok``."""
@@ -82,31 +83,51 @@ def _claim(found: list[tuple[PatternRule, Any]], live: frozenset, result: Paddin
     return claimed
 
 
-def _checks(gm: torch.fx.GraphModule, ctx: ProofContext, found: list, result: PaddingProof,
-            values: Mapping[str, Any] | None, table_names: Mapping[str, str] | None) -> None:
+def _checks(
+    gm: torch.fx.GraphModule,
+    ctx: ProofContext,
+    found: list,
+    result: PaddingProof,
+    values: Mapping[str, Any] | None,
+    table_names: Mapping[str, str] | None,
+) -> None:
     """What the caller must check: per call (the inputs that must hold 1, the causal tables read) and per bucket
     (the pattern proofs' own conditions, the position tables' rows, the trusted causal functions' guards)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    result.tables.update({n.name: CausalTable(n.name, values[n.name]) for n in placeholders
-                          if n in ctx.live and isinstance(ctx.facts.get(n), Causal)})
+    result.tables.update(
+        {
+            n.name: CausalTable(n.name, values[n.name])
+            for n in placeholders
+            if n in ctx.live and isinstance(ctx.facts.get(n), Causal)
+        }
+    )
     ones = {i: n.name for i, n in enumerate(placeholders) if n.name in result.relied_on}
     tables = {i: result.tables[n.name] for i, n in enumerate(placeholders) if n.name in result.tables}
-    result.call_checks += [c for c in (OnesCheck(ones) if ones else None,
-                                       CausalTablesCheck(tables) if tables else None) if c is not None]
+    result.call_checks += [
+        c for c in (OnesCheck(ones) if ones else None, CausalTablesCheck(tables) if tables else None) if c is not None
+    ]
     result.bucket_checks += [c for _, p in found for c in getattr(p, "bucket_checks", ())]
     if result.table_reads:
         names = table_names or {}
-        result.bucket_checks.append(TableBuckets(tuple(replace(r, table=names[r.table]) if r.table in names else r
-                                                       for r in result.table_reads)))
+        result.bucket_checks.append(
+            TableBuckets(tuple(replace(r, table=names[r.table]) if r.table in names else r for r in result.table_reads))
+        )
     if result.trusted:
         result.bucket_checks.append(GuardBuckets(gm, tuple(sorted(result.trusted))))
 
 
 def prove_padding(
-    gm: torch.fx.GraphModule, symbols: Iterable[Any], *, causal_ok: bool = True,
-    ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
-    values: Mapping[str, Any] | None = None, rules: Sequence[Any] = (), buckets: tuple[int, ...] = (),
-    bucket_symbols: Iterable[Any] | None = None, table_names: Mapping[str, str] | None = None,
+    gm: torch.fx.GraphModule,
+    symbols: Iterable[Any],
+    *,
+    causal_ok: bool = True,
+    ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None,
+    zero_padded: Iterable[str] = (),
+    values: Mapping[str, Any] | None = None,
+    rules: Sequence[Any] = (),
+    buckets: tuple[int, ...] = (),
+    bucket_symbols: Iterable[Any] | None = None,
+    table_names: Mapping[str, str] | None = None,
     upper: Mapping[str, int] | None = None,
 ) -> PaddingProof:
     """The padding proof of ``gm`` for the dims sized by ``symbols`` (see :func:`check_padding_safety` for
@@ -130,14 +151,25 @@ def prove_padding(
     with canonical_sizes(MultipleCanon({s: c for s, (c, _) in multiples.items()}) if multiples else None):
         result = _prove(gm, names, causal_ok, ties, zero_padded, values, rules, table_names, upper)
         if multiples:
-            result.bucket_checks.insert(0, MultipleBuckets(tuple((str(s), c, why) for s, (c, why) in multiples.items())))
+            result.bucket_checks.insert(
+                0, MultipleBuckets(tuple((str(s), c, why) for s, (c, why) in multiples.items()))
+            )
         if buckets:
             result.check_buckets(_symbol_names(bucket_symbols if bucket_symbols is not None else symbols), buckets)
     return result
 
 
-def _prove(gm: torch.fx.GraphModule, names: frozenset[str], causal_ok: bool, ties: Any, zero_padded: Iterable[str],
-           values: Any, rules: Sequence[Any], table_names: Any, upper: Any) -> PaddingProof:
+def _prove(
+    gm: torch.fx.GraphModule,
+    names: frozenset[str],
+    causal_ok: bool,
+    ties: Any,
+    zero_padded: Iterable[str],
+    values: Any,
+    rules: Sequence[Any],
+    table_names: Any,
+    upper: Any,
+) -> PaddingProof:
     """:func:`prove_padding`'s proof, the bucket checks listed but not decided."""
 
     def provenance(carried: dict | None = None) -> MappingProxyType:
@@ -145,8 +177,9 @@ def _prove(gm: torch.fx.GraphModule, names: frozenset[str], causal_ok: bool, tie
         return MappingProxyType(index_provenance(gm, zero, ties, values, carried, upper))
 
     live = frozenset(_live_nodes(gm))
-    ctx = ProofContext(names=names, causal_ok=causal_ok, facts=provenance(), ties=MappingProxyType(dict(ties or {})),
-                       live=live)
+    ctx = ProofContext(
+        names=names, causal_ok=causal_ok, facts=provenance(), ties=MappingProxyType(dict(ties or {})), live=live
+    )
     extra = [as_pattern_rule(r) for r in rules]
     ctx, found = _prove_patterns(gm, ctx, [*extra, *PATTERN_RULES], provenance)
     result = PaddingProof(proofs=[p for rule, p in found if any(rule is r for r in extra)])
@@ -158,9 +191,15 @@ def _prove(gm: torch.fx.GraphModule, names: frozenset[str], causal_ok: bool, tie
             rule, hit = "layout", layout[node]
         if hit is not None:
             note = drift_note(node)
-            result.violations.append(PaddingViolation(node=node.name, op=_label(node), dim=hit[0],
-                                                      reason=f"{hit[1]} ({note})" if note else hit[1],
-                                                      source=_source(node)))
+            result.violations.append(
+                PaddingViolation(
+                    node=node.name,
+                    op=_label(node),
+                    dim=hit[0],
+                    reason=f"{hit[1]} ({note})" if note else hit[1],
+                    source=_source(node),
+                )
+            )
         else:
             result.proven_by[node.name] = rule
             result.accepted_by[rule] += 1
@@ -172,11 +211,19 @@ def _prove(gm: torch.fx.GraphModule, names: frozenset[str], causal_ok: bool, tie
 
 
 def check_padding_safety(
-    gm: torch.fx.GraphModule, symbols: set[sympy.Symbol], *, causal_ok: bool = True,
-    ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None, zero_padded: Iterable[str] = (),
-    relied_on: set[str] | None = None, trusted: set[str] | None = None,
-    values: Mapping[str, Any] | None = None, tables: dict[str, CausalTable] | None = None,
-    rules: Sequence[Any] = (), proofs: list[Any] | None = None, table_reads: list[TableRead] | None = None,
+    gm: torch.fx.GraphModule,
+    symbols: set[sympy.Symbol],
+    *,
+    causal_ok: bool = True,
+    ties: Mapping[sympy.Symbol, sympy.Symbol] | None = None,
+    zero_padded: Iterable[str] = (),
+    relied_on: set[str] | None = None,
+    trusted: set[str] | None = None,
+    values: Mapping[str, Any] | None = None,
+    tables: dict[str, CausalTable] | None = None,
+    rules: Sequence[Any] = (),
+    proofs: list[Any] | None = None,
+    table_reads: list[TableRead] | None = None,
     upper: Mapping[str, int] | None = None,
 ) -> list[PaddingViolation]:
     """Every node of ``gm`` that would make padding the dims sized by ``symbols`` inexact.
@@ -212,8 +259,9 @@ def check_padding_safety(
     Nodes whose values reach no output (dead code the model computes and never uses) are not checked.
     Returns the violations in graph order; an empty list means padding is safe.
     """
-    result = prove_padding(gm, symbols, causal_ok=causal_ok, ties=ties, zero_padded=zero_padded, values=values,
-                           rules=rules, upper=upper)
+    result = prove_padding(
+        gm, symbols, causal_ok=causal_ok, ties=ties, zero_padded=zero_padded, values=values, rules=rules, upper=upper
+    )
     for into, got in ((relied_on, result.relied_on), (trusted, result.trusted)):
         if into is not None:
             into.update(got)
@@ -241,9 +289,18 @@ def _live_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """The nodes whose values can reach an output: ancestors of the output, of every node that writes into one
     of its arguments, of graphpass's ops and of module calls. Others (a ``max(position_ids)`` whose result the
     model's code never uses) are dead: whatever they compute over the padding reaches no result."""
-    roots = [n for n in gm.graph.nodes if n.op in ("output", "call_module") or (
-        n.op in ("call_function", "call_method") and (_namespace(n.target) in _SAFE_NAMESPACES or any(
-            writes_into(n, a) for a in flat_nodes((n.args, n.kwargs)))))]
+    roots = [
+        n
+        for n in gm.graph.nodes
+        if n.op in ("output", "call_module")
+        or (
+            n.op in ("call_function", "call_method")
+            and (
+                _namespace(n.target) in _SAFE_NAMESPACES
+                or any(writes_into(n, a) for a in flat_nodes((n.args, n.kwargs)))
+            )
+        )
+    ]
     live: set[torch.fx.Node] = set()
     while roots:
         n = roots.pop()

@@ -19,15 +19,46 @@ import torch
 from ...fx_utils import example_of, size_expr, size_range
 from ...tensor_utils import shape_env_of
 from ..buffer_masks import is_causal_table
-from .facts import (AllTrue, Causal, Const, Diag, KeysOnly, MaskedAbove, NegKeys, NegMask, OnePad, PadCount, Positions,
-                    ZeroAbove, ZeroKeys, ZeroPad, ZeroPadIf, aligned as _aligned, fact_dims, moved as _moved)
+from .facts import (
+    AllTrue,
+    Causal,
+    Const,
+    Diag,
+    KeysOnly,
+    MaskedAbove,
+    NegKeys,
+    NegMask,
+    OnePad,
+    PadCount,
+    Positions,
+    ZeroAbove,
+    ZeroKeys,
+    ZeroPad,
+    ZeroPadIf,
+    aligned as _aligned,
+    fact_dims,
+    moved as _moved,
+)
 from .mask_facts import _huge_nodes, _is_zero, _legacy_key_mask_fact, _mask_fact
 from .nodes import _arg, _is_int_tensor, _leaves, _norm_dim, _op_name, _static_int
 from .registry import FACT_RULES, FactEnv, fact_rule
-from .tables import (_ALL_TRUE_FACTORIES, _ANDS, _COMPARES, _CONST_COMPARES, _CONST_FACTORIES, _CONST_FILLS,
-                     _CONST_KEEPS, _KEEPS, _NEG_MASK_DTYPES, _NOTS, _SOFTMAXES, RESHAPES)
+from .tables import (
+    _ALL_TRUE_FACTORIES,
+    _ANDS,
+    _COMPARES,
+    _CONST_COMPARES,
+    _CONST_FACTORIES,
+    _CONST_FILLS,
+    _CONST_KEEPS,
+    _KEEPS,
+    _NEG_MASK_DTYPES,
+    _NOTS,
+    _SOFTMAXES,
+    RESHAPES,
+)
 
 __all__ = ["index_provenance"]
+
 
 def _arange_fact(node: torch.fx.Node, out: torch.Tensor) -> Any:
     """``arange(n)`` / ``arange(c, c + n)`` with a static integer start and step 1."""
@@ -71,15 +102,23 @@ def _view_map(items: list[Any], ndim: int) -> Callable[[int], int | None] | None
     return mapping.get
 
 
-def _gather_fact(src: torch.fx.Node, items: list[Any], facts: Mapping[torch.fx.Node, Any], out: torch.Tensor,
-                 ties: Mapping[Any, Any] = MappingProxyType({})) -> Any:
+def _gather_fact(
+    src: torch.fx.Node,
+    items: list[Any],
+    facts: Mapping[torch.fx.Node, Any],
+    out: torch.Tensor,
+    ties: Mapping[Any, Any] = MappingProxyType({}),
+) -> Any:
     """``src[i0, i1, ...]`` with integer tensor indices on its leading dims (advanced indexing)."""
     fact = facts.get(src)
     lead = 0
     while lead < len(items) and _is_int_tensor(example_of(items[lead])):
         lead += 1
-    if not isinstance(fact, (Positions, ZeroPad)) or lead == 0 or any(i not in (Ellipsis,) and not (
-            isinstance(i, slice) and i == slice(None)) for i in items[lead:]):
+    if (
+        not isinstance(fact, (Positions, ZeroPad))
+        or lead == 0
+        or any(i not in (Ellipsis,) and not (isinstance(i, slice) and i == slice(None)) for i in items[lead:])
+    ):
         return None
     nb = out.dim() - (example_of(src).dim() - lead)  # the broadcast index dims come first
     if fact.dim >= lead:
@@ -90,16 +129,24 @@ def _gather_fact(src: torch.fx.Node, items: list[Any], facts: Mapping[torch.fx.N
         return None
     at = inner.dim + nb - example_of(index).dim()
     if isinstance(fact, ZeroPad):  # rows 0 .. n - 1 read in place: the padding rows stay the zero rows
-        same = inner.offset == 0 and inner.base is None and size_expr(example_of(index).shape[inner.dim]).xreplace(ties) == size_expr(
-            example_of(src).shape[fact.dim]).xreplace(ties)
+        same = (
+            inner.offset == 0
+            and inner.base is None
+            and size_expr(example_of(index).shape[inner.dim]).xreplace(ties)
+            == size_expr(example_of(src).shape[fact.dim]).xreplace(ties)
+        )
         return ZeroPad(at, fact.source) if same else None
     if fact.base is not None and inner.base is not None:
         return None  # two run-time offsets: not one named base
     return Positions(at, fact.offset + inner.offset, fact.base or inner.base)
 
 
-def _getitem_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torch.Tensor,
-                  ties: Mapping[Any, Any] = MappingProxyType({})) -> Any:
+def _getitem_fact(
+    node: torch.fx.Node,
+    facts: Mapping[torch.fx.Node, Any],
+    out: torch.Tensor,
+    ties: Mapping[Any, Any] = MappingProxyType({}),
+) -> Any:
     src = node.args[0]
     idx = node.args[1] if len(node.args) > 1 else None
     items = list(idx) if isinstance(idx, tuple) else [idx]
@@ -194,11 +241,16 @@ def _and_fact(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], out: torc
     if out.dtype != torch.bool:
         return None
     operands = list(_leaves(node.args))
-    found = [_aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else (AllTrue() if a is True else None)
-             for a in operands]
+    found = [
+        _aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else (AllTrue() if a is True else None)
+        for a in operands
+    ]
     causal = min((f for f in found if isinstance(f, Causal)), key=lambda f: f.shift is not None, default=None)
-    pairs = {frozenset({f.q, f.k}) if isinstance(f, Causal) else frozenset({f.a, f.b})
-             for f in found if isinstance(f, (Causal, Diag))}
+    pairs = {
+        frozenset({f.q, f.k}) if isinstance(f, Causal) else frozenset({f.a, f.b})
+        for f in found
+        if isinstance(f, (Causal, Diag))
+    }
     diag: frozenset[str] | None = None
     if len(pairs) == 1:
         needs = [_diag_needs(f, next(iter(pairs))) for f in found]
@@ -228,8 +280,9 @@ def _reshape_fact(src: Any, fact: Any, out: torch.Tensor) -> Any:
     if not dims:
         return None
     tail = t.dim() - min(dims)  # the trailing dims the fact is about
-    if tail > out.dim() or [size_expr(s) for s in t.shape[t.dim() - tail:]] != [
-            size_expr(s) for s in out.shape[out.dim() - tail:]]:
+    if tail > out.dim() or [size_expr(s) for s in t.shape[t.dim() - tail :]] != [
+        size_expr(s) for s in out.shape[out.dim() - tail :]
+    ]:
         return None
     return _moved(fact, lambda d: d + out.dim() - t.dim())
 
@@ -270,8 +323,13 @@ def _count_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, An
     return None
 
 
-def _fact_of(node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node] = frozenset(),
-             ties: Mapping[Any, Any] = MappingProxyType({}), upper: Mapping[str, int] | None = None) -> Any:
+def _fact_of(
+    node: torch.fx.Node,
+    facts: Mapping[torch.fx.Node, Any],
+    huge: set[torch.fx.Node] = frozenset(),
+    ties: Mapping[Any, Any] = MappingProxyType({}),
+    upper: Mapping[str, int] | None = None,
+) -> Any:
     """The fact of ``node``: its name's fact rules (:data:`.registry.FACT_RULES`) tried in order, the first fact
     found; None when none is (or when a ``final`` rule applies and finds none). An integer fact (positions, a pad
     count) is kept only where every value it stands for fits the node's dtype at every size (:func:`_values_fit`):
@@ -334,12 +392,21 @@ def _source_fact(node: torch.fx.Node, name: str, out: torch.Tensor, env: FactEnv
         if c is None and name == "add" and fact.base is None and len(node.args) > 1:
             base = _scalar_tensor_root(node.args[1])  # + a 0-d integer tensor (a cache's length)
             return None if base is None else _aligned(Positions(fact.dim, fact.offset, base), src, out)
-        return None if c is None else _aligned(
-            Positions(fact.dim, fact.offset + (c if name == "add" else -c), fact.base), src, out)
+        return (
+            None
+            if c is None
+            else _aligned(Positions(fact.dim, fact.offset + (c if name == "add" else -c), fact.base), src, out)
+        )
     if isinstance(fact, Causal) and fact.diag is not None and name in _NOTS:
         return MaskedAbove(fact.q, fact.k, fact.diag)
-    if isinstance(fact, NegMask) and fact.pure and out.dtype == torch.bool and name in ("ne", "not_equal") \
-            and len(node.args) == 2 and _is_zero(node.args[1]):
+    if (
+        isinstance(fact, NegMask)
+        and fact.pure
+        and out.dtype == torch.bool
+        and name in ("ne", "not_equal")
+        and len(node.args) == 2
+        and _is_zero(node.args[1])
+    ):
         return _aligned(MaskedAbove(fact.q, fact.k, fact.needs), src, out)  # mask != 0: what .bool() gives (doge)
     if isinstance(fact, NegMask) and fact.pure and out.dtype == torch.bool and name in _KEEPS:
         return _aligned(MaskedAbove(fact.q, fact.k, fact.needs), src, out)  # nonzero: the fill values
@@ -353,8 +420,6 @@ def _source_fact(node: torch.fx.Node, name: str, out: torch.Tensor, env: FactEnv
     if name in RESHAPES:
         return _reshape_fact(src, fact, out)
     return None
-
-
 
 
 def _const_value(value: Any, facts: Mapping[torch.fx.Node, Any]) -> tuple[bool, Any]:
@@ -414,8 +479,13 @@ def _const_fact(node: torch.fx.Node, name: str, facts: Mapping[torch.fx.Node, An
     if out.dtype == torch.bool and name in ("or_", "logical_or", "bitwise_or") and len(args) == 2:
         for x, other in (args, args[::-1]):
             ok, v = _const_value(other, facts)
-            if ok and not v and isinstance(x, torch.fx.Node) and isinstance(example_of(x), torch.Tensor) \
-                    and example_of(x).dtype == torch.bool:
+            if (
+                ok
+                and not v
+                and isinstance(x, torch.fx.Node)
+                and isinstance(example_of(x), torch.Tensor)
+                and example_of(x).dtype == torch.bool
+            ):
                 fact = _aligned(facts.get(x), x, out)
                 return fact if fact is not None else None
     return None
@@ -435,10 +505,14 @@ def _scalar_tensor_root(value: Any) -> str | None:
     return None
 
 
-def index_provenance(gm: torch.fx.GraphModule, zero_padded: Mapping[torch.fx.Node, int] | None = None,
-                     ties: Mapping[Any, Any] | None = None, values: Mapping[str, Any] | None = None,
-                     proven: Mapping[torch.fx.Node, Any] | None = None,
-                     upper: Mapping[str, int] | None = None) -> dict[torch.fx.Node, Any]:
+def index_provenance(
+    gm: torch.fx.GraphModule,
+    zero_padded: Mapping[torch.fx.Node, int] | None = None,
+    ties: Mapping[Any, Any] | None = None,
+    values: Mapping[str, Any] | None = None,
+    proven: Mapping[torch.fx.Node, Any] | None = None,
+    upper: Mapping[str, int] | None = None,
+) -> dict[torch.fx.Node, Any]:
     """The position and causal-mask facts of ``gm``'s nodes (see the section comment above).
     ``zero_padded``: placeholders the dispatcher pads with 0 -> their padded dim; ``ties``: size symbols padded
     together (symbol -> the one it equals on every call); ``values``: placeholder name -> the real tensor it takes
@@ -472,15 +546,23 @@ def _table_facts(gm: torch.fx.GraphModule, values: Mapping[str, Any]) -> dict[to
     return out
 
 
-
 # --------------------------------------------------------------------------------------------
 # The fact rules, by name, in the order they are tried
 # --------------------------------------------------------------------------------------------
 
-_CONST_NAMES = (frozenset(_CONST_FACTORIES) | frozenset(_CONST_FILLS) | _CONST_KEEPS | frozenset(_CONST_COMPARES)
-                | {"where", "and_", "logical_and", "bitwise_and", "or_", "logical_or", "bitwise_or"})
-_SOURCE_NAMES = (frozenset({"add", "sub", "ne", "not_equal", "dropout", "expand", "expand_as", "broadcast_to",
-                            "unsqueeze"}) | _NOTS | _KEEPS | RESHAPES)
+_CONST_NAMES = (
+    frozenset(_CONST_FACTORIES)
+    | frozenset(_CONST_FILLS)
+    | _CONST_KEEPS
+    | frozenset(_CONST_COMPARES)
+    | {"where", "and_", "logical_and", "bitwise_and", "or_", "logical_or", "bitwise_or"}
+)
+_SOURCE_NAMES = (
+    frozenset({"add", "sub", "ne", "not_equal", "dropout", "expand", "expand_as", "broadcast_to", "unsqueeze"})
+    | _NOTS
+    | _KEEPS
+    | RESHAPES
+)
 
 
 @fact_rule("arange", final=True)

@@ -22,8 +22,18 @@ import torch
 from ...fx_utils import example_of, mentions_symbol, size_expr
 from ..position_tables import TableRead
 
-__all__ = ["FACT_RULES", "FactEnv", "FactRule", "Finding", "OP_RULES", "OpRule", "ProofContext", "fact_rule",
-           "op_rule", "remove_op_rule"]
+__all__ = [
+    "FACT_RULES",
+    "FactEnv",
+    "FactRule",
+    "Finding",
+    "OP_RULES",
+    "OpRule",
+    "ProofContext",
+    "fact_rule",
+    "op_rule",
+    "remove_op_rule",
+]
 
 Finding = tuple[Optional[int], str]  # (the padded dim an op mixes along, or None; the reason)
 
@@ -32,6 +42,7 @@ Finding = tuple[Optional[int], str]  # (the padded dim an op mixes along, or Non
 class ProofContext:
     """What the op and pattern rules read (the padded symbols, the facts, ...) and fill (the inputs and causal
     functions an accepted proof relies on, the tables read by position, which rule accepted a node)."""
+
     names: frozenset[str]
     causal_ok: bool
     facts: Mapping[torch.fx.Node, Any] = field(default_factory=dict)  # index provenance (Positions / Causal)
@@ -72,6 +83,7 @@ OpCheck = Callable[[torch.fx.Node, str, ProofContext], Optional[Finding]]
 @dataclass(frozen=True)
 class OpRule:
     """The check of the ops it is registered for: ``check(node, name, ctx)`` -> a violation or None."""
+
     name: str
     check: OpCheck
 
@@ -83,6 +95,7 @@ OP_RULES: dict[str, OpRule] = {}
 def op_rule(*names: str, name: str | None = None, replace: bool = False) -> Callable[[OpCheck], OpCheck]:
     """Register the decorated check as the op rule of ``names`` (called ``name``, default the function's name
     without ``_check_``). A name may have one op rule: registering another raises unless ``replace``."""
+
     def register(check: OpCheck) -> OpCheck:
         rule = OpRule(name or check.__name__.removeprefix("_check_"), check)
         taken = [n for n in names if n in OP_RULES and OP_RULES[n].check is not check]
@@ -91,6 +104,7 @@ def op_rule(*names: str, name: str | None = None, replace: bool = False) -> Call
         for n in names:
             OP_RULES[n] = rule
         return check
+
     return register
 
 
@@ -109,6 +123,7 @@ def remove_op_rule(*names: str) -> None:
 class FactEnv:
     """What a fact rule reads besides the node: the facts found so far, the nodes that may hold a fill value
     (``huge``), and the size symbols padded together (``ties``)."""
+
     facts: Mapping[torch.fx.Node, Any]
     huge: Any = frozenset()
     ties: Mapping[Any, Any] = field(default_factory=dict)
@@ -121,6 +136,7 @@ FactFn = Callable[[torch.fx.Node, str, torch.Tensor, FactEnv], Any]
 class FactRule:
     """A rule that may prove a fact of a node: ``rule(node, name, out, env)``; ``final``: when it applies to a
     name, no later rule is tried, even when it proves nothing."""
+
     name: str
     rule: FactFn
     final: bool = False
@@ -132,9 +148,11 @@ FACT_RULES: dict[str, list[FactRule]] = {}
 
 def fact_rule(*names: str, final: bool = False, name: str | None = None) -> Callable[[FactFn], FactFn]:
     """Register the decorated function as a fact rule of ``names``, tried after the rules registered before it."""
+
     def register(fn: FactFn) -> FactFn:
         rule = FactRule(name or fn.__name__.strip("_"), fn, final)
         for n in names:
             FACT_RULES.setdefault(n, []).append(rule)
         return fn
+
     return register

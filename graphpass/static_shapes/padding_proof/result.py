@@ -33,6 +33,7 @@ class CallCheck(Protocol):
     """A condition the proof holds under, checked by the dispatcher on every call: ``holds(args)`` (the graph's
     call arguments, by placeholder position); when it fails, ``why()`` says why (the warning's text) and the call
     runs unpadded. ``inputs``: the placeholder positions it reads."""
+
     name: str
     inputs: tuple[int, ...]
 
@@ -44,6 +45,7 @@ class CallCheck(Protocol):
 @dataclass(frozen=True)
 class InvalidBucket:
     """Why calls landing in a bucket run unpadded (``BucketPlan.invalid_buckets``): ``text`` names the cause."""
+
     text: str
 
     def __str__(self) -> str:
@@ -80,6 +82,7 @@ class BucketCheck(Protocol):
     """A condition on the bucket sizes: ``mark(proof, names, buckets)`` records in ``proof.invalid_buckets`` the
     buckets (of ``buckets``, the padded symbols named ``names`` set to each) where it fails, skipping those already
     marked, and refuses (``proof.refused``) when every bucket is marked."""
+
     name: str
 
     def mark(self, proof: "PaddingProof", names: set[str], buckets: tuple[int, ...]) -> None: ...
@@ -91,6 +94,7 @@ class PaddingProof:
     check per call (:attr:`call_checks`) and per bucket (:attr:`bucket_checks`, decided into :attr:`invalid_buckets`
     and :attr:`refused` by :meth:`check_buckets`), and which rule accepted each node (:attr:`proven_by`: node name
     -> rule name; :attr:`accepted_by`: rule name -> how many nodes)."""
+
     violations: list[PaddingViolation] = field(default_factory=list)
     call_checks: list[CallCheck] = field(default_factory=list)
     bucket_checks: list[BucketCheck] = field(default_factory=list)

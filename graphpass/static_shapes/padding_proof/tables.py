@@ -44,9 +44,7 @@ LAYOUT: frozenset[str] = frozenset(
 )
 
 #: Reshapes reinterpret the row-major element order: checked by :func:`_reshape_keeps_rows`.
-RESHAPES: frozenset[str] = frozenset(
-    "view reshape flatten unflatten view_as reshape_as _unsafe_view ravel".split()
-)
+RESHAPES: frozenset[str] = frozenset("view reshape flatten unflatten view_as reshape_as _unsafe_view ravel".split())
 
 #: Size queries and other ops without a tensor result that read only metadata.
 META: frozenset[str] = frozenset(
@@ -56,14 +54,19 @@ META: frozenset[str] = frozenset(
 
 #: Factories: sizes may mention the padded length (row i of ``arange(L)`` is i either way); the
 #: listed arguments are *values* and must not. name -> ((position, keyword), ...).
-FACTORIES: Mapping[str, tuple[tuple[int, str], ...]] = MappingProxyType({
-    **{n: () for n in "zeros ones empty rand randn zeros_like ones_like empty_like rand_like "
-       "randn_like new_zeros new_ones new_empty eye".split()},
-    "full": ((1, "fill_value"),),
-    "full_like": ((1, "fill_value"),),
-    "new_full": ((2, "fill_value"),),
-    "arange": (),  # start / step are checked in _check_factory
-})
+FACTORIES: Mapping[str, tuple[tuple[int, str], ...]] = MappingProxyType(
+    {
+        **{
+            n: ()
+            for n in "zeros ones empty rand randn zeros_like ones_like empty_like rand_like "
+            "randn_like new_zeros new_ones new_empty eye".split()
+        },
+        "full": ((1, "fill_value"),),
+        "full_like": ((1, "fill_value"),),
+        "new_full": ((2, "fill_value"),),
+        "arange": (),  # start / step are checked in _check_factory
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -79,39 +82,47 @@ _SPLIT = "along the padded dim: the pieces' boundaries move with the padding"
 _GATHER = "along the padded dim reads rows chosen by tensor values"
 
 #: Ops that combine or reorder values along ``dim``: unsafe when that dim is padded.
-ALONG_DIM: Mapping[str, _DimSpec] = MappingProxyType({
-    **{n: _DimSpec(1, "dim", _ALL, _MIX) for n in (
-        "sum nansum mean nanmean prod amax amin max min all any argmax argmin count_nonzero var std "
-        "var_mean std_mean logsumexp median nanmedian softmax log_softmax softmin _softmax "
-        "_log_softmax cumsum cumprod cummax cummin logcumsumexp").split()},
-    "aminmax": _DimSpec(-1, "dim", _ALL, _MIX),
-    "norm": _DimSpec(2, "dim", _ALL, _MIX),
-    "linalg_vector_norm": _DimSpec(2, "dim", _ALL, _MIX),
-    "linalg_norm": _DimSpec(2, "dim", _ALL, _MIX),
-    "normalize": _DimSpec(2, "dim", 1, _MIX),
-    "quantile": _DimSpec(2, "dim", _ALL, _MIX),
-    "nanquantile": _DimSpec(2, "dim", _ALL, _MIX),
-    "sort": _DimSpec(1, "dim", -1, _MIX),
-    "argsort": _DimSpec(1, "dim", -1, _MIX),
-    "msort": _DimSpec(-1, "", 0, _MIX),
-    "mode": _DimSpec(1, "dim", -1, _MIX),
-    "topk": _DimSpec(2, "dim", -1, _MIX),
-    "kthvalue": _DimSpec(2, "dim", -1, _MIX),
-    "glu": _DimSpec(1, "dim", -1, _MIX),
-    "flip": _DimSpec(1, "dims", _ALL, _MIX),
-    "fliplr": _DimSpec(-1, "", 1, _MIX),
-    "flipud": _DimSpec(-1, "", 0, _MIX),
-    "roll": _DimSpec(2, "dims", _ALL, _MIX),
-    "diff": _DimSpec(2, "dim", -1, _MIX),
-    "split": _DimSpec(2, "dim", 0, _SPLIT),
-    "split_with_sizes": _DimSpec(2, "dim", 0, _SPLIT),
-    "tensor_split": _DimSpec(2, "dim", 0, _SPLIT),
-    "chunk": _DimSpec(2, "dim", 0, _SPLIT),
-    "unbind": _DimSpec(1, "dim", 0, _SPLIT),
-    **{n: _DimSpec(1, "dim", _ALL, _GATHER) for n in (
-        "index_select gather scatter scatter_add scatter_reduce index_add index_copy index_fill").split()},
-    "take_along_dim": _DimSpec(2, "dim", _ALL, _GATHER),
-})
+ALONG_DIM: Mapping[str, _DimSpec] = MappingProxyType(
+    {
+        **{
+            n: _DimSpec(1, "dim", _ALL, _MIX)
+            for n in (
+                "sum nansum mean nanmean prod amax amin max min all any argmax argmin count_nonzero var std "
+                "var_mean std_mean logsumexp median nanmedian softmax log_softmax softmin _softmax "
+                "_log_softmax cumsum cumprod cummax cummin logcumsumexp"
+            ).split()
+        },
+        "aminmax": _DimSpec(-1, "dim", _ALL, _MIX),
+        "norm": _DimSpec(2, "dim", _ALL, _MIX),
+        "linalg_vector_norm": _DimSpec(2, "dim", _ALL, _MIX),
+        "linalg_norm": _DimSpec(2, "dim", _ALL, _MIX),
+        "normalize": _DimSpec(2, "dim", 1, _MIX),
+        "quantile": _DimSpec(2, "dim", _ALL, _MIX),
+        "nanquantile": _DimSpec(2, "dim", _ALL, _MIX),
+        "sort": _DimSpec(1, "dim", -1, _MIX),
+        "argsort": _DimSpec(1, "dim", -1, _MIX),
+        "msort": _DimSpec(-1, "", 0, _MIX),
+        "mode": _DimSpec(1, "dim", -1, _MIX),
+        "topk": _DimSpec(2, "dim", -1, _MIX),
+        "kthvalue": _DimSpec(2, "dim", -1, _MIX),
+        "glu": _DimSpec(1, "dim", -1, _MIX),
+        "flip": _DimSpec(1, "dims", _ALL, _MIX),
+        "fliplr": _DimSpec(-1, "", 1, _MIX),
+        "flipud": _DimSpec(-1, "", 0, _MIX),
+        "roll": _DimSpec(2, "dims", _ALL, _MIX),
+        "diff": _DimSpec(2, "dim", -1, _MIX),
+        "split": _DimSpec(2, "dim", 0, _SPLIT),
+        "split_with_sizes": _DimSpec(2, "dim", 0, _SPLIT),
+        "tensor_split": _DimSpec(2, "dim", 0, _SPLIT),
+        "chunk": _DimSpec(2, "dim", 0, _SPLIT),
+        "unbind": _DimSpec(1, "dim", 0, _SPLIT),
+        **{
+            n: _DimSpec(1, "dim", _ALL, _GATHER)
+            for n in ("index_select gather scatter scatter_add scatter_reduce index_add index_copy index_fill").split()
+        },
+        "take_along_dim": _DimSpec(2, "dim", _ALL, _GATHER),
+    }
+)
 
 #: Prefix scans: row i of the output reads rows <= i along the dim, so with ``causal_ok`` (the
 #: padding at the end) real rows never read padding. ``diff`` reads rows i - 1 (``prepend``) or
@@ -121,40 +132,44 @@ CAUSAL_SCANS: frozenset[str] = frozenset("cumsum cumprod cummax cummin logcumsum
 
 #: Matmul-family ops, with the (argument position, keyword, dim) pairs they contract over. None:
 #: decided from the operands' ranks (matmul) or the equation (einsum).
-MATMULS: Mapping[str, tuple[tuple[int, str, int], ...] | None] = MappingProxyType({
-    "linear": ((0, "input", -1), (1, "weight", -1)),
-    "matmul": None,
-    "mm": ((0, "input", -1), (1, "mat2", -2)),
-    "bmm": ((0, "input", -1), (1, "mat2", -2)),
-    "mv": ((0, "input", -1), (1, "vec", 0)),
-    "dot": ((0, "input", 0), (1, "other", 0)),
-    "vdot": ((0, "input", 0), (1, "other", 0)),
-    "inner": ((0, "input", -1), (1, "other", -1)),
-    "addmm": ((1, "mat1", -1), (2, "mat2", -2)),
-    "baddbmm": ((1, "batch1", -1), (2, "batch2", -2)),
-    "addbmm": ((1, "batch1", -1), (2, "batch2", -2), (1, "batch1", 0), (2, "batch2", 0)),
-    "addmv": ((1, "mat", -1), (2, "vec", 0)),
-    "outer": (),
-    "ger": (),
-    "einsum": None,
-})
+MATMULS: Mapping[str, tuple[tuple[int, str, int], ...] | None] = MappingProxyType(
+    {
+        "linear": ((0, "input", -1), (1, "weight", -1)),
+        "matmul": None,
+        "mm": ((0, "input", -1), (1, "mat2", -2)),
+        "bmm": ((0, "input", -1), (1, "mat2", -2)),
+        "mv": ((0, "input", -1), (1, "vec", 0)),
+        "dot": ((0, "input", 0), (1, "other", 0)),
+        "vdot": ((0, "input", 0), (1, "other", 0)),
+        "inner": ((0, "input", -1), (1, "other", -1)),
+        "addmm": ((1, "mat1", -1), (2, "mat2", -2)),
+        "baddbmm": ((1, "batch1", -1), (2, "batch2", -2)),
+        "addbmm": ((1, "batch1", -1), (2, "batch2", -2), (1, "batch1", 0), (2, "batch2", 0)),
+        "addmv": ((1, "mat", -1), (2, "vec", 0)),
+        "outer": (),
+        "ger": (),
+        "einsum": None,
+    }
+)
 
 #: Normalisations, with the dims they compute statistics over ("trailing": the last
 #: len(normalized_shape); "from1": dims 1..; "from2": dims 2..; "batch": all but 1, in training).
-NORMS: Mapping[str, str] = MappingProxyType({
-    "layer_norm": "trailing",
-    "native_layer_norm": "trailing",
-    "rms_norm": "trailing",
-    "_fused_rms_norm": "trailing",
-    "group_norm": "from1",
-    "native_group_norm": "from1",
-    "instance_norm": "from2",
-    "batch_norm": "batch",
-    "native_batch_norm": "batch",
-    "_native_batch_norm_legit": "batch",
-    "_native_batch_norm_legit_functional": "batch",
-    "_native_batch_norm_legit_no_training": "batch",
-})
+NORMS: Mapping[str, str] = MappingProxyType(
+    {
+        "layer_norm": "trailing",
+        "native_layer_norm": "trailing",
+        "rms_norm": "trailing",
+        "_fused_rms_norm": "trailing",
+        "group_norm": "from1",
+        "native_group_norm": "from1",
+        "instance_norm": "from2",
+        "batch_norm": "batch",
+        "native_batch_norm": "batch",
+        "_native_batch_norm_legit": "batch",
+        "_native_batch_norm_legit_functional": "batch",
+        "_native_batch_norm_legit_no_training": "batch",
+    }
+)
 
 #: Attention kernels (query, key, value first; ``is_causal`` by keyword or, for
 #: ``torch.nn.functional.scaled_dot_product_attention``, at position 5).
@@ -176,9 +191,24 @@ CONVS: frozenset[str] = frozenset({"conv1d"})
 WINDOWS: frozenset[str] = frozenset({"unfold"})
 
 _KNOWN: frozenset[str] = (
-    POINTWISE | LAYOUT | RESHAPES | META | ATTENTION | INDEXING | CONCAT | REPEATS | PADS | EMBEDDINGS | CONVS | WINDOWS
-    | frozenset(FACTORIES) | frozenset(ALONG_DIM) | frozenset(MATMULS) | frozenset(NORMS)
+    POINTWISE
+    | LAYOUT
+    | RESHAPES
+    | META
+    | ATTENTION
+    | INDEXING
+    | CONCAT
+    | REPEATS
+    | PADS
+    | EMBEDDINGS
+    | CONVS
+    | WINDOWS
+    | frozenset(FACTORIES)
+    | frozenset(ALONG_DIM)
+    | frozenset(MATMULS)
+    | frozenset(NORMS)
 )
+
 
 @dataclass(frozen=True)
 class RowWiseFunction:
@@ -197,20 +227,24 @@ class RowWiseFunction:
 #: is. A node is trusted when it was traced inside one of them, its innermost frame is the function or one of its
 #: helpers (not a model's own ``_apply_gate`` it calls), and the file's source has the digest
 #: (:class:`.patterns.RowWiseFunctions`). (path suffix, function) -> the proven code.
-ROW_WISE_FUNCTIONS: Mapping[tuple[str, str], RowWiseFunction] = MappingProxyType({
-    ("transformers/integrations/moe.py", "grouped_mm_experts_forward"): RowWiseFunction(
-        "4b3136e0cabfa5ba",
-        "dropless top-k experts: the token-expert pairs are sorted by expert, each row is multiplied by its own "
-        "expert's weights (the group offsets are counted from the same sorted rows), the inverse permutation puts "
-        "every row back, and a token's k results are summed in its own row; no capacity, so no token is dropped "
-        "because of another",
-        helpers=("_grouped_linear", "_grouped_mm", "_can_use_grouped_mm", "_default_apply_gate")),
-    ("transformers/integrations/moe.py", "batched_mm_experts_forward"): RowWiseFunction(
-        "2d673d4ddafb277c",
-        "dropless top-k experts: each token-expert pair is multiplied by its own gathered expert weights and a "
-        "token's k results are summed in its own row",
-        helpers=("_batched_linear", "_default_apply_gate")),
-})
+ROW_WISE_FUNCTIONS: Mapping[tuple[str, str], RowWiseFunction] = MappingProxyType(
+    {
+        ("transformers/integrations/moe.py", "grouped_mm_experts_forward"): RowWiseFunction(
+            "4b3136e0cabfa5ba",
+            "dropless top-k experts: the token-expert pairs are sorted by expert, each row is multiplied by its own "
+            "expert's weights (the group offsets are counted from the same sorted rows), the inverse permutation puts "
+            "every row back, and a token's k results are summed in its own row; no capacity, so no token is dropped "
+            "because of another",
+            helpers=("_grouped_linear", "_grouped_mm", "_can_use_grouped_mm", "_default_apply_gate"),
+        ),
+        ("transformers/integrations/moe.py", "batched_mm_experts_forward"): RowWiseFunction(
+            "2d673d4ddafb277c",
+            "dropless top-k experts: each token-expert pair is multiplied by its own gathered expert weights and a "
+            "token's k results are summed in its own row",
+            helpers=("_batched_linear", "_default_apply_gate"),
+        ),
+    }
+)
 
 #: Namespaces whose OpOverloads are read through the tables above; graphpass's are always safe.
 _TABLE_NAMESPACES = frozenset({"aten", "prims"})
@@ -223,10 +257,18 @@ _KNOWN_MODULES = ("torch", "_operator", "operator", "math", "builtins")
 # --------------------------------------------------------------------------------------------
 
 #: Ops that write rows of a tensor into another one: name -> (position, keyword) of the written rows.
-ROW_WRITES: Mapping[str, tuple[int, str]] = MappingProxyType({
-    "index_copy": (3, "source"), "index_add": (3, "source"), "index_put": (2, "values"), "scatter": (3, "src"),
-    "scatter_add": (3, "src"), "scatter_reduce": (3, "src"), "setitem": (2, "value"), "masked_scatter": (2, "source"),
-})
+ROW_WRITES: Mapping[str, tuple[int, str]] = MappingProxyType(
+    {
+        "index_copy": (3, "source"),
+        "index_add": (3, "source"),
+        "index_put": (2, "values"),
+        "scatter": (3, "src"),
+        "scatter_add": (3, "src"),
+        "scatter_reduce": (3, "src"),
+        "setitem": (2, "value"),
+        "masked_scatter": (2, "source"),
+    }
+)
 #: Ops a read of the written slots may go through before the attention that masks them: they keep the
 #: slot dim and the last dim as the last two (views, broadcasts, copies).
 _SLOT_KEEPS = frozenset("contiguous clone to _to_copy detach alias".split())
@@ -240,11 +282,22 @@ _HUGE = 1e30
 
 
 #: Ops that keep every value and dim (dtype and device conversions, copies).
-_KEEPS = frozenset("to type long int bool float double bfloat16 half clone contiguous detach alias lift_fresh _to_copy".split())
+_KEEPS = frozenset(
+    "to type long int bool float double bfloat16 half clone contiguous detach alias lift_fresh _to_copy".split()
+)
 #: Comparisons as (flip operands, strict): a < b, a <= b, a > b == b < a, a >= b == b <= a.
-_COMPARES = MappingProxyType({"le": (False, False), "lt": (False, True), "ge": (True, False), "gt": (True, True),
-                              "less_equal": (False, False), "less": (False, True), "greater_equal": (True, False),
-                              "greater": (True, True)})
+_COMPARES = MappingProxyType(
+    {
+        "le": (False, False),
+        "lt": (False, True),
+        "ge": (True, False),
+        "gt": (True, True),
+        "less_equal": (False, False),
+        "less": (False, True),
+        "greater_equal": (True, False),
+        "greater": (True, True),
+    }
+)
 _ANDS = frozenset("and_ logical_and bitwise_and mul".split())
 
 _NEG_MASK_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # float16 overflows a mask value plus a score to -inf
@@ -252,11 +305,18 @@ _ALL_TRUE_FACTORIES = frozenset("new_ones ones ones_like".split())
 _NOTS = frozenset("logical_not bitwise_not invert not_".split())
 _SOFTMAXES = frozenset("softmax _softmax".split())
 _BOUNDED = _SOFTMAXES | {"sigmoid"}  # values in [0, 1] whatever the input: never a fill value
-_CONST_FACTORIES = MappingProxyType({"zeros": 0, "zeros_like": 0, "new_zeros": 0, "ones": 1, "ones_like": 1, "new_ones": 1})
+_CONST_FACTORIES = MappingProxyType(
+    {"zeros": 0, "zeros_like": 0, "new_zeros": 0, "ones": 1, "ones_like": 1, "new_ones": 1}
+)
 _CONST_FILLS = MappingProxyType({"full": 1, "full_like": 1, "new_full": 2})  # name -> position of the fill value
 #: Ops whose every output element is an element of their first input (views, copies, indexing, gathers).
-_CONST_KEEPS = frozenset("getitem expand expand_as broadcast_to unsqueeze squeeze permute transpose view reshape "
-                         "flatten contiguous clone detach alias select narrow slice index_select".split()) | _KEEPS
-_CONST_COMPARES = MappingProxyType({"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
-                                    "gt": operator.gt, "ge": operator.ge})
-
+_CONST_KEEPS = (
+    frozenset(
+        "getitem expand expand_as broadcast_to unsqueeze squeeze permute transpose view reshape "
+        "flatten contiguous clone detach alias select narrow slice index_select".split()
+    )
+    | _KEEPS
+)
+_CONST_COMPARES = MappingProxyType(
+    {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge}
+)
