@@ -19,6 +19,18 @@ def counting():
     return CountingBackend()
 
 
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+    """The suite's one fork server (tests/forkserver.py), one per test module: its children are forked from a
+    process that imported torch and graphpass once (tests/capturing/test_capture_async.py,
+    tests/offloading/test_faults_offload.py, tests/goldens/test_golden_plugin.py)."""
+    from forkserver import ForkServer
+
+    server = ForkServer(tmp_path_factory.mktemp("forks"))
+    yield server
+    server.close()
+
+
 @pytest.fixture
 def strict_backend(monkeypatch):
     """A StrictAtenBackend registered with Dynamo under a test-only name (removed afterwards)."""

@@ -8,6 +8,10 @@ interpreter would (exit status, traceback of an uncaught exception, threading sh
 handlers: it really leaves the server's script), with stdin from /dev/null and stdout / stderr
 written to files. The child is a fresh process to what it runs: no thread, no handler, no graphpass state but
 what importing leaves, as in a new interpreter.
+
+It is the suite's one fork server: tests take it through the module-scoped ``forks`` fixture of
+tests/conftest.py (the async capture's saving processes, the offload fault children, the golden
+plugin's inner pytest runs).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Test helpers: counting and strict stand-in delegates, input makers."""
+"""Test helpers: counting and strict stand-in delegates, input makers, the bucket sweep."""
 
 import operator
 
@@ -58,6 +58,41 @@ class StrictAtenBackend:
         self.graphs.append(gm)
         self.shapes.append(tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)))
         return gm.forward
+
+
+
+def _lm_call(model, ids):
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+
+
+def sweep_buckets(model, delegate, lengths, buckets, *, call=_lm_call, batch=1, vocab=None, seed=7, tol=1e-5,
+                  strict=None):
+    """Sweep ``lengths`` through ``buckets``: compile ``model`` with graphpass padding dim 1 of ``input_ids`` up to
+    ``buckets`` in front of ``delegate`` (the strict stand-in behind a NeuronDelegate, or a recording delegate), then
+    call it at every length (token ids of ``batch`` rows below ``vocab``, default the model's vocabulary, drawn
+    from a generator seeded ``seed``): each call's logits (``call(model, ids)``, by default a causal LM's with a
+    full attention mask and no cache) have eager's shape and equal them within ``tol``.
+
+    Returns the graphpass backend, its bucket plans, and, when ``strict`` (the stand-in) is given, how many
+    graphs it held after the first call (the pieces of one compile, split at the trap boundaries), else None."""
+    import graphpass
+
+    if vocab is None:
+        vocab = model.config.get_text_config().vocab_size
+    gp = graphpass.backend(then=delegate, static_shapes={"dims": {"input_ids": 1}, "buckets": buckets})
+    compiled = torch.compile(model, backend=gp)
+    pieces = None
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n in lengths:
+            ids = torch.randint(0, vocab, (batch, n), generator=g)
+            got, ref = call(compiled, ids), call(model, ids)
+            assert got.shape == ref.shape
+            torch.testing.assert_close(got, ref, rtol=tol, atol=tol, msg=lambda m: f"length {n}: {m}")
+            if pieces is None and strict is not None:
+                pieces = len(strict.graphs)
+    plans = [g.analysis.bucket_plan for g in gp.graphs if getattr(g.analysis, "bucket_plan", None) is not None]
+    return gp, plans, pieces
 
 
 def max_diff(a, b):

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from forkserver import ForkServer
 from safetensors.torch import load_file
 
 from graphpass import CaptureError, ModelCapture, atomic_files
@@ -45,14 +44,6 @@ def steps_on_disk(root: Path) -> dict[str, dict]:
 
 
 WRITERS = ["process", "thread"]
-
-
-@pytest.fixture(scope="module")
-def forks(tmp_path_factory):
-    """Child processes forked from one that imported torch once (tests/forkserver.py)."""
-    server = ForkServer(tmp_path_factory.mktemp("forks"))
-    yield server
-    server.close()
 
 
 @pytest.fixture(params=WRITERS)

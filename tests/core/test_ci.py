@@ -26,7 +26,7 @@ def _fake_make(tmp_path: Path) -> dict:
                     'if [ "$1" = test ]; then for i in $(seq 100); do [ -e "$MAKE_LOG.installing" ] && break; sleep 0.1; done\n'
                     '  [ -e "$MAKE_LOG.installing" ] && echo install-running-during-main >> "$MAKE_LOG"; fi\n'
                     'echo "$1" >> "$MAKE_LOG"\n'
-                    'case "$1" in test) exit "$MAIN_RC";; test-xla) exit "$XLA_RC";; '
+                    'case "$1" in test) exit "$MAIN_RC";; test-slow) exit "${SLOW_RC:-0}";; test-xla) exit "$XLA_RC";; '
                     'test-transformers-next) exit "${NEXT_RC:-0}";; *) exit 99;; esac\n')
     make.chmod(0o755)
     leg = bin_dir / "vllm-leg"
@@ -38,18 +38,20 @@ def _fake_make(tmp_path: Path) -> dict:
             "VLLM_LEG": str(leg), "VLLM_INSTALL_RC": "0", "VLLM_TEST_RC": "0"}
 
 
-@pytest.mark.parametrize("main_rc, next_rc, xla_rc, vllm_rc", [(0, 0, 0, 0), (0, 0, 1, 0), (2, 0, 0, 0),
-                                                               (2, 0, 1, 0), (0, 0, 0, 1), (2, 1, 1, 1), (0, 1, 0, 0)])
-def test_ci_runs_every_leg_and_fails_if_any_fails(tmp_path, main_rc, next_rc, xla_rc, vllm_rc):
-    env = _fake_make(tmp_path) | {"MAIN_RC": str(main_rc), "NEXT_RC": str(next_rc), "XLA_RC": str(xla_rc),
-                                  "VLLM_TEST_RC": str(vllm_rc)}
+@pytest.mark.parametrize("main_rc, slow_rc, next_rc, xla_rc, vllm_rc", [
+    (0, 0, 0, 0, 0), (0, 0, 0, 1, 0), (2, 0, 0, 0, 0), (2, 0, 0, 1, 0), (0, 0, 0, 0, 1), (2, 2, 1, 1, 1),
+    (0, 0, 1, 0, 0), (0, 2, 0, 0, 0)])
+def test_ci_runs_every_leg_and_fails_if_any_fails(tmp_path, main_rc, slow_rc, next_rc, xla_rc, vllm_rc):
+    env = _fake_make(tmp_path) | {"MAIN_RC": str(main_rc), "SLOW_RC": str(slow_rc), "NEXT_RC": str(next_rc),
+                                  "XLA_RC": str(xla_rc), "VLLM_TEST_RC": str(vllm_rc)}
     out = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
     # the vLLM install runs while the main leg does; its tests after the other legs; every leg always
     assert (tmp_path / "make.log").read_text().split() == [
-        "vllm-install", "install-running-during-main", "test", "test-transformers-next", "test-xla", "vllm-test"]
-    assert (out.returncode == 0) == (main_rc == 0 and next_rc == 0 and xla_rc == 0 and vllm_rc == 0), out.stderr
+        "vllm-install", "install-running-during-main", "test", "test-slow", "test-transformers-next", "test-xla",
+        "vllm-test"]
+    assert (out.returncode == 0) == (main_rc == slow_rc == next_rc == xla_rc == vllm_rc == 0), out.stderr
     if out.returncode:
-        assert (f"main leg exit {main_rc}, transformers-next leg exit {next_rc}, xla leg exit {xla_rc}, "
+        assert (f"main leg exit {main_rc}, slow leg exit {slow_rc}, transformers-next leg exit {next_rc}, xla leg exit {xla_rc}, "
                 f"vllm leg exit {vllm_rc}") in out.stderr
 
 

@@ -129,6 +129,7 @@ def tp_captures(tp_run):
 
 # ------------------------------------------------------------------ spawned: per-rank captures
 
+@pytest.mark.slow
 def test_each_rank_writes_its_own_files_and_meta(tp_captures):
     step = tp_captures / "bad" / STEP
     assert sorted(p.name for p in step.glob("*_meta*.json")) == ["decode_b4_0_meta.json", "decode_b4_0_meta.rank1.json"]
@@ -144,6 +145,7 @@ def test_each_rank_writes_its_own_files_and_meta(tp_captures):
     assert "placements" not in meta["rank_tensors"][1]["layers.1"][0]  # a plain (replicated) output
 
 
+@pytest.mark.slow
 def test_tp2_capture_matches_the_single_process_reference(tp_captures):
     report = graphpass.compare(tp_captures / "ref", [tp_captures / "host0", tp_captures / "host1"],
                                rtol=1e-4, atol=1e-5)
@@ -153,6 +155,7 @@ def test_tp2_capture_matches_the_single_process_reference(tp_captures):
     assert report.test_dir == os.pathsep.join(str(tp_captures / h) for h in ("host0", "host1"))
 
 
+@pytest.mark.slow
 def test_perturbed_shard_is_named_by_layer_and_rank(tp_captures, capsys):
     code = main(["compare", str(tp_captures / "ref"), str(tp_captures / "bad"), "--rtol", "1e-4", "--atol", "1e-5",
                  "--json", str(tp_captures / "bad_summary.json")])
@@ -167,6 +170,7 @@ def test_perturbed_shard_is_named_by_layer_and_rank(tp_captures, capsys):
     assert "first diverging module: layers.1.fc1 (step dp0/decode_b4_0, rank 1, key output)" in out
 
 
+@pytest.mark.slow
 def test_a_host_root_left_out_is_named_not_matched(tp_captures):
     """Issue 22, item 1: host1's root not passed. Nothing of rank 1 is on the test side, but the meta's
     ``tp_size`` (from the mesh) says the run had two ranks, and the fc1 shards cover half their
@@ -182,6 +186,7 @@ def test_a_host_root_left_out_is_named_not_matched(tp_captures):
     assert "the test's pieces (ranks 0) hold 128 of the 256 elements of the global shape [4, 64]" in cover[0].note
 
 
+@pytest.mark.slow
 def test_a_perturbed_rank_whose_file_was_left_out_is_named(tp_captures, tmp_path, capsys):
     """Rank 1's shard of layers.1.fc1 perturbed, and its rank-1 file of that module left out: before,
     compare named ``layers.1 (rank 0)`` (the row-parallel output that sums both ranks)."""
@@ -198,6 +203,7 @@ def test_a_perturbed_rank_whose_file_was_left_out_is_named(tp_captures, tmp_path
             in capsys.readouterr().out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("then", DELEGATES)
 def test_dtensor_outputs_are_captured_under_aot_delegates(tp_run, then):
     """Under aot_eager and inductor the DTensor outputs (fc1, ``Shard(1)``) are captured from the
@@ -224,6 +230,7 @@ def test_dtensor_outputs_are_captured_under_aot_delegates(tp_run, then):
         assert entry["global_shape"] == [4, 64] and entry["shape"] == [4, 32] and entry["global_offset"] == [0, 32 * r]
 
 
+@pytest.mark.slow
 def test_the_same_rank_file_in_two_roots_is_refused(tp_captures):
     from graphpass.comparing import CompareError
 

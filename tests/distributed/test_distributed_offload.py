@@ -16,8 +16,10 @@ import torch.distributed as dist
 
 from dist_helpers import ok, run_ranks
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+# slow (make test-slow): each module spawns its own gloo ranks, each importing torch and compiling
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available")]
 
 FWD_ATOL = 1e-5
 CASES = [(f"tp_offload:{m}:{s}", "tp_offload", {"model_name": m, "storage": s})

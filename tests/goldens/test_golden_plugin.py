@@ -6,9 +6,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import select
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -59,56 +56,31 @@ USER_TEST = textwrap.dedent(
 )
 
 
-# A fork server: one interpreter imports torch and graphpass once, then forks a child per inner pytest run.
-# Each child is a fresh pytest session (pytest.main) in the pytester folder with the test's environment, and
-# loads the plugin from the pytest11 entry point, as for users; only the torch import is shared. An in-process
-# run (pytester.runpytest_inprocess) would instead re-import torch's lazily imported modules and trip over them.
-_FORK_SERVER = r"""
+# Each inner pytest run is a child forked from the suite's fork server (tests/forkserver.py, the ``forks``
+# fixture of tests/conftest.py), which imported torch and graphpass once: a fresh pytest session (pytest.main) in
+# the pytester folder with the test's environment, which loads the plugin from the pytest11 entry point, as for
+# users; only the torch import is shared. An in-process run (pytester.runpytest_inprocess) would instead
+# re-import torch's lazily imported modules and trip over them.
+_INNER_PYTEST = r"""
 import json, os, sys
-import pytest, torch, graphpass
 assert "graphpass.testing" not in sys.modules  # the child loads the plugin through its entry point
-reply = os.fdopen(os.dup(1), "w")
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        sys.path.insert(0, req["cwd"])
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the requests stay the server's
-        for fd, path in ((1, req["out"]), (2, req["err"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        code = 3
-        try:
-            code = int(pytest.main(req["args"]))
-        finally:
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    reply.write(json.dumps({"ret": os.waitstatus_to_exitcode(status)}) + "\n"); reply.flush()
+cwd, env, args = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+os.chdir(cwd)
+os.environ.clear()
+os.environ.update(env)
+sys.path.insert(0, cwd)
+import pytest
+sys.exit(int(pytest.main(args)))
 """
 
 
-@pytest.fixture(scope="module")
-def forks():
-    proc = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    yield proc
-    proc.stdin.close()
-    proc.wait(timeout=60)
-
-
 def run(forks, pytester, *args):
-    """One inner pytest run in a child forked from ``forks`` (see _FORK_SERVER), as a RunResult."""
-    out, err = (pytester.path / f"run-{os.getpid()}-{time.monotonic_ns()}.{k}" for k in ("out", "err"))
+    """One inner pytest run in a child forked from ``forks`` (see _INNER_PYTEST), as a RunResult."""
     start = time.monotonic()
-    forks.stdin.write(json.dumps({"cwd": str(pytester.path), "env": dict(os.environ), "args": list(args),
-                                  "out": str(out), "err": str(err)}) + "\n")
-    forks.stdin.flush()
-    ready, _, _ = select.select([forks.stdout], [], [], 300)
-    assert ready, "inner pytest run timed out"
-    ret = json.loads(forks.stdout.readline())["ret"]
-    outlines, errlines = (p.read_text().splitlines() for p in (out, err))
+    ret, out, err = forks.run(_INNER_PYTEST, pytester.path, json.dumps(dict(os.environ)), json.dumps(list(args)),
+                              timeout=300)
+    assert ret != "hang", "inner pytest run timed out"
+    outlines, errlines = out.splitlines(), err.splitlines()
     result = pytest.RunResult(ret, outlines, errlines, time.monotonic() - start)
     print("\n".join(outlines), "\n".join(errlines), sep="\n")  # shown when the test fails
     return result

@@ -30,6 +30,7 @@ ARCHS = ["llama", "gpt2", "mixtral", "qwen3_moe", "olmoe", "bamba"]
 KNOWN: list = []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_architecture_conforms(arch):
     res = conformance.check_arch(arch, "aot_eager")

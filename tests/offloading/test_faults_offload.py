@@ -67,7 +67,6 @@ from pathlib import Path
 
 import helpers
 import pytest
-from forkserver import ForkServer
 import torch.nn as nn
 from safetensors.torch import save_file
 
@@ -79,14 +78,6 @@ FULL_FAULTS = os.environ.get("GRAPHPASS_FULL_FAULTS") == "1"
 RANDOM_TRIALS = 4 if FULL_FAULTS else 2  # trials per change of the random-points test (see the module doc)
 SIGINTS = 60 if FULL_FAULTS else 20  # SIGINTs sent per run of the random-SIGINT test (see the module doc)
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def forks(tmp_path_factory):
-    """The module's child processes are forked from one that imported torch once (tests/forkserver.py)."""
-    server = ForkServer(tmp_path_factory.mktemp("forks"))
-    yield server
-    server.close()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -23,6 +23,8 @@ import graphpass
 from graphpass import dynamo_records
 
 transformers = pytest.importorskip("transformers")
+# slow (make test-slow): real encoder-decoder models (mixtures of experts among them), offloaded and compiled
+pytestmark = pytest.mark.slow
 
 VOCAB = 96
 HOST = dict(device="cpu", storage="cpu")

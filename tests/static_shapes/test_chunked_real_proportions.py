@@ -12,12 +12,13 @@ then run at the buckets only, through the static-only stand-in, with logits equa
 import pytest
 import torch
 
-import graphpass
 from graphpass.backends import NeuronDelegate
 
-from helpers import bench_conformance
+from helpers import bench_conformance, sweep_buckets
 
 transformers = pytest.importorskip("transformers")
+# slow (make test-slow; the transformers-next leg runs it too): real models, each compiled at every bucket
+pytestmark = pytest.mark.slow
 
 conformance = bench_conformance()
 
@@ -44,17 +45,7 @@ def _model(family: str, chunk: int = CHUNK):
 
 
 def _sweep(model, backend, lengths, buckets=BUCKETS, batch=1):
-    gp = graphpass.backend(then=backend, static_shapes={"dims": {"input_ids": 1}, "buckets": buckets})
-    compiled = torch.compile(model, backend=gp)
-    g = torch.Generator().manual_seed(7)
-    vocab = model.config.get_text_config().vocab_size
-    with torch.no_grad():
-        for n in lengths:
-            ids = torch.randint(0, vocab, (batch, n), generator=g)
-            kw = {"attention_mask": torch.ones_like(ids), "use_cache": False}
-            got, ref = compiled(input_ids=ids, **kw).logits, model(input_ids=ids, **kw).logits
-            torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"length {n}: {m}")
-    return [g.analysis.bucket_plan for g in gp.graphs if getattr(g.analysis, "bucket_plan", None) is not None]
+    return sweep_buckets(model, backend, lengths, buckets, batch=batch, tol=RTOL)[1]
 
 
 def _assert_bucketed(strict_backend, plans, lengths, buckets, invalid_ok=False, batch=1):

@@ -36,6 +36,8 @@ from graphpass.fx_utils import find_calls
 from graphpass.static_shapes.causal_functions import CAUSAL_FUNCTIONS, source_digest
 from graphpass.static_shapes.padding_safety import check_padding_safety
 
+from helpers import sweep_buckets
+
 transformers = pytest.importorskip("transformers")
 if not hasattr(importlib.import_module("torch._higher_order_ops"), "associative_scan"):
     pytest.skip("torch without associative_scan", allow_module_level=True)
@@ -214,18 +216,11 @@ def _sweep(model, lengths, use_cache=False):
         seen.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
         return gm.forward
 
+    def call(m, ids):
+        return m(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=use_cache).logits
+
     torch._dynamo.reset()
-    gp = graphpass.backend(then=recording, static_shapes={"dims": {"input_ids": 1}, "buckets": BUCKETS})
-    compiled = torch.compile(model, backend=gp)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for n in lengths:
-            ids = torch.randint(0, 64, (1, n), generator=g)
-            kw = {"attention_mask": torch.ones_like(ids), "use_cache": use_cache}
-            got, ref = compiled(input_ids=ids, **kw).logits, model(input_ids=ids, **kw).logits
-            assert got.shape == ref.shape
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"length {n}: {m}")
-    plans = [g.analysis.bucket_plan for g in gp.graphs if getattr(g.analysis, "bucket_plan", None) is not None]
+    _, plans, _ = sweep_buckets(model, recording, lengths, BUCKETS, call=call, vocab=64)
     return plans, seen
 
 

@@ -26,7 +26,7 @@ from graphpass.backends import NeuronDelegate
 from graphpass.static_shapes.causal_functions import CAUSAL_FUNCTIONS, source_digest
 from graphpass.static_shapes.padding_safety import check_padding_safety
 
-from helpers import bench_conformance
+from helpers import bench_conformance, sweep_buckets
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,6 +97,7 @@ def test_the_recorded_digests_are_those_of_the_installed_transformers():
                 assert source_digest(str(path), name, fn.helpers) == fn.digest, (suffix, name)
 
 
+@pytest.mark.slow
 def test_mamba2_chunk_scan_is_causal_and_padding_is_exact(tmp_path):
     mod = _copy_module(tmp_path, "mamba2")
     x, dt, a, b, c = _mamba2_inputs()
@@ -185,6 +186,7 @@ def _delta_rule_sweep(tmp_path, lengths):
     return [gr.analysis.bucket_plan for gr in gp.graphs if getattr(gr.analysis, "bucket_plan", None) is not None]
 
 
+@pytest.mark.slow
 def test_a_length_guard_of_the_proven_code_is_checked_at_every_bucket(tmp_path, monkeypatch):
     # the gated delta rule loops over the chunk count (a Python int): Dynamo unrolls the loop for the traced
     # length and guards on the count. With chunk_size 4, a graph traced at 6 rows (2 chunks) is not the code's
@@ -215,22 +217,8 @@ FAMILIES = [("mamba2", LENGTHS, 2), ("qwen3_next", LENGTHS, 1)]
 
 
 def _sweep(model, strict, lengths):
-    vocab = model.config.get_text_config().vocab_size
     delegate = NeuronDelegate(registered_name="strict_aten_standin", module=None)
-    gp = graphpass.backend(then=delegate, static_shapes={"dims": {"input_ids": 1}, "buckets": BUCKETS})
-    compiled = torch.compile(model, backend=gp)
-    pieces = None
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for n in lengths:
-            ids = torch.randint(0, vocab, (1, n), generator=g)
-            kw = {"attention_mask": torch.ones_like(ids), "use_cache": False}
-            got = compiled(input_ids=ids, **kw).logits
-            ref = model(input_ids=ids, **kw).logits
-            assert got.shape == ref.shape
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"length {n}: {m}")
-            if pieces is None:
-                pieces = len(strict.graphs)
+    gp, _, pieces = sweep_buckets(model, delegate, lengths, BUCKETS, strict=strict)
     return gp, pieces
 
 
@@ -244,6 +232,7 @@ def _assert_bucketed(gp, strict, pieces, lengths, branches=1):
     assert seq_lens <= set(BUCKETS) | {lengths[0]}, seq_lens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,lengths,branches", FAMILIES, ids=[f for f, _, _ in FAMILIES])
 def test_chunked_scan_family_pads_to_buckets_through_a_static_only_compiler(strict_backend, family, lengths, branches):
     model = conformance.build_model(family)

@@ -72,6 +72,7 @@ def _slot_counts(strict) -> set[int]:
     return {n.args[0].meta["val"].shape[2] for gm in strict.graphs for n in _ops(gm, "index_copy")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_generate_through_a_static_only_compiler_is_exact_with_bounded_graphs(strict_backend, family, tmp_path):
     # one Dynamo frame holds the prefill graphs (one per cache capacity) and the decode graphs (one

@@ -12,10 +12,9 @@ mask path, indexing ``position_ids`` with position tensors).
 import pytest
 import torch
 
-import graphpass
 from graphpass.backends import NeuronDelegate
 
-from helpers import bench_conformance
+from helpers import bench_conformance, sweep_buckets
 
 pytest.importorskip("transformers")
 
@@ -41,21 +40,9 @@ CALLS = {
 
 
 def _sweep(model, strict, call):
-    vocab = model.config.get_text_config().vocab_size
     delegate = NeuronDelegate(registered_name="strict_aten_standin", module=None)
-    gp = graphpass.backend(then=delegate, static_shapes={"dims": {"input_ids": 1}, "buckets": BUCKETS})
-    compiled = torch.compile(model, backend=gp)
-    pieces = None
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for n in LENGTHS:
-            ids = torch.randint(0, vocab, (1, n), generator=g)
-            got = compiled(input_ids=ids, **CALLS[call](ids)).logits
-            ref = model(input_ids=ids, **CALLS[call](ids)).logits
-            assert got.shape == ref.shape
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"length {n}: {m}")
-            if pieces is None:
-                pieces = len(strict.graphs)  # the pieces of one compile (split at the trap boundaries)
+    gp, _, pieces = sweep_buckets(model, delegate, LENGTHS, BUCKETS, strict=strict,
+                                  call=lambda m, ids: m(input_ids=ids, **CALLS[call](ids)).logits)
     return gp, pieces
 
 
