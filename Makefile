@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.graphpass-installed
 
-.PHONY: demo test test-slow test-xla test-vllm test-transformers-next golden bench conformance clean venv
+.PHONY: demo lint format test test-slow test-xla test-vllm test-transformers-next golden bench conformance clean venv
 
 venv: $(STAMP)
 
@@ -26,7 +26,17 @@ TEST_JOBS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaffin
 
 # make test deselects the tests marked `slow` (spawned gloo process groups, real models compiled at every bucket);
 # make test-slow runs only those (pytest's exit 5, no test collected, fails either target). .ci/run runs both.
-test: $(STAMP)
+# ruff (pyproject [tool.ruff]): the format and the lint, checked before the suite runs (`make format` rewrites).
+LINT_PATHS := graphpass backends tests bench tools graphpass_vllm_plugin.py
+
+lint: $(STAMP)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m ruff check $(LINT_PATHS)
+
+format: $(STAMP)
+	$(PY) -m ruff format $(LINT_PATHS)
+
+test: lint
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 -m "not slow" tests
 
 test-slow: $(STAMP)

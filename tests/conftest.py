@@ -45,8 +45,9 @@ def pytest_collection_modifyitems(config, items):
 
     unstable = [item.nodeid for item in items if re.search(r" at 0x[0-9a-f]+|object at ", item.nodeid)]
     if unstable:
-        raise pytest.UsageError("test ids built from an object's address (give the parametrization ids=): "
-                                + ", ".join(unstable[:5]))
+        raise pytest.UsageError(
+            "test ids built from an object's address (give the parametrization ids=): " + ", ".join(unstable[:5])
+        )
 
 
 # pytest (9.x) attaches its log-capture handlers to every non-propagating logger, torch's structured

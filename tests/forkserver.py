@@ -133,8 +133,14 @@ class ForkServer:
     def __init__(self, folder: Path):
         self.folder, self.count = Path(folder), 0
         self.log = open(self.folder / "server.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            cwd=ROOT,
+        )
 
     def _ask(self, **request) -> dict:
         self.proc.stdin.write(json.dumps(request) + "\n")
@@ -148,8 +154,9 @@ class ForkServer:
         """Fork a child running ``code`` with ``args`` (in a session of its own with ``new_session``)."""
         self.count += 1
         out, err = self.folder / f"{self.count}.out", self.folder / f"{self.count}.err"
-        pid = self._ask(op="spawn", code=code, args=[str(a) for a in args], out=str(out), err=str(err),
-                        session=new_session)["pid"]
+        pid = self._ask(
+            op="spawn", code=code, args=[str(a) for a in args], out=str(out), err=str(err), session=new_session
+        )["pid"]
         return ForkedChild(self, pid, out, err)
 
     def run(self, code: str, *args, timeout: float):

@@ -60,13 +60,13 @@ class StrictAtenBackend:
         return gm.forward
 
 
-
 def _lm_call(model, ids):
     return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
 
 
-def sweep_buckets(model, delegate, lengths, buckets, *, call=_lm_call, batch=1, vocab=None, seed=7, tol=1e-5,
-                  strict=None):
+def sweep_buckets(
+    model, delegate, lengths, buckets, *, call=_lm_call, batch=1, vocab=None, seed=7, tol=1e-5, strict=None
+):
     """Sweep ``lengths`` through ``buckets``: compile ``model`` with graphpass padding dim 1 of ``input_ids`` up to
     ``buckets`` in front of ``delegate`` (the strict stand-in behind a NeuronDelegate, or a recording delegate), then
     call it at every length (token ids of ``batch`` rows below ``vocab``, default the model's vocabulary, drawn
@@ -186,8 +186,11 @@ def tied_padding_violations(gm, zero_padded=("attention_mask",)):
     from graphpass.static_shapes.padding_safety import check_padding_safety
 
     values = {n.name: n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"}
-    padded = {name: v for name, v in values.items() if isinstance(v, torch.Tensor) and v.dim() >= 2
-              and isinstance(v.shape[1], torch.SymInt)}
+    padded = {
+        name: v
+        for name, v in values.items()
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and isinstance(v.shape[1], torch.SymInt)
+    }
     syms = {v.shape[1].node.expr for v in padded.values()}
     zero = [name for name in padded if any(z in name for z in zero_padded)]
     relied: set[str] = set()
@@ -203,9 +206,10 @@ def bench_conformance():
 
     name = "graphpass_bench_conformance"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / "conformance.py")
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).resolve().parents[1] / "bench" / "conformance.py"
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
-

@@ -143,26 +143,38 @@ class PassRun:
     def data_inputs(self, inputs: list) -> list:
         """The entries of ``inputs`` at the places of the graph's data inputs (not weights)."""
         weights = self._weight_ids()
-        return [t for t, ex in zip(inputs, self.reference.example_inputs) if not (isinstance(ex, torch.Tensor) and id(ex) in weights)]
+        return [
+            t
+            for t, ex in zip(inputs, self.reference.example_inputs)
+            if not (isinstance(ex, torch.Tensor) and id(ex) in weights)
+        ]
 
     def _weight_ids(self) -> set[int]:
         return {id(t) for m in self.reference.roots.whole_models() for t in (*m.parameters(), *m.buffers())}
 
-    def check_outputs(self, seeds=(1, 2), rtol: float = 0.0, atol: float = 0.0, inputs: list | None = None,
-                      expected: Callable | None = None) -> None:
+    def check_outputs(
+        self,
+        seeds=(1, 2),
+        rtol: float = 0.0,
+        atol: float = 0.0,
+        inputs: list | None = None,
+        expected: Callable | None = None,
+    ) -> None:
         """The transformed graph computes what the untouched Dynamo graph computes, on fresh inputs
         (one set per seed), or on ``inputs`` when given (e.g. another size for a dynamic graph).
         ``expected(inputs)``: the reference outputs instead, for a graph that cannot run unscheduled
         (an offloaded model's guard ops refuse that)."""
         expected = expected or (lambda each: self.reference.gm(*each))
-        for each in ([inputs] if inputs is not None else [self.fresh_inputs(seed) for seed in seeds]):
+        for each in [inputs] if inputs is not None else [self.fresh_inputs(seed) for seed in seeds]:
             with torch.no_grad():
                 want, _ = tree_flatten(expected(each))
                 got, _ = tree_flatten(self.gm(*each))
             assert len(got) == len(want), f"{self.name}: {len(got)} outputs, the original has {len(want)}"
             for i, (a, b) in enumerate(zip(got, want)):
                 if isinstance(b, torch.Tensor):
-                    torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{self.name}, output {i}: {m}")
+                    torch.testing.assert_close(
+                        a, b, rtol=rtol, atol=atol, msg=lambda m: f"{self.name}, output {i}: {m}"
+                    )
                 else:
                     assert a == b, f"{self.name}, output {i}: {a!r} != {b!r}"
 
@@ -172,8 +184,14 @@ def run_one_pass(graph: DynamoGraph, name: str, config: GraphpassConfig | None =
     target = pipeline_pass(name)
     config = config if config is not None else GraphpassConfig.from_options(options or None)
     gm = copy_graph(graph.gm)
-    ctx = PassContext(gm=gm, example_inputs=list(graph.example_inputs), config=config, roots=graph.roots,
-                      captures=list(graph.captures), graph_name=f"graph ({name} test)")
+    ctx = PassContext(
+        gm=gm,
+        example_inputs=list(graph.example_inputs),
+        config=config,
+        roots=graph.roots,
+        captures=list(graph.captures),
+        graph_name=f"graph ({name} test)",
+    )
     for p in required_passes(target):
         run_pass(p, ctx)
     original = copy_graph(gm)

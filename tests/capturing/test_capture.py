@@ -124,7 +124,9 @@ def test_inline_capture_tensor_under_compile(tmp_path):
         compiled(x)
     meta, tensors = load_step(step_dirs(tmp_path)[0])
     assert meta["modules"] == ["q", "attn_scores"]
-    torch.testing.assert_close(tensors["attn_scores"]["0"], torch.softmax(model.q(x) @ x.transpose(-1, -2), -1).detach())
+    torch.testing.assert_close(
+        tensors["attn_scores"]["0"], torch.softmax(model.q(x) @ x.transpose(-1, -2), -1).detach()
+    )
 
 
 def test_toggling_never_recompiles(tmp_path):
@@ -136,7 +138,7 @@ def test_toggling_never_recompiles(tmp_path):
     counters.clear()
     compiled(*inputs)  # plain run, capture disabled
     frames = counters["stats"]["unique_graphs"]
-    for i in range(3):
+    for _i in range(3):
         capture.enable()
         with capture.step(is_prefill=True, positions=torch.arange(4)):
             compiled(*inputs)
@@ -276,8 +278,10 @@ def test_three_models_two_threads_isolated(tmp_path):
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    th = [threading.Thread(target=worker, args=(["target", "vision"], [t_in, v_in], 4)),
-          threading.Thread(target=worker, args=(["draft"], [d_in], 4))]
+    th = [
+        threading.Thread(target=worker, args=(["target", "vision"], [t_in, v_in], 4)),
+        threading.Thread(target=worker, args=(["draft"], [d_in], 4)),
+    ]
     for t in th:
         t.start()
     for t in th:
@@ -310,7 +314,9 @@ def test_capture_filter_and_visual_routing(tmp_path):
 
     model = MM()
     compiled = torch.compile(model, backend="graphpass", options={"then": "eager"})
-    cap = ModelCapture(compiled, modules=["visual.0", "layers.0-1"], capture_dir=tmp_path, capture_filter=["visual.0", "layers.1"])
+    cap = ModelCapture(
+        compiled, modules=["visual.0", "layers.0-1"], capture_dir=tmp_path, capture_filter=["visual.0", "layers.1"]
+    )
     cap.enable()
     with cap.step(is_prefill=True, positions=torch.arange(3)):
         compiled(torch.randn(2, 3, 4))
@@ -341,7 +347,10 @@ def test_strict_delegate_captures_same_files(strict_backend, tmp_path):
     model, inputs = build("mlp_stack")
     x = fresh_inputs(inputs)
     results = {}
-    for name, then in (("eager", "eager"), ("strict", NeuronDelegate(registered_name="strict_aten_standin", module=None))):
+    for name, then in (
+        ("eager", "eager"),
+        ("strict", NeuronDelegate(registered_name="strict_aten_standin", module=None)),
+    ):
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=graphpass.backend(then=then))
         cap = ModelCapture(compiled, modules=["layers.0-2", "head"], capture_dir=tmp_path / name)
@@ -349,7 +358,11 @@ def test_strict_delegate_captures_same_files(strict_backend, tmp_path):
         with cap.step(is_prefill=True, positions=torch.arange(4)):
             compiled(*x)
         results[name] = load_step(step_dirs(tmp_path / name)[0])
-    assert results["eager"][0]["modules"] == results["strict"][0]["modules"] == ["layers.0", "layers.1", "layers.2", "head"]
+    assert (
+        results["eager"][0]["modules"]
+        == results["strict"][0]["modules"]
+        == ["layers.0", "layers.1", "layers.2", "head"]
+    )
     for m, ts in results["eager"][1].items():
         for k, t in ts.items():
             torch.testing.assert_close(results["strict"][1][m][k], t, rtol=0, atol=0)
@@ -367,7 +380,9 @@ def test_setup_save_and_clear_hook(tmp_path):
     compiled(*inputs)
     compiled(*inputs)  # the hook cleared the first forward's tensors
     assert [n for n, _ in capture.registry.get_all_tensors()] == ["layers.2"]
-    written = capture.save_tensor_captures(positions=torch.arange(4).view(1, 4), is_prefill=False, req_ids=["a", "b", "c"])
+    written = capture.save_tensor_captures(
+        positions=torch.arange(4).view(1, 4), is_prefill=False, req_ids=["a", "b", "c"]
+    )
     assert [p.relative_to(tmp_path).as_posix() for p in written] == ["dp0/decode_b3_0"]
     handle.remove()
 
@@ -476,8 +491,10 @@ def test_extra_meta_is_written_and_cannot_replace_graphpass_fields(tmp_path):
         with torch.no_grad(), capture.step(positions=torch.arange(3), extra_meta={"req_ids": ["x"]}):
             compiled(x)
     assert not step_dirs(tmp_path)
-    with torch.no_grad(), capture.step(positions=torch.arange(3), req_ids=["r"],
-                                       extra_meta={"token_request": [0, 0, 0]}):
+    with (
+        torch.no_grad(),
+        capture.step(positions=torch.arange(3), req_ids=["r"], extra_meta={"token_request": [0, 0, 0]}),
+    ):
         compiled(x)
     (step,) = step_dirs(tmp_path)
     meta, _ = load_step(step)

@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import subprocess
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -84,8 +83,9 @@ class Gate:
 def manual_capture(tmp_path, writer: str = "process", **staging) -> ModelCapture:
     """A ModelCapture fed by ``capture_tensor`` calls (eager: no compile needed)."""
     model, _ = build("mlp_stack")
-    cap = ModelCapture(model, modules=["layers.0"], capture_dir=tmp_path,
-                       staging=StagingConfig(writer=writer, **staging))
+    cap = ModelCapture(
+        model, modules=["layers.0"], capture_dir=tmp_path, staging=StagingConfig(writer=writer, **staging)
+    )
     cap.enable()
     return cap
 
@@ -97,8 +97,9 @@ def manual_step(cap: ModelCapture, value: torch.Tensor, wait: bool = False) -> N
 
 def eager_outputs(model, x, names) -> dict[str, torch.Tensor]:
     got = {}
-    hooks = [model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: got.setdefault(n, o.clone()))
-             for n in names]
+    hooks = [
+        model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: got.setdefault(n, o.clone())) for n in names
+    ]
     with torch.no_grad():
         model(x)
     for h in hooks:
@@ -107,6 +108,7 @@ def eager_outputs(model, x, names) -> dict[str, torch.Tensor]:
 
 
 # --- compiled model, written behind: same files as written in place ----------------------------------
+
 
 def test_write_behind_files_equal_waited_files_after_flush(tmp_path):
     model, inputs = build("mlp_stack")
@@ -139,6 +141,7 @@ def test_step_returns_the_dirs_it_will_write(tmp_path):
 
 
 # --- nothing lost: flush, disable, wait=True, auto_steps exit, interpreter exit, Ctrl-C ----------------
+
 
 @pytest.mark.parametrize("how", ["flush", "disable", "wait"])
 def test_every_step_is_on_disk_when_flush_disable_or_wait_returns(tmp_path, monkeypatch, how, writer):
@@ -214,9 +217,16 @@ def assert_four_steps(root: Path) -> None:
     assert not [f for f in files_under(root) if atomic_files.is_temp_name(Path(f).name)]
 
 
-@pytest.mark.parametrize("ending", ["pass", "raise KeyboardInterrupt", "raise RuntimeError('boom')",
-                                    "with cap.step(is_prefill=True, positions=torch.arange(2), wait=False):\n"
-                                    "    capture_tensor('x', torch.ones(2)); raise KeyboardInterrupt"])
+@pytest.mark.parametrize(
+    "ending",
+    [
+        "pass",
+        "raise KeyboardInterrupt",
+        "raise RuntimeError('boom')",
+        "with cap.step(is_prefill=True, positions=torch.arange(2), wait=False):\n"
+        "    capture_tensor('x', torch.ones(2)); raise KeyboardInterrupt",
+    ],
+)
 def test_interpreter_exit_exception_or_ctrl_c_loses_no_completed_step(tmp_path, ending, writer, forks):
     script = _EXIT_SCRIPT.replace("{ending}", ending)
     rc, out, err = forks.run(script, tmp_path, writer, timeout=300)
@@ -231,8 +241,9 @@ def test_ctrl_c_to_the_process_group_is_ignored_by_the_writer_process(tmp_path, 
     # A terminal's Python program: Ctrl-C raises KeyboardInterrupt. Python installs that handler only
     # when SIGINT was not ignored at its start, and a shell ignores SIGINT in what it runs in the
     # background (`.ci/run &`): the script sets it itself.
-    script = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              + _EXIT_SCRIPT.replace("{ending}", "for _ in range(1200):\n    time.sleep(0.1)"))
+    script = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n" + _EXIT_SCRIPT.replace(
+        "{ending}", "for _ in range(1200):\n    time.sleep(0.1)"
+    )
     proc = forks.spawn(script, tmp_path, "process", new_session=True)
     assert proc.readline().startswith("staged"), proc.stderr()
     os.killpg(proc.pid, signal.SIGINT)  # the saving process's group (its writer process has its own session)
@@ -265,6 +276,7 @@ def test_steps_staged_before_the_saving_process_is_killed_are_still_written(tmp_
 
 
 # --- a background write that fails: rolled back, reported on the saving side ------------------------
+
 
 def test_failed_background_write_leaves_nothing_and_is_raised_by_flush(tmp_path, monkeypatch):
     import errno
@@ -399,6 +411,7 @@ def test_failed_background_write_is_raised_by_the_next_save(tmp_path, monkeypatc
 
 # --- memory bound and the policy when the writer falls behind ---------------------------------------
 
+
 def test_block_policy_waits_for_room_and_never_exceeds_the_bound(tmp_path, monkeypatch, writer):
     step_bytes = 16 * 4
     cap = manual_capture(tmp_path, writer, max_staged_bytes=2 * step_bytes)
@@ -453,9 +466,16 @@ def test_drop_policy_counts_logs_and_keeps_later_names(tmp_path, monkeypatch, ca
     assert cap._behind.peak_bytes <= 16
 
 
-@pytest.mark.parametrize("field, value", [("max_staged_bytes", -1), ("max_staged_bytes", 1.5),
-                                          ("max_staged_bytes", True), ("max_staged_steps", 0),
-                                          ("when_full", "grow")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_staged_bytes", -1),
+        ("max_staged_bytes", 1.5),
+        ("max_staged_bytes", True),
+        ("max_staged_steps", 0),
+        ("when_full", "grow"),
+    ],
+)
 def test_staging_options_are_checked(tmp_path, field, value):
     with pytest.raises(ConfigError) as info:
         StagingConfig(**{field: value})
@@ -468,6 +488,7 @@ def test_staging_options_are_checked(tmp_path, field, value):
 
 
 # --- capture sites resolved once, per ModelCapture ----------------------------------------------------
+
 
 def test_owner_names_are_resolved_once_per_site_not_per_step(tmp_path, monkeypatch):
     model, inputs = build("mlp_stack")
@@ -530,18 +551,28 @@ def test_two_instances_sharing_a_graph_keep_their_names_step_after_step(tmp_path
 
 # --- the writer's own safetensors encoding: what safetensors reads back --------------------------------
 
+
 def test_encoded_files_read_back_with_safetensors_for_every_common_dtype():
     from safetensors.torch import load, save
 
     from graphpass.capturing.writer import encode_safetensors
 
     g = torch.Generator().manual_seed(0)
-    payload = {"[0]": torch.randn(2, 3, generator=g), "bf16": torch.randn(5, generator=g).to(torch.bfloat16),
-               "half": torch.randn(3, generator=g).half(), "f64": torch.randn(2, generator=g).double(),
-               "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4), "mask": torch.tensor([True, False, True]),
-               "ids": torch.arange(6).reshape(2, 3), "i32": torch.arange(3, dtype=torch.int32),
-               "u8": torch.arange(7, dtype=torch.uint8), "i8": -torch.arange(3, dtype=torch.int8),
-               "i16": torch.arange(3, dtype=torch.int16), "fp8": torch.randn(4, generator=g).to(torch.float8_e4m3fn)}
+    payload = {
+        "[0]": torch.randn(2, 3, generator=g),
+        "bf16": torch.randn(5, generator=g).to(torch.bfloat16),
+        "half": torch.randn(3, generator=g).half(),
+        "f64": torch.randn(2, generator=g).double(),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "mask": torch.tensor([True, False, True]),
+        "ids": torch.arange(6).reshape(2, 3),
+        "i32": torch.arange(3, dtype=torch.int32),
+        "u8": torch.arange(7, dtype=torch.uint8),
+        "i8": -torch.arange(3, dtype=torch.int8),
+        "i16": torch.arange(3, dtype=torch.int16),
+        "fp8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
+    }
     blob = encode_safetensors(payload)  # fp8 is not in the writer's table: safetensors' own save
     back = load(blob)
     assert set(back) == set(payload)
@@ -551,7 +582,7 @@ def test_encoded_files_read_back_with_safetensors_for_every_common_dtype():
     plain = {k: v for k, v in payload.items() if k != "fp8"}
     blob = encode_safetensors(plain)
     n = int.from_bytes(blob[:8], "little")
-    header = json.loads(blob[8:8 + n])
+    header = json.loads(blob[8 : 8 + n])
     assert (8 + n) % 8 == 0
     for k, entry in header.items():  # every tensor's bytes start aligned to its element size
         assert entry["data_offsets"][0] % plain[k].element_size() == 0, k

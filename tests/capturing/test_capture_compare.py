@@ -70,7 +70,10 @@ def test_compare_names_the_perturbed_layer(tmp_path, capsys):
     assert report.first_failure.max_abs == pytest.approx(1e-2, rel=1e-3)
     assert main(["compare", str(tmp_path / "ref"), str(tmp_path / "test"), "--rtol", "1e-3", "--atol", "1e-5"]) == 1
     out = capsys.readouterr().out
-    assert out.strip().splitlines()[-2].startswith("first diverging module: layers.2") or "first diverging module: layers.2" in out
+    assert (
+        out.strip().splitlines()[-2].startswith("first diverging module: layers.2")
+        or "first diverging module: layers.2" in out
+    )
     summary = json.loads((tmp_path / "test" / "compare_summary.json").read_text())
     assert summary["first_failure"]["module"] == "layers.2"
 
@@ -95,8 +98,15 @@ def test_first_divergence_of_a_greedy_generate_is_in_the_prefill(tmp_path):
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     ref_model = transformers.LlamaForCausalLM(cfg).eval()
     test_model = copy.deepcopy(ref_model)
     with torch.no_grad():
@@ -112,6 +122,8 @@ def test_first_divergence_of_a_greedy_generate_is_in_the_prefill(tmp_path):
     assert (first.step, first.module) == ("dp0/prefill_s8_0", "model.layers.1")
     outputs = [(r.step, r.module, r.status) for r in report.rows if r.key == "output"]  # (not the KV cache)
     assert outputs[:3] == [
-        ("dp0/prefill_s8_0", "model.layers.0", "pass"), ("dp0/prefill_s8_0", "model.layers.1", "FAIL"),
-        ("dp0/decode_b1_0", "model.layers.0", "FAIL")]
+        ("dp0/prefill_s8_0", "model.layers.0", "pass"),
+        ("dp0/prefill_s8_0", "model.layers.1", "FAIL"),
+        ("dp0/decode_b1_0", "model.layers.0", "FAIL"),
+    ]
     assert not report.notes  # every step has its step_index: no fallback order

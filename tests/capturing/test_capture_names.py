@@ -107,8 +107,16 @@ def test_compare_prints_the_key_paths(tmp_path, capsys):
 def _tiny_gpt2():
     from transformers import GPT2Config, GPT2Model
 
-    cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
-                     eos_token_id=0, attn_implementation="eager")
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=64,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
     return GPT2Model(cfg).eval()
 
 

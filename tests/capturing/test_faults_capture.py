@@ -59,6 +59,7 @@ def write_meta_step(root: Path, step: str, modules: dict[str, torch.Tensor], lis
 
 # --- 1. a reused capture_dir never mixes two runs -------------------------------------------------
 
+
 def test_reused_capture_dir_is_refused_not_mixed(tmp_path):
     capture_run(tmp_path, ["layers.0-1"], steps=2)
     before = files_under(tmp_path)
@@ -74,9 +75,12 @@ def test_tensor_parallel_ranks_share_a_step_and_a_retry_is_not_an_earlier_run(tm
     w0, w1 = CaptureWriter(tmp_path, tp_rank=0), CaptureWriter(tmp_path, tp_rank=1)
     w0.write([("m", t)], is_prefill=True, size=2, meta={})
     w1.write([("m", t)], is_prefill=True, size=2, meta={})  # other ranks' files are this run's
-    assert files_under(tmp_path) == ["dp0/prefill_s2_0/m/rank0.safetensors", "dp0/prefill_s2_0/m/rank1.safetensors",
-                                      "dp0/prefill_s2_0/prefill_s2_0_meta.json",
-                                      "dp0/prefill_s2_0/prefill_s2_0_meta.rank1.json"]  # one meta per rank
+    assert files_under(tmp_path) == [
+        "dp0/prefill_s2_0/m/rank0.safetensors",
+        "dp0/prefill_s2_0/m/rank1.safetensors",
+        "dp0/prefill_s2_0/prefill_s2_0_meta.json",
+        "dp0/prefill_s2_0/prefill_s2_0_meta.rank1.json",
+    ]  # one meta per rank
     with pytest.raises(CaptureError, match="earlier run"):
         CaptureWriter(tmp_path, tp_rank=0).write([("m", t)], is_prefill=True, size=2, meta={})
 
@@ -84,8 +88,9 @@ def test_tensor_parallel_ranks_share_a_step_and_a_retry_is_not_an_earlier_run(tm
 def test_compare_flags_module_folders_the_meta_does_not_list(tmp_path):
     ref, test = tmp_path / "ref", tmp_path / "test"
     for root in (ref, test):
-        step = write_meta_step(root, "decode_b4_0", {"layers.0": torch.ones(3), "layers.1": torch.ones(3)},
-                               listed=["layers.0"])  # layers.1 left over from an earlier, larger run
+        step = write_meta_step(
+            root, "decode_b4_0", {"layers.0": torch.ones(3), "layers.1": torch.ones(3)}, listed=["layers.0"]
+        )  # layers.1 left over from an earlier, larger run
         (step / "stray.bin").write_bytes(b"x")
     report = compare(ref, test)
     assert not report.passed
@@ -100,8 +105,9 @@ def test_a_step_lands_whole_from_a_hidden_folder_and_a_leftover_one_is_noted(tmp
     t = torch.arange(3.0)
     renames = []
     real_rename = os.rename
-    monkeypatch.setattr(os, "rename", lambda a, b: renames.append((os.path.basename(a), os.path.basename(b)))
-                        or real_rename(a, b))
+    monkeypatch.setattr(
+        os, "rename", lambda a, b: renames.append((os.path.basename(a), os.path.basename(b))) or real_rename(a, b)
+    )
     w = CaptureWriter(tmp_path / "ref")
     w.write([("a", t), ("b", t * 2)], is_prefill=True, size=3, meta={})
     assert [b for a, b in renames] == ["prefill_s3_0"] and atomic_files.is_temp_name(renames[0][0])  # one rename
@@ -109,8 +115,11 @@ def test_a_step_lands_whole_from_a_hidden_folder_and_a_leftover_one_is_noted(tmp
     plan, buffers = w.plan([("a", t), ("b", t * 2)], step="prefill_s3_0", index=0, is_prefill=True, size=3, meta={})
     w._files.emit(plan, [b.numpy() for b in buffers])
     monkeypatch.undo()
-    assert files_under(tmp_path / "ref") == ["dp0/prefill_s3_0/a/rank0.safetensors", "dp0/prefill_s3_0/b/rank0.safetensors",
-                                             "dp0/prefill_s3_0/prefill_s3_0_meta.json"]
+    assert files_under(tmp_path / "ref") == [
+        "dp0/prefill_s3_0/a/rank0.safetensors",
+        "dp0/prefill_s3_0/b/rank0.safetensors",
+        "dp0/prefill_s3_0/prefill_s3_0_meta.json",
+    ]
     assert not [d for d in os.listdir(tmp_path / "ref" / "dp0") if d.startswith(".")]
     CaptureWriter(tmp_path / "test").write([("a", t), ("b", t * 2)], is_prefill=True, size=3, meta={})
     left = tmp_path / "test" / "dp0" / ".graphpass-0123abcd.tmp" / "a"  # a capture killed while writing
@@ -122,11 +131,13 @@ def test_a_step_lands_whole_from_a_hidden_folder_and_a_leftover_one_is_noted(tmp
 
 # --- 2. nothing is written through a planted symlink ---------------------------------------------
 
+
 def _forced_names(monkeypatch):
     def names():
         yield ".graphpass-planted.tmp"
         while True:
             yield f".graphpass-{os.urandom(6).hex()}.tmp"
+
     monkeypatch.setattr(atomic_files, "temp_names", names)
 
 
@@ -165,6 +176,7 @@ def test_symlinked_folder_below_capture_dir_is_refused(tmp_path):
 
 # --- 3. compare: non-finite tolerances, names that are not UTF-8 ----------------------------------
 
+
 @pytest.mark.parametrize("option,value", [("--atol", "inf"), ("--rtol", "inf"), ("--rtol", "nan"), ("--atol", "-inf")])
 def test_cli_rejects_non_finite_tolerance(tmp_path, capsys, option, value):
     ref, test = tmp_path / "ref", tmp_path / "test"
@@ -193,6 +205,7 @@ def test_report_with_non_utf8_names_prints_to_strict_utf8(tmp_path, monkeypatch)
 
 # --- 4. every capture failure is a GraphpassError, found up front where possible ------------------
 
+
 def _tiny():
     model, inputs = build("mlp_stack")
     return torch.compile(model, backend="graphpass", options={"then": "eager"}), inputs
@@ -209,7 +222,7 @@ def test_unusable_paths_and_names_fail_at_construction(tmp_path):
     with pytest.raises(ConfigError, match="dp_rank"):
         ModelCapture(compiled, modules=["layers.0"], capture_dir=tmp_path, dp_rank=None)
     with pytest.raises(ConfigError, match="tp_rank"):
-        ModelCapture(compiled, modules=["layers.0"], capture_dir=tmp_path, tp_rank=10 ** 300)
+        ModelCapture(compiled, modules=["layers.0"], capture_dir=tmp_path, tp_rank=10**300)
     long = nn.Sequential()
     long.add_module("m" * 300, nn.Linear(2, 2))
     with pytest.raises(CaptureError, match="module name"):
@@ -244,6 +257,7 @@ def test_disk_full_raises_capture_error_and_leaves_nothing(tmp_path, monkeypatch
 
 # --- 5. values accepted but wrong ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("key", ["dp_rank", "tp_rank"])
 @pytest.mark.parametrize("value", [-1, 3.9, True, None, "0"])
 def test_ranks_must_be_non_negative_ints(tmp_path, key, value):
@@ -269,6 +283,7 @@ def test_names_with_a_trailing_newline_are_refused(tmp_path):
 
 
 # --- 6. one ModelCapture stepping in two threads ---------------------------------------------------
+
 
 def test_one_capture_two_threads(tmp_path):
     model, inputs = build("mlp_stack")
@@ -299,10 +314,12 @@ def test_one_capture_two_threads(tmp_path):
         t.join()
     assert not errors, errors
     from graphpass.capturing.ops import ACTIVE_CAPTURES
+
     assert ACTIVE_CAPTURES.get() == ()
     steps = sorted(p.name for ps in written.values() for p in ps)
     assert steps == ["decode_b1_0", "decode_b1_1"]
     from safetensors.torch import load_file
+
     with torch.no_grad():
         expected = {i: model.layers[0](model.proj_in(x[i])) for i in (0, 1)}
     for i, (step_dir,) in written.items():
@@ -314,6 +331,7 @@ def test_one_capture_two_threads(tmp_path):
 
 
 # --- 7. compare in chunks: same numbers, bounded memory --------------------------------------------
+
 
 def whole_tensor_numbers(ref, test, rtol, atol):
     """The computation compare did before chunking (whole tensors widened to float64)."""
@@ -340,8 +358,10 @@ def _cases():
                 t = r + (torch.rand(shape, generator=g) < 0.2).to(torch.int32)
             else:
                 r = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-                t = (r.to(torch.float64 if not dtype.is_complex else torch.complex128)
-                     + 1e-3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+                t = (
+                    r.to(torch.float64 if not dtype.is_complex else torch.complex128)
+                    + 1e-3 * torch.randn(shape, generator=g, dtype=torch.float64)
+                ).to(dtype)
             yield r, t
     r = torch.randn(6, 5, generator=g)
     t = r.clone()
@@ -402,8 +422,9 @@ def test_compare_memory_is_a_small_multiple_of_a_chunk(tmp_path):
         "assert report.passed, str(report)\n"
         "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script, str(ref), str(test)], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(ref), str(test)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     grew = int(out.stdout.strip().splitlines()[-1])
     # the two memory-mapped files (128 MiB) may count as resident; whole-tensor float64 is > 1 GiB
@@ -414,6 +435,7 @@ def test_compare_memory_is_a_small_multiple_of_a_chunk(tmp_path):
 # With inline_inbuilt_nn_modules the parameters are graph inputs and no guard pins the module's
 # identity, so Dynamo runs the graph traced for one instance for every other instance of its class.
 
+
 def _load_steps(root: Path) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
     from safetensors.torch import load_file
 
@@ -421,8 +443,9 @@ def _load_steps(root: Path) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
     for meta_path in sorted(Path(root).rglob("*_meta.json")):
         step = meta_path.parent
         meta = json.loads(meta_path.read_text())
-        out[step.relative_to(root).as_posix()] = {m: load_file(str(step / m / "rank0.safetensors"))
-                                                  for m in meta["modules"]}
+        out[step.relative_to(root).as_posix()] = {
+            m: load_file(str(step / m / "rank0.safetensors")) for m in meta["modules"]
+        }
     return out
 
 
@@ -430,8 +453,9 @@ def _eager_layers(model, x, names):
     """Eager outputs of ``model``'s modules ``names`` (forward hooks) for input ``x``."""
     got = {}
     mods = dict(model.named_modules())
-    hooks = [mods[n].register_forward_hook(lambda m, a, out, n=n: got.setdefault(n, out.detach().clone()))
-             for n in names]
+    hooks = [
+        mods[n].register_forward_hook(lambda m, a, out, n=n: got.setdefault(n, out.detach().clone())) for n in names
+    ]
     try:
         with torch.no_grad():
             model(x)
@@ -445,8 +469,11 @@ def _pair():
     first, x1 = build("mlp_stack", seed=1)
     second, x2 = build("mlp_stack", seed=2)
     opts = {"then": "eager"}
-    return (first, x1, torch.compile(first, backend="graphpass", options=opts)), \
-        (second, x2, torch.compile(second, backend="graphpass", options=opts))
+    return (first, x1, torch.compile(first, backend="graphpass", options=opts)), (
+        second,
+        x2,
+        torch.compile(second, backend="graphpass", options=opts),
+    )
 
 
 def test_second_instance_capture_made_before_its_first_call_captures_its_own_values(tmp_path):
@@ -528,7 +555,9 @@ def test_two_instances_with_different_modules_each_get_their_own(tmp_path):
 def test_same_class_draft_inside_the_targets_step_does_not_leak_in(tmp_path, draft_captured):
     (target, xt, ct), (draft, xd, cd) = _pair()
     cap = ModelCapture(ct, modules=["layers.0-2", "head"], capture_dir=tmp_path)
-    dcap = ModelCapture(cd, modules=["layers.0"], capture_dir=tmp_path, subdirectory="draft") if draft_captured else None
+    dcap = (
+        ModelCapture(cd, modules=["layers.0"], capture_dir=tmp_path, subdirectory="draft") if draft_captured else None
+    )
     cap.enable()
     if dcap is not None:
         dcap.enable()
@@ -599,6 +628,7 @@ def test_block_running_another_blocks_graph_is_named_after_itself(tmp_path):
 
 # --- 9. compare: leftovers of an interrupted capture are a note, not data ----------------------------
 
+
 def test_compare_notes_and_ignores_leftover_temporary_files(tmp_path):
     ref, test = tmp_path / "ref", tmp_path / "test"
     for root in (ref, test):
@@ -665,8 +695,13 @@ LOSSES = {  # what is lost from step decode_b4_1 of the test run -> the row that
     "step": ("", None, None, "step missing in test"),
     "module": ("layers.2", None, None, "missing in test"),
     "rank file": ("layers.1", 1, None, "rank file missing in test"),
-    "rank's step": ("", 1, None, "rank 1 missing in test: no meta or rank file of it in this step (the test run "
-                                 "has ranks 0-1: its other steps' files or tp_size)"),
+    "rank's step": (
+        "",
+        1,
+        None,
+        "rank 1 missing in test: no meta or rank file of it in this step (the test run "
+        "has ranks 0-1: its other steps' files or tp_size)",
+    ),
     "key": ("layers.0", 0, "output", "key missing in test"),
 }
 
@@ -707,8 +742,9 @@ def test_a_perturbed_rank_whose_files_were_lost_is_named_missing_not_matched(ran
     lost = [(r.step, r.module, r.rank) for r in report.rows if not r.passed]
     assert lost == [(f"dp0/decode_b4_{k}", m, 1) for k in (0, 1) for m in ("layers.0", "layers.1", "layers.2", "head")]
     assert all(r.missing == "test" and r.note == "rank file missing in test" for r in report.rows if not r.passed)
-    assert str(report).splitlines()[-1] == ("first diverging module: layers.0 (step dp0/decode_b4_0, rank 1): "
-                                           "rank file missing in test")
+    assert str(report).splitlines()[-1] == (
+        "first diverging module: layers.0 (step dp0/decode_b4_0, rank 1): rank file missing in test"
+    )
 
 
 def test_a_host_root_not_passed_is_named_through_tp_size(tmp_path):
@@ -717,8 +753,9 @@ def test_a_host_root_not_passed_is_named_through_tp_size(tmp_path):
     t = torch.arange(6.0).reshape(2, 3)
     CaptureWriter(tmp_path / "ref").write([("m", t)], is_prefill=True, size=2, meta={})
     for rank in (0, 1):
-        CaptureWriter(tmp_path / f"host{rank}", tp_rank=rank, tp_size=2).write([("m", t)], is_prefill=True, size=2,
-                                                                               meta={})
+        CaptureWriter(tmp_path / f"host{rank}", tp_rank=rank, tp_size=2).write(
+            [("m", t)], is_prefill=True, size=2, meta={}
+        )
     assert compare(tmp_path / "ref", [tmp_path / "host0", tmp_path / "host1"]).passed
     report = compare(tmp_path / "ref", [tmp_path / "host0"])
     assert not report.passed
@@ -732,8 +769,10 @@ def test_a_host_root_not_passed_is_named_through_tp_size(tmp_path):
 def test_meta_records_step_index_and_tp_size(tmp_path):
     model, (x,) = build("mlp_stack", seed=0)
     compiled = torch.compile(model, backend="graphpass", options={"then": "eager"})
-    caps = {"auto": ModelCapture(compiled, modules=["head"], capture_dir=tmp_path / "auto"),
-            "ints": ModelCapture(compiled, modules=["head"], capture_dir=tmp_path / "ints", dp_rank=0, tp_rank=0)}
+    caps = {
+        "auto": ModelCapture(compiled, modules=["head"], capture_dir=tmp_path / "auto"),
+        "ints": ModelCapture(compiled, modules=["head"], capture_dir=tmp_path / "ints", dp_rank=0, tp_rank=0),
+    }
     for cap in caps.values():
         cap.enable()
         for is_prefill in (True, False, False, True, False):
@@ -744,13 +783,19 @@ def test_meta_records_step_index_and_tp_size(tmp_path):
     for name, tp_size in (("auto", 1), ("ints", None)):
         steps = {p.name: read_step_meta(p) for p in (tmp_path / name / "dp0").iterdir()}
         assert {s: m["step_index"] for s, m in steps.items()} == {
-            "prefill_s8_0": 0, "decode_b4_0": 1, "decode_b4_1": 2, "prefill_s8_1": 3, "decode_b4_2": 4}
+            "prefill_s8_0": 0,
+            "decode_b4_0": 1,
+            "decode_b4_1": 2,
+            "prefill_s8_1": 3,
+            "decode_b4_2": 4,
+        }
         assert {m["tp_size"] for m in steps.values()} == {tp_size}
     with pytest.raises(ConfigError, match="tp_size"):
         CaptureWriter(tmp_path / "w", tp_rank=2, tp_size=2)
 
 
 # --- 11. compare: a tampered meta never makes compare allocate what the disk does not hold (item 14) --
+
 
 def _shards(root: Path, pieces: dict[int, tuple[torch.Tensor, dict]], module: str = "m") -> None:
     """A step whose ranks' files hold ``pieces`` (rank -> (tensor, layout fields of its meta entry))."""
@@ -764,8 +809,12 @@ def _shards(root: Path, pieces: dict[int, tuple[torch.Tensor, dict]], module: st
 
 
 def _shard0(offset, global_shape=(4, 3), placements=("Shard(0)",)):
-    return {"placements": list(placements), "mesh_shape": [2], "global_shape": list(global_shape),
-            "global_offset": list(offset)}
+    return {
+        "placements": list(placements),
+        "mesh_shape": [2],
+        "global_shape": list(global_shape),
+        "global_offset": list(offset),
+    }
 
 
 WHOLE = torch.arange(12, dtype=torch.float32).reshape(4, 3)
@@ -788,15 +837,18 @@ def allocations(monkeypatch):
 
 
 def test_tampered_global_shape_is_not_allocated(tmp_path, allocations):
-    _shards(tmp_path / "ref", {0: (WHOLE[:2], _shard0([0, 0], (1 << 24, 3))),
-                               1: (WHOLE[2:], _shard0([2, 0], (1 << 24, 3)))})
+    _shards(
+        tmp_path / "ref", {0: (WHOLE[:2], _shard0([0, 0], (1 << 24, 3))), 1: (WHOLE[2:], _shard0([2, 0], (1 << 24, 3)))}
+    )
     _shards(tmp_path / "test", {0: (WHOLE, {})})
     report = compare(tmp_path / "ref", tmp_path / "test")
     assert not report.passed
     (row,) = report.rows
     assert (row.module, row.key, row.missing) == ("m", "output", "ref")
-    assert row.note == ("cannot assemble ref: the ref's pieces (ranks 0-1) hold 12 of the 50331648 elements of the "
-                        "global shape [16777216, 3]")
+    assert row.note == (
+        "cannot assemble ref: the ref's pieces (ranks 0-1) hold 12 of the 50331648 elements of the "
+        "global shape [16777216, 3]"
+    )
     assert max(allocations, default=0) <= 12  # nothing sized by the claimed global shape
 
 

@@ -19,8 +19,20 @@ EXPLAIN_TRAP_KEYS = {"graph", "label", "manual", "first_node", "last_node", "fqn
 EXPLAIN_TENSOR_KEYS = {"graph", "fqns", "kind", "dtype", "shape", "nbytes", "parent", "holders", "consumers", "traps"}
 AUDIT_KEYS = {"training", "partial_factor", "graphs", "dynamic", "counts", "rows", "notes"}
 AUDIT_DIM_KEYS = {"input", "dim", "example", "min", "max", "symbol", "range"}
-AUDIT_ROW_KEYS = {"graph", "node", "op", "source", "shape", "bound_elems", "bound_bytes", "verdict", "reason", "rule",
-                  "code", "example_elems"}
+AUDIT_ROW_KEYS = {
+    "graph",
+    "node",
+    "op",
+    "source",
+    "shape",
+    "bound_elems",
+    "bound_bytes",
+    "verdict",
+    "reason",
+    "rule",
+    "code",
+    "example_elems",
+}
 COMPARE_KEYS = {"ref_dir", "test_dir", "rtol", "atol", "passed", "counts", "first_failure", "summary", "notes", "rows"}
 COMPARE_ROW_KEYS = {"step", "module", "rank", "key", "status", "max_abs", "rel_l2", "rel_linf", "note", "missing"}
 COMPARE_COUNT_KEYS = {"total", "pass", "fail", "missing_in_test", "missing_in_ref", "missing_in_both"}
@@ -36,7 +48,9 @@ def test_version(capsys):
 def test_python_dash_m_is_the_command():
     out = subprocess.run([sys.executable, "-m", "graphpass", "--version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == f"graphpass {graphpass.__version__}"
-    bad = subprocess.run([sys.executable, "-m", "graphpass", "explain", "nomodule"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "graphpass", "explain", "nomodule"], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and "graphpass: error: graphpass option 'factory'" in bad.stderr
 
 
@@ -58,8 +72,23 @@ def test_explain_json_schema(capsys):
 
 
 def test_audit_json_schema(capsys):
-    assert main(["audit", "graphpass.models.audit_example:factory", "--dynamic", "ids=1:8:512", "--dynamic",
-                 "hidden=1:8:512", "--dynamic", "loss_mask=1:8:512", "--inference", "--json"]) == 0
+    assert (
+        main(
+            [
+                "audit",
+                "graphpass.models.audit_example:factory",
+                "--dynamic",
+                "ids=1:8:512",
+                "--dynamic",
+                "hidden=1:8:512",
+                "--dynamic",
+                "loss_mask=1:8:512",
+                "--inference",
+                "--json",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == AUDIT_KEYS
     assert set(doc["counts"]) == {"YES", "PARTIAL", "NO"}

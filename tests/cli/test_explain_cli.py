@@ -89,7 +89,9 @@ def test_fresh_interpreter_lists_graphpass_without_importing_it(tmp_path):
         "names = torch._dynamo.list_backends()\n"
         "print('graphpass' in names, 'graphpass' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, check=True
+    )
     assert out.stdout.split() == ["True", "False"]
 
 
@@ -101,13 +103,17 @@ def test_compile_by_name_in_fresh_interpreter(tmp_path):
         "out = torch.compile(m, backend='graphpass', options={'then': 'eager'})(x)\n"
         "print(torch.equal(out, m(x)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "True"
 
 
 def test_backends_installs_only_as_graphpass_backends(tmp_path):
     code = "import importlib.util as u; print(u.find_spec('backends') is None, u.find_spec('graphpass.backends') is not None)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, check=True
+    )
     assert out.stdout.split() == ["True", "True"]
 
 
@@ -124,7 +130,10 @@ def test_pyproject_declares_what_the_issue_lists():
     deps = " ".join(data["project"]["dependencies"])
     for dep in ("torch>=2.9", "sympy", "tabulate", "safetensors"):
         assert dep in deps
-    assert data["project"]["entry-points"]["torch_dynamo_backends"]["graphpass"] == "graphpass.dynamo_backend:graphpass_backend"
+    assert (
+        data["project"]["entry-points"]["torch_dynamo_backends"]["graphpass"]
+        == "graphpass.dynamo_backend:graphpass_backend"
+    )
     assert data["project"]["scripts"]["graphpass"] == "graphpass.cli:main"
     assert data["tool"]["setuptools"]["package-dir"]["graphpass.backends"] == "backends"
     assert {"pytest", "expecttest"} <= set(data["project"]["optional-dependencies"]["test"])
@@ -159,9 +168,12 @@ def test_explain_says_when_dynamo_skipped_the_frame():
     assert "What to do" in text and "layer loop" in text
 
 
-@pytest.mark.skipif(not dynamo_compiles_own_frame(torch.nn.Linear), reason=f"torch {torch.__version__}'s Dynamo "
-                    "compiles no frame of its own for nn.Linear.forward called eagerly: the layers cannot stream "
-                    "(test_inbuilt_layers_a_skipped_frame_calls_run_eagerly_and_say_so checks what happens instead)")
+@pytest.mark.skipif(
+    not dynamo_compiles_own_frame(torch.nn.Linear),
+    reason=f"torch {torch.__version__}'s Dynamo "
+    "compiles no frame of its own for nn.Linear.forward called eagerly: the layers cannot stream "
+    "(test_inbuilt_layers_a_skipped_frame_calls_run_eagerly_and_say_so checks what happens instead)",
+)
 def test_offloaded_model_whose_frame_dynamo_skipped():
     """Dynamo skips the frame with the layer loop and compiles each layer's call on its own: the
     hooks' graph (the offload guard alone) and the layer's forward (its loads) are two graphs. The
@@ -176,11 +188,15 @@ def test_offloaded_model_whose_frame_dynamo_skipped():
     with torch.no_grad():
         assert torch.equal(compiled(x), ref)
     assert graphpass.memory_stats(model).groups_loaded == 2
-    with pytest.raises(graphpass.OffloadError, match=r"(?s)ran outside a graph.*Dynamo skipped the whole frame.*What to do"):
+    with pytest.raises(
+        graphpass.OffloadError, match=r"(?s)ran outside a graph.*Dynamo skipped the whole frame.*What to do"
+    ):
         torch.ops.graphpass.offload_guard("layers.0")  # as when a hook runs eagerly
 
 
-@pytest.mark.skipif(dynamo_compiles_own_frame(torch.nn.Linear), reason="this torch compiles the layers' forward on its own")
+@pytest.mark.skipif(
+    dynamo_compiles_own_frame(torch.nn.Linear), reason="this torch compiles the layers' forward on its own"
+)
 def test_inbuilt_layers_a_skipped_frame_calls_run_eagerly_and_say_so():
     """torch 2.9: the layers (nn.Linear, in Dynamo's skip list) that the skipped frame calls run
     eagerly; only their hooks are a graph. That used to pass silently (with device stand-ins, a wrong
@@ -193,14 +209,26 @@ def test_inbuilt_layers_a_skipped_frame_calls_run_eagerly_and_say_so():
     ref = model(x)
     graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
     compiled = torch.compile(model, backend=graphpass.backend(then="eager"))
-    with torch.no_grad(), pytest.warns(UserWarning, match=r"module 'layers.0' \(Linear\).*called from code running "
-                                                          r"eagerly.*not streamed \(results are right"):
+    with (
+        torch.no_grad(),
+        pytest.warns(
+            UserWarning,
+            match=r"module 'layers.0' \(Linear\).*called from code running "
+            r"eagerly.*not streamed \(results are right",
+        ),
+    ):
         assert torch.equal(compiled(x), ref)
     torch._dynamo.reset()
     model = _Chatty(2).eval().requires_grad_(False)
     with device_stand_ins_on_host():
         graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
     compiled = torch.compile(model, backend=graphpass.backend(then="eager"))
-    with torch.no_grad(), pytest.raises(graphpass.OffloadError, match=r"module 'layers.0' \(Linear\).*reads the "
-                                                                       r"device stand-ins.*exclude_patterns=\['layers.0'\]"):
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            graphpass.OffloadError,
+            match=r"module 'layers.0' \(Linear\).*reads the "
+            r"device stand-ins.*exclude_patterns=\['layers.0'\]",
+        ),
+    ):
         compiled(x)

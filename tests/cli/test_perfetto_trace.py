@@ -20,8 +20,21 @@ from helpers import no_matplotlib
 
 DEPTH, DIM, ROWS = 3, 512, 256  # ~0.5 GFLOP per block: its compute outlasts loading its 4 MiB of weights
 LABELS = [f"layers.{i}" for i in range(DEPTH)]
-TRACE_KEYS = {"path", "plot", "calls", "call_ms", "traps", "loads", "evictions", "waits", "trap_ms", "load_ms",
-              "hidden_load_ms", "hidden_fraction", "wait_ms"}
+TRACE_KEYS = {
+    "path",
+    "plot",
+    "calls",
+    "call_ms",
+    "traps",
+    "loads",
+    "evictions",
+    "waits",
+    "trap_ms",
+    "load_ms",
+    "hidden_load_ms",
+    "hidden_fraction",
+    "wait_ms",
+}
 
 
 def small_stack():
@@ -34,8 +47,9 @@ def small_stack():
 def compiled_offloaded(prefetch: int = 1, storage: str = "cpu", disk_path=None):
     model, inputs = small_stack()
     model.requires_grad_(False)
-    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage=storage, prefetch_distance=prefetch,
-                                                     disk_path=disk_path))
+    graphpass.offload(
+        model, graphpass.OffloadConfig(device="cpu", storage=storage, prefetch_distance=prefetch, disk_path=disk_path)
+    )
     return model, torch.compile(model, backend=graphpass.backend(then="aot_eager")), inputs
 
 
@@ -44,7 +58,9 @@ def ranges(doc: dict, cat: str) -> list[dict]:
 
 
 def thread_names(doc: dict) -> dict:
-    return {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return {
+        e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
 
 
 def check_ranges(doc: dict, calls: int) -> None:
@@ -52,8 +68,9 @@ def check_ranges(doc: dict, calls: int) -> None:
     traps, loads = ranges(doc, "graphpass.trap"), ranges(doc, "graphpass.load")
     evictions, waits = ranges(doc, "graphpass.evict"), ranges(doc, "graphpass.wait")
     for kind in (traps, loads, evictions, waits):
-        assert sorted((e["args"]["call"], e["args"]["trap"]) for e in kind) == \
-            sorted((c, label) for c in range(calls) for label in LABELS)
+        assert sorted((e["args"]["call"], e["args"]["trap"]) for e in kind) == sorted(
+            (c, label) for c in range(calls) for label in LABELS
+        )
         assert all(e["dur"] >= 0 for e in kind)  # start <= end
     assert [e["name"] for e in traps[:DEPTH]] == [f"graphpass.trap/{label}" for label in LABELS]
     assert len(ranges(doc, "graphpass.call")) == calls
@@ -61,7 +78,9 @@ def check_ranges(doc: dict, calls: int) -> None:
     compute = {e["tid"] for e in traps + evictions + waits}
     workers = {e["tid"] for e in loads}
     assert len(compute) == 1 and len(workers) == 1 and not compute & workers  # the worker has its own track
-    assert names[workers.pop()].startswith("graphpass offload worker") and names[compute.pop()].startswith("graphpass compute")
+    assert names[workers.pop()].startswith("graphpass offload worker") and names[compute.pop()].startswith(
+        "graphpass compute"
+    )
     assert all(e["args"]["nbytes"] > 0 and e["args"]["issued_us"] <= e["ts"] + 1 for e in loads)
     assert any(e.get("cat") == "cpu_op" for e in doc["traceEvents"])  # the profiler's own events are kept
 
@@ -78,17 +97,26 @@ def test_trace_writes_a_range_per_trap_load_and_eviction(tmp_path):
     check_ranges(doc, calls=2)
     summary = report.to_dict()
     assert set(summary) == TRACE_KEYS
-    assert (summary["calls"], summary["traps"], summary["loads"], summary["evictions"]) == (2, 2 * DEPTH, 2 * DEPTH, 2 * DEPTH)
+    assert (summary["calls"], summary["traps"], summary["loads"], summary["evictions"]) == (
+        2,
+        2 * DEPTH,
+        2 * DEPTH,
+        2 * DEPTH,
+    )
     assert not any(str(e.get("name", "")).startswith("graphpass.trace/clock") for e in doc["traceEvents"])
     assert "ui.perfetto.dev" in str(report)
     # one clock: each merged trap range sits on the profiler's own range of that trap (its
     # record_function, opened by trap_enter on the compute thread), to well under a millisecond
-    own = [e for e in doc["traceEvents"] if e.get("cat") == "user_annotation" and e["name"].startswith("graphpass.trap/")]
+    own = [
+        e for e in doc["traceEvents"] if e.get("cat") == "user_annotation" and e["name"].startswith("graphpass.trap/")
+    ]
     merged = ranges(doc, "graphpass.trap")
     assert len(own) == len(merged) == 2 * DEPTH
     for mine, theirs in zip(merged, sorted(own, key=lambda e: e["ts"])):
         assert mine["name"] == theirs["name"]
-        assert abs(mine["ts"] - theirs["ts"]) < 500 and abs(mine["ts"] + mine["dur"] - theirs["ts"] - theirs["dur"]) < 500
+        assert (
+            abs(mine["ts"] - theirs["ts"]) < 500 and abs(mine["ts"] + mine["dur"] - theirs["ts"] - theirs["dur"]) < 500
+        )
 
 
 def test_prefetch_one_starts_the_next_load_under_the_current_trap(tmp_path):
@@ -129,10 +157,18 @@ def test_the_cli_writes_the_same_trace(tmp_path, capsys):
     assert main(["trace", "test_perfetto_trace:small_stack", "--out", str(out), "--calls", "2", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert set(summary) == TRACE_KEYS  # the schema docs/cli.md documents
-    assert (summary["path"], summary["plot"], summary["traps"], summary["loads"]) == (str(out), None, 2 * DEPTH, 2 * DEPTH)
+    assert (summary["path"], summary["plot"], summary["traps"], summary["loads"]) == (
+        str(out),
+        None,
+        2 * DEPTH,
+        2 * DEPTH,
+    )
     check_ranges(json.loads(out.read_text()), calls=2)
     torch._dynamo.reset()  # the next offload() of an MLPStack needs the class's compiled code gone
-    assert main(["trace", "test_perfetto_trace:small_stack", "--out", str(tmp_path / "plain.json"), "--offload", "disk"]) == 0
+    assert (
+        main(["trace", "test_perfetto_trace:small_stack", "--out", str(tmp_path / "plain.json"), "--offload", "disk"])
+        == 0
+    )
     text = capsys.readouterr().out
     assert text.startswith(f"trace written to {tmp_path / 'plain.json'}: 1 call(s), {DEPTH} trap ranges, {DEPTH} loads")
 
@@ -150,8 +186,14 @@ def test_the_plot_is_a_png_of_the_requested_size(tmp_path, capsys):
 
     _, compiled, inputs = compiled_offloaded(prefetch=1)
     with torch.no_grad():
-        report = graphpass.trace(compiled, *inputs, path=tmp_path / "trace.json", plot=tmp_path / "p" / "t.png",
-                                 plot_size=(640, 240), title="test")
+        report = graphpass.trace(
+            compiled,
+            *inputs,
+            path=tmp_path / "trace.json",
+            plot=tmp_path / "p" / "t.png",
+            plot_size=(640, 240),
+            title="test",
+        )
     data = (tmp_path / "p" / "t.png").read_bytes()
     assert report.plot == tmp_path / "p" / "t.png" and png_size(data) == (640, 240)
     pixels = matplotlib.image.imread(io.BytesIO(data), format="png")
@@ -159,8 +201,21 @@ def test_the_plot_is_a_png_of_the_requested_size(tmp_path, capsys):
     report.plot_png(tmp_path / "again.png", size=(300, 200))
     assert png_size((tmp_path / "again.png").read_bytes()) == (300, 200)
     torch._dynamo.reset()
-    assert main(["trace", "test_perfetto_trace:small_stack", "--out", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png"),
-                 "--plot-size", "500x200"]) == 0
+    assert (
+        main(
+            [
+                "trace",
+                "test_perfetto_trace:small_stack",
+                "--out",
+                str(tmp_path / "c.json"),
+                "--plot",
+                str(tmp_path / "c.png"),
+                "--plot-size",
+                "500x200",
+            ]
+        )
+        == 0
+    )
     assert png_size((tmp_path / "c.png").read_bytes()) == (500, 200)
     assert f"plot written to {tmp_path / 'c.png'}" in capsys.readouterr().out
 
@@ -174,7 +229,19 @@ def test_missing_matplotlib_names_the_extra_before_running(tmp_path, monkeypatch
         graphpass.trace(lambda x: calls.append(x), torch.ones(1), path=tmp_path / "t.json", plot=tmp_path / "t.png")
     assert isinstance(info.value, graphpass.GraphpassError) and "trace timeline" in str(info.value)
     assert calls == [] and not (tmp_path / "t.json").exists()  # nothing ran, nothing was written
-    assert main(["trace", "test_perfetto_trace:small_stack", "--out", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png")]) == 2
+    assert (
+        main(
+            [
+                "trace",
+                "test_perfetto_trace:small_stack",
+                "--out",
+                str(tmp_path / "c.json"),
+                "--plot",
+                str(tmp_path / "c.png"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("graphpass: error: ") and "pip install 'graphpass[plot]'" in err
 
@@ -182,8 +249,12 @@ def test_missing_matplotlib_names_the_extra_before_running(tmp_path, monkeypatch
 def test_bad_arguments_name_the_option_or_path(tmp_path):
     fn = lambda x: x + 1  # noqa: E731
     x = torch.ones(2)
-    for kwargs, key in (({"calls": 0}, "calls"), ({"warmup": -1}, "warmup"), ({"plot_size": (10, 10)}, "plot_size"),
-                        ({"path": ""}, "path")):
+    for kwargs, key in (
+        ({"calls": 0}, "calls"),
+        ({"warmup": -1}, "warmup"),
+        ({"plot_size": (10, 10)}, "plot_size"),
+        ({"path": ""}, "path"),
+    ):
         with pytest.raises(graphpass.ConfigError, match=f"'{key}'"):
             graphpass.trace(fn, x, **{"path": tmp_path / "t.json", **kwargs})
     (tmp_path / "file").write_text("not a folder")
@@ -195,12 +266,15 @@ def test_bad_arguments_name_the_option_or_path(tmp_path):
     assert main(["trace", "test_perfetto_trace:small_stack", "--plot-size", "big"]) == 2
 
 
-@pytest.mark.parametrize("bad, problem", [
-    ("/proc/missing/t.json", r"its folder '/proc/missing' does not exist"),  # and cannot be created
-    ("folder", r"it is a folder, not a file"),
-    ("file/t.json", r"its folder '.*file' is not a folder"),
-    ("/proc/t.json", r"its folder '/proc' is not writable"),  # root may write anywhere chmod allows: /proc refuses
-])
+@pytest.mark.parametrize(
+    "bad, problem",
+    [
+        ("/proc/missing/t.json", r"its folder '/proc/missing' does not exist"),  # and cannot be created
+        ("folder", r"it is a folder, not a file"),
+        ("file/t.json", r"its folder '.*file' is not a folder"),
+        ("/proc/t.json", r"its folder '/proc' is not writable"),  # root may write anywhere chmod allows: /proc refuses
+    ],
+)
 @pytest.mark.parametrize("which", ["path", "plot"])
 def test_output_paths_are_checked_before_the_model_runs(tmp_path, capsys, bad, problem, which):
     """Issue 22 item 15: the paths were checked only when the trace was written, after the model ran.

@@ -117,17 +117,23 @@ def test_offload_is_silent_when_off(tmp_path, monkeypatch, capsys):
 
     _, path = _checkpoint(tmp_path)
     monkeypatch.delenv("GRAPHPASS_PROGRESS", raising=False)  # pytest's stderr is not a terminal
-    graphpass.offload(build("mlp_stack")[0], graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=tmp_path / "a"))
+    graphpass.offload(
+        build("mlp_stack")[0], graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=tmp_path / "a")
+    )
     graphpass.offload(build("mlp_stack")[0], graphpass.OffloadConfig(device="cpu", storage="cpu"), checkpoint=path)
     assert capsys.readouterr().err == ""
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     monkeypatch.setenv("GRAPHPASS_PROGRESS", "0")  # off even on a terminal
-    graphpass.offload(build("mlp_stack")[0], graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=tmp_path / "b"))
+    graphpass.offload(
+        build("mlp_stack")[0], graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=tmp_path / "b")
+    )
     graphpass.offload(build("mlp_stack")[0], graphpass.OffloadConfig(device="cpu", storage="cpu"), checkpoint=path)
     assert terminal.getvalue() == ""
     monkeypatch.delenv("GRAPHPASS_PROGRESS")  # a terminal, no setting: shown
-    graphpass.offload(build("mlp_stack")[0], graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=tmp_path / "c"))
+    graphpass.offload(
+        build("mlp_stack")[0], graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=tmp_path / "c")
+    )
     assert "graphpass offload: writing" in terminal.getvalue()
 
 
@@ -145,7 +151,11 @@ def test_conformance_shows_a_bar_over_architectures_only_when_asked(monkeypatch,
     def run_one(arch):
         return {"arch": arch, "cells": {"eager": "pass" if arch != "b" else "FAIL: boom"}, "wall_s": 0.5}
 
-    lines = [f"[  1/3] {'a':28s}    0.5s  ok", f"[  2/3] {'b':28s}    0.5s  eager: FAIL: boom", f"[  3/3] {'c':28s}    0.5s  ok"]
+    lines = [
+        f"[  1/3] {'a':28s}    0.5s  ok",
+        f"[  2/3] {'b':28s}    0.5s  eager: FAIL: boom",
+        f"[  3/3] {'c':28s}    0.5s  ok",
+    ]
     monkeypatch.setenv("GRAPHPASS_PROGRESS", "1")
     made = _recording_bars(monkeypatch)
     results = conformance.run_all(["a", "b", "c"], run_one, ["eager"], jobs=1)

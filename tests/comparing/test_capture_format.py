@@ -12,8 +12,14 @@ import torch
 import torch.nn as nn
 
 import graphpass
-from graphpass.capture_format import (FORMAT_VERSION, FORMAT_VERSION_KEY, READ_VERSIONS, EngineStepMeta,
-                                      FormatVersionError, format_version)
+from graphpass.capture_format import (
+    FORMAT_VERSION,
+    FORMAT_VERSION_KEY,
+    READ_VERSIONS,
+    EngineStepMeta,
+    FormatVersionError,
+    format_version,
+)
 from graphpass.cli import main
 from graphpass.comparing import CompareError, compare
 from graphpass.errors import GraphpassError
@@ -92,14 +98,28 @@ def test_format_version_raises_its_own_error_outside_compare():
 def test_engine_step_meta_round_trips_and_defaults_to_vllm():
     meta = EngineStepMeta("vllm", [0, 0, -1], model={"model_type": "llama"}, input_ids=[5, 6, 0], parents=[None])
     doc = meta.to_dict()
-    assert doc == {"engine": "vllm", "token_request": [0, 0, -1], "model": {"model_type": "llama"},
-                   "input_ids": [5, 6, 0], "parents": [None]}
+    assert doc == {
+        "engine": "vllm",
+        "token_request": [0, 0, -1],
+        "model": {"model_type": "llama"},
+        "input_ids": [5, 6, 0],
+        "parents": [None],
+    }
     assert EngineStepMeta.from_dict(doc) == meta
     assert EngineStepMeta.from_dict({"token_request": [0]}).engine == "vllm"  # written before other engines
 
 
-MOVED = ("compare_runs", "compare_report", "compare_tensors", "report_format", "completeness", "shards",
-         "compare_engines", "engine_families", "plots")
+MOVED = (
+    "compare_runs",
+    "compare_report",
+    "compare_tensors",
+    "report_format",
+    "completeness",
+    "shards",
+    "compare_engines",
+    "engine_families",
+    "plots",
+)
 
 
 @pytest.mark.parametrize("name", MOVED)

@@ -18,8 +18,17 @@ from graphpass.errors import GraphpassError
 Step = dict[str, dict[int, dict[str, torch.Tensor]]]  # module -> rank -> key -> tensor
 
 
-def write_step(root: Path, step: str, modules: Step, *, dp: int = 0, order: list[str] | None = None,
-               subdir: str = "", meta: bool = True, **fields) -> Path:
+def write_step(
+    root: Path,
+    step: str,
+    modules: Step,
+    *,
+    dp: int = 0,
+    order: list[str] | None = None,
+    subdir: str = "",
+    meta: bool = True,
+    **fields,
+) -> Path:
     """Write one step the way CaptureWriter lays it out; ``order`` is the meta's module order,
     ``fields`` more meta fields (``step_index=3``)."""
     step_dir = root / subdir / f"dp{dp}" / step if subdir else root / f"dp{dp}" / step
@@ -27,17 +36,29 @@ def write_step(root: Path, step: str, modules: Step, *, dp: int = 0, order: list
     for module, ranks in modules.items():
         (step_dir / module).mkdir(exist_ok=True)
         for rank, tensors in ranks.items():
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(step_dir / module / f"rank{rank}.safetensors"))
+            save_file(
+                {k: v.contiguous() for k, v in tensors.items()}, str(step_dir / module / f"rank{rank}.safetensors")
+            )
     if meta:
         first_rank = {m: next(iter(r.values()), {}) for m, r in modules.items()}
         doc = {
             "phase": step.split("_")[0],
             "step": step,
             "modules": order if order is not None else list(modules),
-            "tensors": {m: [{"key": k, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                            for k, t in ts.items()] for m, ts in first_rank.items()},
-            "req_ids": ["r0"], "positions": [0], "dp_rank": dp, "tp_rank": 0,
-            "graphpass_version": graphpass.__version__, "torch_version": torch.__version__, **fields,
+            "tensors": {
+                m: [
+                    {"key": k, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                    for k, t in ts.items()
+                ]
+                for m, ts in first_rank.items()
+            },
+            "req_ids": ["r0"],
+            "positions": [0],
+            "dp_rank": dp,
+            "tp_rank": 0,
+            "graphpass_version": graphpass.__version__,
+            "torch_version": torch.__version__,
+            **fields,
         }
         (step_dir / f"{step}_meta.json").write_text(json.dumps(doc))
     return step_dir
@@ -99,7 +120,8 @@ def test_perturbed_middle_module_is_first_failure(dirs):
     assert first.rel_linf == pytest.approx(0.0125 / r.abs().max().item(), rel=1e-4)
     assert [row.status for row in report.rows] == ["pass", "pass", "FAIL", "FAIL", "pass", "pass"]
     assert str(report).splitlines()[-1] == (
-        "first diverging module: layers.2 (step dp0/prefill_s8_0, rank 0, key 0): max abs 1.25e-02")
+        "first diverging module: layers.2 (step dp0/prefill_s8_0, rank 0, key 0): max abs 1.25e-02"
+    )
     assert "2 of 6 rows FAIL (rtol=0.001, atol=1e-05)" in str(report)
 
 
@@ -137,7 +159,10 @@ def test_missing_rank_and_key(dirs):
     write_step(test, "decode_b2_1", {"m": {0: {"0": torch.ones(2)}}})
     rows = compare(ref, test).rows
     assert [(r.rank, r.key, r.status, r.note) for r in rows] == [
-        (0, "0", "pass", ""), (0, "1", "FAIL", "key missing in test"), (1, None, "FAIL", "rank file missing in test")]
+        (0, "0", "pass", ""),
+        (0, "1", "FAIL", "key missing in test"),
+        (1, None, "FAIL", "rank file missing in test"),
+    ]
 
 
 def test_shape_mismatch(dirs):
@@ -176,7 +201,9 @@ def test_corrupt_file(dirs):
 
 def test_order_from_meta_not_alphabetical(dirs):
     ref, test = dirs
-    mods = {name: {0: {"0": torch.full((3,), float(i))}} for i, name in enumerate(["layers.10", "layers.2", "attn_scores"])}
+    mods = {
+        name: {0: {"0": torch.full((3,), float(i))}} for i, name in enumerate(["layers.10", "layers.2", "attn_scores"])
+    }
     write_step(ref, "prefill_s8_0", mods, order=["layers.10", "layers.2", "attn_scores"])
     bad = clone(mods)
     bad["layers.2"][0]["0"] += 1
@@ -205,8 +232,13 @@ def test_multiple_steps_in_execution_order(dirs):
         write_step(test, name, {"m": {0: {"0": torch.full((2,), float(k) + (0.5 if k >= 2 else 0))}}})
     write_step(ref, "prefill_s8_0", {"m": {0: {"0": torch.ones(1)}}}, dp=1)
     report = compare(ref, test)
-    assert [r.step for r in report.rows] == ["dp0/prefill_s8_0", "dp0/decode_b2_1", "dp0/decode_b2_2",
-                                             "dp0/decode_b2_10", "dp1/prefill_s8_0"]
+    assert [r.step for r in report.rows] == [
+        "dp0/prefill_s8_0",
+        "dp0/decode_b2_1",
+        "dp0/decode_b2_2",
+        "dp0/decode_b2_10",
+        "dp1/prefill_s8_0",
+    ]
     assert [r.status for r in report.rows] == ["pass", "pass", "FAIL", "FAIL", "FAIL"]
     assert report.first_failure.step == "dp0/decode_b2_2" and report.first_failure.max_abs == 0.5
     assert (report.rows[-1].module, report.rows[-1].note) == ("", "step missing in test")
@@ -227,15 +259,23 @@ def test_subdirectory_and_step_only_in_test(dirs):
     write_step(test, "decode_b1_1", {"m": {0: {"0": torch.ones(2)}}}, subdir="run1")
     rows = compare(ref, test).rows
     assert [(r.step, r.status, r.note) for r in rows] == [
-        ("run1/dp0/prefill_s8_0", "pass", ""), ("run1/dp0/decode_b1_1", "FAIL", "step missing in ref")]
+        ("run1/dp0/prefill_s8_0", "pass", ""),
+        ("run1/dp0/decode_b1_1", "FAIL", "step missing in ref"),
+    ]
 
 
 def test_nan_handling(dirs):
     ref, test = dirs
     a = torch.tensor([1.0, float("nan"), 3.0, float("inf")])
     write_step(ref, "prefill_s8_0", {"same": {0: {"0": a}}, "one_sided": {0: {"0": a}}})
-    write_step(test, "prefill_s8_0", {"same": {0: {"0": a.clone()}},
-                                      "one_sided": {0: {"0": torch.tensor([float("nan"), float("nan"), 3.0, float("inf")])}}})
+    write_step(
+        test,
+        "prefill_s8_0",
+        {
+            "same": {0: {"0": a.clone()}},
+            "one_sided": {0: {"0": torch.tensor([float("nan"), float("nan"), 3.0, float("inf")])}},
+        },
+    )
     report = compare(ref, test)
     same, one = report.rows
     assert (same.status, same.max_abs, same.rel_l2, same.rel_linf) == ("pass", 0.0, 0.0, 0.0)
@@ -272,8 +312,11 @@ def test_write_json_atomic(dirs, tmp_path):
     write_step(test, "prefill_s8_0", {"m": {0: {"0": torch.ones(2) * 2}}})
     out = compare(ref, test).write_json(tmp_path / "out" / "s.json")
     data = json.loads(out.read_text())
-    assert data["counts"] == {"total": 1, "pass": 0, "fail": 1, "missing_in_test": 0, "missing_in_ref": 0,
-                              "missing_in_both": 0} and data["passed"] is False
+    assert (
+        data["counts"]
+        == {"total": 1, "pass": 0, "fail": 1, "missing_in_test": 0, "missing_in_ref": 0, "missing_in_both": 0}
+        and data["passed"] is False
+    )
     assert data["first_failure"]["module"] == "m" and data["first_failure"]["max_abs"] == 1.0
     assert [p.name for p in out.parent.iterdir()] == ["s.json"]  # no temp file left behind
 
@@ -313,6 +356,7 @@ def test_cli_bad_argument_exits_2(tmp_path, capsys):
 
 
 # --- issue 22: integers exact, execution order, completeness --------------------------------------
+
 
 def _one(dirs, ref_value: torch.Tensor, test_value: torch.Tensor, **tol):
     ref, test = dirs
@@ -409,7 +453,9 @@ def test_a_key_the_meta_lists_but_no_file_holds_is_missing(dirs):
         (step / "prefill_s8_0_meta.json").write_text(json.dumps(doc))
     report = compare(ref, test)
     assert [(r.key, r.status, r.missing, r.note) for r in report.rows] == [
-        ("[0]", "pass", None, ""), ("[1]", "FAIL", "both", "key missing in ref and test (listed in its meta file)")]
+        ("[0]", "pass", None, ""),
+        ("[1]", "FAIL", "both", "key missing in ref and test (listed in its meta file)"),
+    ]
 
 
 def test_cli_names_what_is_missing_and_exits_1(dirs, tmp_path, capsys):
@@ -428,7 +474,9 @@ def test_cli_names_what_is_missing_and_exits_1(dirs, tmp_path, capsys):
     data = json.loads(summary.read_text())
     assert data["passed"] is False and data["counts"]["missing_in_test"] == 2
     assert [(r["step"], r["module"], r["missing"]) for r in data["rows"] if r["missing"]] == [
-        ("dp0/prefill_s8_0", "layers.2", "test"), ("dp0/decode_b2_0", "", "test")]
+        ("dp0/prefill_s8_0", "layers.2", "test"),
+        ("dp0/decode_b2_0", "", "test"),
+    ]
 
 
 def test_a_failing_submodule_is_the_first_divergence_before_its_failing_parent():
@@ -444,7 +492,10 @@ def test_a_failing_submodule_is_the_first_divergence_before_its_failing_parent()
         return CompareReport("ref", "test", 1e-3, 1e-5, rows=list(rows)).first_failure.module
 
     layer, gate = "model.layers.0", "model.layers.0.mlp.gate_proj"
-    assert first(row(layer, "FAIL"), row("model.layers.0.mlp", "FAIL"), row(gate, "FAIL"), row("model.layers.1", "FAIL")) == gate
+    assert (
+        first(row(layer, "FAIL"), row("model.layers.0.mlp", "FAIL"), row(gate, "FAIL"), row("model.layers.1", "FAIL"))
+        == gate
+    )
     assert first(row(layer, "FAIL"), row(gate, "pass"), row("model.layers.1", "FAIL")) == layer
     assert first(row(layer, "FAIL"), row(gate, "FAIL", step="dp0/decode_b2_1")) == layer
     assert first(row(layer, "FAIL"), row(gate, "FAIL", rank=1)) == layer

@@ -14,20 +14,37 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphpass.comparing import CompareError, compare
-from graphpass.comparing.engine_families import (Family, FamilyRegistry, ModelShape, RebuildError, rebuild_llama)
+from graphpass.comparing.engine_families import Family, FamilyRegistry, ModelShape, RebuildError, rebuild_llama
 from graphpass.cli import main
 from graphpass.errors import ConfigError
 
 H, HEADS, KV, HEAD_DIM, INTER = 8, 2, 1, 4, 6
-MODEL = {"model_type": "llama", "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": HEAD_DIM,
-         "intermediate_size": INTER, "tp_size": 1}
+MODEL = {
+    "model_type": "llama",
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV,
+    "head_dim": HEAD_DIM,
+    "intermediate_size": INTER,
+    "tp_size": 1,
+}
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 GENERATED = [[10, 11, 12, 13], [20, 21, 22, 23]]
 LAYERS = ["model.layers.0", "model.layers.1"]
-SIZES = {"q_proj": HEADS * HEAD_DIM, "k_proj": KV * HEAD_DIM, "v_proj": KV * HEAD_DIM, "gate_proj": INTER,
-         "up_proj": INTER}
-REF_MODULES = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
-               "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", *LAYERS]
+SIZES = {
+    "q_proj": HEADS * HEAD_DIM,
+    "k_proj": KV * HEAD_DIM,
+    "v_proj": KV * HEAD_DIM,
+    "gate_proj": INTER,
+    "up_proj": INTER,
+}
+REF_MODULES = [
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.self_attn.k_proj",
+    "model.layers.0.self_attn.v_proj",
+    "model.layers.0.mlp.gate_proj",
+    "model.layers.0.mlp.up_proj",
+    *LAYERS,
+]
 ENGINE_MODULES = ["model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj", *LAYERS]
 
 
@@ -47,12 +64,22 @@ def write_step(root, name, index, req_ids, rows, engine, tensors):
     (-1, None, None) is a padding row."""
     step = root / "dp0" / name
     step.mkdir(parents=True)
-    meta = {"step": name, "step_index": index, "phase": "prefill" if name.startswith("prefill") else "decode",
-            "modules": list(tensors), "req_ids": req_ids, "positions": [p if p is not None else 0 for _, _, p in rows],
-            "token_request": [i for i, _, _ in rows], "engine": engine, "model": MODEL,
-            "input_ids": [token(r, p) if r is not None else 0 for _, r, p in rows],
-            "tensors": {m: [{"key": k, "shape": list(t.shape), "dtype": "float32"} for k, t in keys.items()]
-                        for m, keys in tensors.items()}}
+    meta = {
+        "step": name,
+        "step_index": index,
+        "phase": "prefill" if name.startswith("prefill") else "decode",
+        "modules": list(tensors),
+        "req_ids": req_ids,
+        "positions": [p if p is not None else 0 for _, _, p in rows],
+        "token_request": [i for i, _, _ in rows],
+        "engine": engine,
+        "model": MODEL,
+        "input_ids": [token(r, p) if r is not None else 0 for _, r, p in rows],
+        "tensors": {
+            m: [{"key": k, "shape": list(t.shape), "dtype": "float32"} for k, t in keys.items()]
+            for m, keys in tensors.items()
+        },
+    }
     for module, keys in tensors.items():
         (step / module).mkdir()
         save_file({k: t.contiguous() for k, t in keys.items()}, str(step / module / "rank0.safetensors"))
@@ -78,6 +105,7 @@ def write_reference(root, drop_last_decode=False):
 
 def engine_tensors(rows, modules=ENGINE_MODULES, perturb=None):
     """vLLM's modules for ``rows``: (hidden, residual) per layer, fused projections, (out, bias) linears."""
+
     def t(m, r, p):
         v = truth(m, r, p)
         return v + 1e-2 if perturb and perturb(m, r, p) else v
@@ -88,12 +116,17 @@ def engine_tensors(rows, modules=ENGINE_MODULES, perturb=None):
     for m in modules:
         if m.endswith("qkv_proj"):
             pre = m.rpartition(".")[0]
-            v = torch.stack([torch.cat([t(f"{pre}.{n}", r, p) for n in ("q_proj", "k_proj", "v_proj")]) for r, p in real])
+            v = torch.stack(
+                [torch.cat([t(f"{pre}.{n}", r, p) for n in ("q_proj", "k_proj", "v_proj")]) for r, p in real]
+            )
             out[m] = {"[0]": v}
         elif m.endswith("gate_up_proj"):
             pre = m.rpartition(".")[0]
-            out[m] = {"[0]": torch.stack([torch.cat([t(f"{pre}.{n}", r, p) for n in ("gate_proj", "up_proj")])
-                                          for r, p in real])}
+            out[m] = {
+                "[0]": torch.stack(
+                    [torch.cat([t(f"{pre}.{n}", r, p) for n in ("gate_proj", "up_proj")]) for r, p in real]
+                )
+            }
         else:  # a decoder layer: hidden + residual is transformers' output
             whole = torch.stack([t(m, r, p) for r, p in real])
             residual = torch.randn(whole.shape, generator=torch.Generator().manual_seed(len(real)))
@@ -135,12 +168,17 @@ def test_padding_rows_of_the_engine_are_not_compared(ref, tmp_path):
     assert compare(ref, write_engine(tmp_path / "vllm", pad_decode=True), rtol=1e-5, atol=1e-6).passed
 
 
-@pytest.mark.parametrize("module, req, pos, step", [
-    ("model.layers.1", 1, 4, "dp0/decode_b2_1"),                       # request 1's second decode token
-    ("model.layers.0.self_attn.k_proj", 0, 2, "dp0/prefill_s8_0"),     # inside the fused qkv_proj
-    ("model.layers.0.mlp.up_proj", 0, 6, "dp0/decode_b2_1"),           # inside the fused gate_up_proj
-])
-def test_a_perturbed_module_is_the_first_divergence_in_the_first_step_it_diverges(ref, tmp_path, module, req, pos, step):
+@pytest.mark.parametrize(
+    "module, req, pos, step",
+    [
+        ("model.layers.1", 1, 4, "dp0/decode_b2_1"),  # request 1's second decode token
+        ("model.layers.0.self_attn.k_proj", 0, 2, "dp0/prefill_s8_0"),  # inside the fused qkv_proj
+        ("model.layers.0.mlp.up_proj", 0, 6, "dp0/decode_b2_1"),  # inside the fused gate_up_proj
+    ],
+)
+def test_a_perturbed_module_is_the_first_divergence_in_the_first_step_it_diverges(
+    ref, tmp_path, module, req, pos, step
+):
     perturb = lambda m, r, p: m == module and r == req and p >= pos  # noqa: E731
     report = compare(ref, write_engine(tmp_path / "vllm", perturb=perturb), rtol=1e-5, atol=1e-6)
     bad = report.first_failure
@@ -182,7 +220,8 @@ def test_tokens_missing_on_either_side_are_fail_rows_never_all_match(tmp_path):
     report = compare(write_reference(tmp_path / "ref2"), test, rtol=1e-5, atol=1e-6)
     assert [(r.step, r.missing, r.note) for r in report.rows if not r.passed] == [
         ("dp0/decode_b1_2", "test", "1 token(s) of ref missing in test: request 0 positions 7"),
-        ("dp0/decode_b1_5", "test", "1 token(s) of ref missing in test: request 1 positions 5")]
+        ("dp0/decode_b1_5", "test", "1 token(s) of ref missing in test: request 1 positions 5"),
+    ]
 
 
 def test_a_module_one_side_lacks_is_a_fail_row_naming_the_side(ref, tmp_path):
@@ -220,20 +259,27 @@ def test_rebuild_llama_splits_by_heads_kv_heads_and_tensor_parallel_rank():
     x = torch.arange(16.0)[None]
     out = rebuild_llama("model.layers.3.self_attn.qkv_proj", {"[0]": x, "[1]": torch.zeros(1)}, shape)
     assert {m: t["output"].shape[-1] for m, t in out.items()} == {
-        "model.layers.3.self_attn.q_proj": 8, "model.layers.3.self_attn.k_proj": 4, "model.layers.3.self_attn.v_proj": 4}
+        "model.layers.3.self_attn.q_proj": 8,
+        "model.layers.3.self_attn.k_proj": 4,
+        "model.layers.3.self_attn.v_proj": 4,
+    }
     # tensor parallelism: each rank's q/k/v heads are Slices of transformers' q/k/v (vLLM's QKVParallelLinear)
     tp2 = ModelShape.from_meta({**MODEL, "num_key_value_heads": 2, "tp_size": 2})
     assert tp2.tp_rank == 0 and "tp_rank" not in tp2.to_meta()
     for rank in (0, 1):
-        out = rebuild_llama("m.layers.0.self_attn.qkv_proj", {"[0]": torch.zeros(1, 4 + 4 + 4)},
-                            dataclasses.replace(tp2, tp_rank=rank))
+        out = rebuild_llama(
+            "m.layers.0.self_attn.qkv_proj", {"[0]": torch.zeros(1, 4 + 4 + 4)}, dataclasses.replace(tp2, tp_rank=rank)
+        )
         assert [(t["output"].tensor.shape[-1], t["output"].start) for t in out.values()] == [(4, 4 * rank)] * 3
     # one kv head, two ranks: the kv head is replicated, both ranks' k and v are transformers' whole k and v
     one_kv = ModelShape.from_meta({**MODEL, "tp_size": 2, "num_key_value_heads": 1})
-    out = rebuild_llama("m.layers.0.self_attn.qkv_proj", {"[0]": torch.zeros(1, 4 + 4 + 4)},
-                        dataclasses.replace(one_kv, tp_rank=1))
+    out = rebuild_llama(
+        "m.layers.0.self_attn.qkv_proj", {"[0]": torch.zeros(1, 4 + 4 + 4)}, dataclasses.replace(one_kv, tp_rank=1)
+    )
     assert [(t["output"].start, t["output"].stop) for t in out.values()] == [(4, 8), (0, 4), (0, 4)]
-    out = rebuild_llama("m.layers.0.mlp.gate_up_proj", {"[0]": torch.zeros(1, 6)}, dataclasses.replace(one_kv, tp_rank=1))
+    out = rebuild_llama(
+        "m.layers.0.mlp.gate_up_proj", {"[0]": torch.zeros(1, 6)}, dataclasses.replace(one_kv, tp_rank=1)
+    )
     assert [(t["output"].start, t["output"].stop) for t in out.values()] == [(3, 6), (3, 6)]
     with pytest.raises(RebuildError, match="do not shard over 3"):
         rebuild_llama("m.layers.0.self_attn.qkv_proj", {"[0]": x}, ModelShape.from_meta({**MODEL, "tp_size": 3}))
@@ -272,6 +318,7 @@ def test_families_are_keyed_by_engine_and_model_type(ref, tmp_path):
         def rebuild(module, tensors, shape):
             used.append(tag)
             return rebuild_llama(module, tensors, shape)
+
         return rebuild
 
     families = FamilyRegistry()
@@ -331,11 +378,13 @@ def to_tp2(root, change=None):
                 t = dict(whole)
                 if module.endswith("qkv_proj"):
                     x = whole["[0]"]
-                    t["[0]"] = torch.cat([x[:, rank * q:(rank + 1) * q], x[:, HEADS * HEAD_DIM:]], dim=-1)
+                    t["[0]"] = torch.cat([x[:, rank * q : (rank + 1) * q], x[:, HEADS * HEAD_DIM :]], dim=-1)
                 elif module.endswith("gate_up_proj"):
                     x = whole["[0]"]
-                    t["[0]"] = torch.cat([x[:, rank * half:(rank + 1) * half],
-                                          x[:, INTER + rank * half:INTER + (rank + 1) * half]], dim=-1)
+                    t["[0]"] = torch.cat(
+                        [x[:, rank * half : (rank + 1) * half], x[:, INTER + rank * half : INTER + (rank + 1) * half]],
+                        dim=-1,
+                    )
                 if change:
                     change(step.name, module, rank, t)
                 save_file({k: v.contiguous() for k, v in t.items()}, str(step / module / f"rank{rank}.safetensors"))
@@ -358,12 +407,15 @@ def test_tensor_parallel_ranks_are_each_compared_whole_or_by_their_shard(ref, tm
     assert notes["model.layers.1", 1] == ""
 
 
-@pytest.mark.parametrize("module, key, rank, want", [
-    # one rank's shard of a fused projection: that projection, on that rank
-    ("model.layers.0.mlp.gate_up_proj", "[0]", 1, "model.layers.0.mlp.up_proj"),
-    # the ranks disagree on a whole (all-reduced) layer output: the rank whose copy differs is named
-    ("model.layers.1", "[1]", 1, "model.layers.1"),
-])
+@pytest.mark.parametrize(
+    "module, key, rank, want",
+    [
+        # one rank's shard of a fused projection: that projection, on that rank
+        ("model.layers.0.mlp.gate_up_proj", "[0]", 1, "model.layers.0.mlp.up_proj"),
+        # the ranks disagree on a whole (all-reduced) layer output: the rank whose copy differs is named
+        ("model.layers.1", "[1]", 1, "model.layers.1"),
+    ],
+)
 def test_a_diverging_rank_is_named(ref, tmp_path, module, key, rank, want):
     def change(step, mod, r, t):
         if step == "decode_b2_1" and mod == module and r == rank:
@@ -385,8 +437,11 @@ def test_a_rank_whose_meta_or_file_is_missing_or_other_is_a_fail_row(ref, tmp_pa
     (test / "dp0" / "decode_b2_1" / "model.layers.1" / "rank1.safetensors").unlink()
     report = compare(ref, test, rtol=1e-5, atol=1e-6)
     bad = [(r.step, r.module, r.rank, r.missing) for r in report.rows if not r.passed]
-    assert bad == [("dp0/decode_b2_0", "<meta>", 1, None), ("dp0/decode_b2_1", "model.layers.1", 1, "test"),
-                   ("dp0/decode_b2_2", "<meta>", 1, "test")], str(report)
+    assert bad == [
+        ("dp0/decode_b2_0", "<meta>", 1, None),
+        ("dp0/decode_b2_1", "model.layers.1", 1, "test"),
+        ("dp0/decode_b2_2", "<meta>", 1, "test"),
+    ], str(report)
     notes = [r.note for r in report.rows if not r.passed]
     assert "rank 1's meta differs from rank 0's in positions" in notes[0]
     assert "rank file missing" in notes[1] and "no meta file decode_b2_2_meta.rank1.json" in notes[2]
@@ -411,8 +466,10 @@ def _with_meta(root, name, **fields):
 def write_cached_engine(root, cached_meta=True):
     """vLLM with its prefix cache: request 1 arrives after request 0 and its first 2 positions come from the cache
     (in a real engine, full blocks of a shared prefix), so its prefill step computes only position 2."""
-    steps = [("prefill_s5_0", ["0-a1b2"], [(0, 0, p) for p in range(5)], [0]),
-             ("prefill_s2_1", ["0-a1b2", "1-c3d4"], [(0, 0, 5), (1, 1, 2)], [0, 2])]
+    steps = [
+        ("prefill_s5_0", ["0-a1b2"], [(0, 0, p) for p in range(5)], [0]),
+        ("prefill_s2_1", ["0-a1b2", "1-c3d4"], [(0, 0, 5), (1, 1, 2)], [0, 2]),
+    ]
     for d in range(3):
         steps.append((f"decode_b2_{d}", ["0-a1b2", "1-c3d4"], [(0, 0, 6 + d), (1, 1, 3 + d)], [0, 0]))
     steps[-1] = ("decode_b1_0", ["1-c3d4"], [(0, 1, 5)], [0])
@@ -428,11 +485,15 @@ def test_positions_served_from_the_prefix_cache_are_counted_not_failed(ref, tmp_
     the meta says how many (``prefix_cached``), and compare counts them in a note instead of failing the run."""
     report = compare(ref, write_cached_engine(tmp_path / "vllm"), rtol=1e-5, atol=1e-6)
     assert report.passed, str(report)
-    assert any("2 token(s) of ref served from the engine's prefix cache" in n and "request 1 positions 0,1" in n
-               for n in report.notes), report.notes
+    assert any(
+        "2 token(s) of ref served from the engine's prefix cache" in n and "request 1 positions 0,1" in n
+        for n in report.notes
+    ), report.notes
     # without the meta's word for it, the same positions are missing: FAIL, never a silent pass
     report = compare(ref, write_cached_engine(tmp_path / "vllm2", cached_meta=False), rtol=1e-5, atol=1e-6)
-    assert [r.note for r in report.rows if not r.passed] == ["2 token(s) of ref missing in test: request 1 positions 0,1"]
+    assert [r.note for r in report.rows if not r.passed] == [
+        "2 token(s) of ref missing in test: request 1 positions 0,1"
+    ]
 
 
 def test_a_prefix_cache_claim_covers_only_the_positions_it_names(ref, tmp_path):
@@ -446,8 +507,9 @@ def write_sampled_engine(root, parents=True):
     """vLLM's parallel sampling (n=2) of request 0: children ``0_0`` and ``1_0`` (greedy: the same tokens), and
     request 1 as it is."""
     ids = ["0_0-a1b2", "1_0-e5f6", "1-c3d4"]
-    steps = [("prefill_s13_0", [(0, 0, p) for p in range(5)] + [(1, 0, p) for p in range(5)]
-              + [(2, 1, p) for p in range(3)])]
+    steps = [
+        ("prefill_s13_0", [(0, 0, p) for p in range(5)] + [(1, 0, p) for p in range(5)] + [(2, 1, p) for p in range(3)])
+    ]
     for d in range(3):
         steps.append((f"decode_b3_{d}", [(0, 0, 5 + d), (1, 0, 5 + d), (2, 1, 3 + d)]))
     for index, (name, rows) in enumerate(steps):

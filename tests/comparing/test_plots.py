@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 
 from graphpass.comparing import compare
-from graphpass.comparing.plots import (PlotUnavailableError, figure_pixels, html_page, plot_report, step_series,
-                                       write_html)
+from graphpass.comparing.plots import (
+    PlotUnavailableError,
+    figure_pixels,
+    html_page,
+    plot_report,
+    step_series,
+    write_html,
+)
 from graphpass.cli import main
 from helpers import no_matplotlib
 from test_compare import clone, model_step, write_step
@@ -63,7 +69,13 @@ def test_several_steps_are_small_multiples(tmp_path):
     report = compare(ref, test)
     series = step_series(report)
     assert list(series) == ["dp0/prefill_s8_0", "dp0/prefill_s8_1", "dp0/prefill_s8_2"]
-    assert [m["module"] for m in series["dp0/prefill_s8_1"]] == ["layers.0", "layers.1", "layers.2", "layers.3", "lm_head"]
+    assert [m["module"] for m in series["dp0/prefill_s8_1"]] == [
+        "layers.0",
+        "layers.1",
+        "layers.2",
+        "layers.3",
+        "lm_head",
+    ]
     assert [m["passed"] for m in series["dp0/prefill_s8_1"]] == [True, True, False, False, True]
     assert series["dp0/prefill_s8_0"][0]["rel_linf"] == 0.0
     out = plot_report(report, tmp_path / "multi.png", dpi=50)

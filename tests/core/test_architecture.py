@@ -124,7 +124,9 @@ def test_no_pass_lints_or_recompiles_by_hand():
         for cls in ast.walk(tree):
             if not (isinstance(cls, ast.ClassDef) and any(getattr(b, "id", "") == "GraphPass" for b in cls.bases)):
                 continue
-            calls = [n.func.attr for n in ast.walk(cls) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+            calls = [
+                n.func.attr for n in ast.walk(cls) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            ]
             assert "recompile" not in calls and "lint" not in calls, f"{path.name}: {cls.name}"
 
 
@@ -136,7 +138,11 @@ def test_post_grad_passes_are_declared_in_the_pipeline_and_installed_from_there(
     import torch._inductor.compile_fx as cfx
 
     seen = {}
-    monkeypatch.setattr(cfx, "compile_fx", lambda gm, inputs, config_patches=None: seen.setdefault("patches", config_patches) or gm.forward)
+    monkeypatch.setattr(
+        cfx,
+        "compile_fx",
+        lambda gm, inputs, config_patches=None: seen.setdefault("patches", config_patches) or gm.forward,
+    )
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(2))).eval().requires_grad_(False)
     graphpass.offload(model, graphpass.OffloadConfig(include_patterns=["0", "1"], device="cpu", storage="cpu"))
     gm_box = {}
@@ -221,7 +227,7 @@ def test_torch_trace_holds_each_pass_graph_before_and_after(tmp_path):
     for log in tmp_path.glob("*.log"):
         for line in log.read_text().splitlines():
             if '"artifact"' in line and "graphpass_" in line:
-                names.append(line[line.index("graphpass_"):].split('"')[0])
+                names.append(line[line.index("graphpass_") :].split('"')[0])
     assert any(n.endswith("_before_insert_trap_boundaries") for n in names), names
     after = [n for n in names if n.endswith("_after_insert_trap_boundaries")]
     assert after, names
@@ -264,10 +270,16 @@ print("failed", *failed)
 def test_ops_register_whatever_is_imported_first():
     """Each graphpass module imported first, in a process that had loaded no graphpass module (one
     interpreter importing torch once, a fork per order), registers every op."""
-    firsts = ("graphpass.offloading.ops", "graphpass.capturing.ops", "graphpass.ops", "graphpass.fx_utils",
-              "graphpass.op_registry")
-    out = subprocess.run([sys.executable, "-c", _IMPORT_ORDERS_CHILD, *firsts], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+    firsts = (
+        "graphpass.offloading.ops",
+        "graphpass.capturing.ops",
+        "graphpass.ops",
+        "graphpass.fx_utils",
+        "graphpass.op_registry",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ORDERS_CHILD, *firsts], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode == 0 and out.stdout.split() == ["failed"], (out.stdout, out.stderr[-3000:])
 
 
@@ -287,13 +299,19 @@ def test_library_code_never_prints():
         if path.name == "cli.py":
             continue
         tree = ast.parse(path.read_text())
-        prints = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "print"]
+        prints = [
+            n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "print"
+        ]
         assert not prints, f"{path.relative_to(ROOT)}:{prints}"
 
 
 def test_no_function_is_over_sixty_lines():
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "func_lengths.py"), "--limit", "60"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "func_lengths.py"), "--limit", "60"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("(over 60 lines)")
     assert out.stdout.strip().splitlines()[-1].startswith("0 of"), out.stdout
@@ -305,6 +323,10 @@ MODULE_LINE_LIMIT = 800
 def test_no_module_is_over_eight_hundred_lines():
     """One job per room: a module over 800 lines (counted after ``ruff format``, which this bound leaves room
     for) holds several jobs; split it along them (docs/architecture.md)."""
-    long = {str(path.relative_to(ROOT)): n for top in ("graphpass", "backends") for path in (ROOT / top).rglob("*.py")
-            if (n := len(path.read_text().splitlines())) > MODULE_LINE_LIMIT}
+    long = {
+        str(path.relative_to(ROOT)): n
+        for top in ("graphpass", "backends")
+        for path in (ROOT / top).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MODULE_LINE_LIMIT
+    }
     assert not long, f"modules over {MODULE_LINE_LIMIT} lines: {long}"

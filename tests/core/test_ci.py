@@ -22,37 +22,70 @@ def _fake_make(tmp_path: Path) -> dict:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     make = bin_dir / "make"
-    make.write_text('#!/usr/bin/env bash\n'
-                    'if [ "$1" = test ]; then for i in $(seq 100); do [ -e "$MAKE_LOG.installing" ] && break; sleep 0.1; done\n'
-                    '  [ -e "$MAKE_LOG.installing" ] && echo install-running-during-main >> "$MAKE_LOG"; fi\n'
-                    'echo "$1" >> "$MAKE_LOG"\n'
-                    'case "$1" in test) exit "$MAIN_RC";; test-slow) exit "${SLOW_RC:-0}";; test-xla) exit "$XLA_RC";; '
-                    'test-transformers-next) exit "${NEXT_RC:-0}";; *) exit 99;; esac\n')
+    make.write_text(
+        '#!/usr/bin/env bash\n'
+        'if [ "$1" = test ]; then for i in $(seq 100); do [ -e "$MAKE_LOG.installing" ] && break; sleep 0.1; done\n'
+        '  [ -e "$MAKE_LOG.installing" ] && echo install-running-during-main >> "$MAKE_LOG"; fi\n'
+        'echo "$1" >> "$MAKE_LOG"\n'
+        'case "$1" in test) exit "$MAIN_RC";; test-slow) exit "${SLOW_RC:-0}";; test-xla) exit "$XLA_RC";; '
+        'test-transformers-next) exit "${NEXT_RC:-0}";; *) exit 99;; esac\n'
+    )
     make.chmod(0o755)
     leg = bin_dir / "vllm-leg"
-    leg.write_text('#!/usr/bin/env bash\n'
-                   'case "$1" in install) echo vllm-install >> "$MAKE_LOG"; touch "$MAKE_LOG.installing"; '
-                   'exit "$VLLM_INSTALL_RC";;\n'
-                   '  test) echo vllm-test >> "$MAKE_LOG"; exit "$VLLM_TEST_RC";; *) exit 99;; esac\n')
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MAKE_LOG": str(tmp_path / "make.log"),
-            "VLLM_LEG": str(leg), "VLLM_INSTALL_RC": "0", "VLLM_TEST_RC": "0"}
+    leg.write_text(
+        '#!/usr/bin/env bash\n'
+        'case "$1" in install) echo vllm-install >> "$MAKE_LOG"; touch "$MAKE_LOG.installing"; '
+        'exit "$VLLM_INSTALL_RC";;\n'
+        '  test) echo vllm-test >> "$MAKE_LOG"; exit "$VLLM_TEST_RC";; *) exit 99;; esac\n'
+    )
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "MAKE_LOG": str(tmp_path / "make.log"),
+        "VLLM_LEG": str(leg),
+        "VLLM_INSTALL_RC": "0",
+        "VLLM_TEST_RC": "0",
+    }
 
 
-@pytest.mark.parametrize("main_rc, slow_rc, next_rc, xla_rc, vllm_rc", [
-    (0, 0, 0, 0, 0), (0, 0, 0, 1, 0), (2, 0, 0, 0, 0), (2, 0, 0, 1, 0), (0, 0, 0, 0, 1), (2, 2, 1, 1, 1),
-    (0, 0, 1, 0, 0), (0, 2, 0, 0, 0)])
+@pytest.mark.parametrize(
+    "main_rc, slow_rc, next_rc, xla_rc, vllm_rc",
+    [
+        (0, 0, 0, 0, 0),
+        (0, 0, 0, 1, 0),
+        (2, 0, 0, 0, 0),
+        (2, 0, 0, 1, 0),
+        (0, 0, 0, 0, 1),
+        (2, 2, 1, 1, 1),
+        (0, 0, 1, 0, 0),
+        (0, 2, 0, 0, 0),
+    ],
+)
 def test_ci_runs_every_leg_and_fails_if_any_fails(tmp_path, main_rc, slow_rc, next_rc, xla_rc, vllm_rc):
-    env = _fake_make(tmp_path) | {"MAIN_RC": str(main_rc), "SLOW_RC": str(slow_rc), "NEXT_RC": str(next_rc),
-                                  "XLA_RC": str(xla_rc), "VLLM_TEST_RC": str(vllm_rc)}
+    env = _fake_make(tmp_path) | {
+        "MAIN_RC": str(main_rc),
+        "SLOW_RC": str(slow_rc),
+        "NEXT_RC": str(next_rc),
+        "XLA_RC": str(xla_rc),
+        "VLLM_TEST_RC": str(vllm_rc),
+    }
     out = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
     # the vLLM install runs while the main leg does; its tests after the other legs; every leg always
     assert (tmp_path / "make.log").read_text().split() == [
-        "vllm-install", "install-running-during-main", "test", "test-slow", "test-transformers-next", "test-xla",
-        "vllm-test"]
+        "vllm-install",
+        "install-running-during-main",
+        "test",
+        "test-slow",
+        "test-transformers-next",
+        "test-xla",
+        "vllm-test",
+    ]
     assert (out.returncode == 0) == (main_rc == slow_rc == next_rc == xla_rc == vllm_rc == 0), out.stderr
     if out.returncode:
-        assert (f"main leg exit {main_rc}, slow leg exit {slow_rc}, transformers-next leg exit {next_rc}, xla leg exit {xla_rc}, "
-                f"vllm leg exit {vllm_rc}") in out.stderr
+        assert (
+            f"main leg exit {main_rc}, slow leg exit {slow_rc}, transformers-next leg exit {next_rc}, xla leg exit {xla_rc}, "
+            f"vllm leg exit {vllm_rc}"
+        ) in out.stderr
 
 
 def test_transformers_next_leg_installs_the_newest_beside_the_pin_and_counts_no_tests_as_failure():
@@ -79,17 +112,26 @@ def test_vllm_leg_test_phase_counts_no_tests_as_failure_and_removes_the_venv(tmp
     py = venv / "bin" / "python"
     py.write_text(f'#!/usr/bin/env bash\n[ "$1" = -m ] && exit {pytest_rc}\nexit 0\n')
     py.chmod(0o755)
-    out = subprocess.run(["bash", str(REPO / ".ci" / "vllm-leg"), "test"], env={**os.environ, "VLLM_VENV": str(venv)},
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["bash", str(REPO / ".ci" / "vllm-leg"), "test"],
+        env={**os.environ, "VLLM_VENV": str(venv)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == expected, out.stdout + out.stderr
     assert ("collected no tests" in out.stderr) == (pytest_rc == 5)
     assert not venv.exists()
 
 
 def test_vllm_leg_test_phase_without_a_venv_fails(tmp_path):
-    out = subprocess.run(["bash", str(REPO / ".ci" / "vllm-leg"), "test"],
-                         env={**os.environ, "VLLM_VENV": str(tmp_path / "none")}, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        ["bash", str(REPO / ".ci" / "vllm-leg"), "test"],
+        env={**os.environ, "VLLM_VENV": str(tmp_path / "none")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "do not load" in out.stderr
 
 
@@ -102,9 +144,13 @@ def test_vllm_leg_install_phase_keeps_its_venv_only_when_good():
 def test_xla_leg_counts_no_tests_collected_as_a_failure(pytest_rc, expected):
     script = (REPO / ".ci" / "xla-leg").read_text()
     start = script.index("pytest_run() {")
-    body = script[start:script.index("\n}\n", start) + 3]
-    out = subprocess.run(["bash", "-c", body + f'pytest_run label bash -c "exit {pytest_rc}"'],
-                         capture_output=True, text=True, timeout=60)
+    body = script[start : script.index("\n}\n", start) + 3]
+    out = subprocess.run(
+        ["bash", "-c", body + f'pytest_run label bash -c "exit {pytest_rc}"'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == expected
     assert ("collected no tests" in out.stderr) == (pytest_rc == 5)
 

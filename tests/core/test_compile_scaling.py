@@ -57,13 +57,17 @@ def _compile_step(layers: int, tmp_path, monkeypatch) -> dict:
         return make_boxed_func(gm.forward)
 
     monkeypatch.setattr(pipeline, "run_pass", counted)
-    delegate = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=backward,
-                            partition_fn=min_cut_rematerialization_partition)
+    delegate = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        bw_compiler=backward,
+        partition_fn=min_cut_rematerialization_partition,
+    )
     out["backend"] = graphpass.backend(then=delegate)
     compiled = torch.compile(model, backend=out["backend"])
     # kept referenced: the backend finds a ModelCapture through a weak reference
-    out["capture"] = graphpass.ModelCapture(compiled, modules=[f"layers.0-{layers - 1}", "lm_head"],
-                                            capture_dir=str(tmp_path))
+    out["capture"] = graphpass.ModelCapture(
+        compiled, modules=[f"layers.0-{layers - 1}", "lm_head"], capture_dir=str(tmp_path)
+    )
     compiled(*model.example_inputs(batch=1, seq=4)).square().mean().backward()
     monkeypatch.setattr(pipeline, "run_pass", run_pass)
     assert out["pinned"] == layers  # one backward re-load per trap
@@ -77,9 +81,21 @@ def steps(tmp_path_factory):
         return {n: _compile_step(n, tmp_path_factory.mktemp(f"cap{n}"), mp) for n in (SMALL, LARGE)}
 
 
-@pytest.mark.parametrize("name", [p.name for p in pipeline.PIPELINE if p.name in
-                                  ("analyze_ownership", "assign_traps", "insert_trap_boundaries",
-                                   "insert_offload_schedule", "insert_capture_nodes")])
+@pytest.mark.parametrize(
+    "name",
+    [
+        p.name
+        for p in pipeline.PIPELINE
+        if p.name
+        in (
+            "analyze_ownership",
+            "assign_traps",
+            "insert_trap_boundaries",
+            "insert_offload_schedule",
+            "insert_capture_nodes",
+        )
+    ],
+)
 def test_pipeline_pass_calls_grow_linearly(steps, name):
     small, large = steps[SMALL], steps[LARGE]
     per_node = [s["calls"][name] / s["nodes"] for s in (small, large)]

@@ -105,8 +105,15 @@ def test_reversed_range_is_pattern_error():
 
 
 def test_options_and_kwargs_take_the_same_keys():
-    assert set(GraphpassConfig.keys()) == {"then", "traps", "boundaries", "profile_ranges", "mode", "delegate_options",
-                                           "static_shapes"}
+    assert set(GraphpassConfig.keys()) == {
+        "then",
+        "traps",
+        "boundaries",
+        "profile_ranges",
+        "mode",
+        "delegate_options",
+        "static_shapes",
+    }
     a = GraphpassConfig.from_options({"then": "eager", "traps": ["layers.0-3"]})
     b = graphpass.backend(then="eager", traps=["layers.0-3"]).config
     assert a == b
@@ -120,8 +127,14 @@ def test_options_given_twice_conflict():
 
 
 def test_error_hierarchy():
-    for cls in (ConfigError, PatternError, PatternMatchError, graphpass.DelegateError, graphpass.DelegateUnavailableError,
-                graphpass.OwnershipError):
+    for cls in (
+        ConfigError,
+        PatternError,
+        PatternMatchError,
+        graphpass.DelegateError,
+        graphpass.DelegateUnavailableError,
+        graphpass.OwnershipError,
+    ):
         assert issubclass(cls, GraphpassError)
 
 
@@ -147,16 +160,27 @@ class _OwnDelegate(graphpass.backends.Delegate):
         return gm.forward
 
 
-@pytest.mark.parametrize("then", ["eager", "aot_eager", "cudagraphs", _no_options_backend,
-                                  torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda gm, ex: gm),
-                                  _OwnDelegate()],
-                         ids=["eager", "aot_eager", "cudagraphs", "function", "aot_autograd", "own_delegate"])
+@pytest.mark.parametrize(
+    "then",
+    [
+        "eager",
+        "aot_eager",
+        "cudagraphs",
+        _no_options_backend,
+        torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda gm, ex: gm),
+        _OwnDelegate(),
+    ],
+    ids=["eager", "aot_eager", "cudagraphs", "function", "aot_autograd", "own_delegate"],
+)
 def test_delegate_options_for_a_delegate_that_takes_none_are_refused_at_once(then):
     """Issue 22 item 18: eager / aot_eager (and aot_autograd objects) logged "ignoring extra kwargs"
     at compile time and dropped them, a Delegate instance never saw them, a callable without an
     ``options`` parameter failed with a TypeError only after the pipeline ran."""
-    with pytest.raises(ConfigError, match=r"'delegate_options\.anything'=1: .*(takes no options=|Delegate instance).*"
-                                          r"\(given: anything, other\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'delegate_options\.anything'=1: .*(takes no options=|Delegate instance).*"
+        r"\(given: anything, other\)",
+    ):
         graphpass.backend(then=then, delegate_options={"anything": 1, "other": 2})
     graphpass.backend(then=then)  # without options: fine
 

@@ -64,7 +64,9 @@ READS = {
     "torch.relu": lambda g, x, y: [g.call_function(torch.relu, (x,))],
     "F.relu inplace=False": lambda g, x, y: [g.call_function(F.relu, (x,), {"inplace": False})],
     "y.copy_(x) reads x": lambda g, x, y: [g.call_method("copy_", (y, x))],
-    "aten index_put_ with x as values": lambda g, x, y: [g.call_function(torch.ops.aten.index_put_.default, (y, [y], x))],
+    "aten index_put_ with x as values": lambda g, x, y: [
+        g.call_function(torch.ops.aten.index_put_.default, (y, [y], x))
+    ],
     "aten add": lambda g, x, y: [g.call_function(torch.ops.aten.add.Tensor, (x, y))],
     "method __init__ is no write": lambda g, x, y: [g.call_method("__init__", (x,))],
 }
@@ -190,7 +192,9 @@ def test_size_expressions_and_symbols():
     seen = {}
 
     def backend(gm, example_inputs):
-        x = next(n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(fx_utils.example_of(n), torch.Tensor))
+        x = next(
+            n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(fx_utils.example_of(n), torch.Tensor)
+        )
         seen["expr"] = size_expr(fx_utils.example_of(x).shape[0])
         return gm.forward
 
@@ -202,9 +206,25 @@ def test_size_expressions_and_symbols():
 
 
 def test_repeated_blocks_pick_the_container_with_the_most_bytes():
-    paths = ["embed", "layers.0", "layers.0.mlp", "layers.1", "layers.1.mlp", "layers.0.experts.0", "layers.0.experts.1",
-             "heads.0", "heads.1", "heads.2"]
-    weights = [(100, ["layers.0.mlp"]), (100, ["layers.1.mlp"]), (30, ["layers.0.experts.0"]), (5, ["heads.2"]), (50, ["embed"])]
+    paths = [
+        "embed",
+        "layers.0",
+        "layers.0.mlp",
+        "layers.1",
+        "layers.1.mlp",
+        "layers.0.experts.0",
+        "layers.0.experts.1",
+        "heads.0",
+        "heads.1",
+        "heads.2",
+    ]
+    weights = [
+        (100, ["layers.0.mlp"]),
+        (100, ["layers.1.mlp"]),
+        (30, ["layers.0.experts.0"]),
+        (5, ["heads.2"]),
+        (50, ["embed"]),
+    ]
     assert repeated_blocks(paths, weights) == ("layers", ["layers.0", "layers.1"])
     # no bytes anywhere: more children win, then the outer container
     assert repeated_blocks(paths, []) == ("heads", ["heads.0", "heads.1", "heads.2"])

@@ -21,49 +21,116 @@ ALIASES = {"graphpass.backends": "backends"}
 FEATURES = ("offloading", "capturing", "comparing", "static_shapes", "models", "integrations")
 # modules of the top level that answer graph and config questions and hold the shared data: they
 # never import the passes or the pipeline
-SHARED = ("analysis", "fx_utils", "torch_compat", "patterns", "errors", "roots", "formatting", "atomic_files",
-          "config", "ops", "bucket_context", "dynamo_records", "trace_events", "version", "progress",
-          "pass_logging")
+SHARED = (
+    "analysis",
+    "fx_utils",
+    "torch_compat",
+    "patterns",
+    "errors",
+    "roots",
+    "formatting",
+    "atomic_files",
+    "config",
+    "ops",
+    "bucket_context",
+    "dynamo_records",
+    "trace_events",
+    "version",
+    "progress",
+    "pass_logging",
+)
 # The layers of the package, bottom to top (docs/architecture.md, "Layers"): a module imports from its own
 # layer and the layers below. Names are modules or packages of graphpass ("__init__": the package itself)
 # and ``backends``; every module is in exactly one layer.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundations", ("errors", "version", "formatting", "atomic_files", "progress", "tensor_utils", "fx_utils",
-                     "torch_compat", "dynamo_records", "patterns", "roots", "bucket_context", "trace_events",
-                     "model_shape", "capture_format", "ops", "pass_logging")),
+    (
+        "foundations",
+        (
+            "errors",
+            "version",
+            "formatting",
+            "atomic_files",
+            "progress",
+            "tensor_utils",
+            "fx_utils",
+            "torch_compat",
+            "dynamo_records",
+            "patterns",
+            "roots",
+            "bucket_context",
+            "trace_events",
+            "model_shape",
+            "capture_format",
+            "ops",
+            "pass_logging",
+        ),
+    ),
     ("delegates", ("backends", "delegation")),
     ("features", ("offloading", "capturing", "comparing", "static_shapes", "models")),
     ("composition", ("config", "analysis", "op_registry")),
     ("passes", ("passes",)),
     ("pipeline", ("pipeline",)),
     ("backend", ("dynamo_backend",)),
-    ("front door", ("__init__", "__main__", "cli", "explain_report", "tracing", "trace_plot", "reference", "testing",
-                    "golden", "integrations")),
+    (
+        "front door",
+        (
+            "__init__",
+            "__main__",
+            "cli",
+            "explain_report",
+            "tracing",
+            "trace_plot",
+            "reference",
+            "testing",
+            "golden",
+            "integrations",
+        ),
+    ),
 )
 # Every import that runs against LAYERS (a lower module importing a higher one), with its reason; at most
 # three, each named in docs/architecture.md ("Layers"); a new one fails
 # test_imports_against_the_layers_are_the_documented_few.
 UPWARD_IMPORTS = {
-    ("graphpass.static_shapes.padding_fuzz.run", "graphpass"):
-        "the padding fuzzer compiles its programs with graphpass.backend: it tests the full path a user runs",
-    ("graphpass.delegation", "graphpass.pipeline"):
-        "the deprecated alias delegation.with_post_grad_passes (moved to pipeline), for one release",
+    (
+        "graphpass.static_shapes.padding_fuzz.run",
+        "graphpass",
+    ): "the padding fuzzer compiles its programs with graphpass.backend: it tests the full path a user runs",
+    (
+        "graphpass.delegation",
+        "graphpass.pipeline",
+    ): "the deprecated alias delegation.with_post_grad_passes (moved to pipeline), for one release",
 }
 # what a pass may import from a feature package: what it inserts or looks up, and the data it fills
 PASS_FEATURE_IMPORTS = {
-    "graphpass.capturing.ops", "graphpass.offloading.ops", "graphpass.offloading.registry",
-    "graphpass.offloading.facts", "graphpass.offloading.schedule", "graphpass.static_shapes.plan", "graphpass.static_shapes.padding_safety",
+    "graphpass.capturing.ops",
+    "graphpass.offloading.ops",
+    "graphpass.offloading.registry",
+    "graphpass.offloading.facts",
+    "graphpass.offloading.schedule",
+    "graphpass.static_shapes.plan",
+    "graphpass.static_shapes.padding_safety",
     "graphpass.static_shapes.padding_proof",
-    "graphpass.static_shapes.causal_functions", "graphpass.static_shapes.topk_mask",
+    "graphpass.static_shapes.causal_functions",
+    "graphpass.static_shapes.topk_mask",
     "graphpass.static_shapes.position_tables",
     "graphpass.capturing.model_capture",  # CaptureSpec, the type of the specs the capture pass reads (TYPE_CHECKING)
 }
 BACKENDS_MAY_IMPORT = {"graphpass.errors", "graphpass.fx_utils", "graphpass.torch_compat"}
 # deprecated aliases, kept for one release: capturing's old compare paths re-export what moved to comparing/
-MOVED_TO_COMPARING = ("compare_runs", "compare_report", "compare_tensors", "report_format", "completeness", "shards",
-                      "compare_engines", "engine_families", "plots")
+MOVED_TO_COMPARING = (
+    "compare_runs",
+    "compare_report",
+    "compare_tensors",
+    "report_format",
+    "completeness",
+    "shards",
+    "compare_engines",
+    "engine_families",
+    "plots",
+)
 DEPRECATED_ALIASES = {("graphpass.capturing", "graphpass.comparing")} | {
-    (f"graphpass.capturing.{m}", f"graphpass.comparing.{m}") for m in MOVED_TO_COMPARING}
+    (f"graphpass.capturing.{m}", f"graphpass.comparing.{m}") for m in MOVED_TO_COMPARING
+}
 
 
 def _modules(root: Path, tops=("graphpass", "backends")) -> dict[str, tuple[Path, bool]]:
@@ -79,7 +146,7 @@ def _modules(root: Path, tops=("graphpass", "backends")) -> dict[str, tuple[Path
 def _canonical(name: str) -> str:
     for alias, real in ALIASES.items():
         if name == alias or name.startswith(alias + "."):
-            return real + name[len(alias):]
+            return real + name[len(alias) :]
     return name
 
 
@@ -202,13 +269,18 @@ def layer_of(module: str) -> int | None:
 
 def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     """The imports against LAYERS: (importer, imported) where the imported module's layer is higher."""
-    return sorted((m, t) for m, ts in graph.items() for t in ts
-                  if layer_of(m) is not None and layer_of(t) is not None and layer_of(t) > layer_of(m))
+    return sorted(
+        (m, t)
+        for m, ts in graph.items()
+        for t in ts
+        if layer_of(m) is not None and layer_of(t) is not None and layer_of(t) > layer_of(m)
+    )
 
 
 def _describe(found: list[tuple[list[str], list[str]]]) -> str:
-    return "\n".join(f"{len(members)} modules ({', '.join(members)}); one cycle: " + " -> ".join(cycle)
-                     for members, cycle in found)
+    return "\n".join(
+        f"{len(members)} modules ({', '.join(members)}); one cycle: " + " -> ".join(cycle) for members, cycle in found
+    )
 
 
 # ---------------------------------------------------------------------------------------------- rules
@@ -226,28 +298,45 @@ def test_no_import_circles(graph):
 
 
 def test_shared_modules_and_features_never_import_passes_or_the_pipeline(graph):
-    bad = [(m, t) for m, ts in graph.items() for t in ts
-           if (t.startswith("graphpass.passes") or t == "graphpass.pipeline")
-           and (_area(m) in FEATURES or _area(m) == "backends" or m.removeprefix("graphpass.") in SHARED)]
+    bad = [
+        (m, t)
+        for m, ts in graph.items()
+        for t in ts
+        if (t.startswith("graphpass.passes") or t == "graphpass.pipeline")
+        and (_area(m) in FEATURES or _area(m) == "backends" or m.removeprefix("graphpass.") in SHARED)
+    ]
     assert not bad, bad
 
 
 def test_no_feature_package_imports_another(graph):
-    bad = [(m, t) for m, ts in graph.items() for t in ts
-           if _area(m) in FEATURES and _area(t) in FEATURES and _area(m) != _area(t)
-           and (m, t) not in DEPRECATED_ALIASES]
+    bad = [
+        (m, t)
+        for m, ts in graph.items()
+        for t in ts
+        if _area(m) in FEATURES and _area(t) in FEATURES and _area(m) != _area(t) and (m, t) not in DEPRECATED_ALIASES
+    ]
     assert not bad, bad
 
 
 def test_passes_import_from_features_only_what_they_insert_look_up_or_fill(graph):
-    bad = [(m, t) for m, ts in graph.items() if _area(m) == "passes" for t in ts
-           if _area(t) in FEATURES and t not in PASS_FEATURE_IMPORTS]
+    bad = [
+        (m, t)
+        for m, ts in graph.items()
+        if _area(m) == "passes"
+        for t in ts
+        if _area(t) in FEATURES and t not in PASS_FEATURE_IMPORTS
+    ]
     assert not bad, bad
 
 
 def test_backends_import_only_errors_and_the_toolkit(graph):
-    bad = [(m, t) for m, ts in graph.items() if _area(m) == "backends" for t in ts
-           if _area(t) != "backends" and t not in BACKENDS_MAY_IMPORT]
+    bad = [
+        (m, t)
+        for m, ts in graph.items()
+        if _area(m) == "backends"
+        for t in ts
+        if _area(t) != "backends" and t not in BACKENDS_MAY_IMPORT
+    ]
     assert not bad, bad
 
 
@@ -262,8 +351,13 @@ def test_the_backend_is_above_every_feature(graph):
     """No feature package imports the backend, the pipeline or the passes: the backend runs the features."""
     features = LAYERS[[name for name, _ in LAYERS].index("features")][1]
     top = ("graphpass.dynamo_backend", "graphpass.pipeline", "graphpass.passes")
-    bad = [(m, t) for m, ts in graph.items() if _area(m) in features for t in ts
-           if any(t == x or t.startswith(x + ".") for x in top)]
+    bad = [
+        (m, t)
+        for m, ts in graph.items()
+        if _area(m) in features
+        for t in ts
+        if any(t == x or t.startswith(x + ".") for x in top)
+    ]
     assert not bad, bad
 
 
@@ -275,12 +369,13 @@ def test_imports_against_the_layers_are_the_documented_few(graph):
     assert len(UPWARD_IMPORTS) <= 3
     assert set(found) == set(UPWARD_IMPORTS), (
         "imports against the layers not in UPWARD_IMPORTS (move the code to its layer): "
-        f"{sorted(set(found) - set(UPWARD_IMPORTS))}; listed but gone: {sorted(set(UPWARD_IMPORTS) - set(found))}")
+        f"{sorted(set(found) - set(UPWARD_IMPORTS))}; listed but gone: {sorted(set(UPWARD_IMPORTS) - set(found))}"
+    )
     doc = (ROOT / "docs" / "architecture.md").read_text()
     for importer, imported in UPWARD_IMPORTS:
         short = [name.removeprefix("graphpass.") or "graphpass" for name in (importer, imported)]
         assert f"`{short[0]}` -> `{short[1]}`" in doc, f"docs/architecture.md does not name {short[0]} -> {short[1]}"
-    layers = doc[doc.index("## Layers"):]
+    layers = doc[doc.index("## Layers") :]
     for name, _ in LAYERS:
         assert f"**{name}**" in layers, f"docs/architecture.md 'Layers' does not describe the layer {name!r}"
 
@@ -300,16 +395,22 @@ def test_the_scan_finds_circles_lazy_and_type_checking_imports_included(tmp_path
     (pkg / "feat" / "x.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import y\n")
     (pkg / "feat" / "y.py").write_text("from .x import z\n")
     found = circles(import_graph(tmp_path))
-    assert found == [(["graphpass.a", "graphpass.b", "graphpass.c"],
-                      ["graphpass.a", "graphpass.b", "graphpass.c", "graphpass.a"]),
-                     (["graphpass.feat.x", "graphpass.feat.y"],
-                      ["graphpass.feat.x", "graphpass.feat.y", "graphpass.feat.x"])], _describe(found)
+    assert found == [
+        (["graphpass.a", "graphpass.b", "graphpass.c"], ["graphpass.a", "graphpass.b", "graphpass.c", "graphpass.a"]),
+        (["graphpass.feat.x", "graphpass.feat.y"], ["graphpass.feat.x", "graphpass.feat.y", "graphpass.feat.x"]),
+    ], _describe(found)
 
 
 def test_the_layer_check_finds_an_import_from_above():
     """A feature's lazy import of the backend, and a TYPE_CHECKING import of the pipeline, are both upward."""
-    graph = {"graphpass.static_shapes.plan": {"graphpass.dynamo_backend", "graphpass.errors"},
-             "graphpass.roots": {"graphpass.pipeline"}, "graphpass.dynamo_backend": {"graphpass.static_shapes.plan"},
-             "graphpass.errors": set(), "graphpass.pipeline": set()}
-    assert upward_imports(graph) == [("graphpass.roots", "graphpass.pipeline"),
-                                     ("graphpass.static_shapes.plan", "graphpass.dynamo_backend")]
+    graph = {
+        "graphpass.static_shapes.plan": {"graphpass.dynamo_backend", "graphpass.errors"},
+        "graphpass.roots": {"graphpass.pipeline"},
+        "graphpass.dynamo_backend": {"graphpass.static_shapes.plan"},
+        "graphpass.errors": set(),
+        "graphpass.pipeline": set(),
+    }
+    assert upward_imports(graph) == [
+        ("graphpass.roots", "graphpass.pipeline"),
+        ("graphpass.static_shapes.plan", "graphpass.dynamo_backend"),
+    ]

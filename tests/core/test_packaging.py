@@ -44,30 +44,51 @@ _IGNORE = shutil.ignore_patterns(
 def _repo_sources() -> list[str]:
     """Every .py of the package in the checkout, as its path inside the wheel."""
     names = [p.relative_to(REPO).as_posix() for p in (REPO / "graphpass").rglob("*.py")]
-    names += ["graphpass/backends/" + p.relative_to(REPO / "backends").as_posix() for p in (REPO / "backends").rglob("*.py")]
+    names += [
+        "graphpass/backends/" + p.relative_to(REPO / "backends").as_posix() for p in (REPO / "backends").rglob("*.py")
+    ]
     names += ["graphpass_vllm_plugin.py"]  # the vLLM plugin's entry point, a top-level module (pyproject py-modules)
     return sorted(n for n in names if "__pycache__" not in n)
 
 
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, **kwargs)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
     return proc
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     if importlib.util.find_spec("setuptools") is None:
-        pytest.skip("the build backend (setuptools, pyproject's build-system) is not installed in this environment; "
-                    "the wheel cannot be built without build isolation, and isolation needs the network")
+        pytest.skip(
+            "the build backend (setuptools, pyproject's build-system) is not installed in this environment; "
+            "the wheel cannot be built without build isolation, and isolation needs the network"
+        )
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     shutil.copytree(REPO, src, ignore=_IGNORE, symlinks=True)
     out = tmp / "dist"
     # pyproject's build-system also lists "wheel": setuptools >= 70.1 builds wheels itself, so the
     # package need not be installed here (pip does not check build requirements without isolation).
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir",
-          "--disable-pip-version-check", "-q", "-w", str(out), str(src)], cwd=tmp)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        cwd=tmp,
+    )
     (whl,) = out.glob("graphpass-*.whl")
     return whl
 
@@ -76,7 +97,9 @@ def test_wheel_holds_every_source_file(wheel):
     with zipfile.ZipFile(wheel) as zf:
         files = set(zf.namelist())
     missing = [n for n in _repo_sources() if n not in files]
-    assert not missing, f"in the checkout but not in the wheel (add the package to [tool.setuptools] packages): {missing}"
+    assert not missing, (
+        f"in the checkout but not in the wheel (add the package to [tool.setuptools] packages): {missing}"
+    )
     stray = sorted(n for n in files if n.endswith(".py") and n not in set(_repo_sources()))
     assert not stray, f"in the wheel but not in the checkout: {stray}"
     (entry_points,) = [n for n in files if n.endswith(".dist-info/entry_points.txt")]
@@ -131,8 +154,21 @@ def test_installed_wheel_imports_on_its_own(wheel, tmp_path):
     _run([sys.executable, "-m", "venv", "--without-pip", str(env)])
     python = env / "bin" / "python"
     site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip())
-    _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check", "-q",
-          "--target", str(site), str(wheel)])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-compile",
+            "--disable-pip-version-check",
+            "-q",
+            "--target",
+            str(site),
+            str(wheel),
+        ]
+    )
     # The dependencies, from wherever this run finds them: directories only, never this checkout.
     deps = {Path(importlib.util.find_spec(m).origin).parents[1] for m in ("torch", "sympy", "tabulate", "safetensors")}
     deps.add(Path(sysconfig.get_path("purelib")))
@@ -140,7 +176,13 @@ def test_installed_wheel_imports_on_its_own(wheel, tmp_path):
     (site / "zz_graphpass_test_deps.pth").write_text("".join(f"{d}\n" for d in sorted(deps)))
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    proc = subprocess.run([str(python), "-c", _CHECK, str(site) + "/", json.dumps(SUBPACKAGES)], cwd=tmp_path,
-                          env=clean, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(python), "-c", _CHECK, str(site) + "/", json.dumps(SUBPACKAGES)],
+        cwd=tmp_path,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     assert proc.stdout.startswith("ok")

@@ -72,13 +72,16 @@ def _called_name(call: ast.Call) -> str:
 def _is_target(value: ast.AST) -> bool:
     """``target`` or ``<x>.target``: an FX node's target."""
     return (isinstance(value, ast.Name) and value.id == "target") or (
-        isinstance(value, ast.Attribute) and value.attr == "target")
+        isinstance(value, ast.Attribute) and value.attr == "target"
+    )
 
 
 def _defines_pass(tree: ast.Module) -> bool:
-    return any(isinstance(n, ast.ClassDef) and any(
-        (b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")) in _PASS_BASES for b in n.bases)
-        for n in ast.walk(tree))
+    return any(
+        isinstance(n, ast.ClassDef)
+        and any((b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")) in _PASS_BASES for b in n.bases)
+        for n in ast.walk(tree)
+    )
 
 
 def scan_source(src: str, name: str, where: str = "") -> list[str]:
@@ -117,7 +120,8 @@ def scan_source(src: str, name: str, where: str = "") -> list[str]:
             if in_pass_module:
                 bad(node, "dispatch rule", f"{called}() in a pass's module: register it with the ops")
             elif called in ("register_dtensor_handlers", "let_dtensors_through") and (
-                    name not in OPS_MODULES or id(node) not in top_calls):
+                name not in OPS_MODULES or id(node) not in top_calls
+            ):
                 bad(node, "dispatch rule", f"{called}() outside an ops module's top level, where the ops are defined")
             elif called == "register_torch_dispatch" and name not in OPS_MODULES:
                 bad(node, "dispatch rule", f"{called}() outside an ops module")
@@ -141,42 +145,48 @@ def test_no_raw_spellings_outside_the_toolkit():
 # ------------------------------------------------------------------ the scan catches what it must
 
 
-@pytest.mark.parametrize("snippet, name, question", [
-    ("y = t._local_tensor", "writer.py", "DTensor"),
-    ("ok = hasattr(t, '_local_tensor')", "ops.py", "DTensor"),
-    ("from torch.distributed.tensor import DTensor", "ops.py", "DTensor"),
-    ("m = t.device_mesh", "model_capture.py", "DTensor"),
-    ("from torch.utils._python_dispatch import is_traceable_wrapper_subclass", "fx_utils.py", "wrapper subclass"),
-    ("names, ctx = t.__tensor_flatten__()", "planning.py", "wrapper subclass"),
-    ("env = getattr(v, 'fake_mode', None)", "slice_static_buffers.py", "fake mode"),
-    ("env = v.fake_mode.shape_env", "plan.py", "fake mode"),
-    ("from torch._guards import detect_fake_mode", "dispatcher.py", "fake mode"),
-    ("ns = node.target.namespace", "padding_safety.py", "op naming"),
-    ("a = op._schema.arguments", "padding_safety.py", "op naming"),
-    ("n = t.overloadpacket.__name__", "allocation_audit.py", "op naming"),
-    ("n = node.target.__name__", "slice_static_buffers.py", "op naming"),
-    ("cls._op_dispatcher._custom_op_handlers[op] = h", "ops.py", "dispatch rule"),
-    ("g = getattr(m._get_fsdp_state(), '_fsdp_param_group', None)", "analyze_ownership.py", "FSDP2 groups"),
-    ("class P(GraphPass):\n    def run(self, ctx):\n        let_wrappers_through({int})", "p.py", "dispatch rule"),
-    ("class P(GraphPass):\n    pass\ndef f():\n    register_dtensor_handlers({})", "p.py", "dispatch rule"),
-    ("def f():\n    register_dtensor_handlers({})", "ops.py", "dispatch rule"),
-    ("register_dtensor_handlers({})", "runtime.py", "dispatch rule"),
-])
+@pytest.mark.parametrize(
+    "snippet, name, question",
+    [
+        ("y = t._local_tensor", "writer.py", "DTensor"),
+        ("ok = hasattr(t, '_local_tensor')", "ops.py", "DTensor"),
+        ("from torch.distributed.tensor import DTensor", "ops.py", "DTensor"),
+        ("m = t.device_mesh", "model_capture.py", "DTensor"),
+        ("from torch.utils._python_dispatch import is_traceable_wrapper_subclass", "fx_utils.py", "wrapper subclass"),
+        ("names, ctx = t.__tensor_flatten__()", "planning.py", "wrapper subclass"),
+        ("env = getattr(v, 'fake_mode', None)", "slice_static_buffers.py", "fake mode"),
+        ("env = v.fake_mode.shape_env", "plan.py", "fake mode"),
+        ("from torch._guards import detect_fake_mode", "dispatcher.py", "fake mode"),
+        ("ns = node.target.namespace", "padding_safety.py", "op naming"),
+        ("a = op._schema.arguments", "padding_safety.py", "op naming"),
+        ("n = t.overloadpacket.__name__", "allocation_audit.py", "op naming"),
+        ("n = node.target.__name__", "slice_static_buffers.py", "op naming"),
+        ("cls._op_dispatcher._custom_op_handlers[op] = h", "ops.py", "dispatch rule"),
+        ("g = getattr(m._get_fsdp_state(), '_fsdp_param_group', None)", "analyze_ownership.py", "FSDP2 groups"),
+        ("class P(GraphPass):\n    def run(self, ctx):\n        let_wrappers_through({int})", "p.py", "dispatch rule"),
+        ("class P(GraphPass):\n    pass\ndef f():\n    register_dtensor_handlers({})", "p.py", "dispatch rule"),
+        ("def f():\n    register_dtensor_handlers({})", "ops.py", "dispatch rule"),
+        ("register_dtensor_handlers({})", "runtime.py", "dispatch rule"),
+    ],
+)
 def test_scan_catches_raw_spelling(snippet, name, question):
     found = scan_source(textwrap.dedent(snippet), name)
     assert found and all(f": {question}: " in f for f in found), found
     assert found[0].startswith(f"{name}:"), found  # file:line of each violation
 
 
-@pytest.mark.parametrize("snippet, name", [
-    ("y = t._local_tensor", "tensor_utils.py"),
-    ("env = detect_fake_mode(v)", "tensor_utils.py"),
-    ("ns = target.namespace", "fx_utils.py"),
-    ("ns = op_name(node.target).namespace", "analysis.py"),
-    ("register_dtensor_handlers({})", "ops.py"),  # at an ops module's top level: where the ops are defined
-    ('"""fake_mode and _local_tensor in a docstring."""\n# t._local_tensor in a comment', "writer.py"),
-    ("def offload():\n    let_wrappers_through({int})", "install.py"),
-])
+@pytest.mark.parametrize(
+    "snippet, name",
+    [
+        ("y = t._local_tensor", "tensor_utils.py"),
+        ("env = detect_fake_mode(v)", "tensor_utils.py"),
+        ("ns = target.namespace", "fx_utils.py"),
+        ("ns = op_name(node.target).namespace", "analysis.py"),
+        ("register_dtensor_handlers({})", "ops.py"),  # at an ops module's top level: where the ops are defined
+        ('"""fake_mode and _local_tensor in a docstring."""\n# t._local_tensor in a comment', "writer.py"),
+        ("def offload():\n    let_wrappers_through({int})", "install.py"),
+    ],
+)
 def test_scan_allows_the_toolkit(snippet, name):
     assert scan_source(snippet, name) == []
 
@@ -197,6 +207,7 @@ def test_op_name_is_one_answer_for_every_target():
     assert tuple(op_name(operator.iadd)) == (None, "iadd", "")
     assert tuple(op_name("add_")) == (None, "add_", "")  # a call_method target
     from torch._higher_order_ops.wrap import tag_activation_checkpoint
+
     assert tuple(op_name(tag_activation_checkpoint)) == ("higher_order", "tag_activation_checkpoint", "")
     assert op_library(add) == "aten" and op_library(torch.softmax) is None and op_library("add_") is None
     assert schema_position(torch.ops.aten.sum.dim_IntList, "dim") == 1
@@ -234,8 +245,14 @@ def test_fake_mode_comes_from_detect_fake_mode_and_the_values_own():
 
 
 def test_dtensor_questions_on_plain_tensors():
-    from graphpass.tensor_utils import (dtensor_mesh, dtensor_placements, is_dtensor, is_wrapper_subclass, local_tensor,
-                                        subclass_fields)
+    from graphpass.tensor_utils import (
+        dtensor_mesh,
+        dtensor_placements,
+        is_dtensor,
+        is_wrapper_subclass,
+        local_tensor,
+        subclass_fields,
+    )
 
     t = torch.ones(2)
     assert not is_dtensor(t) and local_tensor(t) is t and dtensor_mesh(t) is None and dtensor_placements(t) == ()

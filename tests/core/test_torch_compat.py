@@ -1,4 +1,5 @@
 """graphpass.torch_compat: the one place differences between torch releases are answered."""
+
 from __future__ import annotations
 
 import pytest

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import graphpass
-from graphpass.backends import (Delegate, delegate_names, register_delegate, resolve_delegate,
-                                unregister_delegate)
+from graphpass.backends import Delegate, delegate_names, register_delegate, resolve_delegate, unregister_delegate
 from graphpass.errors import ConfigError, DelegateError, DelegateRegistrationError
 from graphpass.models.corpus import build
 
@@ -75,8 +74,11 @@ def test_a_delegate_registered_without_host_code_gets_the_graph_split(recording)
 
 
 def test_the_entry_says_whether_options_are_taken(recording):
-    with pytest.raises(ConfigError, match=r"'delegate_options\.level'=1: the registered backend 'recording_dev' "
-                                          r"takes no options="):
+    with pytest.raises(
+        ConfigError,
+        match=r"'delegate_options\.level'=1: the registered backend 'recording_dev' "
+        r"takes no options=",
+    ):
         graphpass.backend(then="recording_dev", delegate_options={"level": 1})
     assert resolve_delegate("recording", mode="max-autotune").mode == "max-autotune"
 
@@ -109,16 +111,19 @@ def test_a_taken_name_is_refused(names):
     assert delegate_names() == before  # nothing half-registered
 
 
-@pytest.mark.parametrize("names,factory,flags,match", [
-    ("graphpass", Recording, {}, "reserved"),
-    ("", Recording, {}, "non-empty string"),
-    (" padded", Recording, {}, "non-empty string"),
-    ((), Recording, {}, "a name or a tuple of names"),
-    (("twice", "twice"), Recording, {}, "given twice"),
-    ("bad_factory", "not callable", {}, "must be callable"),
-    ("bad_flag", Recording, {"host_code": "yes"}, "host_code .* must be True or False"),
-    ("bad_flag", Recording, {"takes_options": 1}, "takes_options .* must be True or False"),
-])
+@pytest.mark.parametrize(
+    "names,factory,flags,match",
+    [
+        ("graphpass", Recording, {}, "reserved"),
+        ("", Recording, {}, "non-empty string"),
+        (" padded", Recording, {}, "non-empty string"),
+        ((), Recording, {}, "a name or a tuple of names"),
+        (("twice", "twice"), Recording, {}, "given twice"),
+        ("bad_factory", "not callable", {}, "must be callable"),
+        ("bad_flag", Recording, {"host_code": "yes"}, "host_code .* must be True or False"),
+        ("bad_flag", Recording, {"takes_options": 1}, "takes_options .* must be True or False"),
+    ],
+)
 def test_a_bad_entry_is_refused(names, factory, flags, match):
     before = delegate_names()
     kwargs = {"takes_options": True, "host_code": True, **flags}
@@ -129,8 +134,9 @@ def test_a_bad_entry_is_refused(names, factory, flags, match):
 
 
 def test_a_factory_that_makes_no_delegate_is_refused_when_configured():
-    register_delegate("not_a_delegate", lambda name, mode, options: (lambda gm, ex: gm.forward),
-                      takes_options=False, host_code=True)
+    register_delegate(
+        "not_a_delegate", lambda name, mode, options: lambda gm, ex: gm.forward, takes_options=False, host_code=True
+    )
     try:
         with pytest.raises(DelegateError, match="returned function, not a graphpass.backends.Delegate"):
             graphpass.backend(then="not_a_delegate")

@@ -190,8 +190,10 @@ def test_a_fallback_of_a_graph_with_only_trap_boundaries_is_left_to_dynamo_and_l
     with caplog.at_level("WARNING", logger="graphpass.delegation"), torch.no_grad():
         got = compiled(*x)
         assert torch.equal(got, model(*x))  # Dynamo ran the frame eagerly: nothing numerical was lost
-    assert any("delegate 'untraceable' could not trace graph 0" in r.getMessage() and "trap" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "delegate 'untraceable' could not trace graph 0" in r.getMessage() and "trap" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 # ------------------------------------------------------------------ a delegate that fails (issue 22 item 17)
@@ -205,10 +207,16 @@ def forgetful_backend(gm, example_inputs):
     return None  # forgot `return gm.forward`
 
 
-@pytest.mark.parametrize("then, match", [
-    (exploding_backend, r"delegate 'exploding_backend' failed to compile graph 0: RuntimeError: the compiler crashed"),
-    (forgetful_backend, r"delegate 'forgetful_backend' returned None instead of a callable when compiling graph 0"),
-])
+@pytest.mark.parametrize(
+    "then, match",
+    [
+        (
+            exploding_backend,
+            r"delegate 'exploding_backend' failed to compile graph 0: RuntimeError: the compiler crashed",
+        ),
+        (forgetful_backend, r"delegate 'forgetful_backend' returned None instead of a callable when compiling graph 0"),
+    ],
+)
 def test_a_delegate_that_raises_or_returns_none_is_a_delegate_error_naming_it(then, match):
     """Before: Dynamo's generic BackendCompilerFailed naming graphpass, not the delegate (and for
     None, an error about calling None)."""
@@ -229,6 +237,12 @@ class _PiecesReturningNone(Delegate):
 def test_a_delegate_without_host_code_returning_none_for_a_piece_is_a_delegate_error():
     model, inputs = build("mlp_stack")
     compiled = torch.compile(model, backend=graphpass.backend(then=_PiecesReturningNone()))
-    with torch.no_grad(), pytest.raises(graphpass.DelegateError, match=r"delegate 'pieces_returning_none' returned None "
-                                                                      r"instead of a callable when compiling a piece"):
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            graphpass.DelegateError,
+            match=r"delegate 'pieces_returning_none' returned None "
+            r"instead of a callable when compiling a piece",
+        ),
+    ):
         compiled(*fresh_inputs(inputs))

@@ -105,7 +105,9 @@ def test_opt_with_buckets_through_neuron(strict_backend):
     with graphpass.trace_traps() as events, torch.no_grad():
         for n in lengths:
             ids = torch.randint(0, model.config.vocab_size, (1, n), generator=g)
-            torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                compiled(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-6
+            )
     _only_aten(strict_backend)
     seq_lens = {s[1] for shapes in strict_backend.shapes for s in shapes if len(s) == 3 and s[0] == 1}
     assert seq_lens <= set(buckets) | {lengths[0]}, seq_lens
@@ -213,6 +215,7 @@ def _dynamo_graph(model, inputs):
         def run(*args):
             seen.append((gm, args))
             return gm(*args)
+
         return run
 
     torch._dynamo.reset()
@@ -236,7 +239,9 @@ def _insert_size_products(gm, rng: random.Random) -> None:
     later (as ``bsz * seq_len`` is where the batch is 1): after a bucket bakes the size in, that node is
     the first whose example value is the size symbol."""
     order = node_order(gm.graph)
-    for ph in [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.SymInt)]:
+    for ph in [
+        n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.SymInt)
+    ]:
         users = sorted(ph.users, key=order.get)
         if not users:
             continue
@@ -244,7 +249,7 @@ def _insert_size_products(gm, rng: random.Random) -> None:
         with gm.graph.inserting_before(at):
             product = gm.graph.call_function(operator.mul, (1, ph))
         product.meta["example_value"] = ph.meta["example_value"]
-        for user in users[users.index(at):]:
+        for user in users[users.index(at) :]:
             user.replace_input_with(ph, product)
     gm.recompile()
 

@@ -15,7 +15,9 @@ from graphpass.models.corpus import build
 
 from helpers import StrictAtenBackend, fresh_inputs, register_temp_backend
 
-no_torch_xla = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is installed here")
+no_torch_xla = pytest.mark.skipif(
+    importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is installed here"
+)
 
 
 @no_torch_xla

@@ -37,8 +37,13 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str, str, dict]]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      GRAPHPASS_TEST_SCRATCH=out_dir)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        GRAPHPASS_TEST_SCRATCH=out_dir,
+    )
     torch.set_num_threads(1)  # 2-core CI machines: ranks must not oversubscribe
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
@@ -89,8 +94,9 @@ def run_ranks(world: int, cases: list[tuple[str, str, dict]], timeout: float = 1
     hang (a collective one rank never joins) fails instead of blocking CI.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), out_dir, cases), nprocs=world, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(
+            _entry, args=(world, free_port(), out_dir, cases), nprocs=world, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
@@ -113,8 +119,16 @@ def build(model: str) -> torch.nn.Module:
     if model == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, use_cache=False)
+        cfg = LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            use_cache=False,
+        )
         return LlamaForCausalLM(cfg)
     from graphpass.models.transformer import TinyTransformer, TransformerConfig
 
@@ -138,14 +152,21 @@ def tp_plan(model_name: str) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if model_name == "llama":
-        return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel()}
-    return {"attn.qkv": ColwiseParallel(output_layouts=Replicate()),
-            "attn.o_proj": RowwiseParallel(input_layouts=Replicate()),
-            "mlp.gate_up": ColwiseParallel(output_layouts=Replicate()),
-            "mlp.down": RowwiseParallel(input_layouts=Replicate())}
+        return {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+    return {
+        "attn.qkv": ColwiseParallel(output_layouts=Replicate()),
+        "attn.o_proj": RowwiseParallel(input_layouts=Replicate()),
+        "mlp.gate_up": ColwiseParallel(output_layouts=Replicate()),
+        "mlp.down": RowwiseParallel(input_layouts=Replicate()),
+    }
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,9 +217,16 @@ def _compile(model, then, **options):
 
 def _graph_summary(gp) -> list[dict]:
     """Per graph: the frame it was traced from, its traps and its weights (FQN, placement, bytes)."""
-    return [{"frame": g.analysis.roots.frame_name if g.analysis.roots else "", "traps": list(g.analysis.traps),
-             "weights": [(t.fqn, t.kind, getattr(t, "placement", None), t.nbytes, t.traps) for t in g.analysis.weights()]}
-            for g in gp.graphs]
+    return [
+        {
+            "frame": g.analysis.roots.frame_name if g.analysis.roots else "",
+            "traps": list(g.analysis.traps),
+            "weights": [
+                (t.fqn, t.kind, getattr(t, "placement", None), t.nbytes, t.traps) for t in g.analysis.weights()
+            ],
+        }
+        for g in gp.graphs
+    ]
 
 
 def _trap_labels(gp) -> list[list[str]]:
@@ -216,8 +244,15 @@ def _train_step(ref, model, wrapped, ids, labels, mine: slice, then) -> dict:
     out_diff = (logits(out).detach() - logits(ref(ids[mine])).detach()).abs().max().item()
     loss_of(out, labels[mine]).backward()
     grad_diff, n = _grad_diffs(ref, model)
-    return {"out_diff": out_diff, "grad_diff": grad_diff, "params": n, "graphs": len(gp.graphs),
-            "traps": _trap_labels(gp), "boundaries": _count_boundaries(gp), "summary": _graph_summary(gp)}
+    return {
+        "out_diff": out_diff,
+        "grad_diff": grad_diff,
+        "params": n,
+        "graphs": len(gp.graphs),
+        "traps": _trap_labels(gp),
+        "boundaries": _count_boundaries(gp),
+        "summary": _graph_summary(gp),
+    }
 
 
 def case_tp(rank, world, model_name, then="aot_eager"):
@@ -234,8 +269,12 @@ def case_tp(rank, world, model_name, then="aot_eager"):
     with torch.no_grad():
         out = logits(compiled(ids))
         expected = logits(ref(ids))
-    return {"out_diff": (out - expected).abs().max().item(), "graphs": len(gp.graphs), "traps": _trap_labels(gp),
-            "boundaries": _count_boundaries(gp)}
+    return {
+        "out_diff": (out - expected).abs().max().item(),
+        "graphs": len(gp.graphs),
+        "traps": _trap_labels(gp),
+        "boundaries": _count_boundaries(gp),
+    }
 
 
 def case_fsdp2(rank, world, model_name, then="aot_eager"):
@@ -305,8 +344,13 @@ def case_explain_tp(rank, world, model_name):
     for node in graph.gm.graph.nodes:
         if "_c10d_functional" in str(node.target) or "redistribute" in str(node.target):
             collectives[node.name] = graph.analysis.node_trap.get(node.name)
-    return {"dict": data, "text": str(report), "tensor_table": report.tensor_table(), "collectives": collectives,
-            "ops": [str(n.target) for n in graph.gm.graph.nodes if n.op != "placeholder"]}
+    return {
+        "dict": data,
+        "text": str(report),
+        "tensor_table": report.tensor_table(),
+        "collectives": collectives,
+        "ops": [str(n.target) for n in graph.gm.graph.nodes if n.op != "placeholder"],
+    }
 
 
 def _count_boundaries(gp) -> int:
@@ -341,8 +385,12 @@ def _tp_model(model_name: str, world: int):
 def _schedule_ops(gp) -> list[str]:
     """The graph's offload ops and collectives in graph order (what must be the same on every rank)."""
     keep = ("load_start", "load_wait", "evict", "_c10d_functional", "redistribute")
-    return [str(n.target).split(".")[-2] if "graphpass" in str(n.target) else str(n.target)
-            for g in gp.graphs for n in g.gm.graph.nodes if any(k in str(n.target) for k in keep)]
+    return [
+        str(n.target).split(".")[-2] if "graphpass" in str(n.target) else str(n.target)
+        for g in gp.graphs
+        for n in g.gm.graph.nodes
+        if any(k in str(n.target) for k in keep)
+    ]
 
 
 def case_tp_offload(rank, world, model_name, storage, then="aot_eager", train=False):
@@ -359,15 +407,25 @@ def case_tp_offload(rank, world, model_name, storage, then="aot_eager", train=Fa
     local_bytes = sum(getattr(p, "_local_tensor", p).nbytes for p in blocks(model).parameters())
     global_bytes = sum(p.nbytes for p in blocks(ref).parameters())
     folder = scratch_folder() if storage == "disk" else None
-    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage=storage, disk_path=folder,
-                                                     include_patterns=[r"(model\.)?layers\.\d+"]))
+    graphpass.offload(
+        model,
+        graphpass.OffloadConfig(
+            device="cpu", storage=storage, disk_path=folder, include_patterns=[r"(model\.)?layers\.\d+"]
+        ),
+    )
     compiled, gp = _compile(model, then)
     compiled_plain, _ = _compile(plain, then)
     with torch.set_grad_enabled(train):
         out, out_plain, expected = (logits(f(ids)) for f in (compiled, compiled_plain, ref))
-    res = {"out_diff": (out - expected).abs().max().item(), "plain_diff": (out - out_plain).abs().max().item(),
-           "local_bytes": local_bytes, "global_bytes": global_bytes, "ops": _schedule_ops(gp),
-           "stats": graphpass.memory_stats(compiled), "state_dict_diff": 0.0}
+    res = {
+        "out_diff": (out - expected).abs().max().item(),
+        "plain_diff": (out - out_plain).abs().max().item(),
+        "local_bytes": local_bytes,
+        "global_bytes": global_bytes,
+        "ops": _schedule_ops(gp),
+        "stats": graphpass.memory_stats(compiled),
+        "state_dict_diff": 0.0,
+    }
     if train:
         loss_of(out, labels).backward()
         loss_of(expected, labels).backward()
@@ -397,8 +455,12 @@ def _fsdp2_offload_run(model_name, storage, train, then):
             m.eval().requires_grad_(False)
     local = [sum(p._local_tensor.nbytes for p in b.parameters()) for b in blocks(model)]
     folder = scratch_folder() if storage == "disk" else None
-    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage=storage, disk_path=folder,
-                                                     include_patterns=[r"(model\.)?layers\.\d+"]))
+    graphpass.offload(
+        model,
+        graphpass.OffloadConfig(
+            device="cpu", storage=storage, disk_path=folder, include_patterns=[r"(model\.)?layers\.\d+"]
+        ),
+    )
     compiled, gp = _compile(model, then)
     compiled_plain, _ = _compile(plain, then)
     return ref, model, compiled, compiled_plain, local, gp
@@ -415,9 +477,14 @@ def case_fsdp2_offload(rank, world, model_name, storage, train=False, then="aot_
     ref, model, compiled, compiled_plain, local, gp = _fsdp2_offload_run(model_name, storage, train, then)
     with torch.set_grad_enabled(train):
         out, out_plain, expected = (logits(f(ids[mine])) for f in (compiled, compiled_plain, ref))
-    res = {"out_diff": (out - expected).abs().max().item(), "plain_diff": (out - out_plain).abs().max().item(),
-           "block_bytes": local, "global_bytes": sum(p.nbytes for p in blocks(ref).parameters()),
-           "stats": graphpass.memory_stats(compiled, reset=True), "graphs": len(gp.graphs)}
+    res = {
+        "out_diff": (out - expected).abs().max().item(),
+        "plain_diff": (out - out_plain).abs().max().item(),
+        "block_bytes": local,
+        "global_bytes": sum(p.nbytes for p in blocks(ref).parameters()),
+        "stats": graphpass.memory_stats(compiled, reset=True),
+        "graphs": len(gp.graphs),
+    }
     if train:
         loss_of(out, labels[mine]).backward()
         loss_of(ref(ids), labels).backward()  # FSDP2 averages the ranks' gradients: eager on the whole batch
@@ -485,8 +552,10 @@ def case_fsdp2_skipped_block(rank, world, storage="cpu"):
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage=storage, include_patterns=[r"layers\.\d+"],
-                                                     prefetch_distance=1))
+    graphpass.offload(
+        model,
+        graphpass.OffloadConfig(device="cpu", storage=storage, include_patterns=[r"layers\.\d+"], prefetch_distance=1),
+    )
     compiled, _ = _compile(model, "aot_eager")
     x = torch.randn(4, 16)
     diffs = []
@@ -500,5 +569,10 @@ def case_fsdp2_skipped_block(rank, world, storage="cpu"):
     return {"diffs": diffs, "stats": graphpass.memory_stats(compiled)}
 
 
-CASES.update(tp_offload=case_tp_offload, fsdp2_offload=case_fsdp2_offload, fsdp2_own_offload=case_fsdp2_own_offload,
-             fsdp2_disk_backward=case_fsdp2_disk_backward, fsdp2_skipped_block=case_fsdp2_skipped_block)
+CASES.update(
+    tp_offload=case_tp_offload,
+    fsdp2_offload=case_fsdp2_offload,
+    fsdp2_own_offload=case_fsdp2_own_offload,
+    fsdp2_disk_backward=case_fsdp2_disk_backward,
+    fsdp2_skipped_block=case_fsdp2_skipped_block,
+)

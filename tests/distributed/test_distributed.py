@@ -21,15 +21,19 @@ import torch.distributed as dist
 from dist_helpers import ok, run_ranks
 
 # slow (make test-slow): each module spawns its own gloo ranks, each importing torch and compiling
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                 reason="torch.distributed with gloo is not available")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available"
+    ),
+]
 
 FWD_ATOL = 1e-5
 GRAD_ATOL = 1e-5
 MODELS = ["tiny", "llama"]
-TWO_RANK_CASES = [(f"{engine}:{m}", engine, {"model_name": m}) for engine in ("tp", "fsdp2", "ddp", "explain_tp")
-                  for m in MODELS]
+TWO_RANK_CASES = [
+    (f"{engine}:{m}", engine, {"model_name": m}) for engine in ("tp", "fsdp2", "ddp", "explain_tp") for m in MODELS
+]
 FOUR_RANK_CASES = [(f"tp_fsdp2:{m}", "tp_fsdp2", {"model_name": m}) for m in MODELS]
 # Inductor as the delegate (the tests marked ``inductor``): TP on the Llama, the split-graph engines
 # and the 2-D mesh on the bundled transformer. Named "<engine>:<model>:inductor".
@@ -41,8 +45,10 @@ FOUR_RANK_INDUCTOR = [("tp_fsdp2:tiny:inductor", "tp_fsdp2", {"model_name": "tin
 def _inductor_selected(request) -> bool:
     """Whether this run selected an ``inductor``-marked test of this file (their cases then share
     the aot_eager cases' spawns instead of paying spawns of their own)."""
-    return any(item.get_closest_marker("inductor") and getattr(item, "module", None) is request.module
-               for item in request.session.items)
+    return any(
+        item.get_closest_marker("inductor") and getattr(item, "module", None) is request.module
+        for item in request.session.items
+    )
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +144,11 @@ def test_fsdp2_ddp_and_tp_x_fsdp2_with_inductor_match_eager(two_ranks, four_rank
     """The engines whose graphs Dynamo splits (FSDP2's hooks, DDP's buckets) and the 2-D mesh, with
     inductor as the delegate: forward and a training step's gradients within 1e-4 of eager
     (inductor reorders float math)."""
-    for results, case in ((two_ranks, "fsdp2:tiny:inductor"), (two_ranks, "ddp:tiny:inductor"),
-                          (four_ranks, "tp_fsdp2:tiny:inductor")):
+    for results, case in (
+        (two_ranks, "fsdp2:tiny:inductor"),
+        (two_ranks, "ddp:tiny:inductor"),
+        (four_ranks, "tp_fsdp2:tiny:inductor"),
+    ):
         per_rank = ok(results, case)
         for rank, res in enumerate(per_rank):
             assert res["out_diff"] <= 1e-4 and res["grad_diff"] <= 1e-4, (case, rank, res["out_diff"], res["grad_diff"])

@@ -27,8 +27,9 @@ from graphpass.capturing.model_capture import resolve_ranks
 from graphpass.capturing.writer import read_step_meta
 from graphpass.cli import main
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available"
+)
 
 MODULES = ["layers.0-2", "layers.0.fc1", "layers.1.fc1", "layers.2.fc1", "head"]
 STEP = "dp0/decode_b4_0"
@@ -36,6 +37,7 @@ DELEGATES = ("aot_eager", "inductor")  # AOTAutograd delegates: they trace the D
 
 
 # ------------------------------------------------------------------ what each rank runs
+
 
 def _capture(model, x, capture_dir, then="eager", **ranks):
     """One captured step of ``model`` compiled with ``graphpass.backend(then=then)``; returns the
@@ -99,9 +101,11 @@ def case_tp_delegates(rank: int, world: int, root: str) -> dict:
         model, x = _tp_model(world)
         _, gp = _capture(model, x, Path(root) / "delegates" / then, then=then)
         counters = torch._dynamo.utils.counters
-        result[then] = {"graphs": len(gp.graphs),
-                        "breaks": sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values()),
-                        "captured": sorted({n.args[0] for g in gp.graphs for n in g.gm.graph.nodes if is_capture(n)})}
+        result[then] = {
+            "graphs": len(gp.graphs),
+            "breaks": sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values()),
+            "captured": sorted({n.args[0] for g in gp.graphs for n in g.gm.graph.nodes if is_capture(n)}),
+        }
     return result
 
 
@@ -111,9 +115,14 @@ def tp_run(tmp_path_factory):
     from dist_helpers import run_ranks
 
     root = tmp_path_factory.mktemp("tp_captures")
-    results = run_ranks(2, [("captures", "test_distributed_capture:case_tp_captures", {"root": str(root)}),
-                            ("delegates", "test_distributed_capture:case_tp_delegates", {"root": str(root)})],
-                        timeout=360)
+    results = run_ranks(
+        2,
+        [
+            ("captures", "test_distributed_capture:case_tp_captures", {"root": str(root)}),
+            ("delegates", "test_distributed_capture:case_tp_delegates", {"root": str(root)}),
+        ],
+        timeout=360,
+    )
     return root, results
 
 
@@ -128,6 +137,7 @@ def tp_captures(tp_run):
 
 
 # ------------------------------------------------------------------ spawned: per-rank captures
+
 
 @pytest.mark.slow
 def test_each_rank_writes_its_own_files_and_meta(tp_captures):
@@ -147,8 +157,9 @@ def test_each_rank_writes_its_own_files_and_meta(tp_captures):
 
 @pytest.mark.slow
 def test_tp2_capture_matches_the_single_process_reference(tp_captures):
-    report = graphpass.compare(tp_captures / "ref", [tp_captures / "host0", tp_captures / "host1"],
-                               rtol=1e-4, atol=1e-5)
+    report = graphpass.compare(
+        tp_captures / "ref", [tp_captures / "host0", tp_captures / "host1"], rtol=1e-4, atol=1e-5
+    )
     assert report.passed, str(report)
     fc1 = [r for r in report.rows if r.module == "layers.1.fc1" and r.key == "output"]
     assert [r.rank for r in fc1] == [0, 1] and "Shard(1)" in fc1[1].note  # compared shard by shard
@@ -157,8 +168,19 @@ def test_tp2_capture_matches_the_single_process_reference(tp_captures):
 
 @pytest.mark.slow
 def test_perturbed_shard_is_named_by_layer_and_rank(tp_captures, capsys):
-    code = main(["compare", str(tp_captures / "ref"), str(tp_captures / "bad"), "--rtol", "1e-4", "--atol", "1e-5",
-                 "--json", str(tp_captures / "bad_summary.json")])
+    code = main(
+        [
+            "compare",
+            str(tp_captures / "ref"),
+            str(tp_captures / "bad"),
+            "--rtol",
+            "1e-4",
+            "--atol",
+            "1e-5",
+            "--json",
+            str(tp_captures / "bad_summary.json"),
+        ]
+    )
     out = capsys.readouterr().out
     print(out)  # the report, for the record
     assert code == 1
@@ -199,8 +221,10 @@ def test_a_perturbed_rank_whose_file_was_left_out_is_named(tp_captures, tmp_path
     assert (first.module, first.rank, first.key, first.missing) == ("layers.1.fc1", 1, None, "test")
     assert first.note == "rank file missing in test"
     assert main(["compare", str(tp_captures / "ref"), str(tmp_path / "bad"), "--rtol", "1e-4", "--atol", "1e-5"]) == 1
-    assert ("first diverging module: layers.1.fc1 (step dp0/decode_b4_0, rank 1): rank file missing in test"
-            in capsys.readouterr().out)
+    assert (
+        "first diverging module: layers.1.fc1 (step dp0/decode_b4_0, rank 1): rank file missing in test"
+        in capsys.readouterr().out
+    )
 
 
 @pytest.mark.slow
@@ -212,7 +236,7 @@ def test_dtensor_outputs_are_captured_under_aot_delegates(tp_run, then):
     from dist_helpers import ok
 
     root, results = tp_run
-    for rank, res in enumerate(ok(results, "delegates")):
+    for _rank, res in enumerate(ok(results, "delegates")):
         assert res[then]["graphs"] == 1 and res[then]["breaks"] == 0, res[then]
         assert res[then]["captured"] == res["eager"]["captured"]
         assert {"layers.0.fc1", "layers.1.fc1", "layers.2.fc1"} <= set(res[then]["captured"])
@@ -240,12 +264,15 @@ def test_the_same_rank_file_in_two_roots_is_refused(tp_captures):
 
 # ------------------------------------------------------------------ in-process: hand-made files
 
+
 def _write(root: Path, rank: int, key_values: dict, layouts: dict | None = None, module: str = "m") -> None:
     step = root / "dp0" / "prefill_s4_0"
     (step / module).mkdir(parents=True, exist_ok=True)
     save_file(key_values, str(step / module / f"rank{rank}.safetensors"))
-    entries = [dict({"key": k, "dtype": "float32", "shape": list(v.shape)}, **(layouts or {}).get(k, {}))
-               for k, v in key_values.items()]
+    entries = [
+        dict({"key": k, "dtype": "float32", "shape": list(v.shape)}, **(layouts or {}).get(k, {}))
+        for k, v in key_values.items()
+    ]
     name = "prefill_s4_0_meta.json" if rank == 0 else f"prefill_s4_0_meta.rank{rank}.json"
     (step / name).write_text(json.dumps({"modules": [module], "tensors": {module: entries}, "tp_rank": rank}))
 
@@ -272,8 +299,9 @@ def test_shards_are_assembled_and_a_bad_shard_names_its_rank(tmp_path):
 def test_replicated_copy_that_disagrees_names_its_rank(tmp_path):
     t = torch.ones(2, 2)
     _write(tmp_path / "ref", 0, {"output": t})
-    rep = {"output": {"placements": ["Replicate()"], "mesh_shape": [2], "global_shape": [2, 2],
-                      "global_offset": [0, 0]}}
+    rep = {
+        "output": {"placements": ["Replicate()"], "mesh_shape": [2], "global_shape": [2, 2], "global_offset": [0, 0]}
+    }
     _write(tmp_path / "test", 0, {"output": t}, rep)
     _write(tmp_path / "test", 1, {"output": t + 0.5}, rep)
     report = graphpass.compare(tmp_path / "ref", tmp_path / "test")
@@ -283,8 +311,12 @@ def test_replicated_copy_that_disagrees_names_its_rank(tmp_path):
 
 
 def test_a_partial_placement_is_a_row_not_a_crash(tmp_path):
-    _write(tmp_path / "ref", 0, {"output": torch.ones(2)}, {"output": {"placements": ["Partial(sum)"],
-                                                                       "global_shape": [2], "global_offset": [0]}})
+    _write(
+        tmp_path / "ref",
+        0,
+        {"output": torch.ones(2)},
+        {"output": {"placements": ["Partial(sum)"], "global_shape": [2], "global_offset": [0]}},
+    )
     _write(tmp_path / "test", 0, {"output": torch.ones(2)})
     _write(tmp_path / "test", 1, {"output": torch.ones(2)})
     report = graphpass.compare(tmp_path / "ref", tmp_path / "test")

@@ -17,20 +17,33 @@ import torch.distributed as dist
 from dist_helpers import ok, run_ranks
 
 # slow (make test-slow): each module spawns its own gloo ranks, each importing torch and compiling
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                 reason="torch.distributed with gloo is not available")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available"
+    ),
+]
 
 FWD_ATOL = 1e-5
-CASES = [(f"tp_offload:{m}:{s}", "tp_offload", {"model_name": m, "storage": s})
-         for m in ("tiny", "llama") for s in ("cpu", "disk")]
-CASES += [("tp_offload:tiny:cpu:train", "tp_offload", {"model_name": "tiny", "storage": "cpu", "train": True}),
-          ("tp_offload:tiny:disk:inductor", "tp_offload", {"model_name": "tiny", "storage": "disk", "then": "inductor"}),
-          ("fsdp2_own_offload", "fsdp2_own_offload", {"model_name": "tiny"})]
-CASES += [(f"fsdp2_offload:{m}:{s}", "fsdp2_offload", {"model_name": m, "storage": s})
-          for m in ("tiny", "llama") for s in ("cpu", "disk")]
-CASES += [("fsdp2_offload:tiny:cpu:train", "fsdp2_offload", {"model_name": "tiny", "storage": "cpu", "train": True}),
-          ("fsdp2_disk_backward", "fsdp2_disk_backward", {"model_name": "tiny"})]  # last: it leaves FSDP2 mid-backward
+CASES = [
+    (f"tp_offload:{m}:{s}", "tp_offload", {"model_name": m, "storage": s})
+    for m in ("tiny", "llama")
+    for s in ("cpu", "disk")
+]
+CASES += [
+    ("tp_offload:tiny:cpu:train", "tp_offload", {"model_name": "tiny", "storage": "cpu", "train": True}),
+    ("tp_offload:tiny:disk:inductor", "tp_offload", {"model_name": "tiny", "storage": "disk", "then": "inductor"}),
+    ("fsdp2_own_offload", "fsdp2_own_offload", {"model_name": "tiny"}),
+]
+CASES += [
+    (f"fsdp2_offload:{m}:{s}", "fsdp2_offload", {"model_name": m, "storage": s})
+    for m in ("tiny", "llama")
+    for s in ("cpu", "disk")
+]
+CASES += [
+    ("fsdp2_offload:tiny:cpu:train", "fsdp2_offload", {"model_name": "tiny", "storage": "cpu", "train": True}),
+    ("fsdp2_disk_backward", "fsdp2_disk_backward", {"model_name": "tiny"}),
+]  # last: it leaves FSDP2 mid-backward
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,16 @@ import pytest
 import torch
 
 import graphpass
-from graphpass.golden import GoldenMismatch, check_golden, is_release_path, meta_path, render_code, render_ownership, render_schedule, summarize
+from graphpass.golden import (
+    GoldenMismatch,
+    check_golden,
+    is_release_path,
+    meta_path,
+    render_code,
+    render_ownership,
+    render_schedule,
+    summarize,
+)
 from graphpass.models.corpus import CORPUS, build
 from graphpass.capturing.model_capture import sweep_marking_hook
 from graphpass.testing import check_goldens
@@ -45,8 +54,14 @@ def tiny_llama():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     model = transformers.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
@@ -73,8 +88,11 @@ def test_golden(name):
     graphs = transformed(name)
     ownership = "\n".join(render_ownership(g) for g in graphs)
     code = "\n".join(f"graph {g.index}\n{render_code(g.gm)}" for g in graphs)
-    check_goldens({GOLDEN / "ownership" / f"{name}.txt": ownership, GOLDEN / "trap_boundaries" / f"{name}.txt": code},
-                  {GOLDEN / "trap_boundaries" / f"{name}.summary.json": summarize(graphs)}, hint=HINT)
+    check_goldens(
+        {GOLDEN / "ownership" / f"{name}.txt": ownership, GOLDEN / "trap_boundaries" / f"{name}.txt": code},
+        {GOLDEN / "trap_boundaries" / f"{name}.summary.json": summarize(graphs)},
+        hint=HINT,
+    )
 
 
 CAPTURED = {
@@ -99,8 +117,11 @@ def test_golden_capture_nodes(name, tmp_path):
     assert "graphpass.capture" in code
     summary = summarize(gp.graphs)
     assert sum(t["captures"] for t in summary["traps"].values()) == code.count("graphpass.capture.default(")
-    check_goldens({GOLDEN / "capture_nodes" / f"{name}.txt": code},
-                  {GOLDEN / "capture_nodes" / f"{name}.summary.json": summary}, hint=HINT)
+    check_goldens(
+        {GOLDEN / "capture_nodes" / f"{name}.txt": code},
+        {GOLDEN / "capture_nodes" / f"{name}.summary.json": summary},
+        hint=HINT,
+    )
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -127,8 +148,11 @@ def test_golden_offload_schedule(name, tmp_path):
     assert "graphpass.load_start" in code
     summary = summarize(gp.graphs)
     assert summary["schedule"] and all(summary["traps"][label]["loads"] >= 1 for label in summary["schedule"])
-    check_goldens({GOLDEN / "offload_schedule" / f"{name}.txt": code},
-                  {GOLDEN / "offload_schedule" / f"{name}.summary.json": summary}, hint=HINT)
+    check_goldens(
+        {GOLDEN / "offload_schedule" / f"{name}.txt": code},
+        {GOLDEN / "offload_schedule" / f"{name}.summary.json": summary},
+        hint=HINT,
+    )
 
 
 def test_golden_static_shapes(tmp_path):
@@ -142,12 +166,19 @@ def test_golden_static_shapes(tmp_path):
         torch.compile(model, backend=gp, dynamic=True)(torch.randint(0, 64, (2, 5)))
     (g,) = gp.graphs
     plan = g.analysis.bucket_plan
-    lines = [f"padded inputs: {sorted((i, [d for d, _ in dims]) for i, dims in plan.pad.items())}",
-             f"size inputs: {sorted(plan.size_inputs)}", f"outputs: {[o is not None for o in plan.outputs]}",
-             f"refused: {plan.refused}", *[line for line in g.log if "static" in line and "compiled bucket" not in line],
-             render_code(g.gm)]
-    check_goldens({GOLDEN / "static_shapes" / "seed_style.txt": "\n".join(lines) + "\n"},
-                  {GOLDEN / "static_shapes" / "seed_style.summary.json": summarize(gp.graphs)}, hint=HINT)
+    lines = [
+        f"padded inputs: {sorted((i, [d for d, _ in dims]) for i, dims in plan.pad.items())}",
+        f"size inputs: {sorted(plan.size_inputs)}",
+        f"outputs: {[o is not None for o in plan.outputs]}",
+        f"refused: {plan.refused}",
+        *[line for line in g.log if "static" in line and "compiled bucket" not in line],
+        render_code(g.gm),
+    ]
+    check_goldens(
+        {GOLDEN / "static_shapes" / "seed_style.txt": "\n".join(lines) + "\n"},
+        {GOLDEN / "static_shapes" / "seed_style.summary.json": summarize(gp.graphs)},
+        hint=HINT,
+    )
 
 
 def test_golden_corpus_is_complete():
@@ -155,9 +186,13 @@ def test_golden_corpus_is_complete():
     for name in MODELS:
         for sub in ("ownership", "trap_boundaries", "offload_schedule"):
             assert (GOLDEN / sub / f"{name}.txt").exists(), f"run `make golden` to record {sub}/{name}"
-            assert meta_path(GOLDEN / sub / f"{name}.txt").exists(), f"run `make golden` to record {sub}/{name}.meta.json"
+            assert meta_path(GOLDEN / sub / f"{name}.txt").exists(), (
+                f"run `make golden` to record {sub}/{name}.meta.json"
+            )
         for sub in ("trap_boundaries", "offload_schedule"):
-            assert (GOLDEN / sub / f"{name}.summary.json").exists(), f"run `make golden` to record {sub}/{name}.summary.json"
+            assert (GOLDEN / sub / f"{name}.summary.json").exists(), (
+                f"run `make golden` to record {sub}/{name}.summary.json"
+            )
     for sub in ("capture_nodes", "static_shapes"):
         for txt in (GOLDEN / sub).glob("*.txt"):
             if not is_release_path(txt):
@@ -184,9 +219,16 @@ def test_golden_mismatch_fails(tmp_path, monkeypatch):
 
 
 def test_renderings_hold_no_paths_ids_or_addresses():
-    text = "\n".join((GOLDEN / sub / f).read_text() for sub in ("ownership", "trap_boundaries") for f in
-                     sorted(p.name for p in (GOLDEN / sub).glob("*.txt")))
-    text += "\n".join(p.read_text() for sub in ("capture_nodes", "static_shapes", "offload_schedule") for p in sorted((GOLDEN / sub).glob("*.txt")))
+    text = "\n".join(
+        (GOLDEN / sub / f).read_text()
+        for sub in ("ownership", "trap_boundaries")
+        for f in sorted(p.name for p in (GOLDEN / sub).glob("*.txt"))
+    )
+    text += "\n".join(
+        p.read_text()
+        for sub in ("capture_nodes", "static_shapes", "offload_schedule")
+        for p in sorted((GOLDEN / sub).glob("*.txt"))
+    )
     text += "\n".join(p.read_text() for p in sorted(GOLDEN.rglob("*.json")))
     for bad in ("/work/", "site-packages", ".py:", "0x7f", "File \""):
         assert bad not in text

@@ -77,8 +77,9 @@ sys.exit(int(pytest.main(args)))
 def run(forks, pytester, *args):
     """One inner pytest run in a child forked from ``forks`` (see _INNER_PYTEST), as a RunResult."""
     start = time.monotonic()
-    ret, out, err = forks.run(_INNER_PYTEST, pytester.path, json.dumps(dict(os.environ)), json.dumps(list(args)),
-                              timeout=300)
+    ret, out, err = forks.run(
+        _INNER_PYTEST, pytester.path, json.dumps(dict(os.environ)), json.dumps(list(args)), timeout=300
+    )
     assert ret != "hang", "inner pytest run timed out"
     outlines, errlines = out.splitlines(), err.splitlines()
     result = pytest.RunResult(ret, outlines, errlines, time.monotonic() - start)
@@ -103,7 +104,10 @@ def test_fixture_records_passes_fails_with_a_diff_and_re_accepts(forks, pytester
 
     run(forks, pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=1)
     assert sorted(p.name for p in golden.iterdir()) == [
-        "test_net_graph.meta.json", "test_net_graph.summary.json", "test_net_graph.txt"]
+        "test_net_graph.meta.json",
+        "test_net_graph.summary.json",
+        "test_net_graph.txt",
+    ]
     meta = json.loads((golden / "test_net_graph.meta.json").read_text())
     assert meta == {"torch": torch.__version__, "graphpass": graphpass.__version__}
     summary = json.loads((golden / "test_net_graph.summary.json").read_text())
@@ -116,9 +120,15 @@ def test_fixture_records_passes_fails_with_a_diff_and_re_accepts(forks, pytester
     monkeypatch.setenv("USER_MODEL_VARIANT", "relu")  # the model changed: the exact rendering differs
     changed = run(forks, pytester, "-q", "-p", "no:cacheprovider")
     changed.assert_outcomes(failed=1)
-    changed.stdout.fnmatch_lines(["*GoldenMismatch: graph differs from golden*test_net_graph.txt*",
-                                  "E * --- *test_net_graph.txt (golden)", "E * +++ actual",
-                                  "E * @@ -*", "E * +*torch.relu(y)*"])
+    changed.stdout.fnmatch_lines(
+        [
+            "*GoldenMismatch: graph differs from golden*test_net_graph.txt*",
+            "E * --- *test_net_graph.txt (golden)",
+            "E * +++ actual",
+            "E * @@ -*",
+            "E * +*torch.relu(y)*",
+        ]
+    )
 
     run(forks, pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=1)
     run(forks, pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=1)
@@ -148,7 +158,9 @@ def test_other_torch_release_skips_the_exact_check_but_checks_the_summary(tmp_pa
     text, summary = golden_paths(tmp_path, "mlp")
     meta_path(text).write_text(json.dumps({"torch": "1.0.0", "graphpass": "0.0.1"}))
     text.write_text("recorded by another torch\n")  # not compared on this release
-    with pytest.raises(pytest.skip.Exception, match=r"recorded with torch 1\.0\.0.*exact check skipped.*summary is still checked"):
+    with pytest.raises(
+        pytest.skip.Exception, match=r"recorded with torch 1\.0\.0.*exact check skipped.*summary is still checked"
+    ):
         assert_golden(model, *inputs, name="mlp", directory=tmp_path)
     result = golden_check(model, *inputs, name="mlp", directory=tmp_path)  # no pytest: reported, not skipped
     assert "recorded with torch 1.0.0" in result.exact_skipped
@@ -188,7 +200,11 @@ def test_release_goldens_are_recorded_beside_the_main_ones_and_checked_on_their_
     check_goldens({text: "this release renders it differently\n"}, summaries)
     monkeypatch.delenv("GRAPHPASS_ACCEPT_GOLDEN")
     assert text.read_bytes() == main_bytes and meta_path(text).read_bytes() == main_meta
-    assert own.read_text() == "this release renders it differently\n" and is_release_path(own) and not is_release_path(text)
+    assert (
+        own.read_text() == "this release renders it differently\n"
+        and is_release_path(own)
+        and not is_release_path(text)
+    )
     assert json.loads(meta_path(own).read_text()) == {"torch": this, "graphpass": graphpass.__version__}
     assert check_goldens({text: "this release renders it differently\n"}, summaries, skip=False) == []
     with pytest.raises(GoldenMismatch, match=r"(?s)g\.torch.*\.txt \(golden\).*\+changed"):
@@ -210,7 +226,9 @@ def test_release_goldens_are_recorded_beside_the_main_ones_and_checked_on_their_
 
 def test_release_accept_writes_the_main_golden_where_this_release_recorded_it(tmp_path):
     model, inputs = _model()
-    result = assert_golden(model, *inputs, name="mlp", directory=tmp_path, accept="release")  # nothing yet: the main one
+    result = assert_golden(
+        model, *inputs, name="mlp", directory=tmp_path, accept="release"
+    )  # nothing yet: the main one
     assert result.accepted == "release" and result.text_path.exists() and not release_path(result.text_path).exists()
     before = result.text_path.read_bytes()
     assert_golden(model, *inputs, name="mlp", directory=tmp_path, accept="release")  # recorded on this release
@@ -222,16 +240,23 @@ def test_summary_of_an_offloaded_model_with_a_capture(tmp_path):
     model, inputs = build("tiny_transformer")
     model.requires_grad_(False)
     graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu", prefetch_distance=1))
-    result = assert_golden(model, *inputs, name="tt", directory=tmp_path, accept=True, capture=["layers.0-1", "lm_head"])
+    result = assert_golden(
+        model, *inputs, name="tt", directory=tmp_path, accept=True, capture=["layers.0-1", "lm_head"]
+    )
     s = result.summary
     assert s["graphs"] == 1 and s["schedule"] == ["layers.0", "layers.1"]
-    assert s["traps"] == {"layers.0": {"loads": 1, "evictions": 1, "captures": 1},
-                          "layers.1": {"loads": 1, "evictions": 1, "captures": 1},
-                          "(outside traps)": {"loads": 0, "evictions": 0, "captures": 1}}
+    assert s["traps"] == {
+        "layers.0": {"loads": 1, "evictions": 1, "captures": 1},
+        "layers.1": {"loads": 1, "evictions": 1, "captures": 1},
+        "(outside traps)": {"loads": 0, "evictions": 0, "captures": 1},
+    }
     assert s["fqn_traps"]["layers.0.attn.qkv.weight"] == ["layers.0"] and s["fqn_traps"]["norm.weight"] == []
     text = result.text_path.read_text()
     assert "schedule peak" in text and "graphpass.capture.default('lm_head'" in text and "graphpass.evict" in text
-    assert golden_check(model, *inputs, name="tt", directory=tmp_path, capture=["layers.0-1", "lm_head"]).exact_skipped is None
+    assert (
+        golden_check(model, *inputs, name="tt", directory=tmp_path, capture=["layers.0-1", "lm_head"]).exact_skipped
+        is None
+    )
 
 
 def test_graph_breaks_count_graphs():
@@ -307,8 +332,11 @@ def test_tests_in_two_classes_with_one_method_name_have_their_own_goldens(forks,
     pytester.makepyfile(test_user=CLASS_TESTS)
     golden = pytester.path / "golden"
     run(forks, pytester, "-q", "-p", "no:cacheprovider", "--graphpass-accept-golden").assert_outcomes(passed=3)
-    assert sorted(p.name for p in golden.glob("*.txt")) == ["TestPlain.test_graph.txt", "TestRelu.test_graph.txt",
-                                                            "test_graph.txt"]  # a module-level test keeps its name
+    assert sorted(p.name for p in golden.glob("*.txt")) == [
+        "TestPlain.test_graph.txt",
+        "TestRelu.test_graph.txt",
+        "test_graph.txt",
+    ]  # a module-level test keeps its name
     assert "relu" in (golden / "TestRelu.test_graph.txt").read_text()
     assert "relu" not in (golden / "TestPlain.test_graph.txt").read_text()
     run(forks, pytester, "-q", "-p", "no:cacheprovider").assert_outcomes(passed=3)

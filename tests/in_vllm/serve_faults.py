@@ -14,8 +14,9 @@ import json
 import os
 import sys
 
-DEFAULTS = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=4,
-                gpu_memory_utilization=0.3)
+DEFAULTS = dict(
+    skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.3
+)
 
 
 def _generate(llm, spec):
@@ -27,8 +28,12 @@ def _generate(llm, spec):
 
 
 def _error(exc):
-    return {"class": type(exc).__name__, "classes": [c.__module__ + "." + c.__name__ for c in type(exc).__mro__],
-            "message": str(exc), "cause": type(exc.__cause__).__name__ if exc.__cause__ else None}
+    return {
+        "class": type(exc).__name__,
+        "classes": [c.__module__ + "." + c.__name__ for c in type(exc).__mro__],
+        "message": str(exc),
+        "cause": type(exc.__cause__).__name__ if exc.__cause__ else None,
+    }
 
 
 def serve(spec):
@@ -47,8 +52,11 @@ def engines(spec):
 
     a = LLM(model=spec["model"], additional_config={"graphpass": spec["settings"]}, **DEFAULTS)
     b = LLM(model=spec["model"], additional_config={"graphpass": spec["settings_b"]}, **DEFAULTS)
-    result = {"a": _generate(a, spec), "b": _generate(b, spec),
-              "stats": [a.collective_rpc("graphpass_stats"), b.collective_rpc("graphpass_stats")]}
+    result = {
+        "a": _generate(a, spec),
+        "b": _generate(b, spec),
+        "stats": [a.collective_rpc("graphpass_stats"), b.collective_rpc("graphpass_stats")],
+    }
     result["a_again"] = _generate(a, spec)  # the first engine still serves after the second started
     for llm in (a, b):
         llm.llm_engine.engine_core.shutdown()
@@ -56,10 +64,14 @@ def engines(spec):
     gc.collect()
     plain = LLM(model=spec["model"], **DEFAULTS)  # an engine without graphpass, after graphpass ones
     config = plain.llm_engine.vllm_config
-    result["plain"] = {"tokens": _generate(plain, spec), "worker_cls": config.parallel_config.worker_cls,
-                       "backend": config.compilation_config.backend, "mode": int(config.compilation_config.mode),
-                       "additional_config": config.additional_config,
-                       "compile_cache_env": os.environ.get("VLLM_DISABLE_COMPILE_CACHE")}
+    result["plain"] = {
+        "tokens": _generate(plain, spec),
+        "worker_cls": config.parallel_config.worker_cls,
+        "backend": config.compilation_config.backend,
+        "mode": int(config.compilation_config.mode),
+        "additional_config": config.additional_config,
+        "compile_cache_env": os.environ.get("VLLM_DISABLE_COMPILE_CACHE"),
+    }
     try:
         plain.collective_rpc("graphpass_stats")
         result["plain"]["graphpass_worker"] = True

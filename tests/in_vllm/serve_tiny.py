@@ -19,10 +19,17 @@ def main() -> None:
 
     profile = {}
     if spec.get("profile_dir"):
-        profile = {"profiler_config": {"profiler": "torch", "torch_profiler_dir": spec["profile_dir"],
-                                       "torch_profiler_use_gzip": False, "torch_profiler_with_stack": False}}
-    kwargs = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=4,
-                  gpu_memory_utilization=0.5)  # vllm_serving.LLM_DEFAULTS: other load on the machine would stop it
+        profile = {
+            "profiler_config": {
+                "profiler": "torch",
+                "torch_profiler_dir": spec["profile_dir"],
+                "torch_profiler_use_gzip": False,
+                "torch_profiler_with_stack": False,
+            }
+        }
+    kwargs = dict(
+        skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.5
+    )  # vllm_serving.LLM_DEFAULTS: other load on the machine would stop it
     kwargs.update(spec.get("llm_kwargs") or {})
     llm = LLM(model=spec["model"], additional_config={"graphpass": spec["settings"]}, **profile, **kwargs)
     before = llm.collective_rpc("graphpass_stats")
@@ -41,12 +48,17 @@ def main() -> None:
         llm.stop_profile()
     after = llm.collective_rpc("graphpass_stats")
     cache = llm.llm_engine.vllm_config.cache_config
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-              "samples": [[list(c.token_ids) for c in o.outputs] for o in outs],
-              "request_ids": [o.request_id for o in outs], "stats_before": before, "stats_after": after,
-              "block_size": cache.block_size, "prefix_caching": bool(cache.enable_prefix_caching),
-              # what the engine left in this (the caller's) process's environment
-              "caller_compile_cache_env": os.environ.get("VLLM_DISABLE_COMPILE_CACHE")}
+    result = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "samples": [[list(c.token_ids) for c in o.outputs] for o in outs],
+        "request_ids": [o.request_id for o in outs],
+        "stats_before": before,
+        "stats_after": after,
+        "block_size": cache.block_size,
+        "prefix_caching": bool(cache.enable_prefix_caching),
+        # what the engine left in this (the caller's) process's environment
+        "caller_compile_cache_env": os.environ.get("VLLM_DISABLE_COMPILE_CACHE"),
+    }
     with open(spec["result"], "w") as f:
         json.dump(result, f)
 

@@ -24,10 +24,17 @@ from graphpass.cli import main  # noqa: E402
 
 from vllm_serving import MAX_NEW_TOKENS, PROMPTS, TP2_ENV, reference_run, serve, write_tiny_llama  # noqa: E402
 
-ENGINE_MODULES = ["model.layers.0", "model.layers.1", "model.layers.0.self_attn.qkv_proj",
-                  "model.layers.0.mlp.gate_up_proj"]
-REF_MODULES = ["model.layers.0", "model.layers.1"] + [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"] + [
-    "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+ENGINE_MODULES = [
+    "model.layers.0",
+    "model.layers.1",
+    "model.layers.0.self_attn.qkv_proj",
+    "model.layers.0.mlp.gate_up_proj",
+]
+REF_MODULES = (
+    ["model.layers.0", "model.layers.1"]
+    + [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    + ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+)
 RTOL, ATOL = 1e-3, 1e-5  # fp32, compare's defaults
 
 
@@ -123,8 +130,9 @@ def perturbed_tp2(tiny_llama, tmp_path_factory):
     if (os.cpu_count() or 1) < 2:
         pytest.skip("tensor_parallel_size=2 binds one core per rank: this machine has fewer than 2")
     out = tmp_path_factory.mktemp("perturbed-tp2")
-    return _serve(_perturbed(tiny_llama, out / "model"), out / "served", llm_kwargs={"tensor_parallel_size": 2},
-                  env=TP2_ENV)
+    return _serve(
+        _perturbed(tiny_llama, out / "model"), out / "served", llm_kwargs={"tensor_parallel_size": 2}, env=TP2_ENV
+    )
 
 
 def test_a_perturbed_layer_is_the_first_divergence_in_the_first_step(perturbed_tp2, reference, tmp_path, capsys):
@@ -134,7 +142,7 @@ def test_a_perturbed_layer_is_the_first_divergence_in_the_first_step(perturbed_t
     assert bad is not None and (bad.step, bad.module, bad.rank) == (_first_step(caps), "model.layers.1", 0), str(report)
     assert bad.missing is None
     # what runs before layer 1 in that step still matches, on both ranks (q/k/v and gate/up: each rank's shard)
-    before = report.rows[:report.rows.index(bad)]
+    before = report.rows[: report.rows.index(bad)]
     assert all(r.passed for r in before) and {r.rank for r in before if r.module != "<input_ids>"} == {0, 1}
     assert main(["compare", str(reference), str(caps), "--json", str(tmp_path / "summary.json")]) == 1
     assert "first diverging module: model.layers.1 (step " + _first_step(caps) in capsys.readouterr().out

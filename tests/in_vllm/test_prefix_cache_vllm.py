@@ -42,8 +42,9 @@ def reference(tiny_llama, tmp_path_factory):
 
 
 def _metas(caps):
-    return sorted((json.loads(p.read_text()) for p in (caps / "dp0").glob("*/*_meta.json")),
-                  key=lambda m: m["step_index"])
+    return sorted(
+        (json.loads(p.read_text()) for p in (caps / "dp0").glob("*/*_meta.json")), key=lambda m: m["step_index"]
+    )
 
 
 def test_the_meta_marks_positions_served_from_the_prefix_cache_and_the_children_of_parallel_sampling(served):
@@ -66,8 +67,12 @@ def test_the_meta_marks_positions_served_from_the_prefix_cache_and_the_children_
     assert all(cached[r] == 0 for r in parents if parents[r] is None)
     # and its steps hold only the rest: positions want .. end, each once
     for child in children:
-        seen = sorted(p for m in _metas(caps) for i, p in zip(m["token_request"], m["positions"])
-                      if i >= 0 and m["req_ids"][i] == child)
+        seen = sorted(
+            p
+            for m in _metas(caps)
+            for i, p in zip(m["token_request"], m["positions"])
+            if i >= 0 and m["req_ids"][i] == child
+        )
         assert seen == list(range(want, len(PROMPTS[1]) + MAX_NEW_TOKENS - 1))
 
 

@@ -54,15 +54,26 @@ def reference(tiny_llama, tmp_path_factory):
 
 def _spec(model, out, capture_dir, max_new_tokens, **more):
     settings = {"options": {"then": "eager"}, "tensor_capture": {"modules": MODULES, "capture_dir": str(capture_dir)}}
-    return {"model": str(model), "settings": settings, "prompts": PROMPTS, "max_new_tokens": max_new_tokens,
-            "result": str(out / "result.json"), **more}
+    return {
+        "model": str(model),
+        "settings": settings,
+        "prompts": PROMPTS,
+        "max_new_tokens": max_new_tokens,
+        "result": str(out / "result.json"),
+        **more,
+    }
 
 
 def _start(scenario, spec, out):
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(out / "vllm-cache"))
     log = open(out / f"{scenario}.log", "w")
-    return subprocess.Popen([sys.executable, str(HERE / "serve_faults.py"), scenario, json.dumps(spec)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "serve_faults.py"), scenario, json.dumps(spec)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _run(scenario, spec, out, timeout=1200):
@@ -107,8 +118,9 @@ def _check_whole_or_absent(caps):
             meta = json.loads((step / f"{step.name}_meta.json").read_text())
             for module in meta["modules"]:
                 tensors = load_file(step / module / "rank0.safetensors")
-                assert {k: list(t.shape) for k, t in tensors.items()} == \
-                    {t["key"]: t["shape"] for t in meta["tensors"][module]}, module
+                assert {k: list(t.shape) for k, t in tensors.items()} == {
+                    t["key"]: t["shape"] for t in meta["tensors"][module]
+                }, module
                 assert all(t.shape[0] == len(meta["positions"]) for t in tensors.values()), module
         except Exception as exc:  # a half-present step
             lost.append(f"{step.name}: {type(exc).__name__}: {exc}")
@@ -165,10 +177,13 @@ def test_kill_9_mid_serving_leaves_every_step_whole_or_absent(tiny_llama, refere
 def _mount_small_disk(path, size="200k"):
     path.mkdir()
     if os.geteuid() != 0:
-        pytest.skip("a full disk is a small tmpfs the test mounts: that needs root (CAP_SYS_ADMIN); graphpass's own "
-                    "ENOSPC handling is tested without it (tests/capturing/test_faults_capture.py)")
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                         text=True)
+        pytest.skip(
+            "a full disk is a small tmpfs the test mounts: that needs root (CAP_SYS_ADMIN); graphpass's own "
+            "ENOSPC handling is tested without it (tests/capturing/test_faults_capture.py)"
+        )
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if out.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({out.stderr.strip()}): needs CAP_SYS_ADMIN")
 
@@ -193,8 +208,10 @@ def test_a_full_disk_under_capture_dir_reaches_the_caller_and_leaves_no_partial_
 
 def test_two_graphpass_engines_in_one_process_then_an_engine_without_graphpass(tiny_llama, tmp_path, reference):
     spec = _spec(tiny_llama, tmp_path, tmp_path / "caps-a", 4)
-    spec["settings_b"] = {**spec["settings"], "tensor_capture": {"modules": MODULES,
-                                                                  "capture_dir": str(tmp_path / "caps-b")}}
+    spec["settings_b"] = {
+        **spec["settings"],
+        "tensor_capture": {"modules": MODULES, "capture_dir": str(tmp_path / "caps-b")},
+    }
     result = _run("engines", spec, tmp_path)
     FIGURES["faults"] += 2
     # each engine: its own run, in its own folder, every step whole; both served the same greedy tokens
@@ -204,8 +221,12 @@ def test_two_graphpass_engines_in_one_process_then_an_engine_without_graphpass(t
         assert not lost and len({m["run"] for m in metas}) == 1, lost
         runs.append(metas[0]["run"])
     assert runs[0] != runs[1]
-    assert result["a"] == result["b"] == result["a_again"] == [t[:4] for t in json.loads(
-        (reference / "tokens.json").read_text())]
+    assert (
+        result["a"]
+        == result["b"]
+        == result["a_again"]
+        == [t[:4] for t in json.loads((reference / "tokens.json").read_text())]
+    )
     assert all(s[0]["capture_enabled"] and s[0]["unique_graphs"] == 1 for s in result["stats"])
     # the engine without graphpass: vLLM's own worker and compiler, its compile cache on, the same tokens
     plain = result["plain"]

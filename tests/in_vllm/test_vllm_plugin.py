@@ -33,47 +33,88 @@ def test_the_plugin_is_registered_with_vllm():
 A_FILE = os.path.abspath(__file__)
 
 
-@pytest.mark.parametrize("settings, key, words, llm_kwargs", [
-    ({"tensor_capture": {"modules": "model.layers.0", "capture_dir": "x"}}, "tensor_capture.modules", "list", {}),
-    ({"tensor_capture": {"modules": ["model.layers.0"]}}, "tensor_capture.capture_dir", "folder", {}),
-    ({"tensor_capture": {"modules": ["model.layers.0"], "capture_dir": A_FILE}}, "tensor_capture.capture_dir",
-     "is a file", {}),
-    ({"offload": {"device": "cpu"}}, "offload", "packed oneDNN weights", {}),
-    # the draft model of speculative decoding: this engine has no speculative_config
-    ({"tensor_capture": {"modules": ["model.layers.0"], "capture_dir": "x", "draft_modules": ["model.layers.0"]}},
-     "tensor_capture.draft_modules", "no speculative_config", {}),
-    ({"options": {"then": "no-such-delegate"}}, "then", "", {}),
-    ({"tracing": True}, "additional_config.graphpass", "unknown keys", {}),
-    # compilation turned off: named as the vLLM setting at fault, not as 'additional_config.graphpass'
-    ({"options": {"then": "eager"}}, "enforce_eager", "turns compilation off", {"enforce_eager": True}),
-    # found by the plugin inside vLLM's (pydantic) config: graphpass's ConfigError, not a ValidationError
-    ({"options": {"then": "eager"}}, "compilation_config.mode", "compilation is off",
-     {"compilation_config": {"mode": 0}}),
-    # a folder the workers could not make
-    ({"tensor_capture": {"modules": ["model.layers.0"], "capture_dir": A_FILE + "/caps"}},
-     "tensor_capture.capture_dir", "is a file, not a folder", {}),
-])
+@pytest.mark.parametrize(
+    "settings, key, words, llm_kwargs",
+    [
+        ({"tensor_capture": {"modules": "model.layers.0", "capture_dir": "x"}}, "tensor_capture.modules", "list", {}),
+        ({"tensor_capture": {"modules": ["model.layers.0"]}}, "tensor_capture.capture_dir", "folder", {}),
+        (
+            {"tensor_capture": {"modules": ["model.layers.0"], "capture_dir": A_FILE}},
+            "tensor_capture.capture_dir",
+            "is a file",
+            {},
+        ),
+        ({"offload": {"device": "cpu"}}, "offload", "packed oneDNN weights", {}),
+        # the draft model of speculative decoding: this engine has no speculative_config
+        (
+            {
+                "tensor_capture": {
+                    "modules": ["model.layers.0"],
+                    "capture_dir": "x",
+                    "draft_modules": ["model.layers.0"],
+                }
+            },
+            "tensor_capture.draft_modules",
+            "no speculative_config",
+            {},
+        ),
+        ({"options": {"then": "no-such-delegate"}}, "then", "", {}),
+        ({"tracing": True}, "additional_config.graphpass", "unknown keys", {}),
+        # compilation turned off: named as the vLLM setting at fault, not as 'additional_config.graphpass'
+        ({"options": {"then": "eager"}}, "enforce_eager", "turns compilation off", {"enforce_eager": True}),
+        # found by the plugin inside vLLM's (pydantic) config: graphpass's ConfigError, not a ValidationError
+        (
+            {"options": {"then": "eager"}},
+            "compilation_config.mode",
+            "compilation is off",
+            {"compilation_config": {"mode": 0}},
+        ),
+        # a folder the workers could not make
+        (
+            {"tensor_capture": {"modules": ["model.layers.0"], "capture_dir": A_FILE + "/caps"}},
+            "tensor_capture.capture_dir",
+            "is a file, not a folder",
+            {},
+        ),
+    ],
+)
 def test_bad_settings_are_refused_before_serving(tiny_llama, settings, key, words, llm_kwargs):
     """Issue 36, item 6: the caller gets graphpass's ConfigError itself (checked when its EngineArgs make the
     config, before vLLM's pydantic config could wrap it into a ValidationError), naming the setting."""
     from vllm import LLM
 
     with pytest.raises(ConfigError) as info:
-        LLM(model=str(tiny_llama), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
-            additional_config={"graphpass": settings}, **llm_kwargs)
+        LLM(
+            model=str(tiny_llama),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            max_model_len=128,
+            additional_config={"graphpass": settings},
+            **llm_kwargs,
+        )
     text = str(info.value)
     assert key in text and words in text, text
 
 
-@pytest.mark.parametrize("settings, key, error", [
-    ({"tensor_capture": {"modules": ["model.layers.9"]}}, "additional_config.graphpass.tensor_capture.modules",
-     "PatternMatchError"),
-    ({"tensor_capture": {"modules": ["model.layers.0-1"], "capture_filter": ["model.layers.7"]}},
-     "additional_config.graphpass.tensor_capture.capture_filter", "PatternMatchError"),
-    ({"options": {"traps": ["model.blocks.*"]}}, "additional_config.graphpass.options.traps", "PatternMatchError"),
-])
-def test_settings_only_a_worker_can_check_reach_the_caller_naming_their_path(tiny_llama, tmp_path, settings, key,
-                                                                               error):
+@pytest.mark.parametrize(
+    "settings, key, error",
+    [
+        (
+            {"tensor_capture": {"modules": ["model.layers.9"]}},
+            "additional_config.graphpass.tensor_capture.modules",
+            "PatternMatchError",
+        ),
+        (
+            {"tensor_capture": {"modules": ["model.layers.0-1"], "capture_filter": ["model.layers.7"]}},
+            "additional_config.graphpass.tensor_capture.capture_filter",
+            "PatternMatchError",
+        ),
+        ({"options": {"traps": ["model.blocks.*"]}}, "additional_config.graphpass.options.traps", "PatternMatchError"),
+    ],
+)
+def test_settings_only_a_worker_can_check_reach_the_caller_naming_their_path(
+    tiny_llama, tmp_path, settings, key, error
+):
     """Issue 36, item 7 and acceptance 4: the served model's module names are known only in the worker (vLLM
     builds the model there), so patterns that match none of them stop the engine there. The caller gets
     graphpass's error itself, of its class and naming the setting's path in additional_config, from vLLM's
@@ -96,8 +137,7 @@ def test_settings_only_a_worker_can_check_reach_the_caller_naming_their_path(tin
 def served(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("served")
     caps = out / "caps"
-    settings = {"options": {"then": "eager"},
-                "tensor_capture": {"modules": MODULES, "capture_dir": str(caps)}}
+    settings = {"options": {"then": "eager"}, "tensor_capture": {"modules": MODULES, "capture_dir": str(caps)}}
     return serve(tiny_llama, out, settings), caps
 
 
@@ -120,8 +160,10 @@ def test_each_engine_step_is_one_step_named_by_its_phase(served):
     first = metas[0]
     assert first["step"] == f"prefill_s{len(first['positions'])}_0"
     assert {_req(r) for r in first["req_ids"]} <= set(result["request_ids"])
-    assert all(min(p for i, p in zip(first["token_request"], first["positions"]) if i == k) == 0
-               for k in range(len(first["req_ids"])))
+    assert all(
+        min(p for i, p in zip(first["token_request"], first["positions"]) if i == k) == 0
+        for k in range(len(first["req_ids"]))
+    )
     for m in metas:
         n = len(m["positions"])
         assert len(m["token_request"]) == n
@@ -156,8 +198,13 @@ def test_every_step_names_the_engines_run_and_a_used_capture_dir_is_refused_befo
     runs = {m["run"] for m in _metas(caps)}
     assert len(runs) == 1 and all(isinstance(r, str) and r for r in runs), runs
     with pytest.raises(ConfigError, match="holds the captures of another run") as info:
-        LLM(model=str(tiny_llama), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
-            additional_config={"graphpass": {"tensor_capture": {"modules": MODULES, "capture_dir": str(caps)}}})
+        LLM(
+            model=str(tiny_llama),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            max_model_len=128,
+            additional_config={"graphpass": {"tensor_capture": {"modules": MODULES, "capture_dir": str(caps)}}},
+        )
     assert next(iter(runs)) in str(info.value) and "tensor_capture.capture_dir" in str(info.value)
 
 
@@ -183,9 +230,12 @@ def _hf_layer_outputs(model_dir, tokens):
 
     model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     outs = {}
-    hooks = [model.model.layers[i].register_forward_hook(
-        lambda mod, a, o, i=i: outs.__setitem__(f"model.layers.{i}", (o[0] if isinstance(o, tuple) else o)[0]))
-        for i in range(len(model.model.layers))]
+    hooks = [
+        model.model.layers[i].register_forward_hook(
+            lambda mod, a, o, i=i: outs.__setitem__(f"model.layers.{i}", (o[0] if isinstance(o, tuple) else o)[0])
+        )
+        for i in range(len(model.model.layers))
+    ]
     with torch.no_grad():
         model(torch.tensor([tokens]))
     for h in hooks:
@@ -199,15 +249,17 @@ def _hf_greedy(model_dir, prompt, n):
     model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def test_tokens_and_layer_outputs_equal_transformers_eager(served, tiny_llama):
     result, caps = served
     for prompt, tokens in zip(PROMPTS, result["tokens"]):
         assert tokens == _hf_greedy(tiny_llama, prompt, MAX_NEW_TOKENS)
-    ref = {rid: _hf_layer_outputs(tiny_llama, p + t[:-1])
-           for rid, p, t in zip(result["request_ids"], PROMPTS, result["tokens"])}
+    ref = {
+        rid: _hf_layer_outputs(tiny_llama, p + t[:-1])
+        for rid, p, t in zip(result["request_ids"], PROMPTS, result["tokens"])
+    }
     compared = 0
     for m in _metas(caps):
         for mod in MODULES:
@@ -245,8 +297,13 @@ def test_without_a_graphpass_config_the_plugin_loads_no_graphpass_module(tiny_ll
 
     def run(settings):
         env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-        out = subprocess.run([sys.executable, "-c", LOAD_PLUGINS, str(tiny_llama), json.dumps(settings)], env=env,
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "-c", LOAD_PLUGINS, str(tiny_llama), json.dumps(settings)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert out.returncode == 0, out.stderr[-4000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 

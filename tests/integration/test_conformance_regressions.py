@@ -100,8 +100,11 @@ def test_eager_capture_goes_to_the_model_that_ran(tmp_path):
     cap_a.enable()
     x = torch.randn(1, 2, 8)
     _, eager_a = _eager_outputs(a, x, ["layers.1"])
-    with torch.no_grad(), cap_a.step(is_prefill=True, positions=torch.arange(2)), \
-            cap_b.step(is_prefill=True, positions=torch.arange(2)):
+    with (
+        torch.no_grad(),
+        cap_a.step(is_prefill=True, positions=torch.arange(2)),
+        cap_b.step(is_prefill=True, positions=torch.arange(2)),
+    ):
         ca(x)
         cb(x)  # cap_b is disabled: nothing cloned for b
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.safetensors"))
@@ -196,8 +199,14 @@ def test_disk_offload_of_weights_a_skipped_frame_reads_eagerly(tmp_path):
     state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk", disk_path=str(tmp_path)))
     assert {r.name for r in state.records} >= {"layers.0.experts", "layers.1.experts"}
     compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
-    with torch.no_grad(), pytest.warns(UserWarning, match=r"module 'layers.0' \(LoopExperts\).*Dynamo skipped its forward"
-                                                          r".*not streamed \(results are right"):
+    with (
+        torch.no_grad(),
+        pytest.warns(
+            UserWarning,
+            match=r"module 'layers.0' \(LoopExperts\).*Dynamo skipped its forward"
+            r".*not streamed \(results are right",
+        ),
+    ):
         got = compiled(x)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     assert graphpass.memory_stats(compiled).loads_issued > 0  # the routers still stream through the graphs
@@ -214,8 +223,13 @@ def test_device_stand_ins_read_by_a_skipped_frame_are_refused():
     with device_stand_ins_on_host():
         graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
     compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
-    with torch.no_grad(), pytest.raises(graphpass.OffloadError,
-                                        match=r"module 'layers.0' \(LoopExperts\) holds tensors graphpass.offload\(\) "
-                                              r"streams, and Dynamo skipped its forward.*reads the device stand-ins.*"
-                                              r"exclude_patterns=\['layers.0'\]"):
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            graphpass.OffloadError,
+            match=r"module 'layers.0' \(LoopExperts\) holds tensors graphpass.offload\(\) "
+            r"streams, and Dynamo skipped its forward.*reads the device stand-ins.*"
+            r"exclude_patterns=\['layers.0'\]",
+        ),
+    ):
         compiled(torch.randn(1, 6, 8))

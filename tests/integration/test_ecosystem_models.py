@@ -84,28 +84,51 @@ def _flux():
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
     model = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=8, num_attention_heads=2,
-        joint_attention_dim=16, pooled_projection_dim=16, axes_dims_rope=(2, 2, 4)).eval()
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=16,
+        axes_dims_rope=(2, 2, 4),
+    ).eval()
     g = torch.Generator().manual_seed(1)
     img_ids = torch.zeros(16, 3)
     img_ids[:, 1] = torch.arange(4).repeat_interleave(4)
     img_ids[:, 2] = torch.arange(4).repeat(4)
-    return model, dict(hidden_states=torch.randn(1, 16, 4, generator=g),
-                       encoder_hidden_states=torch.randn(1, 3, 16, generator=g),
-                       pooled_projections=torch.randn(1, 16, generator=g), timestep=torch.tensor([0.5]),
-                       img_ids=img_ids, txt_ids=torch.zeros(3, 3))
+    return model, dict(
+        hidden_states=torch.randn(1, 16, 4, generator=g),
+        encoder_hidden_states=torch.randn(1, 3, 16, generator=g),
+        pooled_projections=torch.randn(1, 16, generator=g),
+        timestep=torch.tensor([0.5]),
+        img_ids=img_ids,
+        txt_ids=torch.zeros(3, 3),
+    )
 
 
 def _unet():
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
     model = diffusers.UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(8, 16), layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=16, attention_head_dim=4, norm_num_groups=4).eval()
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16,
+        attention_head_dim=4,
+        norm_num_groups=4,
+    ).eval()
     g = torch.Generator().manual_seed(1)
-    return model, dict(sample=torch.randn(1, 4, 8, 8, generator=g), timestep=torch.tensor([10]),
-                       encoder_hidden_states=torch.randn(1, 3, 16, generator=g))
+    return model, dict(
+        sample=torch.randn(1, 4, 8, 8, generator=g),
+        timestep=torch.tensor([10]),
+        encoder_hidden_states=torch.randn(1, 3, 16, generator=g),
+    )
 
 
 def _image(shape):
@@ -115,28 +138,47 @@ def _image(shape):
 def _vit():
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
-                              embed_dim=32, num_heads=2, num_classes=10).eval()
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=32,
+        patch_size=8,
+        depth=2,
+        embed_dim=32,
+        num_heads=2,
+        num_classes=10,
+    ).eval()
     return model, _image((1, 3, 32, 32))
 
 
 def _resnet():
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
-    model = timm.create_model("resnet18", pretrained=False, channels=(8, 16, 32, 64), stem_width=8,
-                              num_classes=10).eval()
+    model = timm.create_model(
+        "resnet18", pretrained=False, channels=(8, 16, 32, 64), stem_width=8, num_classes=10
+    ).eval()
     return model, _image((1, 3, 32, 32))
 
 
 def _t5():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-                                num_heads=4, relative_attention_num_buckets=8, decoder_start_token_id=0)
+    cfg = transformers.T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(cfg).eval()
     g = torch.Generator().manual_seed(1)
-    return model, dict(input_ids=torch.randint(1, 64, (1, 6), generator=g),
-                       decoder_input_ids=torch.randint(1, 64, (1, 4), generator=g))
+    return model, dict(
+        input_ids=torch.randint(1, 64, (1, 6), generator=g), decoder_input_ids=torch.randint(1, 64, (1, 4), generator=g)
+    )
 
 
 IMAGE, VSTART, VEND = 100, 102, 103
@@ -144,44 +186,106 @@ IMAGE, VSTART, VEND = 100, 102, 103
 
 def _qwen2_vl():
     transformers = pytest.importorskip("transformers")
-    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
-                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0})
-    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2, spatial_merge_size=2,
-                  temporal_patch_size=1, in_chans=3, in_channels=3)
-    cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=101,
-                                     vision_start_token_id=VSTART, vision_end_token_id=VEND)
+    text = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
+    )
+    vision = dict(
+        depth=2,
+        embed_dim=32,
+        hidden_size=32,
+        num_heads=2,
+        mlp_ratio=2,
+        patch_size=2,
+        spatial_merge_size=2,
+        temporal_patch_size=1,
+        in_chans=3,
+        in_channels=3,
+    )
+    cfg = transformers.Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=101,
+        vision_start_token_id=VSTART,
+        vision_end_token_id=VEND,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen2VLForConditionalGeneration(cfg).eval()
     ids = torch.tensor([[1, 5, VSTART] + [IMAGE] * 4 + [VEND, 6, 7]])  # a 4x4 patch grid merges to 4 tokens
     pixels = torch.randn(16, 12, generator=torch.Generator().manual_seed(1))
-    return model, dict(input_ids=ids, pixel_values=pixels, image_grid_thw=torch.tensor([[1, 4, 4]]),
-                       mm_token_type_ids=(ids == IMAGE).int())
+    return model, dict(
+        input_ids=ids,
+        pixel_values=pixels,
+        image_grid_thw=torch.tensor([[1, 4, 4]]),
+        mm_token_type_ids=(ids == IMAGE).int(),
+    )
 
 
 # Qwen2-VL's vision blocks graph-break, so Dynamo traces a graph from blocks.0's own frame and runs
 # that compiled frame again for blocks.1 (the guards pass); the boundaries name the block that runs
 # (graphpass.ops resolves the label from the trap's weight), so blocks.1 is entered as itself.
-FAMILIES = {f.name: f for f in [
-    Family("flux", _flux, (r"transformer_blocks\.\d+", r"single_transformer_blocks\.\d+"),
-           ("transformer_blocks.0", "transformer_blocks.1", "single_transformer_blocks.0", "single_transformer_blocks.1"),
-           ("transformer_blocks.1", "single_transformer_blocks.0")),
-    Family("unet", _unet, (r"down_blocks\.\d+", "mid_block", r"up_blocks\.\d+"),
-           ("down_blocks.0", "down_blocks.1", "mid_block", "up_blocks.0", "up_blocks.1"),
-           ("down_blocks.0", "up_blocks.1")),
-    Family("timm_vit", _vit, (r"blocks\.\d+",), ("blocks.0", "blocks.1"), ("blocks.0", "head")),
-    Family("timm_resnet", _resnet, (r"layer\d\.\d+",),
-           ("layer1.0", "layer1.1", "layer2.0", "layer4.1"), ("layer1.1", "layer3.0")),
-    Family("t5", _t5, (r"encoder\.block\.\d+", r"decoder\.block\.\d+"),
-           ("encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"),
-           ("encoder.block.1", "decoder.block.0")),
-    Family("qwen2_vl", _qwen2_vl, (r"model\.visual\.blocks\.\d+", r"model\.language_model\.layers\.\d+"),
-           ("model.visual.blocks.0", "model.visual.blocks.1", "model.language_model.layers.0",
-            "model.language_model.layers.1"),
-           # the vision block's own forward is split by a graph break (Qwen2VLVisionAttention's
-           # lengths.tolist()), and a split module is captured through its children (docs/capture.md)
-           ("model.visual.blocks.0.mlp", "model.language_model.layers.0")),
-]}
+FAMILIES = {
+    f.name: f
+    for f in [
+        Family(
+            "flux",
+            _flux,
+            (r"transformer_blocks\.\d+", r"single_transformer_blocks\.\d+"),
+            (
+                "transformer_blocks.0",
+                "transformer_blocks.1",
+                "single_transformer_blocks.0",
+                "single_transformer_blocks.1",
+            ),
+            ("transformer_blocks.1", "single_transformer_blocks.0"),
+        ),
+        Family(
+            "unet",
+            _unet,
+            (r"down_blocks\.\d+", "mid_block", r"up_blocks\.\d+"),
+            ("down_blocks.0", "down_blocks.1", "mid_block", "up_blocks.0", "up_blocks.1"),
+            ("down_blocks.0", "up_blocks.1"),
+        ),
+        Family("timm_vit", _vit, (r"blocks\.\d+",), ("blocks.0", "blocks.1"), ("blocks.0", "head")),
+        Family(
+            "timm_resnet",
+            _resnet,
+            (r"layer\d\.\d+",),
+            ("layer1.0", "layer1.1", "layer2.0", "layer4.1"),
+            ("layer1.1", "layer3.0"),
+        ),
+        Family(
+            "t5",
+            _t5,
+            (r"encoder\.block\.\d+", r"decoder\.block\.\d+"),
+            ("encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"),
+            ("encoder.block.1", "decoder.block.0"),
+        ),
+        Family(
+            "qwen2_vl",
+            _qwen2_vl,
+            (r"model\.visual\.blocks\.\d+", r"model\.language_model\.layers\.\d+"),
+            (
+                "model.visual.blocks.0",
+                "model.visual.blocks.1",
+                "model.language_model.layers.0",
+                "model.language_model.layers.1",
+            ),
+            # the vision block's own forward is split by a graph break (Qwen2VLVisionAttention's
+            # lengths.tolist()), and a split module is captured through its children (docs/capture.md)
+            ("model.visual.blocks.0.mlp", "model.language_model.layers.0"),
+        ),
+    ]
+}
 
 
 @pytest.fixture(autouse=True)
@@ -216,8 +320,9 @@ def check_traps(fam: Family, gp, events) -> None:
 
 # qwen2_vl (25 graphs, the slowest family) streams from "cpu" only, to keep the suite's time: the
 # disk tier is the same code for every family and is checked on the other five
-OFFLOAD_CASES = [(name, storage) for name in FAMILIES for storage in ("cpu", "disk")
-                 if (name, storage) != ("qwen2_vl", "disk")]
+OFFLOAD_CASES = [
+    (name, storage) for name in FAMILIES for storage in ("cpu", "disk") if (name, storage) != ("qwen2_vl", "disk")
+]
 
 
 def _skip_where_torch_cannot(name: str) -> None:
@@ -226,8 +331,10 @@ def _skip_where_torch_cannot(name: str) -> None:
     back to eager for that frame (DataDependentOutputException). graphpass refuses the fallback of a
     graph it put loads or captures in (DelegateError), so the family cannot run there."""
     if name == "qwen2_vl" and TORCH_RELEASE < (2, 10):
-        pytest.skip(f"torch {torch.__version__}: aot_eager cannot trace Qwen2-VL's vision attention "
-                    "(lengths.tolist() as .item() calls; plain torch.compile falls back to eager there)")
+        pytest.skip(
+            f"torch {torch.__version__}: aot_eager cannot trace Qwen2-VL's vision attention "
+            "(lengths.tolist() as .item() calls; plain torch.compile falls back to eager there)"
+        )
 
 
 @pytest.mark.parametrize("name, storage", OFFLOAD_CASES)
@@ -237,8 +344,12 @@ def test_traps_and_offload(name, storage, tmp_path):
     ref_model, inputs = fam.build()
     ref = main_output(fam.run(ref_model, inputs))
     model, _ = fam.build()
-    cfg = graphpass.OffloadConfig(include_patterns=list(fam.traps), device="cpu", storage=storage,
-                                  disk_path=tmp_path if storage == "disk" else None)
+    cfg = graphpass.OffloadConfig(
+        include_patterns=list(fam.traps),
+        device="cpu",
+        storage=storage,
+        disk_path=tmp_path if storage == "disk" else None,
+    )
     state = graphpass.offload(model, cfg)
     assert state.records
     gp = _backend(fam)
@@ -263,6 +374,7 @@ def _eager_outputs(model, fam, inputs, modules):
     def hook(m):
         def fn(mod, args, result):
             out.setdefault(m, [t.detach().clone() for t in flat_tensors(result)])
+
         return fn
 
     hooks = [named[m].register_forward_hook(hook(m)) for m in modules]
@@ -329,12 +441,16 @@ def _int8_weight_only(flat: bool = True):
 
     torch.manual_seed(0)
     model = _Stack().eval()
-    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn.startswith("layers"))
+    quantize_(
+        model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn.startswith("layers")
+    )
     kind = type(model.layers[0][0].weight).__name__
     if flat and kind != "Int8Tensor":
-        pytest.skip(f"torchao {torchao.__version__} (the release paired with torch {torch.__version__.split('+')[0]}) "
-                    f"quantizes int8 weight-only into {kind}, not Int8Tensor; "
-                    f"test_torchao_nested_layout_is_refused_by_name checks that layout")
+        pytest.skip(
+            f"torchao {torchao.__version__} (the release paired with torch {torch.__version__.split('+')[0]}) "
+            f"quantizes int8 weight-only into {kind}, not Int8Tensor; "
+            f"test_torchao_nested_layout_is_refused_by_name checks that layout"
+        )
     return model, torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
 
 
@@ -352,8 +468,11 @@ def test_torchao_nested_layout_is_refused_by_name():
     assert torch.equal(got, ref)
     torch._dynamo.reset()
     before = dict(model.named_parameters())
-    with pytest.raises(graphpass.OffloadError, match=rf"'layers.0.0.weight' is a tensor subclass, {type(weight).__name__}"
-                                                     r".*is itself a tensor subclass.*exclude_patterns=\['layers.0.0'\]"):
+    with pytest.raises(
+        graphpass.OffloadError,
+        match=rf"'layers.0.0.weight' is a tensor subclass, {type(weight).__name__}"
+        r".*is itself a tensor subclass.*exclude_patterns=\['layers.0.0'\]",
+    ):
         graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
     assert dict(model.named_parameters()) == before and not hasattr(model, "_graphpass_offload")
 
@@ -376,7 +495,9 @@ def test_torchao_int8_weight_only_ownership_and_numerics():
             assert f"layers.{i}.0.weight.{name}" in traps[f"layers.{i}"]
     owned = next(t for t in report.tensors() if t.fqn == "layers.0.0.weight")
     assert owned.inner == list(names) and owned.traps == ["layers.0"]
-    assert owned.nbytes == owned.global_nbytes == _inner_bytes(weight) < weight.numel() * 4  # int8, not the float wrapper's
+    assert (
+        owned.nbytes == owned.global_nbytes == _inner_bytes(weight) < weight.numel() * 4
+    )  # int8, not the float wrapper's
     torch._dynamo.reset()
     gp = graphpass.backend(then="aot_eager")
     with graphpass.trace_traps() as events, torch.no_grad():
@@ -408,8 +529,9 @@ def test_torchao_offload_streams_the_inner_tensors(storage, stand_ins, tmp_path)
         state = graphpass.offload(model, config)
     weights = [r for r in state.records if ".weight." in r.name]
     assert {r.name.rsplit(".", 1)[1] for r in weights} == set(names) and len(weights) == 4 * len(names)
-    assert {r.unit for r in weights} == {"layers.0", "layers.1"} and all(r.dtype != torch.float32 or r.name.endswith(
-        ("scale", "zero_point")) for r in weights)
+    assert {r.unit for r in weights} == {"layers.0", "layers.1"} and all(
+        r.dtype != torch.float32 or r.name.endswith(("scale", "zero_point")) for r in weights
+    )
     assert state.streamed_bytes == inner_bytes + bias_bytes
     assert type(model.layers[0][0].weight).__name__ == "Int8Tensor"  # the module still holds the wrapper
     assert all(torch.equal(a, b) for a, b in zip(_dequantized(model.state_dict()).values(), sd_ref.values()))
@@ -451,8 +573,16 @@ def test_torchao_disk_offload_refuses_load_state_dict_model_untouched(tmp_path):
 def _lora_llama():
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     base = transformers.LlamaForCausalLM(cfg).eval()
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # B != 0
@@ -469,8 +599,11 @@ def test_peft_lora_adapters_owned_by_their_block():
     for i in range(2):
         (row,) = report.traps[LORA_LAYER.format(i)]
         adapters = [f for f in row.fqns if ".lora_" in f]
-        assert adapters == [f"{LORA_LAYER.format(i)}.self_attn.{p}.lora_{ab}.default.weight"
-                            for p in ("q_proj", "v_proj") for ab in "AB"], row.fqns
+        assert adapters == [
+            f"{LORA_LAYER.format(i)}.self_attn.{p}.lora_{ab}.default.weight"
+            for p in ("q_proj", "v_proj")
+            for ab in "AB"
+        ], row.fqns
 
 
 @pytest.mark.parametrize("storage", ["cpu", "disk"])
@@ -479,8 +612,9 @@ def test_peft_lora_offload_streams_adapters(storage, tmp_path):
     with torch.no_grad():
         ref = ref_model(ids).logits
     model, _ = _lora_llama()
-    state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage=storage,
-                                                             disk_path=tmp_path if storage == "disk" else None))
+    state = graphpass.offload(
+        model, graphpass.OffloadConfig(device="cpu", storage=storage, disk_path=tmp_path if storage == "disk" else None)
+    )
     adapters = [r for r in state.records if ".lora_" in r.name]
     assert len(adapters) == 8 and all(r.unit.startswith(LORA_LAYER.format("")) for r in adapters)
     compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
@@ -597,8 +731,11 @@ def test_wrapper_nesting_a_wrapper_is_refused_by_name_model_untouched():
     nested = [TwoTensor(w.clone(), w.clone()) for _ in range(2)]  # every field a wrapper, as AffineQuantizedTensor's
     model.layers[0][0].weight = nn.Parameter(TwoTensor(*nested), requires_grad=False)
     before = dict(model.named_parameters())
-    with pytest.raises(graphpass.OffloadError, match=r"'layers.0.0.weight' is a tensor subclass, TwoTensor.*inner tensor "
-                                                     r"'a' is itself a tensor subclass.*exclude_patterns=\['layers.0.0'\]"):
+    with pytest.raises(
+        graphpass.OffloadError,
+        match=r"'layers.0.0.weight' is a tensor subclass, TwoTensor.*inner tensor "
+        r"'a' is itself a tensor subclass.*exclude_patterns=\['layers.0.0'\]",
+    ):
         graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"))
     assert dict(model.named_parameters()) == before and not hasattr(model, "_graphpass_offload")
 
@@ -609,7 +746,10 @@ def test_wrapper_subclass_streamed_in_part_is_refused_model_untouched():
     model = _two_tensor_model()
     model.head.register_buffer("shared", model.layers[0][0].weight.b)
     before = dict(model.named_parameters())
-    with pytest.raises(graphpass.OffloadError, match=r"'layers.0.0.weight' is a tensor subclass, TwoTensor.*inner tensor b "
-                                                     r"would stay where a streams.*exclude_patterns=\['layers.0.0'\]"):
+    with pytest.raises(
+        graphpass.OffloadError,
+        match=r"'layers.0.0.weight' is a tensor subclass, TwoTensor.*inner tensor b "
+        r"would stay where a streams.*exclude_patterns=\['layers.0.0'\]",
+    ):
         graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu", exclude_patterns=["head"]))
     assert dict(model.named_parameters()) == before and not hasattr(model, "_graphpass_offload")

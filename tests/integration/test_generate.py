@@ -49,8 +49,15 @@ def eager():
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -69,8 +76,12 @@ def _kwargs(cache: str, new_tokens: int) -> dict:
 def _eager_generate(model, ids, kw):
     """Eager tokens and, per captured layer, its output at every forward (call i = step i)."""
     outs = {name: [] for name in LAYERS}
-    hooks = [model.get_submodule(name).register_forward_hook(
-        lambda m, a, out, name=name: outs[name].append(out.detach().clone())) for name in LAYERS]
+    hooks = [
+        model.get_submodule(name).register_forward_hook(
+            lambda m, a, out, name=name: outs[name].append(out.detach().clone())
+        )
+        for name in LAYERS
+    ]
     try:
         with torch.no_grad():
             tokens = model.generate(ids, **kw)
@@ -86,8 +97,9 @@ class _Compiled:
     def __init__(self, eager, tmp: Path, storage: str = "cpu"):
         torch._dynamo.reset()  # a fresh compile per run (offload / ModelCapture refuse a compiled class)
         self.model = copy.deepcopy(eager)
-        cfg = graphpass.OffloadConfig(device="cpu", storage=storage,
-                                      disk_path=str(tmp / "weights") if storage == "disk" else None)
+        cfg = graphpass.OffloadConfig(
+            device="cpu", storage=storage, disk_path=str(tmp / "weights") if storage == "disk" else None
+        )
         self.state = graphpass.offload(self.model, cfg)
         self.counting = CountingBackend(inner=lookup_backend("aot_eager"))
         self.gp = graphpass.backend(then=self.counting)
@@ -108,15 +120,20 @@ class _Compiled:
 def _expect_steps(run: _Compiled, first_prefill: int, first_decode: int, new_tokens: int) -> None:
     want = {f"prefill_s{PROMPT}_{first_prefill}"} | {f"decode_b1_{first_decode + i}" for i in range(new_tokens - 1)}
     assert want <= set(run.steps())
-    meta = json.loads((run.root / "dp0" / f"decode_b1_{first_decode}" / f"decode_b1_{first_decode}_meta.json").read_text())
+    meta = json.loads(
+        (run.root / "dp0" / f"decode_b1_{first_decode}" / f"decode_b1_{first_decode}_meta.json").read_text()
+    )
     assert (meta["phase"], meta["size"], meta["modules"]) == ("decode", 1, LAYERS)
 
 
 def _expect_captures(run: _Compiled, outs: dict, first_decode: int = 0) -> None:
     """prefill, first and last decode step: each layer's captured output equals eager's."""
     last = len(outs[LAYERS[0]]) - 1
-    for step, call in ((f"prefill_s{PROMPT}_0", 0), (f"decode_b1_{first_decode}", 1),
-                       (f"decode_b1_{first_decode + last - 1}", last)):
+    for step, call in (
+        (f"prefill_s{PROMPT}_0", 0),
+        (f"decode_b1_{first_decode}", 1),
+        (f"decode_b1_{first_decode + last - 1}", last),
+    ):
         for name in LAYERS:
             got = load_file(str(run.root / "dp0" / step / name / "rank0.safetensors"))["output"]
             torch.testing.assert_close(got, outs[name][call], rtol=1e-5, atol=1e-6, msg=f"{step} {name}")
@@ -198,17 +215,21 @@ def test_generate_under_transformers_compile_config(eager, ids, tmp_path):
 
 # ---------------------------------------------------------------------------------- step naming
 
-@pytest.mark.parametrize("args, kwargs, want", [
-    ((), {"input_ids": torch.zeros(2, 5, dtype=torch.long)}, (True, 5)),
-    ((), {"input_ids": torch.zeros(3, 1, dtype=torch.long)}, (False, 3)),
-    ((), {"inputs_embeds": torch.zeros(2, 1, 16)}, (False, 2)),
-    ((torch.zeros(7, dtype=torch.long),), {}, (True, 7)),  # 1-D: one sequence
-    ((torch.zeros(4, 1, dtype=torch.long),), {"position_ids": torch.full((4, 1), 9)}, (False, 4)),
-    # one-token prompts start their sequences: prefill of 1
-    ((), {"input_ids": torch.zeros(1, 1, dtype=torch.long), "cache_position": torch.tensor([0])}, (True, 1)),
-    ((), {"input_ids": torch.zeros(2, 1, dtype=torch.long), "position_ids": torch.zeros(2, 1)}, (True, 1)),
-    ((), {"input_ids": torch.zeros(1, 1, dtype=torch.long), "cache_position": torch.tensor([6])}, (False, 1)),
-])
+
+@pytest.mark.parametrize(
+    "args, kwargs, want",
+    [
+        ((), {"input_ids": torch.zeros(2, 5, dtype=torch.long)}, (True, 5)),
+        ((), {"input_ids": torch.zeros(3, 1, dtype=torch.long)}, (False, 3)),
+        ((), {"inputs_embeds": torch.zeros(2, 1, 16)}, (False, 2)),
+        ((torch.zeros(7, dtype=torch.long),), {}, (True, 7)),  # 1-D: one sequence
+        ((torch.zeros(4, 1, dtype=torch.long),), {"position_ids": torch.full((4, 1), 9)}, (False, 4)),
+        # one-token prompts start their sequences: prefill of 1
+        ((), {"input_ids": torch.zeros(1, 1, dtype=torch.long), "cache_position": torch.tensor([0])}, (True, 1)),
+        ((), {"input_ids": torch.zeros(2, 1, dtype=torch.long), "position_ids": torch.zeros(2, 1)}, (True, 1)),
+        ((), {"input_ids": torch.zeros(1, 1, dtype=torch.long), "cache_position": torch.tensor([6])}, (False, 1)),
+    ],
+)
 def test_default_step_info(args, kwargs, want):
     info = default_step_info(args, kwargs)
     assert (info.is_prefill, info.size) == want
@@ -245,8 +266,9 @@ def _tiny(tmp_path, wrap: str = "forward"):
         called = model
     else:
         called = torch.compile(model, backend=graphpass.backend(then=counting))
-    cap = graphpass.ModelCapture(model if wrap == "inner" else called, modules=["layers.0", "layers.1"],
-                                 capture_dir=tmp_path)
+    cap = graphpass.ModelCapture(
+        model if wrap == "inner" else called, modules=["layers.0", "layers.1"], capture_dir=tmp_path
+    )
     cap.enable()
     return model, called, cap, counting
 
@@ -260,8 +282,12 @@ def test_auto_steps_names_each_forward_and_values_equal_eager(tmp_path, wrap):
         for x in xs:
             called(x)
     assert steps.steps == 4
-    assert sorted(p.name for p in (tmp_path / "dp0").iterdir()) == ["decode_b2_0", "decode_b2_1", "prefill_s4_1",
-                                                                    "prefill_s5_0"]
+    assert sorted(p.name for p in (tmp_path / "dp0").iterdir()) == [
+        "decode_b2_0",
+        "decode_b2_1",
+        "prefill_s4_1",
+        "prefill_s5_0",
+    ]
     with torch.no_grad():
         want = model.layers[0](model.emb(xs[1]))  # the Linear's output (relu follows it in the parent)
     got = load_file(str(tmp_path / "dp0" / "decode_b2_0" / "layers.0" / "rank0.safetensors"))["output"]
@@ -309,7 +335,11 @@ def test_auto_steps_warns_once_when_a_step_captured_nothing(tmp_path):
     model = _Tiny().eval()
     cap = graphpass.ModelCapture(model, modules=["layers.0"], capture_dir=tmp_path)
     cap.enable()
-    with torch.no_grad(), cap.auto_steps() as steps, pytest.warns(UserWarning, match="captured no module output") as rec:
+    with (
+        torch.no_grad(),
+        cap.auto_steps() as steps,
+        pytest.warns(UserWarning, match="captured no module output") as rec,
+    ):
         model(torch.randint(0, 32, (1, 4)))
         model(torch.randint(0, 32, (1, 1)))
     assert len([w for w in rec if "auto_steps" in str(w.message)]) == 1 and steps.steps == 0

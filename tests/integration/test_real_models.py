@@ -21,9 +21,18 @@ MOE = ["mixtral", "qwen3_moe", "olmoe"]
 
 def tiny_moe(model_type: str, seed: int = 0):
     cfg = transformers.CONFIG_MAPPING[model_type](
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=64,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()

@@ -18,15 +18,26 @@ def test_no_graphpass_key_changes_nothing():
 
 
 def test_settings_are_read(tmp_path):
-    s = parse({"graphpass": {"options": {"then": "eager"},
-                             "tensor_capture": {"modules": ["model.layers.0-1"], "capture_dir": str(tmp_path / "c"),
-                                                "capture_filter": ["model.layers.1"]}}})
+    s = parse(
+        {
+            "graphpass": {
+                "options": {"then": "eager"},
+                "tensor_capture": {
+                    "modules": ["model.layers.0-1"],
+                    "capture_dir": str(tmp_path / "c"),
+                    "capture_filter": ["model.layers.1"],
+                },
+            }
+        }
+    )
     assert s.options == {"then": "eager"}
     assert s.tensor_capture.modules == ("model.layers.0-1",)
     assert s.tensor_capture.capture_filter == ("model.layers.1",)
     assert s.tensor_capture.capture_dir == str(tmp_path / "c")
     assert s.tensor_capture.draft_modules is None
-    s = parse({"graphpass": {"tensor_capture": {"modules": ["a"], "capture_dir": "c", "draft_modules": ["model.norm"]}}})
+    s = parse(
+        {"graphpass": {"tensor_capture": {"modules": ["a"], "capture_dir": "c", "draft_modules": ["model.norm"]}}}
+    )
     assert s.tensor_capture.draft_modules == ("model.norm",)
 
 
@@ -36,18 +47,21 @@ def test_a_relative_capture_dir_is_made_absolute(tmp_path, monkeypatch):
     assert s.tensor_capture.capture_dir == str(tmp_path / "caps")
 
 
-@pytest.mark.parametrize("settings, key, words", [
-    ([], "additional_config.graphpass", "dict"),
-    ({"tracing": 1}, "additional_config.graphpass", "unknown keys"),
-    ({"tensor_capture": {"modules": "model.layers.0", "capture_dir": "x"}}, "tensor_capture.modules", "list"),
-    ({"tensor_capture": {"modules": [], "capture_dir": "x"}}, "tensor_capture.modules", "non-empty"),
-    ({"tensor_capture": {"modules": ["a"]}}, "tensor_capture.capture_dir", "folder"),
-    ({"tensor_capture": {"modules": ["a"], "capture_dir": "x", "vision": 1}}, "tensor_capture", "unknown keys"),
-    ({"tensor_capture": {"modules": ["a"], "capture_dir": "x", "draft_modules": "a"}}, "draft_modules", "list"),
-    ({"offload": {"device": "cpu"}}, "offload", "packed oneDNN weights"),
-    ({"options": {"then": 3}}, "then", ""),
-    ({"options": "eager"}, "options", "dict"),
-])
+@pytest.mark.parametrize(
+    "settings, key, words",
+    [
+        ([], "additional_config.graphpass", "dict"),
+        ({"tracing": 1}, "additional_config.graphpass", "unknown keys"),
+        ({"tensor_capture": {"modules": "model.layers.0", "capture_dir": "x"}}, "tensor_capture.modules", "list"),
+        ({"tensor_capture": {"modules": [], "capture_dir": "x"}}, "tensor_capture.modules", "non-empty"),
+        ({"tensor_capture": {"modules": ["a"]}}, "tensor_capture.capture_dir", "folder"),
+        ({"tensor_capture": {"modules": ["a"], "capture_dir": "x", "vision": 1}}, "tensor_capture", "unknown keys"),
+        ({"tensor_capture": {"modules": ["a"], "capture_dir": "x", "draft_modules": "a"}}, "draft_modules", "list"),
+        ({"offload": {"device": "cpu"}}, "offload", "packed oneDNN weights"),
+        ({"options": {"then": 3}}, "then", ""),
+        ({"options": "eager"}, "options", "dict"),
+    ],
+)
 def test_bad_settings_name_the_key(settings, key, words):
     with pytest.raises(ConfigError) as info:
         parse({"graphpass": settings})
@@ -64,10 +78,14 @@ def test_offload_refusal_names_the_reason_and_what_avoids_it():
 def _runner(req_ids, scheduled, computed, prompt):
     starts = np.concatenate([[0], np.cumsum(scheduled)])
     return SimpleNamespace(
-        input_batch=SimpleNamespace(num_reqs=len(req_ids), req_ids=list(req_ids) + [None],
-                                    num_computed_tokens_cpu=np.array(computed + [0]),
-                                    num_prompt_tokens=np.array(prompt + [0])),
-        query_start_loc=SimpleNamespace(cpu=torch.tensor(list(starts) + [starts[-1]], dtype=torch.int32)))
+        input_batch=SimpleNamespace(
+            num_reqs=len(req_ids),
+            req_ids=list(req_ids) + [None],
+            num_computed_tokens_cpu=np.array(computed + [0]),
+            num_prompt_tokens=np.array(prompt + [0]),
+        ),
+        query_start_loc=SimpleNamespace(cpu=torch.tensor(list(starts) + [starts[-1]], dtype=torch.int32)),
+    )
 
 
 def test_a_mixed_step_is_a_prefill_with_each_tokens_request_and_position():
@@ -98,8 +116,10 @@ def test_draft_passes_are_steps_with_each_tokens_request():
     assert draft_step(runner, torch.tensor([6, 4]), None, target, 1).token_request == [-1, -1]
 
 
-@pytest.mark.parametrize("spec, words", [(None, "no speculative_config"),
-                                         (SimpleNamespace(method="ngram"), "method 'ngram', which runs no model")])
+@pytest.mark.parametrize(
+    "spec, words",
+    [(None, "no speculative_config"), (SimpleNamespace(method="ngram"), "method 'ngram', which runs no model")],
+)
 def test_draft_modules_need_a_draft_model(spec, words):
     from graphpass.integrations.vllm import _check_draft
 
@@ -123,12 +143,15 @@ def test_the_report_path_must_be_absolute():
     assert parse({"graphpass": {"report": "/tmp/x.json"}}).report == "/tmp/x.json"
 
 
-@pytest.mark.parametrize("section, key, path", [
-    ("tensor_capture", "modules", "additional_config.graphpass.tensor_capture.modules"),
-    ("tensor_capture", "capture_filter", "additional_config.graphpass.tensor_capture.capture_filter"),
-    ("draft", "modules", "additional_config.graphpass.tensor_capture.draft_modules"),
-    ("options", "traps", "additional_config.graphpass.options.traps"),
-])
+@pytest.mark.parametrize(
+    "section, key, path",
+    [
+        ("tensor_capture", "modules", "additional_config.graphpass.tensor_capture.modules"),
+        ("tensor_capture", "capture_filter", "additional_config.graphpass.tensor_capture.capture_filter"),
+        ("draft", "modules", "additional_config.graphpass.tensor_capture.draft_modules"),
+        ("options", "traps", "additional_config.graphpass.options.traps"),
+    ],
+)
 def test_a_workers_error_reaches_the_caller_as_its_class_naming_the_setting(tmp_path, section, key, path):
     """Issue 36, item 7 / acceptance 4: what only a worker can check (its model's module names) is written to the
     engine's report file in config terms, and the caller raises the same class from vLLM's own error."""
@@ -172,19 +195,30 @@ def test_positions_served_from_the_prefix_cache_are_read_from_the_scheduler_outp
     from graphpass.integrations.vllm.steps import prefix_cached
 
     out = SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id="2-ab", num_computed_tokens=16),
-                            SimpleNamespace(req_id="3-cd", num_computed_tokens=0)],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=["0-ef", "1-gh"], resumed_req_ids={"1-gh"},
-                                              num_computed_tokens=[40, 32]))
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="2-ab", num_computed_tokens=16),
+            SimpleNamespace(req_id="3-cd", num_computed_tokens=0),
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["0-ef", "1-gh"], resumed_req_ids={"1-gh"}, num_computed_tokens=[40, 32]
+        ),
+    )
     # new requests with a cache hit, and a request resumed after a preemption; a running request is no news
     assert prefix_cached(out) == {"2-ab": 16, "1-gh": 32}
     assert prefix_cached(None) == {}
 
 
-@pytest.mark.parametrize("req_id, parent", [
-    ("0_14-1a2b3c4d", "14"), ("1_cmpl-abc-1a2b3c4d", "cmpl-abc"), ("3_7", "7"),
-    ("14-1a2b3c4d", None), ("a_14-1a2b3c4d", None), ("_14-x", None),
-])
+@pytest.mark.parametrize(
+    "req_id, parent",
+    [
+        ("0_14-1a2b3c4d", "14"),
+        ("1_cmpl-abc-1a2b3c4d", "cmpl-abc"),
+        ("3_7", "7"),
+        ("14-1a2b3c4d", None),
+        ("a_14-1a2b3c4d", None),
+        ("_14-x", None),
+    ],
+)
 def test_a_parallel_sampling_child_names_its_parent(req_id, parent):
     from graphpass.integrations.vllm.steps import parent_of
 
@@ -198,9 +232,11 @@ def test_the_plugins_entry_point_imports_nothing_of_graphpass():
     import subprocess
     import sys
 
-    code = ("import sys, graphpass_vllm_plugin as p; "
-            "assert p.configured({'graphpass': {}}) and not p.configured({}) and not p.configured(None); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'graphpass'))")
+    code = (
+        "import sys, graphpass_vllm_plugin as p; "
+        "assert p.configured({'graphpass': {}}) and not p.configured({}) and not p.configured(None); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'graphpass'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout

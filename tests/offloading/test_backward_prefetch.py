@@ -36,8 +36,12 @@ def render_backward(graph: torch.fx.Graph) -> str:
         elif n.target is LOAD_WAIT:
             ahead = ", ".join(a.args[1] for a in n.args[4]) or "-"
             lines.append(f"load_wait  {n.args[2]}  (prefetched: {ahead})")
-        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten" \
-                and n.target.overloadpacket.__name__ in ("mm", "addmm"):
+        elif (
+            n.op == "call_function"
+            and isinstance(n.target, torch._ops.OpOverload)
+            and n.target.namespace == "aten"
+            and n.target.overloadpacket.__name__ in ("mm", "addmm")
+        ):
             lines.append(f"  {_op(n)}")
     return "\n".join(lines) + "\n"
 
@@ -57,8 +61,11 @@ def _compile_backward(prefetch: int):
         seen["graph"] = gm.graph
         return make_boxed_func(gm.forward)
 
-    delegate = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=bw,
-                            partition_fn=min_cut_rematerialization_partition)
+    delegate = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        bw_compiler=bw,
+        partition_fn=min_cut_rematerialization_partition,
+    )
     compiled = torch.compile(model, backend=graphpass.backend(then=delegate))
     return model, ref, inputs, compiled, seen
 

@@ -125,7 +125,9 @@ def test_offload_after_the_model_was_compiled_is_refused(storage, tmp_path):
     with torch.no_grad():
         compiled(*inputs)
     FAULTS["tried"] += 1
-    with pytest.raises(graphpass.OffloadError, match=r"MLPStack\.forward was already compiled.*torch\._dynamo\.reset\(\)"):
+    with pytest.raises(
+        graphpass.OffloadError, match=r"MLPStack\.forward was already compiled.*torch\._dynamo\.reset\(\)"
+    ):
         offload_as(model, storage, tmp_path)
     assert getattr(model, "_graphpass_offload", None) is None and not list(tmp_path.iterdir())  # untouched
     torch._dynamo.reset()
@@ -397,13 +399,16 @@ def test_a_file_that_cannot_be_leased_is_read_not_mapped(tmp_path):
     ref = model(*inputs)
     path = tmp_path / "model.safetensors"
     from safetensors.torch import save_file
+
     save_file(model.state_dict(), str(path))
     writer = open(path, "r+b")  # open for writing: F_SETLEASE(F_RDLCK) fails with EAGAIN
     state = graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk"), checkpoint=str(path))
     compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
     seen = []
     wait = state.runtime.wait
-    state.runtime.wait = lambda ticket, group: (seen.append(state.runtime._leases.live_regions()), wait(ticket, group))[1]
+    state.runtime.wait = lambda ticket, group: (seen.append(state.runtime._leases.live_regions()), wait(ticket, group))[
+        1
+    ]
     with torch.no_grad():
         assert torch.equal(compiled(*inputs), ref)
     assert seen and max(seen) == 0 and state.runtime._leases.breaks == 0
@@ -552,8 +557,8 @@ def test_a_file_changed_between_forwards_never_reaches_eager_readers(how, tmp_pa
     FAULTS["eager_file_changes_tried"] += 1
     assert rc == 0, (rc, err[-3000:])  # -7: SIGBUS
     words = out.split()
-    held = words[words.index("held") + 1: words.index("results")]
-    results = words[words.index("results") + 1:]
+    held = words[words.index("held") + 1 : words.index("results")]
+    results = words[words.index("results") + 1 :]
     assert "WRONG" not in results and results, out
     assert int(held[0]) + int(held[1]) > 0, "the model held no mapped region: the test would prove nothing"
     if how != "replace":  # a writer opened the file: the break privatized what the model held
@@ -572,7 +577,7 @@ def test_a_file_changed_during_eager_forwards_never_reaches_eager_readers(tmp_pa
         FAULTS["tried"] += 1
         FAULTS["eager_file_changes_tried"] += 1
         assert rc == 0, (how, rc, err[-3000:])
-        results = out.split()[out.split().index("results") + 1:]
+        results = out.split()[out.split().index("results") + 1 :]
         assert results and "WRONG" not in results, (how, out)
         FAULTS["survived"] += 1
         FAULTS["eager_file_changes_survived"] += 1
@@ -666,7 +671,11 @@ class _Interrupter:
         # Not on a ``with`` line: its line event also fires on the way out, before ``__exit__`` is
         # called, a point a real SIGINT cannot reach (the interpreter checks for signals after
         # calls and at jumps), and raising there would leak the lock: a tracer artefact.
-        if event == "line" and not self.fired and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with "):
+        if (
+            event == "line"
+            and not self.fired
+            and not linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with ")
+        ):
             self.k -= 1
             if self.k <= 0:
                 self.fired = True
@@ -748,7 +757,9 @@ def test_deepcopy_of_an_offloaded_model_is_refused_naming_offload():
     model, _ = frozen()
     offload_as(model, "cpu")
     FAULTS["tried"] += 1
-    with pytest.raises(graphpass.OffloadError, match=r"copy\.deepcopy of a model offloaded with graphpass\.offload\(\)"):
+    with pytest.raises(
+        graphpass.OffloadError, match=r"copy\.deepcopy of a model offloaded with graphpass\.offload\(\)"
+    ):
         copy.deepcopy(model)
     FAULTS["survived"] += 1
 
@@ -792,12 +803,21 @@ def _raw_safetensors(path, header: str, data: bytes) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
 
 
-@pytest.mark.parametrize("header, match", [
-    ('{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
-     '"b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}', r"tensors 'a' and 'b' overlap"),
-    ('{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
-     '"a": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}', r"key\(s\) \['a'\] given more than once"),
-])
+@pytest.mark.parametrize(
+    "header, match",
+    [
+        (
+            '{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
+            '"b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}',
+            r"tensors 'a' and 'b' overlap",
+        ),
+        (
+            '{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
+            '"a": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}',
+            r"key\(s\) \['a'\] given more than once",
+        ),
+    ],
+)
 def test_a_header_with_overlapping_or_duplicate_tensors_is_an_offload_error(tmp_path, header, match):
     """Issue 22 item 13: both were accepted (safetensors itself refuses them): a duplicate key kept the
     last entry, overlapping tensors read each other's bytes."""
@@ -805,7 +825,7 @@ def test_a_header_with_overlapping_or_duplicate_tensors_is_an_offload_error(tmp_
 
     path = tmp_path / "bad.safetensors"
     _raw_safetensors(path, header, bytes(range(32)))
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (safetensors raises its own type, per release)
         safetensors.safe_open(str(path), "pt")  # the reference refuses it too
     FAULTS["tried"] += 1
     with pytest.raises(graphpass.OffloadError, match=re.escape(str(path)) + ".*" + match):
@@ -819,13 +839,18 @@ def test_two_indexes_in_a_checkpoint_folder_are_refused_naming_both(tmp_path):
     for name in ("a.safetensors.index.json", "b.safetensors.index.json"):
         (tmp_path / name).write_text(json.dumps({"weight_map": {k: "model.safetensors" for k in model.state_dict()}}))
     FAULTS["tried"] += 1
-    with pytest.raises(graphpass.OffloadError, match=r"2 safetensors indexes \(a\.safetensors\.index\.json, "
-                                                     r"b\.safetensors\.index\.json\)"):
+    with pytest.raises(
+        graphpass.OffloadError,
+        match=r"2 safetensors indexes \(a\.safetensors\.index\.json, "
+        r"b\.safetensors\.index\.json\)",
+    ):
         graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="disk"), checkpoint=tmp_path)
     FAULTS["survived"] += 1
 
 
-@pytest.mark.parametrize("entry", ["../outside.safetensors", "/abs/outside.safetensors", "sub/../../outside.safetensors"])
+@pytest.mark.parametrize(
+    "entry", ["../outside.safetensors", "/abs/outside.safetensors", "sub/../../outside.safetensors"]
+)
 def test_an_index_naming_a_file_outside_its_folder_is_refused(tmp_path, entry):
     model, _ = frozen()
     folder = tmp_path / "ckpt"
@@ -834,8 +859,11 @@ def test_an_index_naming_a_file_outside_its_folder_is_refused(tmp_path, entry):
     first = next(iter(model.state_dict()))
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {first: entry}}))
     FAULTS["tried"] += 1
-    with pytest.raises(graphpass.OffloadError, match=rf"tensor '{re.escape(first)}' is mapped to '{re.escape(entry)}', "
-                                                     r"outside the checkpoint folder"):
+    with pytest.raises(
+        graphpass.OffloadError,
+        match=rf"tensor '{re.escape(first)}' is mapped to '{re.escape(entry)}', "
+        r"outside the checkpoint folder",
+    ):
         safetensors_io.checkpoint_files(folder)
     FAULTS["survived"] += 1
 
@@ -854,7 +882,9 @@ def test_full_disk_while_writing_is_an_offload_error_leaving_no_file(tmp_path, m
 
     monkeypatch.setattr(atomic_files, "write_all", full)
     FAULTS["tried"] += 1
-    with pytest.raises(graphpass.OffloadError, match=r"cannot write the offload weights file .*graphpass-offload-MLPStack-.*No space"):
+    with pytest.raises(
+        graphpass.OffloadError, match=r"cannot write the offload weights file .*graphpass-offload-MLPStack-.*No space"
+    ):
         offload_as(model, "disk", tmp_path)
     assert list(tmp_path.iterdir()) == []  # no partial file, no temporary
     assert getattr(model, "_graphpass_offload", None) is None and torch.equal(model(*inputs), ref)
@@ -877,7 +907,8 @@ _OFFLOADED_MLP_STACK = textwrap.dedent("""
 """)
 
 
-_LOCK_INTERRUPT_CHILD = textwrap.dedent("""
+_LOCK_INTERRUPT_CHILD = (
+    textwrap.dedent("""
     import gc, linecache, os, sys, threading, time, torch, graphpass
     from graphpass.models.corpus import build
     from graphpass.offloading import runtime as rt
@@ -901,7 +932,9 @@ _LOCK_INTERRUPT_CHILD = textwrap.dedent("""
                     self.fired = True
                     raise KeyboardInterrupt
             return self.step
-""") + _OFFLOADED_MLP_STACK + textwrap.dedent("""
+""")
+    + _OFFLOADED_MLP_STACK
+    + textwrap.dedent("""
     def fwd():
         with torch.no_grad():
             return compiled(*inputs)
@@ -929,6 +962,7 @@ _LOCK_INTERRUPT_CHILD = textwrap.dedent("""
     gc.collect(); time.sleep(0.2)  # dead regions are unmapped by the service thread
     print("result", points, landed, state.runtime._leases.live_regions(), flush=True)
 """)
+)
 
 
 def _run_child(forks, code, *args, timeout):
@@ -957,14 +991,17 @@ def test_ctrl_c_inside_the_stdlib_lock_code_never_hangs_the_runtime(mode, tmp_pa
     FAULTS["signal_runs_survived"] += 1
 
 
-_SIGINT_CHILD = textwrap.dedent("""
+_SIGINT_CHILD = (
+    textwrap.dedent("""
     import gc, os, random, signal, sys, threading, time, torch, graphpass
     from graphpass.models.corpus import build
     from graphpass.offloading import runtime as rt
     mode, count, seed, folder = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     rt.LOAD_TIMEOUT_S = 10
     rng = random.Random(seed)
-""") + _OFFLOADED_MLP_STACK + textwrap.dedent("""
+""")
+    + _OFFLOADED_MLP_STACK
+    + textwrap.dedent("""
     # SIGINT raises KeyboardInterrupt while a forward runs (graphpass, torch, the stdlib's lock code,
     # this function's own lines); in the loop's bookkeeping between forwards it is only counted, so a
     # signal at the loop's back edge (where Python runs handlers, outside any try) cannot end the run
@@ -1016,6 +1053,7 @@ _SIGINT_CHILD = textwrap.dedent("""
     assert graphpass.memory_stats(model).streamed_bytes_now == 0
     print("result", sent[0], caught + idle[0], forwards, state.runtime._leases.live_regions(), flush=True)
 """)
+)
 
 
 def test_sigint_at_random_times_inside_and_outside_graphpass_never_hangs(tmp_path, forks):
@@ -1036,14 +1074,17 @@ def test_sigint_at_random_times_inside_and_outside_graphpass_never_hangs(tmp_pat
         FAULTS["signal_runs_survived"] += 1
 
 
-_FORK_CHILD = textwrap.dedent("""
+_FORK_CHILD = (
+    textwrap.dedent("""
     import os, sys, time, torch, graphpass
     from graphpass.models.corpus import build
     from graphpass.offloading import runtime as rt
     mode, folder = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)  # GNU OpenMP's thread pool, once used, hangs a forked child's next parallel op
     rt.LOAD_TIMEOUT_S = 20  # the old hang: each forward of the child waited this long, then failed
-""") + _OFFLOADED_MLP_STACK + textwrap.dedent("""
+""")
+    + _OFFLOADED_MLP_STACK
+    + textwrap.dedent("""
     def fwd():
         with torch.no_grad():
             return compiled(*inputs)
@@ -1062,6 +1103,7 @@ _FORK_CHILD = textwrap.dedent("""
     ok = torch.equal(fwd(), ref)
     print("result", os.waitstatus_to_exitcode(status), len(lost), ok, flush=True)
 """)
+)
 
 
 @pytest.mark.parametrize("mode", ["cpu", "disk"])

@@ -105,10 +105,12 @@ def test_disk_with_weights_that_require_grad(mode, tmp_path):
     assert list(state.parameters()) == []  # nothing streamed from a file is offered to an optimizer
     compiled = torch.compile(model, backend=graphpass.backend(then="aot_eager"))
     if mode == "grad":
-        with pytest.raises(graphpass.OffloadError, match=r"needs the gradient of 'layers.0.fc1.weight'.*storage='disk'"):
+        with pytest.raises(
+            graphpass.OffloadError, match=r"needs the gradient of 'layers.0.fc1.weight'.*storage='disk'"
+        ):
             compiled(*inputs)
         return
-    with (torch.no_grad() if mode == "no_grad" else torch.inference_mode()):
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
         out = compiled(*inputs)
     assert torch.equal(out, ref)
     assert graphpass.memory_stats(model).groups_loaded > 0
@@ -132,8 +134,14 @@ def test_matched_tensors_leave_and_the_rest_stay():
     old = {n: p for n, p in model.named_parameters()}
     state = graphpass.offload(model, graphpass.OffloadConfig(include_patterns=["layers.1"], **CPU))
     names = {r.name for r in state.records}
-    assert names == {"layers.1.up.weight", "layers.1.up.weight.scale", "layers.1.up.bias",
-                     "layers.1.down.weight", "layers.1.down.weight.scale", "layers.1.down.bias"}
+    assert names == {
+        "layers.1.up.weight",
+        "layers.1.up.weight.scale",
+        "layers.1.up.bias",
+        "layers.1.down.weight",
+        "layers.1.down.weight.scale",
+        "layers.1.down.bias",
+    }
     for n, p in model.named_parameters():
         if n.startswith("layers.1."):
             assert lookup(p) is not None and p is not old[n]
@@ -379,7 +387,8 @@ def test_sharded_checkpoint_with_index(tmp_path):
     for f, keys in shards.items():
         save_file({k: sd[k].contiguous() for k in keys}, str(tmp_path / f))
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+        json.dumps({"weight_map": {k: f for f, keys in shards.items() for k in keys}})
+    )
     graphpass.offload(empty, graphpass.OffloadConfig(device="cpu", storage="disk"), checkpoint=tmp_path)
     compiled = torch.compile(empty, backend=graphpass.backend(then="aot_eager"))
     assert torch.equal(run(compiled, *inputs), model(*inputs))
@@ -404,7 +413,9 @@ def test_a_real_model_whose_names_the_checkpoint_lacks_is_refused_naming_them(tm
     save_file(sd, str(path))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     want = r"layers\.1\.fc2\.weight" if which == "one" else r"'proj_in\.weight'.* and \d+ more"
-    with pytest.raises(graphpass.OffloadError, match=rf"checkpoint '{re.escape(str(path))}' holds no tensor named .*{want}"):
+    with pytest.raises(
+        graphpass.OffloadError, match=rf"checkpoint '{re.escape(str(path))}' holds no tensor named .*{want}"
+    ):
         graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage=storage), checkpoint=path)
     assert getattr(model, "_graphpass_offload", None) is None
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing changed
@@ -417,7 +428,9 @@ def test_a_real_model_keeps_a_real_buffer_the_checkpoint_lacks(tmp_path):
     model, inputs = frozen("mlp_stack")
     model.register_buffer("scale", torch.ones(1), persistent=False)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "ckpt.safetensors"))
-    graphpass.offload(model, graphpass.OffloadConfig(device="cpu", storage="cpu"), checkpoint=tmp_path / "ckpt.safetensors")
+    graphpass.offload(
+        model, graphpass.OffloadConfig(device="cpu", storage="cpu"), checkpoint=tmp_path / "ckpt.safetensors"
+    )
     assert torch.equal(model.scale, torch.ones(1))
 
 
@@ -826,7 +839,9 @@ def test_cuda_graph_delegates_are_recognised():
 
     assert records_cuda_graphs(GraphpassConfig.from_options(then="cudagraphs"))
     assert records_cuda_graphs(GraphpassConfig.from_options(then="inductor", mode="reduce-overhead"))
-    assert records_cuda_graphs(GraphpassConfig.from_options(then="inductor", delegate_options={"triton.cudagraphs": True}))
+    assert records_cuda_graphs(
+        GraphpassConfig.from_options(then="inductor", delegate_options={"triton.cudagraphs": True})
+    )
     assert not records_cuda_graphs(GraphpassConfig.from_options(then="inductor"))
     assert not records_cuda_graphs(GraphpassConfig.from_options(then="aot_eager"))
 
@@ -843,16 +858,27 @@ def test_cuda_graph_offload_refusals_name_the_option(case):
     model, _ = frozen("mlp_stack")
     state = graphpass.offload(model, graphpass.OffloadConfig(**CPU))
     groups = [[r for r in state.records if r.unit == u] for u in ("layers.0", "layers.1")]
-    opts = {"then=cudagraphs": dict(then="cudagraphs"),
-            "static-shape buckets": dict(then="inductor", mode="reduce-overhead", static_shapes={"dims": {"x": 0}, "buckets": [8]})}
+    opts = {
+        "then=cudagraphs": dict(then="cudagraphs"),
+        "static-shape buckets": dict(
+            then="inductor", mode="reduce-overhead", static_shapes={"dims": {"x": 0}, "buckets": [8]}
+        ),
+    }
     config = GraphpassConfig.from_options(**opts.get(case, dict(then="inductor", mode="reduce-overhead")))
     reserved = []
-    facts = SimpleNamespace(storage="cpu" if case == "pageable storage" else "pinned", reserve_graph_slots=reserved.append)
+    facts = SimpleNamespace(
+        storage="cpu" if case == "pageable storage" else "pinned", reserve_graph_slots=reserved.append
+    )
     if case == "pinned":  # records as pinned storage makes them (page-locked host copies; no CUDA here)
-        groups = [[SimpleNamespace(name=r.name, location=None, host=SimpleNamespace(is_pinned=lambda: True)) for r in g]
-                  for g in groups]
-    expected = {"then=cudagraphs": r"then='cudagraphs'.*mode='reduce-overhead'", "static-shape buckets": "drop static_shapes",
-                "pageable storage": r"storage='cpu'.*'layers\.0\..*storage='pinned'"}
+        groups = [
+            [SimpleNamespace(name=r.name, location=None, host=SimpleNamespace(is_pinned=lambda: True)) for r in g]
+            for g in groups
+        ]
+    expected = {
+        "then=cudagraphs": r"then='cudagraphs'.*mode='reduce-overhead'",
+        "static-shape buckets": "drop static_shapes",
+        "pageable storage": r"storage='cpu'.*'layers\.0\..*storage='pinned'",
+    }
     if case in expected:
         with pytest.raises(graphpass.OffloadError, match=expected[case]):
             _prepare_cuda_graphs(facts, groups, config)
@@ -891,8 +917,10 @@ def test_gradient_landing_keeps_the_first_buffer_and_adds_later_ones():
     first, second = torch.empty(4 * 32, dtype=torch.uint8), torch.empty(4 * 32, dtype=torch.uint8)
     first.view(torch.float32).fill_(1.0)
     second.view(torch.float32).fill_(2.0)
-    pending = [runtime._worker().submit(runtime._grads.land, host, buf, buf.view(torch.float32).view(4, 8), done)
-               for buf in (first, second)]
+    pending = [
+        runtime._worker().submit(runtime._grads.land, host, buf, buf.view(torch.float32).view(4, 8), done)
+        for buf in (first, second)
+    ]
     runtime._grads.pending.extend(pending)
     runtime.finish_gradients()
     assert not runtime._grads.pending

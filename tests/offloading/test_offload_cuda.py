@@ -29,8 +29,10 @@ def frozen(name):
 def test_tiers_on_cuda(storage, then, tmp_path):
     model, inputs = frozen("tiny_transformer")
     ref = copy.deepcopy(model).cuda()
-    state = graphpass.offload(model, graphpass.OffloadConfig(
-        device="cuda", storage=storage, disk_path=tmp_path if storage == "disk" else None))
+    state = graphpass.offload(
+        model,
+        graphpass.OffloadConfig(device="cuda", storage=storage, disk_path=tmp_path if storage == "disk" else None),
+    )
     for rec in state.records:
         assert rec.host.device.type == "cpu"
         if storage == "pinned":
@@ -99,14 +101,23 @@ def test_wrapper_subclass_weights_stream_their_inner_tensors_on_cuda(storage, th
     from torch.testing._internal.two_tensor import TwoTensor
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU()) for _ in range(3)]).eval()
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU()) for _ in range(3)]
+    ).eval()
     for block in model:
         w = block[0].weight.detach()
         block[0].weight = torch.nn.Parameter(TwoTensor(w.clone(), w.clone()), requires_grad=False)
     model.requires_grad_(False)
     ref = copy.deepcopy(model).cuda()
-    state = graphpass.offload(model, graphpass.OffloadConfig(
-        include_patterns=["1", "2"], device="cuda", storage=storage, disk_path=tmp_path if storage == "disk" else None))
+    state = graphpass.offload(
+        model,
+        graphpass.OffloadConfig(
+            include_patterns=["1", "2"],
+            device="cuda",
+            storage=storage,
+            disk_path=tmp_path if storage == "disk" else None,
+        ),
+    )
     assert {r.name for r in state.records} >= {"1.0.weight.a", "1.0.weight.b", "2.0.weight.a"}
     assert model[1][0].weight.a.device.type == "cuda" and model[1][0].weight.a.stride() == (0, 0)
     x = torch.randn(4, 32, device="cuda")
@@ -114,7 +125,9 @@ def test_wrapper_subclass_weights_stream_their_inner_tensors_on_cuda(storage, th
         got = torch.compile(model, backend=graphpass.backend(then=then))(x)
         expected = ref(x)
     torch.cuda.synchronize()
-    torch.testing.assert_close(got, expected, rtol=1e-4 if then == "inductor" else 0, atol=1e-4 if then == "inductor" else 0)
+    torch.testing.assert_close(
+        got, expected, rtol=1e-4 if then == "inductor" else 0, atol=1e-4 if then == "inductor" else 0
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,7 +148,9 @@ def _mostly_resident(layers: int = 8):
     model.eval().requires_grad_(False)
     ref = copy.deepcopy(model).cuda()
     one = sum(t.numel() * t.element_size() for t in model.layers[0].state_dict().values())
-    state = graphpass.offload(model, graphpass.OffloadConfig(device="cuda", storage="pinned", max_device_bytes=layers * one))
+    state = graphpass.offload(
+        model, graphpass.OffloadConfig(device="cuda", storage="pinned", max_device_bytes=layers * one)
+    )
     assert {r.unit for r in state.records} == {f"layers.{layers - 2}", f"layers.{layers - 1}"}
     return model, ref, state
 
@@ -161,7 +176,9 @@ def test_offload_under_cuda_graphs_replays_equal_eager(how):
     loaded = graphpass.memory_stats(compiled).groups_loaded
     for i, seq in enumerate(lengths[3:]):
         step(seq, 100 + i)
-    assert graphpass.memory_stats(compiled).groups_loaded == loaded  # every replay ran the recorded loads, none through Python
+    assert (
+        graphpass.memory_stats(compiled).groups_loaded == loaded
+    )  # every replay ran the recorded loads, none through Python
     assert not torch._dynamo.utils.counters["inductor"].get("cudagraph_skips")
     rec = next(r for r in state.records if r.host.dim() == 2)
     with torch.no_grad():  # the optimizer's view: the host copy is the parameter
@@ -194,11 +211,18 @@ def test_offload_under_cuda_graphs_refuses_what_cannot_replay_before_running(cas
     model, inputs = frozen("tiny_transformer")
     storage = "cpu" if case == "pageable storage" else "pinned"
     graphpass.offload(model, graphpass.OffloadConfig(device="cuda", storage=storage))
-    opts = {"pageable storage": dict(then="inductor", mode="reduce-overhead"), "then=cudagraphs": dict(then="cudagraphs"),
-            "static-shape buckets": dict(then="inductor", mode="reduce-overhead",
-                                         static_shapes={"dims": {"ids": 1}, "buckets": [8, 16]})}[case]
+    opts = {
+        "pageable storage": dict(then="inductor", mode="reduce-overhead"),
+        "then=cudagraphs": dict(then="cudagraphs"),
+        "static-shape buckets": dict(
+            then="inductor", mode="reduce-overhead", static_shapes={"dims": {"ids": 1}, "buckets": [8, 16]}
+        ),
+    }[case]
     compiled = torch.compile(model, backend=graphpass.backend(**opts))
-    match = {"pageable storage": "storage='pinned'", "then=cudagraphs": "mode='reduce-overhead'",
-             "static-shape buckets": "drop static_shapes"}[case]
+    match = {
+        "pageable storage": "storage='pinned'",
+        "then=cudagraphs": "mode='reduce-overhead'",
+        "static-shape buckets": "drop static_shapes",
+    }[case]
     with pytest.raises(Exception, match=match), torch.no_grad():
         compiled(*[t.cuda() for t in fresh_inputs(inputs)])

@@ -37,37 +37,81 @@ ROUTERS = [r".*\.router"]
 
 def _nllb_moe():
     cfg = transformers.NllbMoeConfig(
-        vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_experts=4, expert_capacity=8,
-        encoder_sparse_step=1, decoder_sparse_step=1, max_position_embeddings=64, pad_token_id=1,
-        decoder_start_token_id=2)
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        num_experts=4,
+        expert_capacity=8,
+        encoder_sparse_step=1,
+        decoder_sparse_step=1,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        decoder_start_token_id=2,
+    )
     return transformers.NllbMoeForConditionalGeneration(cfg)
 
 
 def _switch(num_experts: int):
     cfg = transformers.SwitchTransformersConfig(
-        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
-        num_experts=num_experts, expert_capacity=8, encoder_sparse_step=1, decoder_sparse_step=1,
-        decoder_start_token_id=0)
+        vocab_size=VOCAB,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        num_experts=num_experts,
+        expert_capacity=8,
+        encoder_sparse_step=1,
+        decoder_sparse_step=1,
+        decoder_start_token_id=0,
+    )
     return transformers.SwitchTransformersForConditionalGeneration(cfg)
 
 
 def _t5():
-    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
-                                num_heads=2, decoder_start_token_id=0)
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        decoder_start_token_id=0,
+    )
     return transformers.T5ForConditionalGeneration(cfg)
 
 
 def _bart():
-    cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2,
-                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
-                                  decoder_ffn_dim=32, max_position_embeddings=64)
+    cfg = transformers.BartConfig(
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=64,
+    )
     return transformers.BartForConditionalGeneration(cfg)
 
 
 def _bert():
-    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=32, max_position_embeddings=64)
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+    )
     return transformers.BertForMaskedLM(cfg)
 
 
@@ -133,8 +177,11 @@ def _check_streamed_or_named(state, events, warned, ran, before: int, compiled):
     a frame Dynamo skipped. Each such tensor is loaded at least once per call, so the call's loaded
     bytes cover them all (the load labels name trap regions, e.g. ``between:0``, not modules)."""
     assert any(kind == "load" for kind, _ in events)
-    read = [r for r in state.records if r.name.rsplit(".", 1)[0] in ran
-            and not any(r.name.startswith(w + ".") for w in warned)]
+    read = [
+        r
+        for r in state.records
+        if r.name.rsplit(".", 1)[0] in ran and not any(r.name.startswith(w + ".") for w in warned)
+    ]
     must = sum(r.nbytes for r in read)
     stats = graphpass.memory_stats(compiled)
     assert stats.bytes_loaded - before >= must > 0, (stats.bytes_loaded - before, must, sorted(warned))
@@ -210,5 +257,6 @@ def test_nllb_moe_default_offload_streams_routers_and_names_shared_expert_frames
     warned, _ = _run_case("nllb_moe", {})
     # the decoder experts the router picked ran the encoder's expert graph (the routers and the rest
     # of the decoder layers load); before, none of them was named
-    assert warned and all(re.fullmatch(r"model\.decoder\.layers\.\d\.ffn\.experts\.expert_\d\.fc[12]", w)
-                          for w in warned), sorted(warned)
+    assert warned and all(
+        re.fullmatch(r"model\.decoder\.layers\.\d\.ffn\.experts\.expert_\d\.fc[12]", w) for w in warned
+    ), sorted(warned)

@@ -111,8 +111,12 @@ def test_insert_offload_schedule_inserts_a_load_and_an_eviction_per_streamed_tra
     assert groups[1].fqns == ["layers.1.fc1.weight", "layers.1.fc1.bias", "layers.1.fc2.weight", "layers.1.fc2.bias"]
     # prefetch_distance=1: layers.1's load starts before layers.0 is entered, layers.2's after layers.0's exit
     after = run.after
-    assert after.index("load_start.default([l_self_modules_layers_modules_1") < after.index("trap_enter.default('layers.0'")
-    assert after.index("trap_exit.default('layers.0'") < after.index("load_start.default([l_self_modules_layers_modules_2")
+    assert after.index("load_start.default([l_self_modules_layers_modules_1") < after.index(
+        "trap_enter.default('layers.0'"
+    )
+    assert after.index("trap_exit.default('layers.0'") < after.index(
+        "load_start.default([l_self_modules_layers_modules_2"
+    )
     # the graph's data inputs mean the same: the offloaded graph equals the plain model in eager
     run.check_outputs(expected=lambda inputs: plain(*run.data_inputs(inputs)))
 
@@ -152,8 +156,11 @@ def test_plan_static_shapes_refuses_a_padded_dim_a_softmax_mixes():
         def forward(self, x):
             return torch.softmax(x, dim=0)
 
-    run = run_one_pass(dynamo_graph(Mixes(), torch.randn(6, 3), dynamic=True), "plan_static_shapes",
-                       static_shapes={"dims": {"x": 0}, "buckets": [8]})
+    run = run_one_pass(
+        dynamo_graph(Mixes(), torch.randn(6, 3), dynamic=True),
+        "plan_static_shapes",
+        static_shapes={"dims": {"x": 0}, "buckets": [8]},
+    )
     run.check_unchanged()
     assert not run.ctx.analysis.bucket_plan.active and "softmax" in run.ctx.analysis.bucket_plan.refused[0]
 

@@ -28,8 +28,7 @@ def line_of(path: Path, fragment: str) -> str:
 def rows_at(report, fragment, op=None, graph=None, path=EXAMPLE):
     src = line_of(path, fragment)
     return [
-        r for r in report.rows
-        if r.source == src and (op is None or r.op == op) and (graph is None or r.graph == graph)
+        r for r in report.rows if r.source == src and (op is None or r.op == op) and (graph is None or r.graph == graph)
     ]
 
 
@@ -41,8 +40,10 @@ def one(rows):
 # torch 2.9 breaks the example's graph at ``valid[order[: self.num_anchors]]`` (a slice by a size
 # nonzero made): the tests of the one-graph audit need a torch that slices by unbacked sizes.
 NEEDS_UNBACKED_SLICING = pytest.mark.skipif(
-    not UNBACKED_SAFE_SLICING, reason=f"torch {torch.__version__} breaks the audit example's graph at a slice "
-    "by a data-dependent size (unbacked-safe slicing came in torch 2.10)")
+    not UNBACKED_SAFE_SLICING,
+    reason=f"torch {torch.__version__} breaks the audit example's graph at a slice "
+    "by a data-dependent size (unbacked-safe slicing came in torch 2.10)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,9 @@ def test_example_is_audited_in_training_mode(example_report):
     assert {row.graph for row in r.rows} == {"0/forward", "0/backward"}
     assert all(row.source.startswith("audit_example.py:") for row in r.rows)
     assert [(d.input, d.dim, d.min, d.max, d.example) for d in r.dims] == [
-        ("ids", 1, 8, MAX_LEN, 64), ("hidden", 1, 8, MAX_LEN, 64), ("loss_mask", 1, 8, MAX_LEN, 64)
+        ("ids", 1, 8, MAX_LEN, 64),
+        ("hidden", 1, 8, MAX_LEN, 64),
+        ("loss_mask", 1, 8, MAX_LEN, 64),
     ]
     # ids and hidden are added together: one symbol; loss_mask only meets them through nonzero
     assert r.dims[0].symbol == r.dims[1].symbol != r.dims[2].symbol
@@ -173,7 +176,17 @@ def test_counts_rendering_and_dict(example_report):
     data = json.loads(json.dumps(r.to_dict()))
     assert data["counts"] == {"YES": 21, "PARTIAL": 5, "NO": 8}
     assert len(data["rows"]) == len(r.rows)
-    assert data["rows"][0].keys() >= {"graph", "node", "op", "source", "shape", "bound_elems", "bound_bytes", "verdict", "reason"}
+    assert data["rows"][0].keys() >= {
+        "graph",
+        "node",
+        "op",
+        "source",
+        "shape",
+        "bound_elems",
+        "bound_bytes",
+        "verdict",
+        "reason",
+    }
 
 
 # ------------------------------------------------------------------------------ bounds and rules
@@ -246,8 +259,12 @@ def test_other_data_dependent_ops():
     x, m, reps = torch.randn(12, 4), torch.rand(12) > 0.5, torch.randint(0, 3, (12,))
     r = graphpass.audit(selections, x, m, reps, dynamic={"x": {0: (2, 64)}, "m": {0: (2, 64)}, "reps": {0: (2, 64)}})
     by_op = {row.op: row for row in r.rows}
-    assert set(by_op) == {"aten.index.Tensor", "aten.repeat_interleave.Tensor", "aten.index_select.default",
-                          "aten.randperm.default"}
+    assert set(by_op) == {
+        "aten.index.Tensor",
+        "aten.repeat_interleave.Tensor",
+        "aten.index_select.default",
+        "aten.randperm.default",
+    }
     idx = by_op["aten.index.Tensor"]  # torch 2.13 keeps x[m] one index op (no nonzero) sized u0
     assert idx.source == line_of(THIS, "picked = x[m]")
     assert (idx.verdict, idx.rule) == ("NO", "data-dependent") and "boolean-mask index" in idx.reason
@@ -256,7 +273,9 @@ def test_other_data_dependent_ops():
     assert rep.verdict == "NO" and rep.bound_elems is None  # repeats are values: no bound at all
     assert "sum of the repeat values" in rep.reason
     gathered = by_op["aten.index_select.default"]
-    assert "from aten.repeat_interleave.Tensor at " + line_of(THIS, "spread = torch.repeat_interleave") in gathered.reason
+    assert (
+        "from aten.repeat_interleave.Tensor at " + line_of(THIS, "spread = torch.repeat_interleave") in gathered.reason
+    )
     rp = by_op["aten.randperm.default"]  # count from an input size: still not a slice of a fixed buffer
     assert (rp.verdict, rp.rule) == ("NO", "data-dependent") and "varies" in rp.reason
 
@@ -366,8 +385,16 @@ def test_parse_dynamic():
             parse_dynamic(bad)
 
 
-CLI = ["audit", "graphpass.models.audit_example:factory",
-       "--dynamic", "ids=1:8:512", "--dynamic", "hidden=1:8:512", "--dynamic", "loss_mask=1:8:512"]
+CLI = [
+    "audit",
+    "graphpass.models.audit_example:factory",
+    "--dynamic",
+    "ids=1:8:512",
+    "--dynamic",
+    "hidden=1:8:512",
+    "--dynamic",
+    "loss_mask=1:8:512",
+]
 
 
 @NEEDS_UNBACKED_SLICING

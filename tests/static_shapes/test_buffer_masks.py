@@ -43,7 +43,7 @@ class NeoLike(nn.Module):
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         w = torch.matmul(q, k.transpose(-1, -2))
         ql, kl = q.size(-2), k.size(-2)
-        causal = self.bias[:, :, kl - ql: kl, :kl]
+        causal = self.bias[:, :, kl - ql : kl, :kl]
         w = torch.where(causal, w, torch.tensor(MIN, dtype=w.dtype))
         if self.additive:
             pos = torch.arange(n)
@@ -141,11 +141,14 @@ def test_a_causal_buffer_slice_is_bucketed_and_exact(window, additive):
     assert [t.name for p in plans for t in p.causal_tables.values()] == ["l_self_buffers_bias_"]
 
 
-@pytest.mark.parametrize("bias,why", [
-    (torch.ones(1, 1, 32, 32, dtype=torch.bool), "bidirectional"),
-    (torch.tril(torch.ones(1, 1, 32, 32, dtype=torch.bool), -1), "strictly lower: row 0 has no key"),
-    (torch.tril(torch.ones(1, 1, 32, 32, dtype=torch.bool), 1), "one key after each query"),
-])
+@pytest.mark.parametrize(
+    "bias,why",
+    [
+        (torch.ones(1, 1, 32, 32, dtype=torch.bool), "bidirectional"),
+        (torch.tril(torch.ones(1, 1, 32, 32, dtype=torch.bool), -1), "strictly lower: row 0 has no key"),
+        (torch.tril(torch.ones(1, 1, 32, 32, dtype=torch.bool), 1), "one key after each query"),
+    ],
+)
 def test_a_buffer_that_is_not_causal_is_refused(bias, why):
     plans, padded, warned = _run(NeoLike(bias))
     assert plans and padded == 0, why
@@ -162,7 +165,7 @@ class Shifted(NeoLike):
         x = self.emb(input_ids)
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         w = torch.matmul(q, k.transpose(-1, -2))
-        w = torch.where(self.bias[:, :, 1: n + 1, :n], w, torch.tensor(MIN, dtype=w.dtype))
+        w = torch.where(self.bias[:, :, 1 : n + 1, :n], w, torch.tensor(MIN, dtype=w.dtype))
         return self.out(torch.matmul(nn.functional.softmax(w, dim=-1), v).transpose(1, 2).reshape(b, n, -1))
 
 

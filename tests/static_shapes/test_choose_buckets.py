@@ -159,28 +159,31 @@ def test_power_of_two_buckets_is_nxd_default():
     assert power_of_two_buckets(100) == [100]
 
 
-@pytest.mark.parametrize("call, key", [
-    (lambda: choose_buckets([], 2), "lengths"),
-    (lambda: choose_buckets({4: 0}, 2), "lengths"),
-    (lambda: choose_buckets([4, 0], 2), "lengths"),
-    (lambda: choose_buckets([4, -3], 2), "lengths"),
-    (lambda: choose_buckets([4, 2.5], 2), "lengths"),
-    (lambda: choose_buckets([4, True], 2), "lengths"),
-    (lambda: choose_buckets("128", 2), "lengths"),
-    (lambda: choose_buckets(128, 2), "lengths"),
-    (lambda: choose_buckets({4: -1}, 2), "lengths[4]"),
-    (lambda: choose_buckets([4], 0), "max_graphs"),
-    (lambda: choose_buckets([4], True), "max_graphs"),
-    (lambda: choose_buckets([4], 2.0), "max_graphs"),
-    (lambda: choose_buckets([4, 9], 2, max_length=8), "max_length"),
-    (lambda: choose_buckets([4, 9], 2, max_length=12, multiple_of=8), "max_length"),
-    (lambda: choose_buckets([4], 2, multiple_of=0), "multiple_of"),
-    (lambda: padding_report([4, 90], [8, 64]), "buckets"),
-    (lambda: padding_report([4], [8, 8]), "buckets"),
-    (lambda: padding_report([4], []), "buckets"),
-    (lambda: padding_report([4], 8), "buckets"),
-    (lambda: power_of_two_buckets(0), "max_length"),
-])
+@pytest.mark.parametrize(
+    "call, key",
+    [
+        (lambda: choose_buckets([], 2), "lengths"),
+        (lambda: choose_buckets({4: 0}, 2), "lengths"),
+        (lambda: choose_buckets([4, 0], 2), "lengths"),
+        (lambda: choose_buckets([4, -3], 2), "lengths"),
+        (lambda: choose_buckets([4, 2.5], 2), "lengths"),
+        (lambda: choose_buckets([4, True], 2), "lengths"),
+        (lambda: choose_buckets("128", 2), "lengths"),
+        (lambda: choose_buckets(128, 2), "lengths"),
+        (lambda: choose_buckets({4: -1}, 2), "lengths[4]"),
+        (lambda: choose_buckets([4], 0), "max_graphs"),
+        (lambda: choose_buckets([4], True), "max_graphs"),
+        (lambda: choose_buckets([4], 2.0), "max_graphs"),
+        (lambda: choose_buckets([4, 9], 2, max_length=8), "max_length"),
+        (lambda: choose_buckets([4, 9], 2, max_length=12, multiple_of=8), "max_length"),
+        (lambda: choose_buckets([4], 2, multiple_of=0), "multiple_of"),
+        (lambda: padding_report([4, 90], [8, 64]), "buckets"),
+        (lambda: padding_report([4], [8, 8]), "buckets"),
+        (lambda: padding_report([4], []), "buckets"),
+        (lambda: padding_report([4], 8), "buckets"),
+        (lambda: power_of_two_buckets(0), "max_length"),
+    ],
+)
 def test_bad_input_is_a_config_error_naming_the_argument(call, key):
     with pytest.raises(ConfigError) as e:
         call()
@@ -205,8 +208,9 @@ def test_chosen_buckets_drive_a_compiled_model():
     lengths = torch.randint(2, 60, (24,), generator=g).tolist()
     buckets = choose_buckets(lengths, 3)
     counter = CountingBackend()
-    compiled = torch.compile(model, backend=graphpass.backend(
-        then=counter, static_shapes={"dims": {"ids": 1}, "buckets": buckets}))
+    compiled = torch.compile(
+        model, backend=graphpass.backend(then=counter, static_shapes={"dims": {"ids": 1}, "buckets": buckets})
+    )
     with torch.no_grad():
         for n in lengths:
             ids = torch.randint(0, 64, (1, n), generator=g)

@@ -49,8 +49,9 @@ def _sweep(model, backend, lengths, buckets=BUCKETS, batch=1):
 
 
 def _assert_bucketed(strict_backend, plans, lengths, buckets, invalid_ok=False, batch=1):
-    assert plans and all(p.active and (invalid_ok or not p.invalid_buckets) for p in plans), \
-        [(p.refused, p.invalid_buckets) for p in plans]
+    assert plans and all(p.active and (invalid_ok or not p.invalid_buckets) for p in plans), [
+        (p.refused, p.invalid_buckets) for p in plans
+    ]
     seq_lens = {s[1] for shapes in strict_backend.shapes for s in shapes if len(s) == 2 and s[0] == batch}
     seq_lens.discard(conformance.MAX_POS)
     # the first call is traced static (Dynamo's first compile), every other call runs at a bucket
@@ -67,8 +68,9 @@ def test_chunked_families_bucket_over_several_chunks(strict_backend, family):
 
 @pytest.mark.parametrize("family", ["mamba2", "qwen3_next"])
 def test_lengths_of_one_chunk_bucket_at_a_bucket_of_one_chunk(strict_backend, family):
-    plans = _sweep(_model(family), NeuronDelegate(registered_name="strict_aten_standin", module=None),
-                   SHORT_LENGTHS, SHORT_BUCKETS)
+    plans = _sweep(
+        _model(family), NeuronDelegate(registered_name="strict_aten_standin", module=None), SHORT_LENGTHS, SHORT_BUCKETS
+    )
     # Mamba-2's graph of one chunk is invalid at the longer buckets (Dynamo's guard pins one chunk) and runs at 8;
     # its graphs of several chunks are invalid at 8
     _assert_bucketed(strict_backend, plans, SHORT_LENGTHS, SHORT_BUCKETS, invalid_ok=True)
@@ -80,8 +82,9 @@ def test_the_multiple_of_chunk_graph_is_refused_at_buckets_that_are_not_multiple
     there run unpadded, and the result stays exact."""
     plans = _sweep(_model("mamba2"), "eager", [5, 9, 16, 24, 11, 40], buckets=[12, 20, 64])
     multiple = [p for p in plans if any("multiple of 8" in str(why) for why in p.invalid_buckets.values())]
-    assert multiple and all(set(p.invalid_buckets) == {12, 20} for p in multiple), \
-        [(p.refused, p.invalid_buckets) for p in plans]
+    assert multiple and all(set(p.invalid_buckets) == {12, 20} for p in multiple), [
+        (p.refused, p.invalid_buckets) for p in plans
+    ]
     assert all(p.active for p in multiple)
 
 
@@ -93,6 +96,5 @@ def test_moe_families_bucket_at_batch_three(strict_backend, family):
     where its input had it (``padding_proof/layout.py``, ``_rows_kept``); before, the gathered result counted as a
     fresh prefix dim and the view back was refused, so every MoE at batch > 1 ran unpadded."""
     lengths = [5, 9, 17, 24, 40, 63]
-    plans = _sweep(_model(family), NeuronDelegate(registered_name="strict_aten_standin", module=None), lengths,
-                   batch=3)
+    plans = _sweep(_model(family), NeuronDelegate(registered_name="strict_aten_standin", module=None), lengths, batch=3)
     _assert_bucketed(strict_backend, plans, lengths, BUCKETS, batch=3)

@@ -21,8 +21,9 @@ RESHAPE_LINE = "return input_tensor.reshape(  # transformers/models/mamba2/model
 
 
 def _env(*guards, replacements=None):
-    return SimpleNamespace(guards=[SimpleNamespace(expr=e, sloc=where) for e, where in guards],
-                           replacements=replacements or {})
+    return SimpleNamespace(
+        guards=[SimpleNamespace(expr=e, sloc=where) for e, where in guards], replacements=replacements or {}
+    )
 
 
 def _pad(c, s=S):
@@ -44,16 +45,20 @@ def test_the_taken_pad_branch_is_benign_and_no_fact():
     assert benign_guard(PAD_LINE, ["mamba2_chunk_scan"], _pad(8) <= 0) is None
 
 
-@pytest.mark.parametrize("expr, want", [
-    (sympy.Eq(Mod(S, 16), 0), {"s27": 16}),
-    (sympy.Eq(S, FloorDiv(S + _pad(8), 8) * 8), {"s27": 8}),
-    (sympy.Eq(Mod(S, 8), 3), {}),  # a residue, not a multiple
-    (Mod(S, 8) >= 0, {}),  # always true
-    (sympy.Ne(Mod(S, 8), 0), {}),  # the opposite
-    (sympy.Eq(Mod(S + T, 8), 0), {}),  # two sizes
-    (S > 8, {}),
-    (sympy.Eq(Mod(2 * S, 8), 0), {}),  # s a multiple of 4, read only where Mod(s, c) appears itself: not read
-], ids=["eq-mod-16", "reshape-into-chunks", "residue-3", "always", "not-a-multiple", "two-sizes", "bound", "2s"])
+@pytest.mark.parametrize(
+    "expr, want",
+    [
+        (sympy.Eq(Mod(S, 16), 0), {"s27": 16}),
+        (sympy.Eq(S, FloorDiv(S + _pad(8), 8) * 8), {"s27": 8}),
+        (sympy.Eq(Mod(S, 8), 3), {}),  # a residue, not a multiple
+        (Mod(S, 8) >= 0, {}),  # always true
+        (sympy.Ne(Mod(S, 8), 0), {}),  # the opposite
+        (sympy.Eq(Mod(S + T, 8), 0), {}),  # two sizes
+        (S > 8, {}),
+        (sympy.Eq(Mod(2 * S, 8), 0), {}),  # s a multiple of 4, read only where Mod(s, c) appears itself: not read
+    ],
+    ids=["eq-mod-16", "reshape-into-chunks", "residue-3", "always", "not-a-multiple", "two-sizes", "bound", "2s"],
+)
 def test_which_guards_imply_a_multiple(expr, want):
     assert _multiples(_env((expr, RESHAPE_LINE)), names=("s27", "s16")) == want
 
@@ -75,15 +80,19 @@ def test_a_guard_on_an_unpadded_symbol_is_ignored():
 MAMBA_ROWS = FloorDiv(S + _pad(8), 8) * FloorDiv(S + _pad(8), FloorDiv(S + _pad(8), 8))
 
 
-@pytest.mark.parametrize("expr, c, want", [
-    (MAMBA_ROWS, 8, S),
-    (S + _pad(8), 8, S),
-    (FloorDiv(S, 8) * 8, 8, S),
-    (FloorDiv(S, 8) * 8, 4, FloorDiv(S, 8) * 8),  # at s = 4: 0, not s
-    (FloorDiv(S, 8), 8, FloorDiv(S, 8)),  # s/8: not integer-linear in s, left as it is
-    (2 * S + Mod(S, 8) - 1, 8, 2 * S - 1),
-    (S + _pad(16), 8, S + _pad(16)),  # a multiple of 8 need not be one of 16
-], ids=["mamba-rows", "s-plus-pad", "floor-times", "floor-times-under-4", "s-over-8", "linear", "pad-16-under-8"])
+@pytest.mark.parametrize(
+    "expr, c, want",
+    [
+        (MAMBA_ROWS, 8, S),
+        (S + _pad(8), 8, S),
+        (FloorDiv(S, 8) * 8, 8, S),
+        (FloorDiv(S, 8) * 8, 4, FloorDiv(S, 8) * 8),  # at s = 4: 0, not s
+        (FloorDiv(S, 8), 8, FloorDiv(S, 8)),  # s/8: not integer-linear in s, left as it is
+        (2 * S + Mod(S, 8) - 1, 8, 2 * S - 1),
+        (S + _pad(16), 8, S + _pad(16)),  # a multiple of 8 need not be one of 16
+    ],
+    ids=["mamba-rows", "s-plus-pad", "floor-times", "floor-times-under-4", "s-over-8", "linear", "pad-16-under-8"],
+)
 def test_canonical_sizes(expr, c, want):
     assert MultipleCanon({S: c})(expr) == want
 

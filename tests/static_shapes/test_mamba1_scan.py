@@ -42,9 +42,12 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(importlib.import_module("torch._higher_order_ops"), "associative_scan"):
     pytest.skip("torch without associative_scan", allow_module_level=True)
 
-_IMPORTS = ["import torch", "import torch.nn.functional as F",
-            "from transformers.utils.import_utils import is_mambapy_available, is_torch_greater_or_equal, "
-            "is_torchdynamo_compiling, is_torchdynamo_exporting"]
+_IMPORTS = [
+    "import torch",
+    "import torch.nn.functional as F",
+    "from transformers.utils.import_utils import is_mambapy_available, is_torch_greater_or_equal, "
+    "is_torchdynamo_compiling, is_torchdynamo_exporting",
+]
 
 
 @pytest.fixture
@@ -64,8 +67,11 @@ def _copy_scan(tmp_path, edit=None, model="mamba"):
     """transformers' ``mamba_selective_scan``, copied undecorated into a file whose path ends like the
     original's (``transformers/models/<model>/modeling_<model>.py``), imported."""
     src = Path(transformers.__file__).parent / "models" / model / f"modeling_{model}.py"
-    fn = next(n for n in ast.parse(src.read_text()).body
-              if isinstance(n, ast.FunctionDef) and n.name == "mamba_selective_scan")
+    fn = next(
+        n
+        for n in ast.parse(src.read_text()).body
+        if isinstance(n, ast.FunctionDef) and n.name == "mamba_selective_scan"
+    )
     fn.decorator_list = []
     text = "\n".join(_IMPORTS) + "\n\n\n" + ast.unparse(fn) + "\n"
     if edit is not None:
@@ -83,9 +89,13 @@ def _copy_scan(tmp_path, edit=None, model="mamba"):
 
 def _inputs(n=11, d=6, state=4):
     g = torch.Generator().manual_seed(0)
-    return dict(hidden_states=torch.randn(2, d, n, generator=g), dt=torch.randn(2, d, n, generator=g),
-                B=torch.randn(2, state, n, generator=g), C=torch.randn(2, state, n, generator=g),
-                z=torch.randn(2, d, n, generator=g))
+    return dict(
+        hidden_states=torch.randn(2, d, n, generator=g),
+        dt=torch.randn(2, d, n, generator=g),
+        B=torch.randn(2, state, n, generator=g),
+        C=torch.randn(2, state, n, generator=g),
+        z=torch.randn(2, d, n, generator=g),
+    )
 
 
 _A = -torch.rand(6, 4, generator=torch.Generator().manual_seed(1)) - 0.5
@@ -93,8 +103,9 @@ _D, _BIAS = torch.ones(6), torch.full((6,), 0.1)
 
 
 def _scan(mod, hidden_states, dt, B, C, z, **kw):
-    return mod.mamba_selective_scan(hidden_states, dt, _A, B, C, D=_D, z=z, delta_bias=_BIAS, delta_softplus=True,
-                                    use_associative_scan=True, **kw)
+    return mod.mamba_selective_scan(
+        hidden_states, dt, _A, B, C, D=_D, z=z, delta_bias=_BIAS, delta_softplus=True, use_associative_scan=True, **kw
+    )
 
 
 def _check(fn, inputs):
@@ -110,8 +121,13 @@ def _check(fn, inputs):
     with torch.no_grad():
         compiled(*inputs.values())
     gm = graphs[0]
-    x = next(n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"
-             and isinstance(n.meta.get("example_value"), torch.Tensor) and n.meta["example_value"].dim() == 3)
+    x = next(
+        n.meta["example_value"]
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+        and isinstance(n.meta.get("example_value"), torch.Tensor)
+        and n.meta["example_value"].dim() == 3
+    )
     trusted = set()
     return check_padding_safety(gm, {x.shape[-1].node.expr}, trusted=trusted), trusted, gm
 
@@ -167,13 +183,19 @@ def test_the_final_state_read_outside_is_refused(tmp_path, pointwise_scan):
     assert violations and "final recurrent state" in violations[0].reason, violations
 
 
-@pytest.mark.parametrize("edit", [
-    # the scan run backwards: row t then reads rows >= t
-    lambda s: s.replace("dim=2, combine_mode=combine_mode", "dim=2, reverse=True, combine_mode=combine_mode"),
-    # the output read from the last state: every row reads every row
-    lambda s: s.replace("scan_output = torch.matmul(all_states.transpose(1, 2)",
-                        "scan_output = torch.matmul(all_states[:, :, -1:].expand_as(all_states).transpose(1, 2)"),
-], ids=["reverse", "last_state"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        # the scan run backwards: row t then reads rows >= t
+        lambda s: s.replace("dim=2, combine_mode=combine_mode", "dim=2, reverse=True, combine_mode=combine_mode"),
+        # the output read from the last state: every row reads every row
+        lambda s: s.replace(
+            "scan_output = torch.matmul(all_states.transpose(1, 2)",
+            "scan_output = torch.matmul(all_states[:, :, -1:].expand_as(all_states).transpose(1, 2)",
+        ),
+    ],
+    ids=["reverse", "last_state"],
+)
 def test_an_edited_copy_is_checked_op_by_op_and_refused(tmp_path, pointwise_scan, edit):
     mod = _copy_scan(tmp_path, edit=edit)
     violations, trusted, _ = _check(lambda *a: _scan(mod, *a), _inputs())
@@ -204,8 +226,9 @@ LENGTHS = [5, 7, 12, 14, 6, 3, 16]
 
 def _model(layers=2):
     torch.manual_seed(0)
-    cfg = transformers.MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=layers, expand=2,
-                                   conv_kernel=4, time_step_rank=4)
+    cfg = transformers.MambaConfig(
+        vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=layers, expand=2, conv_kernel=4, time_step_rank=4
+    )
     return transformers.MambaForCausalLM(cfg).eval()
 
 
@@ -257,8 +280,13 @@ def _scan_nodes(compile_kwargs):
     with torch.no_grad():
         for length in (5, 7):
             compiled(input_ids=torch.randint(0, 64, (1, length)), use_cache=False)
-    return [(len(find_calls(gm.graph, torch.ops.higher_order.associative_scan)),
-             len(find_calls(gm.graph, generic_associative_scan))) for gm in graphs]
+    return [
+        (
+            len(find_calls(gm.graph, torch.ops.higher_order.associative_scan)),
+            len(find_calls(gm.graph, generic_associative_scan)),
+        )
+        for gm in graphs
+    ]
 
 
 def test_the_generic_scan_is_traced_as_before_for_other_backends_and_without_static_shapes():
@@ -297,8 +325,10 @@ def test_only_the_proven_source_is_traced_as_one_op(tmp_path):
         return seen["last"]
 
     static = {"dims": {"hidden_states": 2, "dt": 2, "B": 2, "C": 2, "z": 2}, "buckets": [8, 16]}
-    for edit, want in [(None, True),
-                       (lambda s: s.replace("dim=2, combine_mode", "dim=2, reverse=False, combine_mode"), False)]:
+    for edit, want in [
+        (None, True),
+        (lambda s: s.replace("dim=2, combine_mode", "dim=2, reverse=False, combine_mode"), False),
+    ]:
         mod = _copy_scan(tmp_path / str(want), edit=edit)
 
         def fn(hidden_states, dt, B, C, z):
@@ -312,8 +342,9 @@ def test_only_the_proven_source_is_traced_as_one_op(tmp_path):
             with torch.no_grad():
                 for n in (5, 7):
                     inputs = _inputs(n)
-                    torch.testing.assert_close(compiled(*inputs.values()), _scan(mod, *inputs.values()),
-                                               rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(
+                        compiled(*inputs.values()), _scan(mod, *inputs.values()), rtol=1e-5, atol=1e-6
+                    )
         assert seen.get("last") is want, (edit, seen)
 
 
@@ -330,8 +361,7 @@ def test_a_static_only_compiler_gets_the_scan_unrolled_only_at_static_sizes():
         return gm.forward
 
     def scan(a, b):
-        return torch._higher_order_ops.associative_scan(lambda x, y: x * y + y, a * b, dim=0,
-                                                        combine_mode="pointwise")
+        return torch._higher_order_ops.associative_scan(lambda x, y: x * y + y, a * b, dim=0, combine_mode="pointwise")
 
     for dynamic in (True, False):
         torch._dynamo.reset()
@@ -347,8 +377,13 @@ def test_a_static_only_compiler_gets_the_scan_unrolled_only_at_static_sizes():
     lowered = []
     gm, example_inputs = graphs[1]
     aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, _: lowered.append(g) or g.forward)
-    assert lowered and not [n for n in lowered[0].graph.nodes if n.op == "call_function"
-                            and not isinstance(n.target, torch._ops.OpOverload) and n.target is not operator.getitem]
+    assert lowered and not [
+        n
+        for n in lowered[0].graph.nodes
+        if n.op == "call_function"
+        and not isinstance(n.target, torch._ops.OpOverload)
+        and n.target is not operator.getitem
+    ]
 
 
 def test_a_cache_update_with_the_final_state_is_still_refused(pointwise_scan):

@@ -52,13 +52,13 @@ def _padded(x):
 
 
 def contiguity_only(x):  # the slice is contiguous at a multiple only; merging its last two dims is a view either way
-    y = _padded(x)[:, :x.shape[1]]
+    y = _padded(x)[:, : x.shape[1]]
     return y.reshape(x.shape[0], -1) * 2
 
 
 def view_at_multiples_then_written(x):  # reshape(-1) of the slice: a copy when P != n, a view when P == n
     p = _padded(x)
-    z = p[:, :x.shape[1]].reshape(-1)
+    z = p[:, : x.shape[1]].reshape(-1)
     z.add_(1)  # at a multiple this write reaches p
     return p * 2
 
@@ -79,18 +79,34 @@ def _guard(frame_file, frame_name, user):
     return ShapeGuard(None, SLoc(traceback.FrameSummary(frame_file, 1, frame_name), user), False)
 
 
-@pytest.mark.parametrize("frame_file, frame_name, user, want", [
-    (f"{TORCH}/_dynamo/utils.py", "run_node", "y = x.reshape(-1)  # model.py:3 in f", True),
-    (f"{TORCH}/_dynamo/utils.py", "get_fake_value", "y = x.reshape(-1)  # model.py:3 in f", True),
-    (f"{TORCH}/_prims_common/__init__.py", "check_contiguous_sizes_strides", None, True),  # AOT's trace
-    (f"{TORCH}/_dynamo/variables/tensor.py", "evaluate_expr", "if pad_size > 0:  # model.py:5 in f", False),
-    (f"{TORCH}/_dynamo/utils.py", "some_other_helper", "y = f(x)  # model.py:3 in f", False),
-    (f"{TORCH}/_prims_common/__init__.py", "check_contiguous_sizes_strides", "y = x.to(memory_format=c)  # m.py:7 in f",
-     True),  # the meta code run_node calls
-    (f"{TORCH}/_dynamo/variables/tensor.py", "specialize", "if x.is_contiguous():  # model.py:7 in f", False),
-    ("/site-packages/graphpass/analysis.py", "check", None, False),  # a trace outside torch
-], ids=["run-node", "get-fake-value", "later-trace", "python-branch", "other-dynamo-frame", "meta-code",
-        "user-layout-query", "not-torch"])
+@pytest.mark.parametrize(
+    "frame_file, frame_name, user, want",
+    [
+        (f"{TORCH}/_dynamo/utils.py", "run_node", "y = x.reshape(-1)  # model.py:3 in f", True),
+        (f"{TORCH}/_dynamo/utils.py", "get_fake_value", "y = x.reshape(-1)  # model.py:3 in f", True),
+        (f"{TORCH}/_prims_common/__init__.py", "check_contiguous_sizes_strides", None, True),  # AOT's trace
+        (f"{TORCH}/_dynamo/variables/tensor.py", "evaluate_expr", "if pad_size > 0:  # model.py:5 in f", False),
+        (f"{TORCH}/_dynamo/utils.py", "some_other_helper", "y = f(x)  # model.py:3 in f", False),
+        (
+            f"{TORCH}/_prims_common/__init__.py",
+            "check_contiguous_sizes_strides",
+            "y = x.to(memory_format=c)  # m.py:7 in f",
+            True,
+        ),  # the meta code run_node calls
+        (f"{TORCH}/_dynamo/variables/tensor.py", "specialize", "if x.is_contiguous():  # model.py:7 in f", False),
+        ("/site-packages/graphpass/analysis.py", "check", None, False),  # a trace outside torch
+    ],
+    ids=[
+        "run-node",
+        "get-fake-value",
+        "later-trace",
+        "python-branch",
+        "other-dynamo-frame",
+        "meta-code",
+        "user-layout-query",
+        "not-torch",
+    ],
+)
 def test_which_guards_are_recorded_inside_an_op(frame_file, frame_name, user, want):
     assert recorded_inside_an_op(_guard(frame_file, frame_name, user)) is want
 
@@ -144,7 +160,7 @@ def test_a_node_whose_traced_sizes_do_not_hold_at_the_bucket_is_named():
 
 def test_a_graph_that_reads_strides_is_not_replayed():
     def strided(x):
-        y = _padded(x)[:, :x.shape[1]]
+        y = _padded(x)[:, : x.shape[1]]
         return torch.as_strided(y, (x.shape[0], 4), (4, 1)) * 2
 
     gm, s = _trace(strided, X)
@@ -254,17 +270,26 @@ def test_fuzz_the_replay_agrees_with_the_real_run_at_each_bucket():
             why = replay_differs(gm, env, {s}, bucket)
             rec = _Replay(gm)  # here on real tensors
             x = torch.randn(2, bucket, 4)
-            args = [bucket if str(example_of(p)) == s else (x if isinstance(example_of(p), torch.Tensor)
-                                                            else int(example_of(p).node.hint))
-                    for p in gm.graph.nodes if p.op == "placeholder"]
+            args = [
+                bucket
+                if str(example_of(p)) == s
+                else (x if isinstance(example_of(p), torch.Tensor) else int(example_of(p).node.hint))
+                for p in gm.graph.nodes
+                if p.op == "placeholder"
+            ]
             with torch.no_grad():
                 rec.run(*args)
-            flips = [node.name for node in rec.results
-                     if node.op in ("call_function", "call_method") and node.args
-                     and isinstance(node.args[0], torch.fx.Node) and isinstance(rec.results[node], torch.Tensor)
-                     and isinstance(example_of(node), torch.Tensor)
-                     and (storage_key(example_of(node)) == storage_key(example_of(node.args[0])))
-                     != (storage_key(rec.results[node]) == storage_key(rec.results[node.args[0]]))]
+            flips = [
+                node.name
+                for node in rec.results
+                if node.op in ("call_function", "call_method")
+                and node.args
+                and isinstance(node.args[0], torch.fx.Node)
+                and isinstance(rec.results[node], torch.Tensor)
+                and isinstance(example_of(node), torch.Tensor)
+                and (storage_key(example_of(node)) == storage_key(example_of(node.args[0])))
+                != (storage_key(rec.results[node]) == storage_key(rec.results[node.args[0]]))
+            ]
             writes = any(st.startswith("write") for st in steps)
             if why is None:
                 checked += 1

@@ -8,8 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphpass.static_shapes.padding_proof import (OP_RULES, UNKNOWN_OP, OnesCheck, PaddingProof, op_rule, prove_padding,
-                                                   remove_op_rule)
+from graphpass.static_shapes.padding_proof import (
+    OP_RULES,
+    UNKNOWN_OP,
+    OnesCheck,
+    PaddingProof,
+    op_rule,
+    prove_padding,
+    remove_op_rule,
+)
 from graphpass.static_shapes.padding_proof.nodes import _op_name
 from helpers import dynamo_graph
 
@@ -20,8 +27,11 @@ def _proof(fn, *inputs, zero_padded=(), **kw) -> tuple[torch.fx.GraphModule, Pad
     """The proof of ``fn``'s graph padding dim 1 of every tensor input whose dim 1 is symbolic (tied together)."""
     gm = dynamo_graph(fn, *inputs)
     values = {n.name: n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"}
-    syms = {v.shape[1].node.expr for v in values.values()
-            if isinstance(v, torch.Tensor) and v.dim() >= 2 and isinstance(v.shape[1], torch.SymInt)}
+    syms = {
+        v.shape[1].node.expr
+        for v in values.values()
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and isinstance(v.shape[1], torch.SymInt)
+    }
     zero = [name for name in values if any(z in name for z in zero_padded)]
     return gm, prove_padding(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms}, **kw)
 
@@ -70,7 +80,9 @@ def test_registering_an_op_rule_changes_the_verdict_and_removing_it_restores_it(
 
     x = torch.randn(B, L, H)
     _, before = _proof(fn, x)
-    assert [v.reason for v in before.violations] == ["unknown op torch._C._special.special_entr: cannot prove row independence"]
+    assert [v.reason for v in before.violations] == [
+        "unknown op torch._C._special.special_entr: cannot prove row independence"
+    ]
 
     @op_rule("special_entr", name="entr_is_pointwise")
     def _entr(node, name, ctx):
@@ -116,6 +128,8 @@ def test_invalid_bucket_reasons_are_typed_and_word_their_own_warning():
 
     guard, topk = GuardFails("Eq(s0, 6) (f.py:3 in scan)"), NotProven("Tensor.topk at node topk keeps k = 4 keys")
     assert isinstance(guard, InvalidBucket) and isinstance(topk, InvalidBucket) and "topk" in topk
-    assert guard.warning(16) == ("Dynamo's guard Eq(s0, 6) (f.py:3 in scan) fails at bucket 16, so this graph is not the "
-                                 "traced code's graph at that size")
+    assert guard.warning(16) == (
+        "Dynamo's guard Eq(s0, 6) (f.py:3 in scan) fails at bucket 16, so this graph is not the "
+        "traced code's graph at that size"
+    )
     assert topk.warning(16) == "bucket 16 is not proven for this graph: Tensor.topk at node topk keeps k = 4 keys"

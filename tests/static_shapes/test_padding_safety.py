@@ -96,8 +96,13 @@ def test_mlp_is_row_wise():
     mlp = nn.Sequential(nn.Linear(H, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, H), nn.SiLU()).eval()
     gm, sym = trace(mlp, x3())
     assert check_padding_safety(gm, {sym}) == []
-    x = next(n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta["example_value"], torch.Tensor)
-             and n.meta["example_value"].dim() == 3)
+    x = next(
+        n
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+        and isinstance(n.meta["example_value"], torch.Tensor)
+        and n.meta["example_value"].dim() == 3
+    )
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
     assert padded_dims(x, {sym}) == (1,)
     assert padded_dims(out.meta["example_value"], {sym}) == (1,)
@@ -396,8 +401,11 @@ def test_aten_graph_after_aot_autograd():
         got.extend(check_padding_safety(gm, {x.meta["val"].shape[1].node.expr}))
         return gm.forward
 
-    fn = torch.compile(lambda x: (x.softmax(-1), x.sum(1), (x @ x.transpose(1, 2)).softmax(-1) @ x),
-                       backend=aot_autograd(fw_compiler=fw), dynamic=True)
+    fn = torch.compile(
+        lambda x: (x.softmax(-1), x.sum(1), (x @ x.transpose(1, 2)).softmax(-1) @ x),
+        backend=aot_autograd(fw_compiler=fw),
+        dynamic=True,
+    )
     with torch.no_grad():
         fn(x3())
     assert [(v.op, v.dim) for v in got] == [
@@ -464,9 +472,12 @@ def test_an_explicit_mask_proven_causal_lets_attention_over_the_padding(variant)
 @pytest.mark.parametrize("variant", ["lenient", "anti", "or"])
 def test_a_mask_that_lets_a_row_see_a_later_row_is_refused(variant):
     got = check(MaskedSdpa(variant), x3())
-    assert [(v.op, v.reason) for v in got] == [(
-        "torch.nn.functional.scaled_dot_product_attention",
-        "attention over the padded sequence without is_causal or a mask proven causal")]
+    assert [(v.op, v.reason) for v in got] == [
+        (
+            "torch.nn.functional.scaled_dot_product_attention",
+            "attention over the padded sequence without is_causal or a mask proven causal",
+        )
+    ]
 
 
 def test_a_tensor_index_that_is_not_the_identity_is_refused():
@@ -519,7 +530,11 @@ def _bidirectional_check(read, pad_value):
     f = torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
     f(torch.randn(B, L, H), torch.ones(B, L, dtype=torch.long))
     gm = graphs[0]
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]
+    names = [
+        n.name
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
+    ]
     syms = {n.meta["example_value"].shape[1].node.expr for n in gm.graph.nodes if n.name in names}
     zero = [n for n in names if "attention_mask" in n] if pad_value == 0 else []
     return check_padding_safety(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms})
@@ -549,7 +564,8 @@ def test_a_causal_conv1d_along_the_padded_dim_is_safe_and_a_centered_one_is_not(
     assert check(CausalConv(padding=3), x3()) == []
     got = check(CausalConv(padding=1), x3())
     assert [v.reason for v in got] == [
-        "conv1d along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"]
+        "conv1d along the padded dim reads later rows (not stride 1 with padding >= (kernel - 1) * dilation)"
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -614,8 +630,13 @@ class EagerMaskedAttention(nn.Module):
         q = torch.arange(n)[None, None, :, None]
         kv = torch.arange(n)[None, None, None, :]
         v = self.variant
-        rule = {"strict": kv < q, "anti": q <= kv, "window": (kv <= q) & (kv > q - 3),
-                "bidirectional": q >= 0, "bidirectional_shifted": q >= 1}.get(v, kv <= q)
+        rule = {
+            "strict": kv < q,
+            "anti": q <= kv,
+            "window": (kv <= q) & (kv > q - 3),
+            "bidirectional": q >= 0,
+            "bidirectional_shifted": q >= 1,
+        }.get(v, kv <= q)
         pad = attention_mask.to(torch.bool)[torch.arange(b)[:, None, None, None], kv]
         return torch.ones((), dtype=torch.bool) & rule & pad
 
@@ -645,11 +666,17 @@ def _eager_mask_check(variant, pad_value=0):
     from graphpass.static_shapes.padding_safety import check_padding_safety
 
     graphs = []
-    f = torch.compile(EagerMaskedAttention(variant), backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
+    f = torch.compile(
+        EagerMaskedAttention(variant), backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True
+    )
     with torch.no_grad():
         f(torch.randn(B, L, H), torch.ones(B, L, dtype=torch.long))
     gm = graphs[0]
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]
+    names = [
+        n.name
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
+    ]
     syms = {n.meta["example_value"].shape[1].node.expr for n in gm.graph.nodes if n.name in names}
     zero = [n for n in names if "attention_mask" in n] if pad_value == 0 else []
     relied: set[str] = set()
@@ -664,16 +691,19 @@ def test_softmax_of_scores_plus_an_additive_causal_mask_is_safe_when_the_mask_is
     assert relied == set(zero)  # the proof needs the attention mask to be 1 on every real position (checked per call)
 
 
-@pytest.mark.parametrize("variant,pad_value", [
-    ("strict", 0),  # kv < q: row 0 has no key, its softmax is uniform over the (padded) length
-    ("anti", 0),  # q <= kv: rows see later keys
-    ("small_fill", 0),  # -1 does not vanish from a softmax
-    ("masked_scores", 0),  # the scores may already hold fill values on the diagonal
-    ("causal", 1),  # the attention mask padded with 1: the padding keys are not masked
-    ("masked_fill_allowed", 0),  # masked_fill of the allowed entries: every row sees the later keys only
-    ("bidirectional", 1),  # a bidirectional mask whose padding keys are not masked
-    ("bidirectional_shifted", 0),  # q >= 1: row 0 sees no key
-])
+@pytest.mark.parametrize(
+    "variant,pad_value",
+    [
+        ("strict", 0),  # kv < q: row 0 has no key, its softmax is uniform over the (padded) length
+        ("anti", 0),  # q <= kv: rows see later keys
+        ("small_fill", 0),  # -1 does not vanish from a softmax
+        ("masked_scores", 0),  # the scores may already hold fill values on the diagonal
+        ("causal", 1),  # the attention mask padded with 1: the padding keys are not masked
+        ("masked_fill_allowed", 0),  # masked_fill of the allowed entries: every row sees the later keys only
+        ("bidirectional", 1),  # a bidirectional mask whose padding keys are not masked
+        ("bidirectional_shifted", 0),  # q >= 1: row 0 sees no key
+    ],
+)
 def test_an_additive_mask_not_proven_causal_with_a_key_per_row_is_refused(variant, pad_value):
     got, _, _ = _eager_mask_check(variant, pad_value)
     ops = {v.op for v in got}
@@ -693,7 +723,9 @@ def test_additive_mask_buckets_exactly_and_a_mask_with_zeros_runs_unpadded(stric
         for n in (3, 5, 7, 9, 12, 16):
             x, am = torch.randn(B, n, H), torch.ones(B, n, dtype=torch.long)
             torch.testing.assert_close(compiled(x, am), model(x, am), rtol=1e-5, atol=1e-6)
-        lengths = {shape[1] for shapes in strict_backend.shapes for shape in shapes if len(shape) == 3 and shape[0] == B}
+        lengths = {
+            shape[1] for shapes in strict_backend.shapes for shape in shapes if len(shape) == 3 and shape[0] == B
+        }
         assert lengths == {3, 8, 16}
         x, am = torch.randn(B, 6, H), torch.ones(B, 6, dtype=torch.long)
         am[0, :2] = 0  # left padding: rows 0 and 1 of sequence 0 see no key
@@ -703,7 +735,7 @@ def test_additive_mask_buckets_exactly_and_a_mask_with_zeros_runs_unpadded(stric
 
 
 def _unused_max(x):
-    seq_len = torch.max(x) + 1  # phimoe's rotary embedding: computed, then unused with the default rope type
+    seq_len = torch.max(x) + 1  # noqa: F841 (the point: phimoe's rotary embedding: computed, then unused with the default rope type
     return x * 2
 
 
@@ -734,14 +766,17 @@ class SinkAttention(nn.Module):
         b, n, _ = x.shape
         h = x.view(b, n, 2, H // 2).transpose(1, 2)
         allowed = EagerMaskedAttention().bool_mask(b, n, attention_mask)
-        scores = h @ h.transpose(2, 3) * 0.25 + torch.where(allowed, torch.zeros((), dtype=x.dtype), torch.finfo(x.dtype).min)
+        scores = h @ h.transpose(2, 3) * 0.25 + torch.where(
+            allowed, torch.zeros((), dtype=x.dtype), torch.finfo(x.dtype).min
+        )
         sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, n, -1)
         pieces = [sinks, scores] if self.variant == "sink_first" else [scores, sinks]
         logits = torch.cat(pieces, dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)
         kept = {"sink": probs[..., :-1], "sink_first": probs[..., 1:], "keep_sink": probs[..., :n]}[
-            "sink" if self.variant == "sink_returned" else self.variant]
+            "sink" if self.variant == "sink_returned" else self.variant
+        ]
         out = (kept @ h).transpose(1, 2).reshape(b, n, H)
         return (out, logits) if self.variant == "sink_returned" else out
 
@@ -754,9 +789,16 @@ def _sink_check(variant):
     with torch.no_grad():
         f(torch.randn(B, L, H), torch.ones(B, L, dtype=torch.long))
     gm = graphs[0]
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]
-    syms = {n.meta["example_value"].shape[1].node.expr for n in gm.graph.nodes
-            if n.name in names and n.meta["example_value"].dim() > 1}
+    names = [
+        n.name
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
+    ]
+    syms = {
+        n.meta["example_value"].shape[1].node.expr
+        for n in gm.graph.nodes
+        if n.name in names and n.meta["example_value"].dim() > 1
+    }
     zero = [n for n in names if "attention_mask" in n]
     relied: set[str] = set()
     got = check_padding_safety(gm, syms, zero_padded=zero, ties={s: min(syms, key=str) for s in syms}, relied_on=relied)
@@ -769,11 +811,14 @@ def test_attention_sinks_appended_after_the_masked_keys_and_dropped_again_are_sa
     assert relied == set(zero)
 
 
-@pytest.mark.parametrize("variant", [
-    "sink_first",  # the sink before the keys: the slice [..., 1:] is not the key dim's prefix
-    "keep_sink",  # [..., :n] keeps the first padding key (or the sink) instead of dropping the sink
-    "sink_returned",  # the logits with the sink column after the padding are an output: sliced back wrongly
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "sink_first",  # the sink before the keys: the slice [..., 1:] is not the key dim's prefix
+        "keep_sink",  # [..., :n] keeps the first padding key (or the sink) instead of dropping the sink
+        "sink_returned",  # the logits with the sink column after the padding are an output: sliced back wrongly
+    ],
+)
 def test_attention_sinks_anywhere_else_are_refused(variant):
     got, _, _ = _sink_check(variant)
     assert got, variant
@@ -829,7 +874,11 @@ def test_an_offset_causal_mask_anded_with_all_true_keeps_its_offset():
             self.keys.index_copy_(2, torch.arange(n) + self.length, q)
             keys = self.keys.expand(B, 2, SLOTS, H)
             q_pos = torch.arange(n) + self.length
-            mask = torch.ones((), dtype=torch.bool) & (torch.arange(SLOTS)[None, None, None, :] <= q_pos[None, None, :, None])
-            return F.scaled_dot_product_attention(q.expand(B, 2, n, H), keys, keys, attn_mask=mask.expand(B, 1, n, SLOTS))
+            mask = torch.ones((), dtype=torch.bool) & (
+                torch.arange(SLOTS)[None, None, None, :] <= q_pos[None, None, :, None]
+            )
+            return F.scaled_dot_product_attention(
+                q.expand(B, 2, n, H), keys, keys, attn_mask=mask.expand(B, 1, n, SLOTS)
+            )
 
     assert check(AndedSlotCache("masked"), x3()) == []

@@ -49,8 +49,9 @@ def _bucketed(model, make_inputs, dim_name, lengths=LENGTHS):
     with torch.no_grad():
         for n in lengths:
             inputs = make_inputs(n)
-            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"length {n}: {m}")
+            torch.testing.assert_close(
+                compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-6, msg=lambda m: f"length {n}: {m}"
+            )
     plans = [g.analysis.bucket_plan for g in gp.graphs if getattr(g.analysis, "bucket_plan", None) is not None]
     assert plans and all(p.active for p in plans), [p.refused for p in plans]
     return {s[1] for s in seen if len(s) >= 2 and s[0] == B}
@@ -211,15 +212,19 @@ def test_sdpa_with_an_additive_mask_buckets_exactly_and_a_mask_with_zeros_runs_u
     _left_padded_call_runs_unpadded(model)
 
 
-@pytest.mark.parametrize("variant", [
-    "strict",  # kv < q: row 0 has no key, the diagonal is not finite
-    "small_fill",  # -1 does not vanish from a softmax
-    "masks_the_allowed",  # == 0: the later keys keep their dt values
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "strict",  # kv < q: row 0 has no key, the diagonal is not finite
+        "small_fill",  # -1 does not vanish from a softmax
+        "masks_the_allowed",  # == 0: the later keys keep their dt values
+    ],
+)
 def test_sdpa_with_an_additive_mask_not_proven_causal_is_refused(variant):
     got, _, _ = _check(DynamicMaskAttention(variant), *_x_am(7))
-    assert got and all(v.op == "torch._C._nn.scaled_dot_product_attention"
-                       or "scaled_dot_product_attention" in v.op for v in got), got
+    assert got and all(
+        v.op == "torch._C._nn.scaled_dot_product_attention" or "scaled_dot_product_attention" in v.op for v in got
+    ), got
     assert all(v.reason.startswith("attention over the padded sequence") for v in got), got
 
 
@@ -324,7 +329,7 @@ class WindowConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[1]
-        context = F.pad(x.transpose(1, 2), (self.k - 1, 0))[..., -(n + self.k - 1):]
+        context = F.pad(x.transpose(1, 2), (self.k - 1, 0))[..., -(n + self.k - 1) :]
         windows = context.unfold(-1, self.k, self.step).flip(-1).transpose(1, 2)  # [b, n, C, k]
         return (windows * self.w).sum(-1) + x
 
@@ -343,4 +348,6 @@ def test_sliding_windows_after_a_left_pad_bucket_exactly():
 def test_sliding_windows_with_a_step_are_refused():
     x = torch.randn(B, 9, C)
     got, _, _ = _check(lambda x: x.transpose(1, 2).unfold(-1, 3, 2).sum(-1).transpose(1, 2), x)
-    assert [(v.op, v.reason) for v in got] == [("Tensor.unfold", "unfold along the padded dim with step 2: not proven")], got
+    assert [(v.op, v.reason) for v in got] == [
+        ("Tensor.unfold", "unfold along the padded dim with step 2: not proven")
+    ], got

@@ -45,8 +45,9 @@ def _run(model, make_inputs, lengths, buckets, dim_name="x"):
     with torch.no_grad():
         for n in lengths:
             inputs = make_inputs(n)
-            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"length {n}: {m}")
+            torch.testing.assert_close(
+                compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5, msg=lambda m: f"length {n}: {m}"
+            )
     plans = [g.analysis.bucket_plan for g in gp.graphs if getattr(g.analysis, "bucket_plan", None) is not None]
     return bool(plans) and all(p.active for p in plans), {s[1] for s in seen if len(s) >= 2 and s[0] == B}
 
@@ -101,8 +102,13 @@ class ShiftedAttention(nn.Module):
 
 # sdpa_causal_q_shorter is exact (a query i < L - 1 sees keys <= i, all real) but outside the rule "queries and keys
 # start at row 0 and have the same padded length": refused, conservatively
-NOT_ALIGNED = ["sdpa_causal_k_shifted", "sdpa_causal_q_shorter", "sdpa_causal_static_queries",
-                     "bool_mask_k_shifted", "additive_mask_k_shifted"]
+NOT_ALIGNED = [
+    "sdpa_causal_k_shifted",
+    "sdpa_causal_q_shorter",
+    "sdpa_causal_static_queries",
+    "bool_mask_k_shifted",
+    "additive_mask_k_shifted",
+]
 
 
 @pytest.mark.parametrize("variant", NOT_ALIGNED)
@@ -152,12 +158,16 @@ class CastPositions(nn.Module):
         raise AssertionError(v)
 
 
-@pytest.mark.parametrize("variant,lengths,buckets", [
-    ("mask_int8", (5, 131, 150, 200), (64, 256)),
-    ("mask_uint8", (5, 131, 300), (64, 512)),
-    ("index_int8_widened", (5, 131, 150, 200), (64, 256)),
-    ("mask_int16_offset", (5, 70, 100), (64, 128)),
-], ids=["mask_int8", "mask_uint8", "index_int8", "mask_int16_offset"])
+@pytest.mark.parametrize(
+    "variant,lengths,buckets",
+    [
+        ("mask_int8", (5, 131, 150, 200), (64, 256)),
+        ("mask_uint8", (5, 131, 300), (64, 512)),
+        ("index_int8_widened", (5, 131, 150, 200), (64, 256)),
+        ("mask_int16_offset", (5, 70, 100), (64, 128)),
+    ],
+    ids=["mask_int8", "mask_uint8", "index_int8", "mask_int16_offset"],
+)
 def test_position_facts_do_not_survive_a_wrapping_cast(variant, lengths, buckets):
     active, _ = _run(CastPositions(variant), lambda n: _x(n), lengths, buckets)
     assert not active
@@ -256,8 +266,17 @@ class MergeSplit(nn.Module):
         raise AssertionError(v)
 
 
-@pytest.mark.parametrize("variant", ["flat_then_swapped", "flat_view_swapped", "inner_merge_output",
-                                     "batch_merge_cumsum", "batch_merge_sum", "batch_merge_cat"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "flat_then_swapped",
+        "flat_view_swapped",
+        "inner_merge_output",
+        "batch_merge_cumsum",
+        "batch_merge_sum",
+        "batch_merge_cat",
+    ],
+)
 def test_merge_and_split_in_another_order_is_refused(variant):
     assert _violations(MergeSplit(variant), torch.randn(B, 7, H))
     active, _ = _run(MergeSplit(variant), _x, (5, 9, 17), (16, 32))
@@ -322,7 +341,7 @@ def test_the_installed_transformers_moe_functions_match_their_digests():
     from graphpass.static_shapes.causal_functions import source_digest
     from graphpass.static_shapes.padding_safety import ROW_WISE_FUNCTIONS
 
-    for (suffix, name), trust in ROW_WISE_FUNCTIONS.items():
+    for (_suffix, name), trust in ROW_WISE_FUNCTIONS.items():
         assert source_digest(moe.__file__, name, trust.helpers) == trust.digest, name
 
 
@@ -371,6 +390,7 @@ def test_tensor_split_whose_tail_is_read_is_refused_and_exact():
 
 def test_tensor_split_whose_tail_is_read_as_the_last_piece_is_refused_and_exact():
     """The tail read through ``parts[-1]`` (not ``parts[1]``) is still a read of rows that move with the padding."""
+
     class LastPiece(nn.Module):
         def forward(self, x):
             parts = torch.tensor_split(x, [x.shape[1] - 2], dim=1)

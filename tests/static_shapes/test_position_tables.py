@@ -60,8 +60,7 @@ def _run(model, buckets, lengths, make, name):
 
 
 def test_a_bucket_past_a_learned_position_table_runs_unpadded_and_says_which_table():
-    plans, said = _run(LearnedPositions(), [8, 16], [5, 10, 12, 7], lambda n: torch.randint(0, 50, (1, n)),
-                       "input_ids")
+    plans, said = _run(LearnedPositions(), [8, 16], [5, 10, 12, 7], lambda n: torch.randint(0, 50, (1, n)), "input_ids")
     assert plans and all(p.active for p in plans), [p.refused for p in plans]
     assert set(plans[0].invalid_buckets) == {16}, plans[0].invalid_buckets
     assert said, "no warning for the lengths landing in bucket 16"
@@ -81,8 +80,9 @@ def test_every_bucket_past_the_table_refuses_the_plan_naming_it():
 
 
 def test_buckets_inside_the_table_mark_nothing():
-    plans, said = _run(LearnedPositions(rows=16), [8, 16], [5, 10, 16], lambda n: torch.randint(0, 50, (1, n)),
-                       "input_ids")
+    plans, said = _run(
+        LearnedPositions(rows=16), [8, 16], [5, 10, 16], lambda n: torch.randint(0, 50, (1, n)), "input_ids"
+    )
     assert plans[0].active and not plans[0].invalid_buckets and not said
 
 
@@ -102,7 +102,12 @@ def test_gpt2_with_a_bucket_past_its_positions_serves_every_length_it_can():
             return self.model(input_ids=input_ids, use_cache=False).logits
 
     g = torch.Generator().manual_seed(3)
-    plans, said = _run(Logits(), [16, conformance.MAX_POS + 16], [5, conformance.MAX_POS - 3],
-                       lambda n: torch.randint(0, vocab, (1, n), generator=g), "input_ids")
+    plans, said = _run(
+        Logits(),
+        [16, conformance.MAX_POS + 16],
+        [5, conformance.MAX_POS - 3],
+        lambda n: torch.randint(0, vocab, (1, n), generator=g),
+        "input_ids",
+    )
     assert plans[0].active and set(plans[0].invalid_buckets) == {conformance.MAX_POS + 16}
     assert any("wpe.weight" in m and f"buckets up to {conformance.MAX_POS} fit" in m for m in said), said

@@ -44,8 +44,9 @@ class LseSinkAttention(nn.Module):
         b, n, _ = x.shape
         h = self.proj(x).view(b, n, 2, H // 2).transpose(1, 2)
         rule = "anti" if self.variant == "anti" else "causal"
-        mask = torch.where(_bool_mask(b, n, attention_mask, window, rule), torch.zeros((), dtype=x.dtype),
-                           torch.finfo(x.dtype).min)
+        mask = torch.where(
+            _bool_mask(b, n, attention_mask, window, rule), torch.zeros((), dtype=x.dtype), torch.finfo(x.dtype).min
+        )
         scores = h @ h.transpose(2, 3) * 0.25 + mask
         lse = torch.logsumexp(scores, dim=-1)
         if self.variant == "lse_over_queries":  # over the queries: a key's column reads later (padding) rows
@@ -73,11 +74,14 @@ def test_logsumexp_sink_scale_over_masked_keys_is_safe():
     assert relied == set(zero)  # the proof needs the attention mask to be 1 at every real position
 
 
-@pytest.mark.parametrize("variant,op", [
-    ("anti", "torch.logsumexp"),  # q <= kv: a real row's logsumexp sums the later (padding) keys
-    ("lse_over_queries", "torch.logsumexp"),  # logsumexp over the padded query rows
-    ("unbounded", "torch.nn.functional.softmax"),  # no sigmoid: the next layer's scores may hold fill values
-])
+@pytest.mark.parametrize(
+    "variant,op",
+    [
+        ("anti", "torch.logsumexp"),  # q <= kv: a real row's logsumexp sums the later (padding) keys
+        ("lse_over_queries", "torch.logsumexp"),  # logsumexp over the padded query rows
+        ("unbounded", "torch.nn.functional.softmax"),  # no sigmoid: the next layer's scores may hold fill values
+    ],
+)
 def test_logsumexp_sink_scale_variants_that_read_the_padding_are_refused(variant, op):
     got, _, _ = _check(LseSinkAttention(variant))
     assert any(v.op == op and "along the padded dim mixes rows" in v.reason for v in got), got
@@ -115,7 +119,7 @@ class UnfoldShortConv(nn.Module):
         k = self.k
         weights = self.static_weight + self.weight_proj(x)[:, :, None, :]  # [b, n, H, k]
         amounts = (0, k - 1) if self.variant == "right_pad" else (k - 1, 0)  # right: the last tokens read the padding
-        context = F.pad(x.transpose(1, 2), amounts)[..., -(n + k - 1):]
+        context = F.pad(x.transpose(1, 2), amounts)[..., -(n + k - 1) :]
         if self.variant == "length_size":  # windows as wide as half the (padded) length: they grow with the padding
             return context.unfold(-1, n // 2, 1).sum(-1)[..., :n].transpose(1, 2) + x
         elif self.variant == "im2col":  # F.unfold (im2col): not the sliding-window Tensor.unfold
@@ -129,11 +133,14 @@ def test_unfold_windows_after_a_left_pad_are_safe():
     assert check_padding_safety(*_trace(UnfoldShortConv("causal"))) == []
 
 
-@pytest.mark.parametrize("variant,op", [
-    ("right_pad", "torch._C._nn.pad"),
-    ("length_size", "Tensor.unfold"),
-    ("im2col", "torch.nn.functional.unfold"),
-])
+@pytest.mark.parametrize(
+    "variant,op",
+    [
+        ("right_pad", "torch._C._nn.pad"),
+        ("length_size", "Tensor.unfold"),
+        ("im2col", "torch.nn.functional.unfold"),
+    ],
+)
 def test_unfold_variants_that_read_the_padding_are_refused(variant, op):
     got = check_padding_safety(*_trace(UnfoldShortConv(variant)))
     assert any(v.op == op for v in got), got
@@ -145,8 +152,13 @@ def _trace(model: nn.Module):
     with torch.no_grad():
         f(torch.randn(B, L, H))
     gm = graphs[0]
-    x = next(n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
-             and n.meta["example_value"].dim() == 3)
+    x = next(
+        n
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+        and isinstance(n.meta.get("example_value"), torch.Tensor)
+        and n.meta["example_value"].dim() == 3
+    )
     return gm, {x.meta["example_value"].shape[1].node.expr}
 
 

@@ -49,7 +49,8 @@ def symbolic_factories(gm):
     out = []
     for n in gm.graph.nodes:
         is_factory = (n.op == "call_function" and n.target in FACTORIES) or (
-            n.op == "call_method" and n.target in NEW_FACTORIES)
+            n.op == "call_method" and n.target in NEW_FACTORIES
+        )
         ev = n.meta.get("example_value")
         if is_factory and any(isinstance(d, torch.SymInt) for d in ev.shape):
             out.append(n.name)
@@ -131,8 +132,7 @@ def test_slice_outputs_false_leaves_returned_factories():
 
 def test_inner_symbolic_dim_keeps_fresh_strides():
     backend = SlicingBackend()
-    compiled = torch.compile(lambda x: torch.zeros(x.shape[0], x.shape[1]).view(-1) + 1,
-                             backend=backend, dynamic=True)
+    compiled = torch.compile(lambda x: torch.zeros(x.shape[0], x.shape[1]).view(-1) + 1, backend=backend, dynamic=True)
     for b, length in ((2, 3), (3, 5), (4, 7)):
         x = torch.randn(b, length)
         assert_same(compiled(x), torch.zeros(b, length).view(-1) + 1)

@@ -32,8 +32,10 @@ transformers = pytest.importorskip("transformers")
 
 conformance = bench_conformance()
 
-_HELPERS = {"mamba2": ("pad_tensor_by_size", "reshape_into_chunks", "segment_sum", "mamba2_chunk_scan"),
-            "qwen3_next": ("l2norm", "torch_chunk_gated_delta_rule")}
+_HELPERS = {
+    "mamba2": ("pad_tensor_by_size", "reshape_into_chunks", "segment_sum", "mamba2_chunk_scan"),
+    "qwen3_next": ("l2norm", "torch_chunk_gated_delta_rule"),
+}
 
 
 def _copy_module(tmp_path, model, edit=None):
@@ -42,7 +44,11 @@ def _copy_module(tmp_path, model, edit=None):
     src_path = Path(transformers.__file__).parent / "models" / model / f"modeling_{model}.py"
     source = src_path.read_text()
     tree = ast.parse(source)
-    parts = ["import torch", "import torch.nn.functional as F", "from transformers.utils import is_torchdynamo_exporting"]
+    parts = [
+        "import torch",
+        "import torch.nn.functional as F",
+        "from transformers.utils import is_torchdynamo_exporting",
+    ]
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name in _HELPERS[model]:
             node.decorator_list = []
@@ -77,16 +83,25 @@ def _check(fn, *inputs, seq_only=False):
     with torch.no_grad():
         compiled(*inputs)
     gm = graphs[0]
-    x = next(n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"
-             and isinstance(n.meta.get("example_value"), torch.Tensor) and n.meta["example_value"].dim() >= 3)
+    x = next(
+        n.meta["example_value"]
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+        and isinstance(n.meta.get("example_value"), torch.Tensor)
+        and n.meta["example_value"].dim() >= 3
+    )
     return check_padding_safety(gm, {x.shape[1].node.expr})
 
 
 def _mamba2_inputs(n=11, heads=4, head_dim=3, groups=2, state=5):
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(2, n, heads, head_dim, generator=g), torch.rand(2, n, heads, generator=g),
-            -torch.rand(heads, generator=g) - 0.5, torch.randn(2, n, groups, state, generator=g),
-            torch.randn(2, n, groups, state, generator=g))
+    return (
+        torch.randn(2, n, heads, head_dim, generator=g),
+        torch.rand(2, n, heads, generator=g),
+        -torch.rand(heads, generator=g) - 0.5,
+        torch.randn(2, n, groups, state, generator=g),
+        torch.randn(2, n, groups, state, generator=g),
+    )
 
 
 def test_the_recorded_digests_are_those_of_the_installed_transformers():
@@ -101,12 +116,21 @@ def test_the_recorded_digests_are_those_of_the_installed_transformers():
 def test_mamba2_chunk_scan_is_causal_and_padding_is_exact(tmp_path):
     mod = _copy_module(tmp_path, "mamba2")
     x, dt, a, b, c = _mamba2_inputs()
-    assert _check(lambda x, dt, b, c: mod.mamba2_chunk_scan(x, dt, a, b, c, chunk_size=4, D=torch.ones(4)),
-                  x, dt, b, c, seq_only=True) == []
+    assert (
+        _check(
+            lambda x, dt, b, c: mod.mamba2_chunk_scan(x, dt, a, b, c, chunk_size=4, D=torch.ones(4)),
+            x,
+            dt,
+            b,
+            c,
+            seq_only=True,
+        )
+        == []
+    )
     # the claim itself, numerically: real rows of a right-padded call equal the unpadded call
     want = mod.mamba2_chunk_scan(x, dt, a, b, c, chunk_size=4)
     pad = [torch.cat([t, 7 * torch.randn(t.shape[0], 5, *t.shape[2:]).abs()], dim=1) for t in (x, dt, b, c)]
-    got = mod.mamba2_chunk_scan(pad[0], pad[1], a, pad[2], pad[3], chunk_size=4)[:, :x.shape[1]]
+    got = mod.mamba2_chunk_scan(pad[0], pad[1], a, pad[2], pad[3], chunk_size=4)[:, : x.shape[1]]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -134,21 +158,28 @@ def test_a_sequence_not_exactly_the_padded_length_is_refused(tmp_path):
     assert got and "dim 1 of the padded length" in got[0].reason, got
 
 
-@pytest.mark.parametrize("edit", [
-    # a helper edited: segment_sum's causal mask made full (diagonal=0 -> 8): the function itself is unchanged
-    lambda s: s.replace("diagonal=0", "diagonal=8"),
-    # the function edited: the cut of the padded chunks gone
-    lambda s: s.replace("output = output[:, :sequence_length]", "output = output.flip(1)[:, :sequence_length]"),
-], ids=["helper", "function"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        # a helper edited: segment_sum's causal mask made full (diagonal=0 -> 8): the function itself is unchanged
+        lambda s: s.replace("diagonal=0", "diagonal=8"),
+        # the function edited: the cut of the padded chunks gone
+        lambda s: s.replace("output = output[:, :sequence_length]", "output = output.flip(1)[:, :sequence_length]"),
+    ],
+    ids=["helper", "function"],
+)
 def test_an_edited_copy_is_checked_op_by_op_and_refused(tmp_path, edit):
     mod = _copy_module(tmp_path, "mamba2", edit=edit)
     x, dt, a, b, c = _mamba2_inputs()
     got = _check(lambda x, dt, b, c: mod.mamba2_chunk_scan(x, dt, a, b, c, chunk_size=4), x, dt, b, c, seq_only=True)
     assert got, "an edited copy must not be trusted"
     # the refusal says why: the pinned function changed (issue 38), naming it, the release and what to do
-    assert any("mamba2_chunk_scan (transformers/models/mamba2/modeling_mamba2.py)" in v.reason
-               and "is not the code graphpass proved" in v.reason and "pin transformers==" in v.reason for v in got), \
-        [v.reason for v in got]
+    assert any(
+        "mamba2_chunk_scan (transformers/models/mamba2/modeling_mamba2.py)" in v.reason
+        and "is not the code graphpass proved" in v.reason
+        and "pin transformers==" in v.reason
+        for v in got
+    ), [v.reason for v in got]
 
 
 def test_gated_delta_rule_is_causal_and_padding_is_exact(tmp_path):
@@ -162,8 +193,18 @@ def test_gated_delta_rule_is_causal_and_padding_is_exact(tmp_path):
 
     assert _check(run, q, k, v, decay, beta) == []
     want = run(q, k, v, decay, beta)
-    pad = [torch.cat([t, torch.randn(t.shape[0], 6, *t.shape[2:]).abs().neg() if t is decay else
-                      torch.rand(t.shape[0], 6, *t.shape[2:])], dim=1) for t in (q, k, v, decay, beta)]
+    pad = [
+        torch.cat(
+            [
+                t,
+                torch.randn(t.shape[0], 6, *t.shape[2:]).abs().neg()
+                if t is decay
+                else torch.rand(t.shape[0], 6, *t.shape[2:]),
+            ],
+            dim=1,
+        )
+        for t in (q, k, v, decay, beta)
+    ]
     torch.testing.assert_close(run(*pad)[:, :11], want, rtol=1e-5, atol=1e-6)
 
 
@@ -173,8 +214,11 @@ def _delta_rule_sweep(tmp_path, lengths):
     def run(q, k, v, decay, beta):
         return mod.torch_chunk_gated_delta_rule(q, k, v, decay, beta, chunk_size=4)[0]
 
-    gp = graphpass.backend(then="eager", traps=[], static_shapes={
-        "dims": {n: 1 for n in ("q", "k", "v", "decay", "beta")}, "buckets": [8, 16]})
+    gp = graphpass.backend(
+        then="eager",
+        traps=[],
+        static_shapes={"dims": {n: 1 for n in ("q", "k", "v", "decay", "beta")}, "buckets": [8, 16]},
+    )
     torch._dynamo.reset()
     compiled = torch.compile(run, backend=gp)
     g = torch.Generator().manual_seed(2)
@@ -199,8 +243,9 @@ def test_a_length_guard_of_the_proven_code_is_checked_at_every_bucket(tmp_path, 
     strict = {n: replace(f, benign_guards={}) for n, f in cf.CAUSAL_FUNCTIONS.items()}
     monkeypatch.setattr(cf, "CAUSAL_FUNCTIONS", MappingProxyType(strict))
     plans = _delta_rule_sweep(tmp_path, (5, 6, 7, 9))
-    assert plans and plans[0].active and set(plans[0].invalid_buckets) == {16}, \
-        [(p.refused, p.invalid_buckets) for p in plans]
+    assert plans and plans[0].active and set(plans[0].invalid_buckets) == {16}, [
+        (p.refused, p.invalid_buckets) for p in plans
+    ]
     assert "range(num_chunks)" in plans[0].invalid_buckets[16]
 
 
@@ -248,13 +293,15 @@ def test_a_cache_update_with_the_final_state_is_still_refused():
     with torch.no_grad():
         for n in (5, 7, 12):
             ids = torch.randint(0, 64, (1, n))
-            torch.testing.assert_close(compiled(input_ids=ids, use_cache=True).logits,
-                                       model(input_ids=ids, use_cache=True).logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                compiled(input_ids=ids, use_cache=True).logits,
+                model(input_ids=ids, use_cache=True).logits,
+                rtol=1e-5,
+                atol=1e-5,
+            )
     plans = [g.analysis.bucket_plan for g in gp.graphs if getattr(g.analysis, "bucket_plan", None) is not None]
     refused = [str(r) for p in plans for r in (p.refused or [])]
     assert plans and not any(p.active for p in plans) and refused, refused
-
-
 
 
 def test_a_refusal_in_a_transformers_release_not_checked_says_so(tmp_path, monkeypatch):
@@ -272,5 +319,6 @@ def test_a_refusal_in_a_transformers_release_not_checked_says_so(tmp_path, monke
     for version, said in [("99.0.0", True), (drift.CHECKED_TRANSFORMERS[-1], False)]:
         monkeypatch.setattr(drift, "_transformers_version", lambda: version)
         got = _check(mod.mixer, x, seq_only=True)
-        assert got and all(("transformers 99.0.0 is not a release this proof was checked on" in v.reason) == said
-                           for v in got), [v.reason for v in got]
+        assert got and all(
+            ("transformers 99.0.0 is not a release this proof was checked on" in v.reason) == said for v in got
+        ), [v.reason for v in got]

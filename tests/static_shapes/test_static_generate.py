@@ -28,8 +28,10 @@ from graphpass.static_shapes import BucketedCache  # noqa: E402
 
 PREFILL = [16, 32, 64, 80]  # static_shapes buckets: the prompt is padded to these
 CONTEXT = [32, 64, 96, 128]  # the cache's slots: prompt (+ its padding) + new tokens fit in these
-LENGTHS = {"llama": list(range(2, 66)),  # 64 prompt lengths
-           "qwen3": list(range(2, 66, 4)) + [65]}  # the second family: 17 of them, over every bucket (test time)
+LENGTHS = {
+    "llama": list(range(2, 66)),  # 64 prompt lengths
+    "qwen3": list(range(2, 66, 4)) + [65],
+}  # the second family: 17 of them, over every bucket (test time)
 NEW_TOKENS = 32
 LAYERS = 2
 
@@ -37,9 +39,16 @@ LAYERS = 2
 def _model(family: str):
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    common = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  eos_token_id=None)  # no early stop: every prompt gets all its new tokens
+    common = dict(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=None,
+    )  # no early stop: every prompt gets all its new tokens
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common)).eval()
@@ -57,8 +66,13 @@ def _compiled(eager, tmp_path):
 
 
 def _ops(gm, prefix: str):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-            and n.target.overloadpacket.__name__.startswith(prefix)]
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and n.target.overloadpacket.__name__.startswith(prefix)
+    ]
 
 
 def _compiled_lengths(strict) -> list[int]:
@@ -98,8 +112,10 @@ def _sweep(strict_backend, family, tmp_path):
             assert got.shape[1] == n + NEW_TOKENS
             assert cache.length == n + NEW_TOKENS - 1  # the last token is generated, never fed back
     compiled = _compiled_lengths(strict_backend)  # one per static graph of the model
-    print(f"{family}: {len(lengths)} prompt lengths x {NEW_TOKENS} new tokens, {len(compiled)} static graphs "
-          f"(token counts {sorted(compiled)}), bound {len(PREFILL) + len(CONTEXT) + 1}")
+    print(
+        f"{family}: {len(lengths)} prompt lengths x {NEW_TOKENS} new tokens, {len(compiled)} static graphs "
+        f"(token counts {sorted(compiled)}), bound {len(PREFILL) + len(CONTEXT) + 1}"
+    )
     assert len(compiled) <= len(PREFILL) + len(CONTEXT) + 1, compiled
     assert set(compiled) <= set(PREFILL) | {1, lengths[0]}, compiled
     slots = _slot_counts(strict_backend)
@@ -132,8 +148,11 @@ def test_bucketed_cache_refuses_bad_buckets_and_a_context_beyond_them():
         BucketedCache(eager.config, buckets=[64], prefill_buckets=[0])
     cache = BucketedCache(eager.config, buckets=[32], prefill_buckets=[16, 32])
     ids = torch.randint(1, 256, (1, 20))
-    with pytest.raises(graphpass.ConfigError, match=r"must hold 33 slots.*add a bucket >= 33"), \
-            torch.no_grad(), cache.attach(eager):
+    with (
+        pytest.raises(graphpass.ConfigError, match=r"must hold 33 slots.*add a bucket >= 33"),
+        torch.no_grad(),
+        cache.attach(eager),
+    ):
         eager.generate(ids, cache=cache, max_new_tokens=21, do_sample=False, pad_token_id=0)
 
 

@@ -8,7 +8,6 @@ Dynamo gives a length symbol of its own) and with ``use_cache=False`` (transform
 mask path, indexing ``position_ids`` with position tensors).
 """
 
-
 import pytest
 import torch
 
@@ -29,10 +28,19 @@ LENGTHS = [2, 5, 9, 16, 17, 23, 31, 33, 40, 47, 58, 63]  # 12 lengths over all t
 # attention sinks appended after the keys and dropped after the softmax; mamba: the selective scan traced as one
 # op and unrolled at each bucket's size for the static-only compiler); bench/conformance.py's static column covers
 # every causal-LM architecture
-CASES = [("llama", "attention_mask"), ("gpt2", "no_cache"), ("qwen3", "attention_mask"), ("olmo2", "no_cache"),
-         ("mixtral", "attention_mask"), ("gemma2", "attention_mask"), ("bloom", "attention_mask"),
-         ("mpt", "attention_mask"), ("megatron-bert", "attention_mask"), ("gpt_oss", "attention_mask"),
-         ("mamba", "no_cache")]
+CASES = [
+    ("llama", "attention_mask"),
+    ("gpt2", "no_cache"),
+    ("qwen3", "attention_mask"),
+    ("olmo2", "no_cache"),
+    ("mixtral", "attention_mask"),
+    ("gemma2", "attention_mask"),
+    ("bloom", "attention_mask"),
+    ("mpt", "attention_mask"),
+    ("megatron-bert", "attention_mask"),
+    ("gpt_oss", "attention_mask"),
+    ("mamba", "no_cache"),
+]
 CALLS = {
     "attention_mask": lambda ids: {"attention_mask": torch.ones_like(ids)},
     "no_cache": lambda ids: {"use_cache": False},
@@ -41,8 +49,14 @@ CALLS = {
 
 def _sweep(model, strict, call):
     delegate = NeuronDelegate(registered_name="strict_aten_standin", module=None)
-    gp, _, pieces = sweep_buckets(model, delegate, LENGTHS, BUCKETS, strict=strict,
-                                  call=lambda m, ids: m(input_ids=ids, **CALLS[call](ids)).logits)
+    gp, _, pieces = sweep_buckets(
+        model,
+        delegate,
+        LENGTHS,
+        BUCKETS,
+        strict=strict,
+        call=lambda m, ids: m(input_ids=ids, **CALLS[call](ids)).logits,
+    )
     return gp, pieces
 
 
@@ -76,8 +90,11 @@ def test_row_wise_functions_are_trusted_by_file_and_name_only():
 
     f = torch.compile(grouped_mm_experts_forward, backend=keep, dynamic=True)
     f(torch.randn(2, 7, 4))
-    x = next(n.meta["example_value"] for n in graphs[0].graph.nodes
-             if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor))
+    x = next(
+        n.meta["example_value"]
+        for n in graphs[0].graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
+    )
     sym = x.shape[1].node.expr  # the length dim
     got = check_padding_safety(graphs[0], {sym})
     assert got and "sort along the padded dim mixes rows" in got[0].reason

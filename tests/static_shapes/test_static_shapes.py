@@ -178,14 +178,20 @@ def test_mask_contract_allows_padding():
 
 def test_unknown_input_name_is_a_config_error():
     model, inputs = build("tiny_transformer")
-    compiled = torch.compile(model, backend=graphpass.backend(then="eager", static_shapes={"dims": {"input_ids": 1}, "buckets": [8]}), dynamic=True)
+    compiled = torch.compile(
+        model,
+        backend=graphpass.backend(then="eager", static_shapes={"dims": {"input_ids": 1}, "buckets": [8]}),
+        dynamic=True,
+    )
     with pytest.raises(graphpass.ConfigError, match="input_ids"):
         compiled(*inputs)
 
 
 def test_dim_out_of_range_is_a_config_error():
     model, inputs = build("tiny_transformer")
-    compiled = torch.compile(model, backend=graphpass.backend(then="eager", static_shapes={"dims": {"ids": 5}, "buckets": [8]}), dynamic=True)
+    compiled = torch.compile(
+        model, backend=graphpass.backend(then="eager", static_shapes={"dims": {"ids": 5}, "buckets": [8]}), dynamic=True
+    )
     with pytest.raises(graphpass.ConfigError, match="has only 2 dims"):
         compiled(*inputs)
 
@@ -359,7 +365,9 @@ def _skip_unless_torch_guards_duck_sizes(model):
             for shape in ((5, 5), (5, 9)):
                 plain(torch.randint(0, 64, shape))
     except RuntimeError as err:
-        pytest.skip(f"this torch's Dynamo reuses a duck-sized graph for unequal sizes (plain torch.compile fails: {err})")
+        pytest.skip(
+            f"this torch's Dynamo reuses a duck-sized graph for unequal sizes (plain torch.compile fails: {err})"
+        )
     finally:
         torch._dynamo.reset()
 

@@ -72,6 +72,7 @@ class PaddingMaskedSdpa(nn.Module):
 # a sound proof: every bucket verified, once, silently
 # --------------------------------------------------------------------------------------------
 
+
 def test_a_sound_model_verifies_each_bucket_once_without_a_warning():
     torch.manual_seed(0)
     model = CausalBlock().eval()
@@ -99,6 +100,7 @@ def test_the_second_run_reads_its_own_buffers_and_leaves_the_staging_buffers_alo
         def run(*args):
             seen.append([a.clone() if isinstance(a, torch.Tensor) and a.dim() == 3 else None for a in args])
             return gm.forward(*args)
+
         return run
 
     model = CausalBlock().eval()
@@ -138,6 +140,7 @@ def test_ids_only_model_costs_nothing_more():
 # --------------------------------------------------------------------------------------------
 # an unsound acceptance: the checked mode catches it
 # --------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def proof_accepts_everything(monkeypatch):
@@ -236,8 +239,10 @@ def test_a_sound_graph_that_writes_an_input_is_verified_and_writes_it_once():
 
 def noisy_delegate(scale):
     """Adds noise of ``scale`` to every output on every run: two runs are never bitwise equal."""
+
     def noisy(gm, example_inputs):
         return lambda *a: [o + torch.rand_like(o) * scale for o in gm.forward(*a)]
+
     return noisy
 
 
@@ -278,6 +283,7 @@ def test_a_graph_that_is_not_bitwise_deterministic_is_kept_unchecked_with_a_warn
 # --------------------------------------------------------------------------------------------
 # a proof that relies on a zero-padded attention mask: no false alarm
 # --------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mask_dtype", [torch.long, torch.bool, torch.float32])
 def test_a_proof_reading_the_masks_zero_padding_is_no_false_alarm(mask_dtype):
@@ -324,6 +330,7 @@ def test_transformers_models_fed_embeddings_verify_without_a_false_alarm(model_t
 # config, fills, the comparison
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("bad", ["yes", 1, 0, None, [True]])
 def test_verify_must_be_a_bool(bad):
     with pytest.raises(ConfigError) as info:
@@ -352,7 +359,7 @@ def test_other_fill_is_finite_differs_and_stays_an_index():
 def test_first_difference_is_bitwise_and_nan_aware():
     a = torch.tensor([1.0, float("nan"), 3.0])
     assert first_difference((a,), (a.clone(),)) is None
-    assert first_difference((a,), (torch.tensor([1.0, float("nan"), 3.0 + 2 ** -22]),))[0] == 0
+    assert first_difference((a,), (torch.tensor([1.0, float("nan"), 3.0 + 2**-22]),))[0] == 0
     k, what = first_difference((a, a), (a, torch.tensor([1.0, 2.0, 3.5])))
     assert k == 1 and "NaN in 1 positions" in what and "0.5" in what
     assert first_difference((torch.tensor([1, 2]),), (torch.tensor([1, 5]),)) == (0, "largest difference 3")

@@ -46,8 +46,8 @@ class Indexed(nn.Module):
             causal = pos[None, None, None, :] >= pos[None, None, :, None]  # keys after the query: not causal
         else:
             causal = pos[None, None, None, :] <= pos[None, None, :, None]
-        mask = causal.expand(b, 1, n, n)                                        # [B, 1, S, T]
-        scores = F.relu(self.iq(x) @ self.ik(x).transpose(-1, -2))              # exact zeros: ties
+        mask = causal.expand(b, 1, n, n)  # [B, 1, S, T]
+        scores = F.relu(self.iq(x) @ self.ik(x).transpose(-1, -2))  # exact zeros: ties
         if "additive" in self.variant:  # eager attention's float mask (transformers' other branch)
             return self._additive(x, mask, scores)
         scores = scores.masked_fill(~mask[:, 0, :, :], float("-inf"))
@@ -55,7 +55,7 @@ class Indexed(nn.Module):
         idx = scores.topk(k, dim=-1).indices.to(torch.int32)
         index_mask = idx.new_ones((b, n, n), dtype=torch.bool).scatter(-1, idx.long(), False).unsqueeze(1)
         if self.variant == "other_mask":
-            full = torch.ones_like(mask)                                        # not the mask the scores were masked by
+            full = torch.ones_like(mask)  # not the mask the scores were masked by
             mask = full & ~index_mask
         else:
             mask = mask & ~index_mask
@@ -67,7 +67,7 @@ class Indexed(nn.Module):
 
     def _additive(self, x, mask, scores):
         b, n = x.shape[:2]
-        fmask = torch.where(mask, 0.0, torch.finfo(x.dtype).min)                # [B, 1, S, T]
+        fmask = torch.where(mask, 0.0, torch.finfo(x.dtype).min)  # [B, 1, S, T]
         scores = scores + fmask[:, 0, :, :]
         idx = scores.topk(min(self.k, scores.shape[-1]), dim=-1).indices.to(torch.int32)
         index_mask = idx.new_ones((b, n, n), dtype=torch.bool).scatter(-1, idx.long(), False).unsqueeze(1)
@@ -83,13 +83,20 @@ def _sweep(model: nn.Module, lengths=LENGTHS, vocab: int = 50, call=None):
     seen: list[tuple[int, ...]] = []
 
     def delegate(gm, example_inputs):
-        seen.extend(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2
-                    and t.dtype == torch.long and all(isinstance(s, int) for s in t.shape))  # not a dynamic fallback
+        seen.extend(
+            tuple(t.shape)
+            for t in example_inputs
+            if isinstance(t, torch.Tensor)
+            and t.dim() == 2
+            and t.dtype == torch.long
+            and all(isinstance(s, int) for s in t.shape)
+        )  # not a dynamic fallback
         return gm
 
     torch._dynamo.reset()
-    gp = graphpass.backend(then=delegate, static_shapes={"dims": {"input_ids" if call else "ids": 1},
-                                                         "buckets": BUCKETS})
+    gp = graphpass.backend(
+        then=delegate, static_shapes={"dims": {"input_ids" if call else "ids": 1}, "buckets": BUCKETS}
+    )
     compiled = torch.compile(model, backend=gp)
     g = torch.Generator().manual_seed(3)
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
@@ -105,13 +112,17 @@ def _sweep(model: nn.Module, lengths=LENGTHS, vocab: int = 50, call=None):
 
 def test_indexer_with_k_at_least_every_bucket_pads_and_matches_eager():
     plans, lens, _ = _sweep(Indexed(k=16))
-    assert plans and all(p.active and not p.invalid_buckets for p in plans), [(p.refused, p.invalid_buckets) for p in plans]
+    assert plans and all(p.active and not p.invalid_buckets for p in plans), [
+        (p.refused, p.invalid_buckets) for p in plans
+    ]
     assert lens <= set(BUCKETS) | {LENGTHS[0]}, lens  # only the first call's exact length and the buckets
 
 
 def test_indexer_with_an_additive_mask_pads_and_matches_eager():
     plans, lens, _ = _sweep(Indexed(k=16, variant="additive"))
-    assert plans and all(p.active and not p.invalid_buckets for p in plans), [(p.refused, p.invalid_buckets) for p in plans]
+    assert plans and all(p.active and not p.invalid_buckets for p in plans), [
+        (p.refused, p.invalid_buckets) for p in plans
+    ]
     assert lens <= set(BUCKETS) | {LENGTHS[0]}, lens
     plans, _, _ = _sweep(Indexed(k=4, variant="additive"))
     assert plans and not plans[0].active and plans[0].refused[0].startswith("Tensor.topk at node"), plans[0].refused
@@ -119,7 +130,9 @@ def test_indexer_with_an_additive_mask_pads_and_matches_eager():
 
 def test_indexer_pads_only_to_the_buckets_k_covers():
     plans, lens, warned = _sweep(Indexed(k=10))  # k = min(10, s): 8 at bucket 8, 10 < 16 at bucket 16
-    assert plans and plans[0].active and set(plans[0].invalid_buckets) == {16}, [(p.refused, p.invalid_buckets) for p in plans]
+    assert plans and plans[0].active and set(plans[0].invalid_buckets) == {16}, [
+        (p.refused, p.invalid_buckets) for p in plans
+    ]
     assert "topk" in plans[0].invalid_buckets[16]
     assert any("bucket 16 is not proven" in w and "topk" in w for w in warned), warned
     assert 8 in lens and 16 not in lens, lens
@@ -133,19 +146,29 @@ def test_indexer_with_k_below_every_bucket_is_refused_naming_the_topk():
     assert any("not padding this graph" in w for w in warned), warned
 
 
-@pytest.mark.parametrize("variant,op", [("anti_causal", "Tensor.topk"), ("other_mask", "Tensor.topk"),
-                                        ("gather", "Tensor.topk"), ("additive_anti_causal", "Tensor.topk")])
+@pytest.mark.parametrize(
+    "variant,op",
+    [
+        ("anti_causal", "Tensor.topk"),
+        ("other_mask", "Tensor.topk"),
+        ("gather", "Tensor.topk"),
+        ("additive_anti_causal", "Tensor.topk"),
+    ],
+)
 def test_near_variants_stay_refused(variant, op):
     plans, _, _ = _sweep(Indexed(k=16, variant=variant))
     assert plans and not plans[0].active
-    assert any(r.startswith(op) and "topk along the padded dim mixes rows" in r for r in plans[0].refused), plans[0].refused
+    assert any(r.startswith(op) and "topk along the padded dim mixes rows" in r for r in plans[0].refused), plans[
+        0
+    ].refused
 
 
 _conformance = bench_conformance
 
 
-@pytest.mark.parametrize("family,index_topk,active", [("deepseek_v32", 16, True), ("deepseek_v32", 4, False),
-                                                     ("hy_v4", 16, True)])
+@pytest.mark.parametrize(
+    "family,index_topk,active", [("deepseek_v32", 16, True), ("deepseek_v32", 4, False), ("hy_v4", 16, True)]
+)
 def test_tiny_sparse_attention_lms(family, index_topk, active):
     """DeepSeek-V3.2 (SDPA: the boolean mask) and HY-V4 (eager attention: the additive mask, and "shared" layers that
     reuse the previous layer's top-k)."""

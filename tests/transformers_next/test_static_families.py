@@ -16,8 +16,9 @@ import os
 import pytest
 
 if os.environ.get("GRAPHPASS_TRANSFORMERS_NEXT") != "1":
-    pytest.skip("run by make test-transformers-next (the newest transformers beside the pinned one)",
-                allow_module_level=True)
+    pytest.skip(
+        "run by make test-transformers-next (the newest transformers beside the pinned one)", allow_module_level=True
+    )
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,8 +27,22 @@ from helpers import bench_conformance  # noqa: E402
 conformance = bench_conformance()
 
 # state-space and linear-attention families (every chunked scan and selective scan the proof trusts), and dense ones
-FAMILIES = ["mamba", "falcon_mamba", "mamba2", "jamba", "bamba", "falcon_h1", "zamba2", "granitemoehybrid",
-            "nemotron_h", "qwen3_next", "llama", "qwen3", "gemma2", "mistral"]
+FAMILIES = [
+    "mamba",
+    "falcon_mamba",
+    "mamba2",
+    "jamba",
+    "bamba",
+    "falcon_h1",
+    "zamba2",
+    "granitemoehybrid",
+    "nemotron_h",
+    "qwen3_next",
+    "llama",
+    "qwen3",
+    "gemma2",
+    "mistral",
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -36,5 +51,6 @@ def test_family_still_buckets(family):
     if res.get("na"):
         pytest.fail(f"{family} does not build on transformers {transformers.__version__}: {res['na']}")
     cell = res["cells"].get("static", "")
-    assert cell == "pass (bucketed)", (f"transformers {transformers.__version__}: {family}'s static column is "
-                                       f"{cell!r}: {res['info'].get('static')}")
+    assert cell == "pass (bucketed)", (
+        f"transformers {transformers.__version__}: {family}'s static column is {cell!r}: {res['info'].get('static')}"
+    )

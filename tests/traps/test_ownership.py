@@ -152,7 +152,8 @@ def test_no_hooks_modes_or_warmup_runs(monkeypatch):
 
         state["analysis"] = gp.graphs[-1].analysis
         state["hooks"] = (
-            len(m._global_forward_hooks) + len(m._global_forward_pre_hooks)
+            len(m._global_forward_hooks)
+            + len(m._global_forward_pre_hooks)
             + sum(len(mod._forward_hooks) + len(mod._forward_pre_hooks) for mod in model.modules())
         )
         state["modes"] = len(_get_current_function_mode_stack())

@@ -34,7 +34,12 @@ def test_default_traps_are_the_repeated_blocks():
     g = gp.graphs[0]
     assert g.analysis.trap_container == "layers"
     assert list(g.analysis.traps) == ["layers.0", "layers.1"]
-    assert boundary_labels(g.gm) == [("enter", "layers.0"), ("exit", "layers.0"), ("enter", "layers.1"), ("exit", "layers.1")]
+    assert boundary_labels(g.gm) == [
+        ("enter", "layers.0"),
+        ("exit", "layers.0"),
+        ("enter", "layers.1"),
+        ("exit", "layers.1"),
+    ]
 
 
 def test_default_prefers_the_container_with_most_parameters():
@@ -112,7 +117,14 @@ def test_trap_block_marks_a_manual_trap():
     trap = a.traps["encoder_stage"]
     assert trap.manual
     owned = sorted(a.tensors[t].fqn for t in trap.tensors)
-    assert owned == ["decoder.bias", "decoder.weight", "encoder.0.bias", "encoder.0.weight", "encoder.2.bias", "encoder.2.weight"]
+    assert owned == [
+        "decoder.bias",
+        "decoder.weight",
+        "encoder.0.bias",
+        "encoder.0.weight",
+        "encoder.2.bias",
+        "encoder.2.weight",
+    ]
     assert list(a.traps) == ["encoder_stage", "head"]
     with graphpass.trace_traps() as events, torch.no_grad():
         assert torch.equal(compiled(x), model(x))
@@ -141,10 +153,19 @@ def test_public_surface_is_what_users_call():
     import graphpass.pipeline
 
     assert len(graphpass.__all__) <= 25, graphpass.__all__
-    for internal in ("PIPELINE", "CompiledGraph", "GraphpassBackend", "TensorRegistry", "OffloadState", "offload_block"):
+    for internal in (
+        "PIPELINE",
+        "CompiledGraph",
+        "GraphpassBackend",
+        "TensorRegistry",
+        "OffloadState",
+        "offload_block",
+    ):
         assert internal not in graphpass.__all__, internal
     # internals stay importable from their modules
-    assert graphpass.pipeline.PIPELINE and graphpass.dynamo_backend.GraphpassBackend and graphpass.capturing.TensorRegistry
+    assert (
+        graphpass.pipeline.PIPELINE and graphpass.dynamo_backend.GraphpassBackend and graphpass.capturing.TensorRegistry
+    )
 
 
 def test_boundary_ops_pass_opcheck():
@@ -180,7 +201,10 @@ def test_boundaries_execute_under_inductor_and_show_in_profiler():
     compiled = torch.compile(model, backend=gp)
     compiled(*inputs)
     x = fresh_inputs(inputs)
-    with graphpass.trace_traps() as events, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with (
+        graphpass.trace_traps() as events,
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+    ):
         with torch.no_grad():
             out = compiled(*x)
     torch.testing.assert_close(out, model(*x), rtol=1e-4, atol=1e-5)  # inductor reorders float math

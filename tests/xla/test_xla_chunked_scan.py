@@ -19,7 +19,9 @@ import os
 
 import pytest
 
-torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA leg (make test-xla) runs these")
+torch_xla = pytest.importorskip(
+    "torch_xla", reason="torch_xla is not installed: the XLA leg (make test-xla) runs these"
+)
 os.environ.setdefault("USE_TORCH_XLA", "0")  # transformers' own torch_xla paths stay off: the model is eager code
 transformers = pytest.importorskip("transformers")
 
@@ -48,8 +50,18 @@ class ShapesXla(XlaDelegate):
 
 
 def _mamba2():
-    cfg = transformers.Mamba2Config(vocab_size=64, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2,
-                                    head_dim=16, num_heads=8, n_groups=1, conv_kernel=4, chunk_size=CHUNK)
+    cfg = transformers.Mamba2Config(
+        vocab_size=64,
+        hidden_size=64,
+        num_hidden_layers=2,
+        state_size=16,
+        expand=2,
+        head_dim=16,
+        num_heads=8,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=CHUNK,
+    )
     torch.manual_seed(0)
     return transformers.Mamba2ForCausalLM(cfg).float().eval()
 
@@ -100,8 +112,7 @@ def _kin(family, dense=False):
     return transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
 
 
-@pytest.mark.parametrize("family, dense", [("bamba", False), ("mamba", False), ("qwen3_next", True),
-                                           ("jamba", True)])
+@pytest.mark.parametrize("family, dense", [("bamba", False), ("mamba", False), ("qwen3_next", True), ("jamba", True)])
 def test_state_space_kin_compile_at_the_buckets_only(xla_device, family, dense):
     """Batch 3. Mamba (v1) and Jamba on torch 2.9: graphpass's substitutes let transformers take its associative scan
     (``static_shapes/scan_trace.py``). Qwen3-Next and Jamba with dense MLPs: their MoE does not run on torch_xla
@@ -117,8 +128,10 @@ def test_state_space_kin_compile_at_the_buckets_only(xla_device, family, dense):
         for n in KIN_LENGTHS:
             ids = torch.randint(0, vocab, (KIN_BATCH, n), generator=g)
             kw = {"attention_mask": torch.ones_like(ids), "use_cache": False}
-            out = compiled(input_ids=ids.to(xla_device), **{k: (v.to(xla_device) if torch.is_tensor(v) else v)
-                                                             for k, v in kw.items()}).logits
+            out = compiled(
+                input_ids=ids.to(xla_device),
+                **{k: (v.to(xla_device) if torch.is_tensor(v) else v) for k, v in kw.items()},
+            ).logits
             ref = model(input_ids=ids, **kw).logits
             torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"length {n}: {m}")
     plans = [r.analysis.bucket_plan for r in gp.graphs if getattr(r.analysis, "bucket_plan", None) is not None]

@@ -5,7 +5,9 @@ import copy
 
 import pytest
 
-torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA leg (make test-xla) runs these")
+torch_xla = pytest.importorskip(
+    "torch_xla", reason="torch_xla is not installed: the XLA leg (make test-xla) runs these"
+)
 
 import torch  # noqa: E402
 
@@ -81,7 +83,9 @@ def test_training_through_the_neuron_path_over_openxla(xla_device):
     ref = copy.deepcopy(model)
     on_xla = model.to(xla_device)
     x = fresh_inputs(inputs)
-    compiled = torch.compile(on_xla, backend=graphpass.backend(then=NeuronDelegate(registered_name="openxla", module=None)))
+    compiled = torch.compile(
+        on_xla, backend=graphpass.backend(then=NeuronDelegate(registered_name="openxla", module=None))
+    )
     compiled(*(t.to(xla_device) for t in x)).sum().backward()
     ref(*x).sum().backward()
     for (n, p), r in zip(on_xla.named_parameters(), ref.parameters()):

@@ -22,7 +22,9 @@ import copy
 
 import pytest
 
-torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed: the XLA leg (make test-xla) runs these")
+torch_xla = pytest.importorskip(
+    "torch_xla", reason="torch_xla is not installed: the XLA leg (make test-xla) runs these"
+)
 
 import torch  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
@@ -103,8 +105,9 @@ def test_neuron_path_compiles_each_piece_once_per_bucket(xla_device, xla_compile
             pieces.append(tuple(tuple(t.shape) for t in example_inputs))
             return super().compile(gm, example_inputs)
 
-    gp = graphpass.backend(then=Counting(registered_name="openxla", module=None),
-                           static_shapes={"dims": {"ids": 1}, "buckets": BUCKETS})
+    gp = graphpass.backend(
+        then=Counting(registered_name="openxla", module=None), static_shapes={"dims": {"ids": 1}, "buckets": BUCKETS}
+    )
     compiled = torch.compile(on_xla, backend=gp, dynamic=True)
     before, extracted = xla_compiles(), met.counter_value("DynamoExtractCompiledGraph") or 0
     with graphpass.trace_traps() as events:
