@@ -111,15 +111,7 @@ def _run_demo(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         + (f", layer weights offloaded to storage={args.offload!r}" if args.offload != "none" else "")
     )
     reference = copy.deepcopy(model)  # eager reference with its weights in place
-    state = None
-    if args.offload != "none":
-        from .offloading import OffloadConfig, offload
-
-        folder = None
-        if args.offload == "disk":  # removed with its files when the demo ends, however it ends
-            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="graphpass-demo-"))
-        model.requires_grad_(False)
-        state = offload(model, OffloadConfig(device="cpu", storage=args.offload, disk_path=folder))
+    state = _demo_offload(args, model, stack)
     gp = GraphpassBackend({"then": args.then})
     compiled = torch.compile(model, backend=gp)
     t0 = time.perf_counter()
@@ -128,17 +120,7 @@ def _run_demo(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     compile_s = time.perf_counter() - t0
     print(ExplainReport(graphs=gp.graphs, config=gp.config, offload=state))
     print()
-    from .ops import trace_traps
-
-    g = torch.Generator().manual_seed(args.seed + 1)
-    worst = 0.0
-    with torch.no_grad():
-        for _trial in range(3):  # fresh random inputs, not the ones it was compiled with
-            ids = torch.randint(0, model.cfg.vocab, inputs[0].shape, generator=g)
-            with trace_traps() as events:
-                got = compiled(ids)
-            ref = reference(ids)
-            worst = max(worst, (got - ref).abs().max().item())
+    worst, got, ref, events = _demo_fresh_inputs(args, model, inputs, compiled, reference)
     ran = sorted({label for kind, label in events if kind == "enter"})
     rtol, atol = 1e-4, 1e-5
     ok = torch.allclose(got, ref, rtol=rtol, atol=atol) and worst <= atol + rtol * ref.abs().max().item()
@@ -161,6 +143,38 @@ def _run_demo(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         "      docs/capture.md for `graphpass compare`, docs/offload.md for memory_stats"
     )
     return 0 if ok else 1
+
+
+def _demo_offload(args: argparse.Namespace, model: Any, stack: contextlib.ExitStack) -> Any:
+    """``--offload cpu|disk``: the demo model's layer weights offloaded; its OffloadState, or None for ``none``."""
+    state = None
+    if args.offload != "none":
+        from .offloading import OffloadConfig, offload
+
+        folder = None
+        if args.offload == "disk":  # removed with its files when the demo ends, however it ends
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="graphpass-demo-"))
+        model.requires_grad_(False)
+        state = offload(model, OffloadConfig(device="cpu", storage=args.offload, disk_path=folder))
+    return state
+
+
+def _demo_fresh_inputs(args: argparse.Namespace, model: Any, inputs: tuple, compiled: Any, reference: Any) -> tuple:
+    """Three fresh random inputs through compiled and eager: ``(worst abs diff, last got, last ref, trap events)``."""
+    import torch
+
+    from .ops import trace_traps
+
+    g = torch.Generator().manual_seed(args.seed + 1)
+    worst = 0.0
+    with torch.no_grad():
+        for _trial in range(3):  # fresh random inputs, not the ones it was compiled with
+            ids = torch.randint(0, model.cfg.vocab, inputs[0].shape, generator=g)
+            with trace_traps() as events:
+                got = compiled(ids)
+            ref = reference(ids)
+            worst = max(worst, (got - ref).abs().max().item())
+    return worst, got, ref, events
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -247,6 +261,12 @@ def _golden(args: argparse.Namespace) -> int:
 
 def _add_compare_and_golden(add: Any) -> None:
     """The ``compare`` and ``golden`` subcommands (``add`` makes a subparser with an example)."""
+    _add_compare(add)
+    _add_golden(add)
+
+
+def _add_compare(add: Any) -> None:
+    """The ``compare`` subcommand: two capture directories, tensor by tensor."""
     p = add(
         "compare",
         "compare two capture directories tensor by tensor: graphpass compare REF TEST [TEST ...]",
@@ -293,6 +313,9 @@ def _add_compare_and_golden(add: Any) -> None:
     )
     p.set_defaults(func=_compare)
 
+
+def _add_golden(add: Any) -> None:
+    """The ``golden`` subcommand: a model's graphs against its golden files."""
     p = add(
         "golden",
         "check a model's graphs against its golden files: graphpass golden module:factory --dir DIR",
@@ -438,22 +461,8 @@ def _add_reference(add: Any) -> None:
     p.set_defaults(func=_reference)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from . import __version__
-
-    parser = argparse.ArgumentParser(prog="graphpass", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"graphpass {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def add(name: str, help: str, example: str) -> argparse.ArgumentParser:
-        return sub.add_parser(
-            name,
-            help=help,
-            description=help,
-            epilog=f"example:\n  {example}",
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-
+def _add_demo(add: Any) -> None:
+    """The ``demo`` subcommand: the bundled transformer, compiled and checked against eager."""
     p = add(
         "demo",
         "compile the bundled transformer with graphpass and check it against eager",
@@ -469,6 +478,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.set_defaults(func=_demo)
 
+
+def _add_explain(add: Any) -> None:
+    """The ``explain`` subcommand: a model's trap table."""
     p = add(
         "explain",
         "print the trap table of a model: graphpass explain module:factory",
@@ -480,6 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_explain)
 
+
+def _add_audit(add: Any) -> None:
+    """The ``audit`` subcommand: variable-size allocations and whether a fixed buffer fits."""
     p = add(
         "audit",
         "list variable-size allocations and whether a fixed buffer fits: graphpass audit module:factory --dynamic x=0",
@@ -505,6 +520,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_audit)
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="graphpass", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"graphpass {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help: str, example: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=f"example:\n  {example}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    _add_demo(add)
+    _add_explain(add)
+    _add_audit(add)
     _add_compare_and_golden(add)
     _add_trace(add)
     _add_reference(add)

@@ -112,23 +112,9 @@ def plan_step(
         info: dict[str, list[dict]] = {}
         files = []
         for name in names:
-            entries = grouped[name]
-            if len(entries) == 1 and entries[0]["key"]:  # one output (a decoder layer's): its own key
-                tensors = entries
-            else:
-                tensors = [dict(entries[i], key=k) for k, i in file_keys([(None, e["key"]) for e in entries])]
-            mod_dir = step_dir + os.sep + name  # name: one checked component (no separator, no "..")
-            f = {
-                "dir": mod_dir,
-                "path": mod_dir + os.sep + file_name,
-                "name": name,
-                "file": file_name,
-                "tensors": tensors,
-            }
-            if any(t["dtype"] is None for t in tensors):
-                f["encode"] = True
+            f = _module_file(name, grouped[name], step_dir, file_name)
             files.append(f)
-            info[name] = [_tensor_info(t) for t in tensors]
+            info[name] = [_tensor_info(t) for t in f["tensors"]]
         doc = {
             **meta,
             STEP: step,
@@ -152,6 +138,26 @@ def plan_step(
             }
         )
     return {"bases": bases}
+
+
+def _module_file(name: str, entries: list[dict], step_dir: str, file_name: str) -> dict:
+    """One module's file in a step folder: its values keyed as :func:`file_keys` names them, marked
+    ``"encode"`` when one has no plain dtype."""
+    if len(entries) == 1 and entries[0]["key"]:  # one output (a decoder layer's): its own key
+        tensors = entries
+    else:
+        tensors = [dict(entries[i], key=k) for k, i in file_keys([(None, e["key"]) for e in entries])]
+    mod_dir = step_dir + os.sep + name  # name: one checked component (no separator, no "..")
+    f = {
+        "dir": mod_dir,
+        "path": mod_dir + os.sep + file_name,
+        "name": name,
+        "file": file_name,
+        "tensors": tensors,
+    }
+    if any(t["dtype"] is None for t in tensors):
+        f["encode"] = True
+    return f
 
 
 def _tensor_info(t: dict) -> dict:

@@ -396,22 +396,7 @@ def _compare_module(
     (a :class:`Slice` against its part of the last dim)."""
     ref_keys, problems = ref
     if test is None or isinstance(test, str) or problems:
-        missing = _missing(
-            test is None or test == "rank file missing",
-            any(p.endswith(("module missing", "rank file missing")) for p in problems),
-        )
-        test_note = ["module missing in test"] if test is None else [f"test: {test}"] if isinstance(test, str) else []
-        report.rows.append(
-            CompareRow(
-                step.rel,
-                module,
-                rank,
-                None,
-                FAIL,
-                missing=missing,
-                note="; ".join(test_note + list(dict.fromkeys(problems))[:3]),
-            )
-        )
+        report.rows.append(_unusable_module_row(step, module, rank, test, problems))
         return
     test_rows = [row for row, _ in rows]
     for key in list(ref_keys) + [k for k in test if k not in ref_keys]:
@@ -446,6 +431,24 @@ def _compare_module(
         if note:
             row.note = "; ".join(n for n in (row.note, note) if n)
         report.rows.append(row)
+
+
+def _unusable_module_row(step: _Step, module: str, rank: int, test: str | None, problems: list[str]) -> CompareRow:
+    """The one FAIL row of a module that test lacks or cannot read, or whose reference rows have problems."""
+    missing = _missing(
+        test is None or test == "rank file missing",
+        any(p.endswith(("module missing", "rank file missing")) for p in problems),
+    )
+    test_note = ["module missing in test"] if test is None else [f"test: {test}"] if isinstance(test, str) else []
+    return CompareRow(
+        step.rel,
+        module,
+        rank,
+        None,
+        FAIL,
+        missing=missing,
+        note="; ".join(test_note + list(dict.fromkeys(problems))[:3]),
+    )
 
 
 def _missing(in_test: bool, in_ref: bool) -> str | None:

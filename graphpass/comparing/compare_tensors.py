@@ -100,6 +100,39 @@ def _nanmax(a: float, b: float) -> float:
     return max(a, b)
 
 
+def _compare_float(
+    ref: LazyTensor, test: LazyTensor, limit: int, rtol: float, atol: float
+) -> tuple[bool, bool, float, float, float]:
+    """The chunked float64 (complex128) comparison: ``(allclose, a NaN in the differences, max |t-r|, relative L2,
+    relative Linf)``."""
+    wide = torch.complex128 if ref.dtype.is_complex or test.dtype.is_complex else torch.float64
+    ok, any_nan, n = True, False, 0
+    max_abs, ref_max = 0.0, 0.0
+    diff_l2, ref_l2 = 0.0, 0.0
+    for rc, tc in zip(ref.chunks(limit), test.chunks(limit)):
+        r, t = rc.to(wide).reshape(-1), tc.to(wide).reshape(-1)
+        if r.numel() == 0:
+            continue
+        n += r.numel()
+        ok = ok and torch.allclose(t, r, rtol=rtol, atol=atol, equal_nan=True)
+        both_nan = torch.isnan(r) & torch.isnan(t)
+        diff = torch.where((r == t) | both_nan, 0.0, (t - r).abs())  # equal infs and paired NaNs: 0
+        r_fin = torch.where(torch.isfinite(r), r.abs(), 0.0)
+        del r, t, both_nan
+        max_abs = _nanmax(max_abs, diff.max().item())
+        ref_max = _nanmax(ref_max, r_fin.max().item())
+        diff_l2 = _nanhypot(diff_l2, torch.linalg.vector_norm(diff).item())
+        ref_l2 = _nanhypot(ref_l2, torch.linalg.vector_norm(r_fin).item())
+        any_nan = any_nan or bool(torch.isnan(diff).any())
+        del diff, r_fin
+    if n == 0:
+        max_abs = rel_l2 = rel_linf = 0.0
+    else:
+        rel_l2 = diff_l2 / max(ref_l2, EPS)
+        rel_linf = max_abs / max(ref_max, EPS)
+    return ok, any_nan, max_abs, rel_l2, rel_linf
+
+
 def compare_tensors(
     rel: str,
     module: str,
@@ -132,31 +165,7 @@ def compare_tensors(
     if kinds[0] in _EXACT:
         return _compare_exact(CompareRow(rel, module, rank, key, PASS), ref, test, limit, notes)
     try:
-        wide = torch.complex128 if ref.dtype.is_complex or test.dtype.is_complex else torch.float64
-        ok, any_nan, n = True, False, 0
-        max_abs, ref_max = 0.0, 0.0
-        diff_l2, ref_l2 = 0.0, 0.0
-        for rc, tc in zip(ref.chunks(limit), test.chunks(limit)):
-            r, t = rc.to(wide).reshape(-1), tc.to(wide).reshape(-1)
-            if r.numel() == 0:
-                continue
-            n += r.numel()
-            ok = ok and torch.allclose(t, r, rtol=rtol, atol=atol, equal_nan=True)
-            both_nan = torch.isnan(r) & torch.isnan(t)
-            diff = torch.where((r == t) | both_nan, 0.0, (t - r).abs())  # equal infs and paired NaNs: 0
-            r_fin = torch.where(torch.isfinite(r), r.abs(), 0.0)
-            del r, t, both_nan
-            max_abs = _nanmax(max_abs, diff.max().item())
-            ref_max = _nanmax(ref_max, r_fin.max().item())
-            diff_l2 = _nanhypot(diff_l2, torch.linalg.vector_norm(diff).item())
-            ref_l2 = _nanhypot(ref_l2, torch.linalg.vector_norm(r_fin).item())
-            any_nan = any_nan or bool(torch.isnan(diff).any())
-            del diff, r_fin
-        if n == 0:
-            max_abs = rel_l2 = rel_linf = 0.0
-        else:
-            rel_l2 = diff_l2 / max(ref_l2, EPS)
-            rel_linf = max_abs / max(ref_max, EPS)
+        ok, any_nan, max_abs, rel_l2, rel_linf = _compare_float(ref, test, limit, rtol, atol)
     except Exception as exc:  # e.g. a dtype float64 cannot hold: never crash the whole report
         notes.append(f"comparison failed: {type(exc).__name__}: {exc}")
         return CompareRow(rel, module, rank, key, FAIL, note="; ".join(notes))

@@ -367,21 +367,9 @@ def _dyn_degree(numel: sympy.Expr, ranges: dict[sympy.Symbol, ValueRanges]) -> i
 def _verdict(a: _Allocation) -> tuple[str, str, str]:
     """``(verdict, rule, reason)`` for one allocation: the first rule of :data:`RULES` that matches."""
     node, numels, ranges_for = a.node, a.numels, a.scan.bounds.ranges_for
-    if a.randperm_var:
-        count = size_expr(node.args[0])
-        why = f"its count {count} is data-dependent" if _has_unbacked(count) else f"its count {count} varies"
-        return (
-            "NO",
-            "data-dependent",
-            f"randperm over a variable count ({why}): a prefix of a max-size permutation is not a permutation "
-            "of n, so no fixed buffer slice can stand in for it",
-        )
-    if a.data_dep or a.unbacked:
-        if a.data_dep:
-            return "NO", "data-dependent", f"data-dependent size: {_DATA_DEPENDENT_WHY.get(a.packet, _MASK_WHY)}"
-        syms = sorted(a.unbacked, key=str)
-        origin = "; ".join(f"{s} from {a.scan.born.get(s, 'an earlier graph or a .item()')}" for s in syms)
-        return "NO", "data-dependent", f"data-dependent size: depends on {origin}"
+    found = _data_dependent_verdict(a)
+    if found is not None:
+        return found
     if _recomputed(node, a.scan.label):
         return (
             "NO",
@@ -425,6 +413,27 @@ def _verdict(a: _Allocation) -> tuple[str, str, str]:
         f"size depends only on input sizes: preallocate {bound_elems:,} elems once and slice per call"
         f"{_ratio_txt(ratio)}",
     )
+
+
+def _data_dependent_verdict(a: _Allocation) -> tuple[str, str, str] | None:
+    """NO (rule ``data-dependent``) for a randperm over a variable count or a size that depends on data, else None."""
+    node = a.node
+    if a.randperm_var:
+        count = size_expr(node.args[0])
+        why = f"its count {count} is data-dependent" if _has_unbacked(count) else f"its count {count} varies"
+        return (
+            "NO",
+            "data-dependent",
+            f"randperm over a variable count ({why}): a prefix of a max-size permutation is not a permutation "
+            "of n, so no fixed buffer slice can stand in for it",
+        )
+    if a.data_dep or a.unbacked:
+        if a.data_dep:
+            return "NO", "data-dependent", f"data-dependent size: {_DATA_DEPENDENT_WHY.get(a.packet, _MASK_WHY)}"
+        syms = sorted(a.unbacked, key=str)
+        origin = "; ".join(f"{s} from {a.scan.born.get(s, 'an earlier graph or a .item()')}" for s in syms)
+        return "NO", "data-dependent", f"data-dependent size: depends on {origin}"
+    return None
 
 
 def _cat_verdict(a: _Allocation) -> tuple[str, str, str] | None:

@@ -214,6 +214,22 @@ def _run(fn: Callable[..., Any], inputs: tuple, dyn: dict, names: list[str], tra
     return rec
 
 
+def _check_options(fn: Any, train: Any, partial_factor: Any, kw: dict[str, Any]) -> None:
+    """:func:`audit`'s argument checks, before anything runs: a :class:`~graphpass.ConfigError` for the first bad
+    one."""
+    if kw:
+        key = next(iter(kw))
+        raise ConfigError(
+            key, kw[key], "unknown option of graphpass.audit (known: dynamic, max_sizes, train, partial_factor)"
+        )
+    if not callable(fn):
+        raise ConfigError("fn", fn, "expected a module or a function")
+    if isinstance(partial_factor, bool) or not isinstance(partial_factor, (int, float)) or partial_factor < 1:
+        raise ConfigError("partial_factor", partial_factor, "expected a number >= 1")
+    if train is not None and not isinstance(train, bool):
+        raise ConfigError("train", train, "expected True, False or None")
+
+
 def audit(
     fn: Any,
     *inputs: Any,
@@ -234,17 +250,7 @@ def audit(
     which a bounded allocation is PARTIAL. Bad arguments raise :class:`~graphpass.ConfigError`
     before anything runs.
     """
-    if kw:
-        key = next(iter(kw))
-        raise ConfigError(
-            key, kw[key], "unknown option of graphpass.audit (known: dynamic, max_sizes, train, partial_factor)"
-        )
-    if not callable(fn):
-        raise ConfigError("fn", fn, "expected a module or a function")
-    if isinstance(partial_factor, bool) or not isinstance(partial_factor, (int, float)) or partial_factor < 1:
-        raise ConfigError("partial_factor", partial_factor, "expected a number >= 1")
-    if train is not None and not isinstance(train, bool):
-        raise ConfigError("train", train, "expected True, False or None")
+    _check_options(fn, train, partial_factor, kw)
     named = _bind_inputs(fn, inputs)
     names = list(named)
     dyn = _normalize_dynamic(dynamic, named, names)

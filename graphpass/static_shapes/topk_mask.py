@@ -331,6 +331,13 @@ def _scatter_picked_mask(
             return None
         nodes.add(u)
         cur = u
+    if not _anded_with_m1(notp, sc, ts, m1):
+        return None
+    return nodes, []
+
+
+def _anded_with_m1(notp: torch.fx.Node, sc: torch.fx.Node, ts: torch.Tensor, m1: torch.fx.Node) -> bool:
+    """The NOT of the picked mask is used only in boolean ANDs, each with a mask holding ``M1``'s elements."""
     ands = _only_users(
         notp,
         lambda a: (
@@ -342,7 +349,7 @@ def _scatter_picked_mask(
         ),
     )
     if ands is None:
-        return None
+        return False
     for a in ands:
         other = a.args[1] if a.args[0] is notp else a.args[0]
         if (
@@ -350,8 +357,8 @@ def _scatter_picked_mask(
             or not isinstance(other, torch.fx.Node)
             or not _same_elements(a, notp.args[0], other, sc, ts, m1)
         ):
-            return None
-    return nodes, []
+            return False
+    return True
 
 
 def _fill_consumers(

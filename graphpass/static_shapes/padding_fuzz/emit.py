@@ -383,22 +383,29 @@ def _emit_attn(st: _State, s: Step) -> None:
     more, kw = _attn_mask_lines(s, mask, cast, am_keys, and_am)
     lines += more
     if mask in ("manual_add", "manual_bool"):
-        lines.append(f"sc = (q @ k.transpose(-1, -2)) * {1 / math.sqrt(hd):.6g}")
-        if mask == "manual_add":
-            lines.append("sc = sc + torch.where(m, 0.0, torch.finfo(sc.dtype).min)")
-        else:
-            lines.append("sc = sc.masked_fill(~m, float('-inf'))")
-        if s.get("sink"):  # a learned sink logit per head appended after the keys, its weight dropped again
-            sink = st.param((1, 2, 1, 1), 1.0)
-            lines += [
-                f"sc = torch.cat([sc, {sink}.expand(sc.shape[0], -1, sc.shape[2], -1)], dim=-1)",
-                "o = sc.softmax(-1)[..., :-1] @ v",
-            ]
-        else:
-            lines.append("o = sc.softmax(-1) @ v")
+        lines += _manual_attn_lines(st, s, mask, hd)
     else:
         lines.append(f"o = F.scaled_dot_product_attention(q, k, v{kw})")
     _attn_out(st, lines, src, q_off)
+
+
+def _manual_attn_lines(st: _State, s: Step, mask: str, hd: int) -> list[str]:
+    """Attention written out by hand: the scores, the mask added (``manual_add``) or filled in (``manual_bool``),
+    an optional sink logit, the softmax times the values."""
+    lines = [f"sc = (q @ k.transpose(-1, -2)) * {1 / math.sqrt(hd):.6g}"]
+    if mask == "manual_add":
+        lines.append("sc = sc + torch.where(m, 0.0, torch.finfo(sc.dtype).min)")
+    else:
+        lines.append("sc = sc.masked_fill(~m, float('-inf'))")
+    if s.get("sink"):  # a learned sink logit per head appended after the keys, its weight dropped again
+        sink = st.param((1, 2, 1, 1), 1.0)
+        lines += [
+            f"sc = torch.cat([sc, {sink}.expand(sc.shape[0], -1, sc.shape[2], -1)], dim=-1)",
+            "o = sc.softmax(-1)[..., :-1] @ v",
+        ]
+    else:
+        lines.append("o = sc.softmax(-1) @ v")
+    return lines
 
 
 def _attn_out(st: _State, lines: list[str], src: str, q_off: int) -> None:

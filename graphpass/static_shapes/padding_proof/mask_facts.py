@@ -62,24 +62,7 @@ def _mask_fact(
     """The additive-mask facts: ``where(causal, score, fill)`` and ``score + mask`` (a :class:`NegMask`), a softmax
     of one over its keys (a :class:`ZeroAbove`)."""
     if name == "where" and len(node.args) == 3 and out.dtype in _NEG_MASK_DTYPES:
-        cond, keep, fill = (_aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else None for a in node.args)
-        fill_value = node.args[2]
-        huge_fill = (
-            isinstance(fill_value, (int, float)) and not isinstance(fill_value, bool) and fill_value <= -_HUGE
-        ) or (
-            isinstance(fill_value, torch.fx.Node)
-            and fill_value in huge
-            and fill_value.op == "call_function"
-            and _is_negative_constant(fill_value)
-        )
-        keep_ok = not (isinstance(node.args[1], torch.fx.Node) and node.args[1] in huge) and not _huge_value(
-            node.args[1]
-        )
-        if isinstance(cond, Causal) and cond.diag is not None and huge_fill and keep_ok:
-            return NegMask(cond.q, cond.k, cond.diag, pure=_is_zero(node.args[1]))
-        if isinstance(cond, KeysOnly) and huge_fill and keep_ok:
-            return NegKeys(cond.dim, cond.needs)
-        return None
+        return _where_fact(node, facts, huge, out)
     if name == "masked_fill" and len(node.args) == 3 and out.dtype in _NEG_MASK_DTYPES:
         x, cond, fill = node.args
         fact = _aligned(facts.get(cond), cond, out) if isinstance(cond, torch.fx.Node) else None
@@ -125,6 +108,29 @@ def _mask_fact(
             return ZeroAbove(fact.q, fact.k, fact.needs, fact.tail)
         if isinstance(fact, NegKeys) and dim is not None and _norm_dim(dim, out.dim()) == fact.k:
             return ZeroKeys(fact.k, fact.needs)
+    return None
+
+
+def _where_fact(
+    node: torch.fx.Node, facts: Mapping[torch.fx.Node, Any], huge: set[torch.fx.Node], out: torch.Tensor
+) -> Any:
+    """``where(causal, score, fill)`` with a fill value <= -1e30 and a score holding none: a :class:`NegMask`
+    (a :class:`NegKeys` for a keys-only condition)."""
+    cond, keep, fill = (_aligned(facts.get(a), a, out) if isinstance(a, torch.fx.Node) else None for a in node.args)
+    fill_value = node.args[2]
+    huge_fill = (
+        isinstance(fill_value, (int, float)) and not isinstance(fill_value, bool) and fill_value <= -_HUGE
+    ) or (
+        isinstance(fill_value, torch.fx.Node)
+        and fill_value in huge
+        and fill_value.op == "call_function"
+        and _is_negative_constant(fill_value)
+    )
+    keep_ok = not (isinstance(node.args[1], torch.fx.Node) and node.args[1] in huge) and not _huge_value(node.args[1])
+    if isinstance(cond, Causal) and cond.diag is not None and huge_fill and keep_ok:
+        return NegMask(cond.q, cond.k, cond.diag, pure=_is_zero(node.args[1]))
+    if isinstance(cond, KeysOnly) and huge_fill and keep_ok:
+        return NegKeys(cond.dim, cond.needs)
     return None
 
 

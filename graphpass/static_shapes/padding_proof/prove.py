@@ -262,6 +262,19 @@ def check_padding_safety(
     result = prove_padding(
         gm, symbols, causal_ok=causal_ok, ties=ties, zero_padded=zero_padded, values=values, rules=rules, upper=upper
     )
+    _hand_back(result, relied_on, trusted, tables, proofs, table_reads)
+    return result.violations
+
+
+def _hand_back(
+    result: PaddingProof,
+    relied_on: set[str] | None,
+    trusted: set[str] | None,
+    tables: dict[str, CausalTable] | None,
+    proofs: list[Any] | None,
+    table_reads: list[TableRead] | None,
+) -> None:
+    """Fill the caller's collections that :func:`check_padding_safety` was given from the proof's ``result``."""
     for into, got in ((relied_on, result.relied_on), (trusted, result.trusted)):
         if into is not None:
             into.update(got)
@@ -271,7 +284,6 @@ def check_padding_safety(
         proofs.extend(result.proofs)
     if table_reads is not None:
         table_reads.extend(result.table_reads)
-    return result.violations
 
 
 def _zero_padded(gm: torch.fx.GraphModule, names: set[str], symbols: frozenset[str]) -> dict[torch.fx.Node, int]:
