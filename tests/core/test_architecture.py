@@ -330,3 +330,17 @@ def test_no_module_is_over_eight_hundred_lines():
         if (n := len(path.read_text().splitlines())) > MODULE_LINE_LIMIT
     }
     assert not long, f"modules over {MODULE_LINE_LIMIT} lines: {long}"
+
+
+def test_the_map_names_every_module():
+    """docs/architecture.md is the map of the tree: every module of graphpass/ and backends/ is named there by
+    its file name (``runtime.py``) or its module name (`` `runtime` ``), so a module added or moved without its
+    row fails here."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    unnamed = sorted(
+        str(path.relative_to(ROOT))
+        for top in ("graphpass", "backends")
+        for path in (ROOT / top).rglob("*.py")
+        if path.stem != "__init__" and f"{path.stem}.py" not in doc and f"`{path.stem}`" not in doc
+    )
+    assert not unnamed, f"modules docs/architecture.md does not name: {unnamed}"
